@@ -1,0 +1,38 @@
+# alignflow: `make demo` runs the pipeline on configs/tiny.yaml; `make test` runs the test suite.
+# Both create .venv on first use. torch is installed first, pinned (the CPU wheel on CPU-only
+# machines; on a GPU machine pip's default index gives the CUDA build of the same version).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+CONFIG ?= configs/tiny.yaml
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint clean-demo
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade --quiet pip
+
+# Stamp files: reinstall when pyproject.toml changes.
+$(VENV)/.installed-runtime: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[ml]"
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed-runtime
+	$(BIN)/pip install --quiet -e ".[ml,dev]"
+	touch $@
+
+demo: $(VENV)/.installed-runtime
+	$(BIN)/alignflow run $(CONFIG)
+
+test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+
+clean-demo:
+	rm -rf artifacts mlflow.db mlruns .alignflow

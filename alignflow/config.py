@@ -1,0 +1,392 @@
+"""The one pipeline config schema (pydantic v2), YAML loading, `key.sub=value` overrides and readable errors.
+
+Every section forbids unknown keys. Errors are collected and reported together, each naming the
+dotted key, the bad value and, where the field is a choice, the valid values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StorageConfig(Section):
+    """Where stages publish their outputs (checkpoints, engines, datasets, rollouts)."""
+
+    root: str = Field(
+        "file://./artifacts",
+        description="Object-store root: file://<dir> (relative to the working dir) or s3://bucket/prefix.",
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint (e.g. http://127.0.0.1:9000); falls back to AWS_ENDPOINT_URL_S3."
+    )
+    region: str | None = Field(None, description="S3 region; falls back to the standard AWS chain.")
+    multipart_threshold_mb: int = Field(
+        64, ge=5, description="Files larger than this are uploaded to S3 in parts (S3's minimum part is 5 MiB)."
+    )
+    max_attempts: int = Field(5, ge=1, le=20, description="Attempts per S3 call on transient errors.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="S3 connect timeout per attempt.")
+
+
+class TrackingConfig(Section):
+    """MLflow tracking."""
+
+    uri: str | None = Field(
+        None, description="MLflow tracking URI; default sqlite:///<workdir>/mlflow.db (no server needed)."
+    )
+    experiment: str = Field("alignflow", min_length=1, description="MLflow experiment name.")
+    enabled: bool = Field(True, description="Turn MLflow tracking off entirely (tests of pure stage logic).")
+
+
+class TinyModelConfig(Section):
+    """A small random-init Llama made on the spot (CPU demo and tests)."""
+
+    hidden_size: int = Field(64, ge=8, description="Model width.")
+    intermediate_size: int = Field(176, ge=8, description="SwiGLU inner width.")
+    num_hidden_layers: int = Field(2, ge=1, description="Decoder layers.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads.")
+    num_key_value_heads: int = Field(2, ge=1, description="KV heads (GQA when fewer than query heads).")
+    vocab_size: int = Field(512, ge=260, description="Byte-level BPE vocabulary size (>= 256 bytes + specials).")
+    max_position_embeddings: int = Field(256, ge=16, description="Longest sequence the model handles.")
+    tie_word_embeddings: bool = Field(True, description="Share input embedding and LM head.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        return self
+
+
+class ModelConfig(Section):
+    """The base policy model."""
+
+    base: str | None = Field(
+        None,
+        description="A Hugging Face causal-LM directory (local path, file:// or s3:// URI). "
+        "Empty: make a tiny random Llama and train a byte-level BPE tokenizer on the data.",
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Used when `base` is empty.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Training/inference dtype.")
+    seed: int = Field(0, description="Seed of the random init of the tiny model.")
+
+
+class DemoTaskConfig(Section):
+    """The synthetic demo task: a topic-writing task with a gold scorer the reward model never sees."""
+
+    n_sft: int = Field(2000, ge=10, description="SFT examples.")
+    n_preferences: int = Field(3000, ge=10, description="Preference pairs.")
+    n_prompts: int = Field(512, ge=4, description="RL prompts.")
+    n_eval_prompts: int = Field(128, ge=4, description="Held-out prompts for evaluation.")
+    label_noise: float = Field(0.1, ge=0.0, lt=0.5, description="Fraction of preference pairs with swapped labels.")
+    seed: int = Field(0, description="Generator seed (the task is deterministic given it).")
+
+
+class DataConfig(Section):
+    """Datasets. Either the synthetic demo task or your own files (JSONL, JSON or Parquet)."""
+
+    source: Literal["demo", "files"] = Field("demo", description="'demo' generates the synthetic task.")
+    demo: DemoTaskConfig = Field(default_factory=DemoTaskConfig)
+    sft: str | None = Field(None, description="SFT records {prompt, completion} (or {messages}).")
+    preferences: str | None = Field(None, description="Preference records {prompt, chosen, rejected}.")
+    prompts: str | None = Field(None, description="RL prompts {prompt}.")
+    eval_prompts: str | None = Field(None, description="Held-out prompts {prompt} for evaluation.")
+    eval_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of SFT/preference data held out.")
+
+    @model_validator(mode="after")
+    def _files_given(self) -> DataConfig:
+        if self.source == "files":
+            missing = [k for k in ("sft", "preferences", "prompts") if not getattr(self, k)]
+            if missing:
+                raise ValueError(f"data.source is 'files' but data.{', data.'.join(missing)} not set")
+        return self
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning (loss on completion tokens only), trained through DeepSpeed."""
+
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps, then cosine decay.")
+    epochs: float = Field(2.0, gt=0, description="Passes over the training set (fractions allowed).")
+    batch_size: int = Field(32, ge=1, description="Sequences per optimizer step (micro_batch * grad_accum).")
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward pass.")
+    max_length: int = Field(128, ge=8, description="Prompt+completion tokens; longer examples are truncated.")
+    eval_every: int = Field(50, ge=1, description="Steps between held-out loss evaluations.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
+    grad_clip: float = Field(1.0, gt=0)
+    seed: int = Field(0)
+
+
+class RewardModelSpec(Section):
+    """One reward model of the ensemble."""
+
+    name: str = Field("rm", pattern=r"^[A-Za-z0-9_\-]+$", description="Short name, used in metric keys.")
+    seed: int = Field(0, description="Seed of head init and data order.")
+    data_fraction: float = Field(1.0, gt=0, le=1, description="Share of the preference set this model trains on.")
+    weight: float = Field(1.0, description="Weight of this model's score in the PPO reward.")
+
+
+class RewardConfig(Section):
+    """Reward models: a scalar head on the SFT backbone, Bradley-Terry loss."""
+
+    models: list[RewardModelSpec] = Field(default_factory=lambda: [RewardModelSpec()], min_length=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    epochs: float = Field(2.0, gt=0)
+    batch_size: int = Field(32, ge=1, description="Preference pairs per optimizer step.")
+    micro_batch_size: int = Field(32, ge=1)
+    max_length: int = Field(128, ge=8)
+    eval_every: int = Field(50, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = Field(0)
+    grad_clip: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RewardConfig:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"reward.models names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+
+EngineBackend = Literal["native", "hf", "vllm", "tensorrt-llm"]
+
+
+class EngineConfig(Section):
+    """The generation engine, built once and refit with new weights every RL iteration."""
+
+    backend: EngineBackend = Field("native", description="native | hf | vllm | tensorrt-llm.")
+    max_batch_size: int = Field(64, ge=1, description="Sequences per generate call (KV cache rows).")
+    max_seq_len: int = Field(256, ge=8, description="Prompt + generated tokens the KV cache holds.")
+    compile: bool = Field(False, description="torch.compile the decode step.")
+    cuda_graphs: bool = Field(True, description="Capture the decode step in CUDA graphs (GPU only).")
+    parity_prompts: int = Field(8, ge=1, description="Prompts of the build-time greedy parity check against hf.")
+    parity_new_tokens: int = Field(16, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor-parallel ranks.")
+
+
+class PPOConfig(Section):
+    """The RL stage (PPO or GRPO)."""
+
+    algorithm: Literal["ppo", "grpo"] = Field("ppo")
+    iterations: int = Field(20, ge=1, description="Rollout/update iterations.")
+    prompts_per_iteration: int = Field(32, ge=1)
+    group_size: int = Field(1, ge=1, description="Completions per prompt (GRPO needs >= 2).")
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    ppo_epochs: int = Field(2, ge=1)
+    minibatch_size: int = Field(16, ge=1)
+    actor_lr: float = Field(5e-4, gt=0)
+    critic_lr: float = Field(1e-3, gt=0)
+    clip_range: float = Field(0.2, gt=0)
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 (None disables).")
+    value_clip_range: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1")
+    kl_in_reward: bool = Field(True, description="PPO: KL penalty in the reward (True) or in the loss.")
+    kl_coef: float = Field(0.05, ge=0)
+    adaptive_kl: bool = Field(False)
+    target_kl: float = Field(6.0, gt=0, description="Adaptive controller target (nats per sequence).")
+    kl_horizon: int = Field(10000, ge=1)
+    whiten_advantages: bool = Field(True)
+    normalize_reward: bool = Field(False, description="Running mean/std normalisation of the score.")
+    reward_clip: float | None = Field(10.0, gt=0)
+    grpo_scale_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+    missing_eos_penalty: float | None = Field(None, description="Added to the score of responses with no EOS.")
+    reward_functions: list[str] = Field(
+        default_factory=list, description="Import paths 'pkg.module:function' with TRL's signature."
+    )
+    reward_function_weights: list[float] = Field(default_factory=list)
+    checkpoint_every: int = Field(5, ge=1, description="Publish a resumable checkpoint every K iterations.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0)
+    grad_clip: float = Field(1.0, gt=0)
+    seed: int = Field(0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PPOConfig:
+        if self.algorithm == "grpo" and self.group_size < 2:
+            raise ValueError("ppo.group_size must be >= 2 when ppo.algorithm is 'grpo'")
+        if self.reward_function_weights and len(self.reward_function_weights) != len(self.reward_functions):
+            raise ValueError("ppo.reward_function_weights must have one weight per entry of ppo.reward_functions")
+        return self
+
+
+class EvaluateConfig(Section):
+    """Held-out evaluation of the final policy against the SFT policy."""
+
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(0.0, ge=0, description="0 = greedy.")
+    n_prompts: int = Field(128, ge=1, description="Held-out prompts to evaluate (at most the set's size).")
+    n_samples_shown: int = Field(8, ge=0, description="Rows of the sample-responses table.")
+    kl_budget: float = Field(10.0, gt=0, description="Mean KL to the reference above which the report warns.")
+
+
+STAGE_ORDER: tuple[str, ...] = ("data", "base", "sft", "reward", "engine", "ppo", "evaluate")
+
+
+class PipelineConfig(Section):
+    """The whole pipeline: one section per stage plus storage, tracking, model and data."""
+
+    name: str = Field("alignflow", pattern=r"^[A-Za-z0-9_.\-]+$", description="Pipeline name (MLflow run names).")
+    workdir: str = Field(".", description="Working directory: relative file:// roots and the MLflow DB live here.")
+    stages: list[Literal["data", "base", "sft", "reward", "engine", "ppo", "evaluate"]] = Field(
+        default_factory=lambda: list(STAGE_ORDER), description="Stages to run, a prefix-closed subset in order."
+    )
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+
+    @model_validator(mode="after")
+    def _stage_dependencies(self) -> PipelineConfig:
+        needs = {"base": ["data"], "sft": ["base"], "reward": ["sft"], "engine": ["sft"],
+                 "ppo": ["engine", "reward"], "evaluate": ["ppo"]}
+        chosen = set(self.stages)
+        problems = [f"stage '{s}' needs '{d}'" for s in self.stages for d in needs.get(s, []) if d not in chosen]
+        if problems:
+            raise ValueError("stages: " + "; ".join(problems))
+        return self
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message lists every problem, one per line."""
+
+
+def _describe_error(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        return f"{key}: unknown key (remove it or check its spelling; valid keys: {_valid_keys(err['loc'])})"
+    shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+    return f"{key}: {err['msg']} (got {shown})"
+
+
+def _valid_keys(loc: tuple[Any, ...]) -> str:
+    model: type[BaseModel] = PipelineConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            break
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", None)
+        candidates = [annotation, *(inner or [])]
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            break
+        model = nested[0]
+    return ", ".join(model.model_fields)
+
+
+def validate_config(data: dict[str, Any], source: str = "<config>") -> PipelineConfig:
+    """Validate a plain dict; raise ConfigError listing every problem with its dotted key."""
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe_error(e) for e in exc.errors()]
+        raise ConfigError(f"{source}: {len(lines)} config error(s):\n  - " + "\n  - ".join(lines)) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `a.b.c=value`; the value is read as YAML (so 1e-4, true, [1, 2] and null work)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected KEY=VALUE, e.g. sft.lr=1e-4")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override '{text}': empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({exc})") from None
+    # YAML reads 1e-4 as a string (YAML 1.1 needs a dot); accept it as the float a user means.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value.lower() for c in "e.") and value.strip() else value
+        except ValueError:
+            pass
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with every `key.sub=value` override applied."""
+    result = json.loads(json.dumps(data))
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = result
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a YAML pipeline config, apply overrides and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    return validate_config(apply_overrides(data, overrides or []), source=str(path))
+
+
+def config_digest(section: Any) -> str:
+    """Stable sha256 of a config section (pydantic model or plain JSON-able value)."""
+    if isinstance(section, BaseModel):
+        section = section.model_dump(mode="json")
+    blob = json.dumps(section, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts into dotted keys (MLflow params); lists become JSON strings."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, dotted + "."))
+        elif isinstance(value, list):
+            out[dotted] = json.dumps(value, default=str)
+        else:
+            out[dotted] = value
+    return out

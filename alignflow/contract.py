@@ -1,0 +1,84 @@
+"""The stage contract: the spec a stage reads and the StageResult it prints as its last line.
+
+The spec and the result are the only interface between the orchestration layer and a stage,
+whether the stage runs as a local process, in a container, or as its own Prefect deployment.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignflow.config import StorageConfig
+
+
+class TrackingSpec(BaseModel):
+    """Where a stage logs: the MLflow server/DB, experiment, and the pipeline's parent run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    uri: str
+    experiment: str
+    parent_run_id: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
+class StageSpec(BaseModel):
+    """Everything one stage run needs; written as JSON and passed by path or URI."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str
+    config: dict[str, Any] = Field(description="The stage's resolved config section(s).")
+    inputs: dict[str, str] = Field(default_factory=dict, description="Input name -> published output URI.")
+    input_digests: dict[str, str] = Field(default_factory=dict, description="Input name -> manifest digest.")
+    output_uri: str
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    tracking: TrackingSpec | None = None
+    code_version: str = "unknown"
+    workdir: str = "."
+
+    def dump(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.model_dump_json(indent=2))
+        return path
+
+
+class StageResult(BaseModel):
+    """What a stage reports; printed as one JSON line, the last line of its output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str
+    status: Literal["ok", "skipped", "failed"]
+    output_uri: str | None = None
+    manifest_digest: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict, description="Key metrics (a few, not every step).")
+    key_metric: str | None = Field(None, description="Name of the metric that summarises the stage.")
+    mlflow_run_id: str | None = None
+    duration_s: float = 0.0
+    message: str = ""
+
+    def to_line(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_output(cls, output: str) -> StageResult:
+        """The StageResult in a stage's output: its last line that parses as one.
+
+        Scanning from the end tolerates lines that libraries print at interpreter exit after ours.
+        """
+        lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
+        if not lines:
+            raise ValueError("stage printed nothing; expected a StageResult JSON line last")
+        for line in reversed(lines[-50:]):
+            if line.startswith("{"):
+                try:
+                    return cls.model_validate(json.loads(line))
+                except ValueError:
+                    continue
+        raise ValueError(f"no StageResult JSON line at the end of the stage output (last line: {lines[-1][:200]!r})")

@@ -1,0 +1,177 @@
+"""MLflow tracking helpers; the only module that imports mlflow.
+
+One parent run per pipeline run, one nested run per stage. Params are the flattened resolved
+config; metrics are namespaced (`train/`, `eval/`, `rollout/`, `losses/`, `kl/`, `timing/`, `perf/`).
+
+Artifacts: the object store is the one home of checkpoints and engines. A stage run logs each
+output's manifest (file list, sizes, sha256, URI) and its small human-facing files (reports, plots,
+configs) as MLflow artifacts, and tags the run with the output URI; the model registry points at
+the object-store folder. Checkpoints are therefore never stored twice (see README, "Tracking").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.data.dataset_source import DatasetSource
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.entities import DatasetInput, InputTag, Metric, Param
+from mlflow.tracking import MlflowClient
+
+from alignflow.config import TrackingConfig, flatten
+from alignflow.offline import set_offline_defaults
+
+# MLflow caps a param value at 6000 characters (3.x); longer values are truncated with a marker.
+_PARAM_MAX_CHARS = 6000
+
+
+def resolve_tracking_uri(config: TrackingConfig, workdir: str | Path) -> str:
+    """The configured URI, or a SQLite file in the working dir (no server needed)."""
+    if config.uri:
+        return config.uri
+    return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
+
+
+def _mlflow(uri: str):
+    set_offline_defaults()
+    mlflow.set_tracking_uri(uri)
+    return mlflow
+
+
+def _ensure_experiment(mlflow, name: str) -> str:
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment is None:
+        return mlflow.create_experiment(name)
+    return experiment.experiment_id
+
+
+def start_parent_run(uri: str, experiment: str, run_name: str, params: dict[str, Any],
+                     tags: dict[str, str]) -> str:
+    """Create the pipeline's parent run (left open for the flow's lifetime) and return its id."""
+    mlflow = _mlflow(uri)
+    experiment_id = _ensure_experiment(mlflow, experiment)
+    client = MlflowClient(uri)
+    run = client.create_run(experiment_id, run_name=run_name, tags={"alignflow.kind": "pipeline", **tags})
+    _log_params(client, run.info.run_id, params)
+    return run.info.run_id
+
+
+def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
+    _mlflow(uri)
+    MlflowClient(uri).set_terminated(run_id, status=status)
+
+
+def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
+    flat = flatten(params) if any(isinstance(v, dict) for v in params.values()) else params
+    items = [Param(k, _param_text(v)) for k, v in flat.items()]
+    for start in range(0, len(items), 100):  # log_batch accepts at most 100 params per call
+        client.log_batch(run_id, params=items[start:start + 100])
+
+
+def _param_text(value: Any) -> str:
+    text = "" if value is None else str(value)
+    return text if len(text) <= _PARAM_MAX_CHARS else text[: _PARAM_MAX_CHARS - 12] + "...[truncated]"
+
+
+class StageRun:
+    """A stage's nested MLflow run: metrics, params, artifacts and dataset inputs."""
+
+    def __init__(self, client, run_id: str, mlflow_module):
+        self._client = client
+        self._mlflow = mlflow_module
+        self.run_id = run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        _log_params(self._client, self.run_id, params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+        for start in range(0, len(items), 1000):
+            self._client.log_batch(self.run_id, metrics=items[start:start + 1000])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self._client.set_tag(self.run_id, key, str(value))
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_artifacts(self, folder: Path, artifact_path: str | None = None) -> None:
+        self._client.log_artifacts(self.run_id, str(folder), artifact_path)
+
+    def log_dataset(self, name: str, source_uri: str, digest: str, context: str, n_records: int) -> None:
+        """Record a dataset as a run input (name, source URI, digest) without copying its records."""
+        dataset = MetaDataset(source=UriDatasetSource(source_uri), name=name, digest=digest[:36])
+        tags = [InputTag(key="mlflow.data.context", value=context),
+                InputTag(key="alignflow.records", value=str(n_records))]
+        self._client.log_inputs(self.run_id, datasets=[DatasetInput(dataset=dataset._to_mlflow_entity(), tags=tags)])
+
+
+class UriDatasetSource(DatasetSource):
+    """A dataset that lives at an object-store URI (file:// or s3://); MLflow records, never loads, it."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+
+    @staticmethod
+    def _get_source_type() -> str:
+        return "alignflow_uri"
+
+    def load(self, **kwargs):
+        return self.uri
+
+    @staticmethod
+    def _can_resolve(raw_source: Any) -> bool:
+        return False
+
+    @classmethod
+    def _resolve(cls, raw_source: Any) -> UriDatasetSource:
+        return cls(str(raw_source))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uri": self.uri}
+
+    @classmethod
+    def from_dict(cls, source_dict: dict[Any, Any]) -> UriDatasetSource:
+        return cls(source_dict["uri"])
+
+
+@contextlib.contextmanager
+def stage_run(uri: str, experiment: str, stage: str, parent_run_id: str | None, tags: dict[str, str] | None = None,
+              run_name: str | None = None) -> Iterator[StageRun]:
+    """Open a stage's nested run under the pipeline's parent run; FAILED on exception."""
+    mlflow = _mlflow(uri)
+    experiment_id = _ensure_experiment(mlflow, experiment)
+    client = MlflowClient(uri)
+    all_tags = {"alignflow.kind": "stage", "alignflow.stage": stage, **(tags or {})}
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    run = client.create_run(experiment_id, run_name=run_name or stage, tags=all_tags)
+    handle = StageRun(client, run.info.run_id, mlflow)
+    try:
+        yield handle
+    except BaseException:
+        client.set_terminated(run.info.run_id, status="FAILED")
+        raise
+    client.set_terminated(run.info.run_id, status="FINISHED")
+
+
+def record_skipped_stage(uri: str, experiment: str, stage: str, parent_run_id: str | None, output_uri: str,
+                         original_run_id: str | None, tags: dict[str, str] | None = None) -> str:
+    """A nested run that says the stage was reused from an earlier pipeline run (and where)."""
+    extra = {"alignflow.cached": "true", "alignflow.output_uri": output_uri, **(tags or {})}
+    if original_run_id:
+        extra["alignflow.original_run_id"] = original_run_id
+    with stage_run(uri, experiment, stage, parent_run_id, tags=extra, run_name=f"{stage} (reused)") as run:
+        return run.run_id
+
+
+def run_tag(uri: str, run_id: str, key: str, value: str) -> None:
+    _mlflow(uri)
+    MlflowClient(uri).set_tag(run_id, key, value)

@@ -1,0 +1,1 @@
+"""Orchestration only: Prefect flows and tasks that chain the stage programs, passing URIs and small JSON."""

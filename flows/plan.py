@@ -1,0 +1,55 @@
+"""The pipeline's stage graph: which stage runs, with which config section, reading which upstream outputs.
+
+Torch-free and Prefect-free, so it can be tested and printed on its own (`alignflow plan CONFIG`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from alignflow.config import PipelineConfig
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One stage run of a pipeline: `key` is unique in the run (e.g. 'reward-rm2'), `stage` is the program."""
+
+    key: str
+    stage: str
+    config: dict[str, Any]
+    inputs: dict[str, str] = field(default_factory=dict)  # input name -> key of the upstream StageCall
+    key_metric: str = ""
+
+
+def plan(config: PipelineConfig) -> list[StageCall]:
+    """The ordered stage calls of `config.stages` (a reward stage per entry of `reward.models`)."""
+    dump = config.model_dump(mode="json")
+    model = dump["model"]
+    calls: list[StageCall] = []
+    chosen = set(config.stages)
+    if "data" in chosen:
+        calls.append(StageCall("data", "data", {"data": dump["data"]}))
+    if "base" in chosen:
+        calls.append(StageCall("base", "base", {"model": model}, {"data": "data"}))
+    if "sft" in chosen:
+        calls.append(StageCall("sft", "sft", {"sft": dump["sft"], "model": model}, {"base": "base", "data": "data"}))
+    reward_keys = []
+    if "reward" in chosen:
+        shared = {k: v for k, v in dump["reward"].items() if k != "models"}
+        for rm in dump["reward"]["models"]:
+            key = f"reward-{rm['name']}"
+            reward_keys.append(key)
+            calls.append(StageCall(key, "reward", {"reward": shared, "reward_model": rm, "model": model},
+                                   {"sft": "sft", "data": "data"}))
+    if "engine" in chosen:
+        calls.append(StageCall("engine", "engine", {"engine": dump["engine"], "model": model}, {"sft": "sft"}))
+    rewards = {f"reward_{key.removeprefix('reward-')}": key for key in reward_keys}
+    if "ppo" in chosen:
+        calls.append(StageCall("ppo", "ppo", {"ppo": dump["ppo"], "model": model, "engine": dump["engine"]},
+                               {"engine": "engine", "sft": "sft", "data": "data", **rewards}))
+    if "evaluate" in chosen:
+        calls.append(StageCall("evaluate", "evaluate",
+                               {"evaluate": dump["evaluate"], "model": model, "engine": dump["engine"]},
+                               {"ppo": "ppo", "sft": "sft", "data": "data", **rewards}))
+    return calls

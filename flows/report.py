@@ -1,0 +1,37 @@
+"""The end-of-run summary: a table of stage, status, duration, key metric, output URI and MLflow run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from alignflow.config import PipelineConfig
+from alignflow.tracking import resolve_tracking_uri
+
+
+def key_metric_text(row: dict[str, Any]) -> str:
+    name = row.get("key_metric")
+    value = (row.get("metrics") or {}).get(name) if name else None
+    return f"{name}={value:.4g}" if value is not None else "-"
+
+
+def print_summary(config: PipelineConfig, rows: list[dict[str, Any]], wall_s: float) -> None:
+    console = Console(file=sys.stdout, width=200)
+    table = Table(title=f"alignflow pipeline '{config.name}' finished in {wall_s:.1f} s")
+    for column in ("stage", "status", "duration", "key metric", "output", "MLflow run"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["key"], row["status"], f"{row['duration_s']:.1f} s", key_metric_text(row),
+                      row.get("output_uri") or "-", row.get("mlflow_run_id") or "-")
+    console.print(table)
+    workdir = Path(config.workdir).resolve()
+    uri = resolve_tracking_uri(config.tracking, workdir)
+    console.print(f"Outputs: {config.storage.root} (each folder has a manifest.json)")
+    if config.tracking.enabled:
+        parent = rows[0].get("parent_run_id") if rows else None
+        console.print(f"MLflow: {uri} (parent run {parent})")
+        console.print(f"Open the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")

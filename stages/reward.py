@@ -1,0 +1,147 @@
+"""The reward stage: one reward model = a scalar head on the SFT backbone, trained with the Bradley-Terry loss.
+
+Inputs: `sft` (the SFT checkpoint, whose backbone the model starts from) and `data`. The spec's
+config holds the shared `reward` hyperparameters and this model's `model` entry (name, seed, data
+share, weight); the flow runs the stage once per entry of `reward.models`. Output: an HF-format
+sequence-classification checkpoint (num_labels=1), its tokenizer, and a sidecar with held-out
+pairwise accuracy and the score's mean/std on held-out responses (the RL stage normalises with them).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+from alignflow.stages.data.formats import load_preferences, render_prompt
+from alignflow.stages.models.loading import load_sequence_classifier, load_tokenizer
+from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
+from alignflow.stages.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
+from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, initialize
+from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
+
+from alignflow.config import ModelConfig, RewardConfig, RewardModelSpec
+from alignflow.contract import StageResult, StageSpec
+
+
+def encode_pair(tokenizer, record, max_length: int) -> tuple[list[int], list[int]]:
+    """Token ids of prompt+chosen and prompt+rejected (each cut on the right at max_length)."""
+    prompt_ids = encode_prompt(tokenizer, render_prompt(record.prompt, tokenizer))
+    chosen = prompt_ids + encode_completion(tokenizer, record.chosen)
+    rejected = prompt_ids + encode_completion(tokenizer, record.rejected)
+    return chosen[:max_length], rejected[:max_length]
+
+
+def score(model, sequences: list[list[int]], pad_id: int) -> torch.Tensor:
+    """[N] scalar rewards of right-padded sequences (the head reads the last non-pad token)."""
+    input_ids = pad_right(sequences, pad_id)
+    attention_mask = pad_right([[1] * len(s) for s in sequences], 0)
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """-log sigmoid(r_chosen - r_rejected), summed over pairs ([N] each -> scalar)."""
+    return -F.logsigmoid(chosen - rejected).sum()
+
+
+@torch.no_grad()
+def evaluate_pairs(model, pairs: list[tuple[list[int], list[int]]], pad_id: int, batch_size: int) -> dict[str, float]:
+    """Held-out pairwise accuracy, mean BT loss, and the mean/std of scores over all held-out responses."""
+    was_training = model.training
+    model.eval()
+    chosen_scores, rejected_scores = [], []
+    for start in range(0, len(pairs), batch_size):
+        part = pairs[start:start + batch_size]
+        both = score(model, [c for c, _ in part] + [r for _, r in part], pad_id)
+        chosen_scores.append(both[: len(part)])
+        rejected_scores.append(both[len(part):])
+    model.train(was_training)
+    chosen, rejected = torch.cat(chosen_scores), torch.cat(rejected_scores)
+    everything = torch.cat([chosen, rejected])
+    return {"eval/accuracy": float((chosen > rejected).float().mean()),
+            "eval/loss": float(bradley_terry_loss(chosen, rejected) / len(pairs)),
+            "eval/score_mean": float(everything.mean()), "eval/score_std": float(everything.std())}
+
+
+def run(spec: StageSpec) -> StageResult:
+    cfg: RewardConfig = section(spec, RewardConfig, "reward")
+    rm: RewardModelSpec = section(spec, RewardModelSpec, "reward_model")
+    model_cfg: ModelConfig = section(spec, ModelConfig, "model")
+    if cfg.batch_size % cfg.micro_batch_size:
+        raise StageInputError(f"reward.batch_size={cfg.batch_size} must be a multiple of "
+                              f"reward.micro_batch_size={cfg.micro_batch_size}")
+    torch.manual_seed(rm.seed)
+    ctx = StageContext(spec)
+    with tracked(ctx, run_name=f"reward-{rm.name}"):
+        sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
+        tokenizer = load_tokenizer(sft_dir)
+        pad_id = pad_token_id(tokenizer)
+        model = load_sequence_classifier(sft_dir, dtype=model_cfg.dtype)
+        train_records = load_preferences(data_dir / "preferences_train.jsonl")
+        eval_records = load_preferences(data_dir / "preferences_eval.jsonl")
+        if rm.data_fraction < 1.0:
+            keep = max(1, round(len(train_records) * rm.data_fraction))
+            train_records = random.Random(rm.seed).sample(train_records, keep)
+        if ctx.tracker is not None:
+            data_manifest = ctx.input_manifest("data")
+            for name, records in (("preferences_train", train_records), ("preferences_eval", eval_records)):
+                ctx.tracker.log_dataset(name, f"{data_manifest.uri}/{name}.jsonl",
+                                        data_manifest.file(f"{name}.jsonl").sha256,
+                                        "training" if name.endswith("train") else "evaluation", len(records))
+        train = [encode_pair(tokenizer, r, cfg.max_length) for r in train_records]
+        held_out = [encode_pair(tokenizer, r, cfg.max_length) for r in eval_records]
+        steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
+        grad_accum = cfg.batch_size // cfg.micro_batch_size
+        engine, _, scheduler = initialize(model, OptimSettings(
+            lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
+            micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, zero_stage=cfg.zero_stage,
+            grad_clip=cfg.grad_clip, dtype=model_cfg.dtype))
+        log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
+        initial = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)
+        log({"eval/accuracy": initial["eval/accuracy"], "eval/loss": initial["eval/loss"]}, step=0)
+        started = time.perf_counter()
+        with progress_bar(f"reward-{rm.name}", steps) as advance:
+            for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, rm.seed), start=1):
+                step_loss, step_correct = 0.0, 0
+                for part in split_micro(indices, cfg.micro_batch_size):
+                    both = score(engine, [train[i][0] for i in part] + [train[i][1] for i in part], pad_id)
+                    chosen, rejected = both[: len(part)], both[len(part):]
+                    loss = bradley_terry_loss(chosen, rejected)
+                    engine.backward(loss / len(indices) * grad_accum)  # mean over the step's pairs
+                    engine.step()
+                    step_loss += float(loss)
+                    step_correct += int((chosen > rejected).sum())
+                train_loss = step_loss / len(indices)
+                if not math.isfinite(train_loss):
+                    raise RuntimeError(f"reward-{rm.name}: loss is {train_loss} at step {step}; lower reward.lr")
+                step_metrics = {"train/loss": train_loss, "train/accuracy": step_correct / len(indices),
+                                "train/lr": scheduler.get_last_lr()[0]}
+                if step % cfg.eval_every == 0 or step == steps:
+                    step_metrics.update(evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size))
+                log(step_metrics, step=step)
+                advance(f"loss {train_loss:.3f}")
+        final = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)
+        metrics = {**final, "eval/accuracy_initial": initial["eval/accuracy"], "train/steps": float(steps),
+                   "timing/train_s": time.perf_counter() - started}
+        log({"timing/train_s": metrics["timing/train_s"]}, step=steps)
+        with ctx.output_dir() as out:
+            model.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
+            tokenizer.save_pretrained(out)
+            dump_json({"stage": "reward", "name": rm.name, "weight": rm.weight, "steps": steps,
+                       "pairs": len(train), "score_mean": final["eval/score_mean"],
+                       "score_std": final["eval/score_std"], "metrics": metrics, "inputs": spec.inputs},
+                      out / "alignflow_checkpoint.json")
+            manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "eval/accuracy",
+                                                        "name": rm.name})
+        return ctx.result(manifest, metrics, "eval/accuracy",
+                          message=f"{rm.name}: held-out pairwise accuracy {final['eval/accuracy']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("reward", run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""What every stage's `main` shares: spec loading, verified inputs, publishing, tracking, the StageResult line.
+
+A stage module provides `run(spec) -> StageResult` (pure: no argument parsing, no exit) and
+`main(argv) -> int = stage_main("name", run, argv)`. Nothing here knows any stage's ML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from alignflow.config import ConfigError
+from alignflow.contract import StageResult, StageSpec
+from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
+from alignflow.offline import set_offline_defaults
+from alignflow.storage import StorageError, open_store
+
+
+class StageInputError(ValueError):
+    """Bad input to a stage (data, spec, checkpoint): not retried; the message says how to fix it."""
+
+
+# Errors that mean "the input is wrong": exit code 2, one-line reason, never retried.
+BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (StageInputError, ConfigError, StorageError)
+
+
+def load_spec(path_or_uri: str) -> StageSpec:
+    """Read a spec from a local path or an object-store URI."""
+    try:
+        if "://" in path_or_uri and not path_or_uri.startswith("file://"):
+            raw = open_store(path_or_uri).get_bytes(path_or_uri)
+        else:
+            raw = Path(path_or_uri.removeprefix("file://")).read_bytes()
+    except FileNotFoundError:
+        raise StageInputError(f"spec '{path_or_uri}' not found") from None
+    try:
+        return StageSpec.model_validate_json(raw)
+    except ValueError as exc:
+        raise StageInputError(f"spec '{path_or_uri}' is invalid: {exc}") from None
+
+
+class StageContext:
+    """One stage run: verified local inputs, a scratch output folder, tracking, and publishing."""
+
+    def __init__(self, spec: StageSpec):
+        self.spec = spec
+        self.workdir = Path(spec.workdir).resolve()
+        self.cache_dir = self.workdir / ".alignflow" / "cache"
+        self.started = time.perf_counter()
+        self._inputs: dict[str, tuple[Path, Manifest]] = {}
+        self.tracker = None  # alignflow.tracking.StageRun when tracking is enabled
+
+    def input(self, name: str) -> Path:
+        """A verified local folder of input `name` (downloaded once for s3://, in place for file://)."""
+        if name not in self._inputs:
+            uri = self.spec.inputs.get(name)
+            if uri is None:
+                raise StageInputError(f"stage '{self.spec.stage}' needs input '{name}'; spec has "
+                                      f"{sorted(self.spec.inputs) or 'none'}")
+            self._inputs[name] = materialize(uri, self.cache_dir, self.spec.storage)
+        return self._inputs[name][0]
+
+    def input_manifest(self, name: str) -> Manifest:
+        self.input(name)
+        return self._inputs[name][1]
+
+    @contextlib.contextmanager
+    def output_dir(self) -> Iterator[Path]:
+        """A fresh folder to write outputs into; for file:// outputs it is the final folder itself.
+
+        Writing in place means a checkpoint is never copied on disk; the manifest, written last by
+        `publish_output`, is what makes it visible. Leftovers of a crashed run (no manifest) are cleared.
+        """
+        store = open_store(self.spec.output_uri, self.spec.storage)
+        local = store.local_path(self.spec.output_uri)
+        if local is not None:
+            shutil.rmtree(local, ignore_errors=True)
+            local.mkdir(parents=True)
+            yield local
+            return
+        scratch = Path(tempfile.mkdtemp(prefix=f"{self.spec.stage}-", dir=self._scratch_root()))
+        try:
+            yield scratch
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _scratch_root(self) -> Path:
+        root = self.workdir / ".alignflow" / "scratch"
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+
+    def publish_output(self, folder: Path, summary: dict[str, Any] | None = None) -> Manifest:
+        """Publish `folder` to the spec's output URI (manifest last) and log the manifest to MLflow."""
+        inputs = {name: InputRef(uri=uri, digest=self.spec.input_digests.get(name, ""))
+                  for name, uri in self.spec.inputs.items()}
+        manifest = publish(folder, self.spec.output_uri, stage=self.spec.stage, config=self.spec.config,
+                           inputs=inputs, version=self.spec.code_version, summary=summary,
+                           storage=self.spec.storage)
+        if self.tracker is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "manifest.json"
+                path.write_text(manifest.model_dump_json(indent=2))
+                self.tracker.log_artifact(path, "output")
+            self.tracker.set_tags({"alignflow.output_uri": manifest.uri, "alignflow.output_digest": manifest.digest})
+        return manifest
+
+    def result(self, manifest: Manifest, metrics: dict[str, float], key_metric: str | None,
+               message: str = "") -> StageResult:
+        return StageResult(stage=self.spec.stage, status="ok", output_uri=manifest.uri,
+                           manifest_digest=manifest.digest, metrics=metrics, key_metric=key_metric,
+                           mlflow_run_id=self.tracker.run_id if self.tracker else None,
+                           duration_s=round(time.perf_counter() - self.started, 3), message=message)
+
+
+@contextlib.contextmanager
+def tracked(ctx: StageContext, run_name: str | None = None) -> Iterator[StageContext]:
+    """Open the stage's nested MLflow run (when tracking is on) and log the resolved config as params."""
+    tracking = ctx.spec.tracking
+    if tracking is None or not tracking.enabled:
+        yield ctx
+        return
+    from alignflow import tracking as mlflow_tracking
+
+    tags = {**tracking.tags, "alignflow.code_version": ctx.spec.code_version}
+    with mlflow_tracking.stage_run(tracking.uri, tracking.experiment, ctx.spec.stage, tracking.parent_run_id,
+                                   tags=tags, run_name=run_name) as run:
+        ctx.tracker = run
+        run.log_params(ctx.spec.config)
+        run.log_params({f"input.{k}": v for k, v in ctx.spec.inputs.items()})
+        try:
+            yield ctx
+        finally:
+            ctx.tracker = None
+
+
+def already_published(spec: StageSpec) -> StageResult | None:
+    """A 'skipped' result when the output at the spec's URI is already complete."""
+    manifest = find_published(spec.output_uri, spec.storage)
+    if manifest is None:
+        return None
+    return StageResult(stage=spec.stage, status="skipped", output_uri=manifest.uri, manifest_digest=manifest.digest,
+                       metrics={k: float(v) for k, v in manifest.summary.get("metrics", {}).items()},
+                       key_metric=manifest.summary.get("key_metric"),
+                       message="output already published with a matching manifest; reused")
+
+
+def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[str] | None = None) -> int:
+    """Parse `--spec`, call `run`, print the StageResult JSON last; exit 2 on bad input, 1 on a crash."""
+    set_offline_defaults()
+    parser = argparse.ArgumentParser(prog=f"python -m alignflow.stages.{stage}",
+                                     description=f"alignflow '{stage}' stage")
+    parser.add_argument("--spec", required=True, help="Path or URI of the stage spec (JSON).")
+    parser.add_argument("--force", action="store_true", help="Re-run even if the output is already published.")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        spec = load_spec(args.spec)
+        if spec.stage != stage:
+            raise StageInputError(f"spec '{args.spec}' is for stage '{spec.stage}', not '{stage}'")
+        result = None if args.force else already_published(spec)
+        if result is None:
+            result = run(spec)
+    except BAD_INPUT_ERRORS as exc:
+        print(f"error: {stage}: {exc}", file=sys.stderr, flush=True)
+        _print_failure(stage, str(exc), started)
+        return 2
+    except KeyboardInterrupt:
+        print(f"error: {stage}: interrupted", file=sys.stderr, flush=True)
+        _print_failure(stage, "interrupted", started)
+        return 130
+    except Exception as exc:  # a crash: full traceback for the logs, one line in the result
+        traceback.print_exc()
+        _print_failure(stage, f"{type(exc).__name__}: {exc}", started)
+        return 1
+    sys.stdout.flush()
+    print(result.to_line(), flush=True)
+    return 0
+
+
+def _print_failure(stage: str, message: str, started: float) -> None:
+    failed = StageResult(stage=stage, status="failed", message=message.splitlines()[0] if message else "",
+                         duration_s=round(time.perf_counter() - started, 3))
+    print(failed.to_line(), flush=True)
+
+
+def section(spec: StageSpec, model_cls: type, key: str | None = None) -> Any:
+    """Validate the stage's config section (or `spec.config[key]`) into its pydantic model."""
+    raw = spec.config if key is None else spec.config.get(key)
+    if raw is None:
+        raise StageInputError(f"spec for stage '{spec.stage}' has no config section '{key}'")
+    try:
+        return model_cls.model_validate(raw)
+    except ValueError as exc:
+        raise ConfigError(f"spec for stage '{spec.stage}': {exc}") from None
+
+
+def dump_json(obj: Any, path: Path) -> Path:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    return path

@@ -1,0 +1,135 @@
+"""The SFT stage: supervised fine-tuning through DeepSpeed with the loss on completion tokens only.
+
+Inputs: `base` (a Hugging Face causal-LM folder with its tokenizer) and `data` (the data stage's
+output). Output: an HF-format safetensors checkpoint with its tokenizer and a sidecar
+`alignflow_checkpoint.json` describing it (steps, losses, data digests).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from alignflow.kernels import selective_log_softmax
+from alignflow.stages.data.formats import load_sft, render_prompt
+from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
+from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
+from alignflow.stages.tokenization import IGNORE_INDEX, Encoded, collate_lm, encode_example, pad_token_id
+from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, initialize
+from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
+
+from alignflow.config import ModelConfig, SFTConfig
+from alignflow.contract import StageResult, StageSpec
+
+
+def completion_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed negative log-likelihood of the completion tokens of a batch, and their count.
+
+    Uses the kernels' selective log-softmax: no [B, T, V] float32 log-softmax is materialised.
+    """
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    mask = targets != IGNORE_INDEX
+    logp = selective_log_softmax(logits[:, :-1], targets.clamp(min=0))
+    return -(logp * mask).sum(), int(mask.sum())
+
+
+@torch.no_grad()
+def eval_loss(model, examples: list[Encoded], pad_id: int, batch_size: int) -> float:
+    """Mean per-token NLL of the completion tokens of `examples`."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        nll, n = completion_nll(model, collate_lm(examples[start:start + batch_size], pad_id))
+        total, count = total + float(nll), count + n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def run(spec: StageSpec) -> StageResult:
+    cfg: SFTConfig = section(spec, SFTConfig, "sft")
+    model_cfg: ModelConfig = section(spec, ModelConfig, "model")
+    if cfg.batch_size % cfg.micro_batch_size:
+        raise StageInputError(f"sft.batch_size={cfg.batch_size} must be a multiple of "
+                              f"sft.micro_batch_size={cfg.micro_batch_size}")
+    torch.manual_seed(cfg.seed)
+    ctx = StageContext(spec)
+    with tracked(ctx):
+        base_dir, data_dir = ctx.input("base"), ctx.input("data")
+        tokenizer = load_tokenizer(base_dir)
+        model = load_causal_lm(base_dir, dtype=model_cfg.dtype)
+        pad_id = pad_token_id(tokenizer)
+        train_records = load_sft(data_dir / "sft_train.jsonl")
+        eval_records = load_sft(data_dir / "sft_eval.jsonl")
+        if ctx.tracker is not None:
+            data_manifest = ctx.input_manifest("data")
+            for name, records in (("sft_train", train_records), ("sft_eval", eval_records)):
+                ctx.tracker.log_dataset(name, f"{data_manifest.uri}/{name}.jsonl",
+                                        data_manifest.file(f"{name}.jsonl").sha256, "training" if
+                                        name.endswith("train") else "evaluation", len(records))
+
+        def encode(records) -> list[Encoded]:
+            return [encode_example(tokenizer, render_prompt(r.prompt, tokenizer), r.completion, cfg.max_length)
+                    for r in records]
+
+        train, held_out = encode(train_records), encode(eval_records)
+        truncated = sum(e.truncated for e in train)
+        steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
+        grad_accum = cfg.batch_size // cfg.micro_batch_size
+        engine, _, scheduler = initialize(model, OptimSettings(
+            lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
+            micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, zero_stage=cfg.zero_stage,
+            grad_clip=cfg.grad_clip, dtype=model_cfg.dtype))
+
+        initial_loss = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)
+        log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
+        log({"eval/loss": initial_loss}, step=0)
+        metrics = {"eval/loss_initial": initial_loss}
+        tokens_seen, started = 0, time.perf_counter()
+        train_loss = float("nan")
+        with progress_bar("sft", steps) as advance:
+            for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, cfg.seed), start=1):
+                micro = [collate_lm([train[i] for i in part], pad_id) for part in split_micro(indices, cfg.micro_batch_size)]
+                step_tokens = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
+                step_nll = 0.0
+                for batch in micro:
+                    nll, _ = completion_nll(engine, batch)
+                    # Token-mean over the whole optimizer step, not a mean of micro-batch means;
+                    # DeepSpeed divides by grad_accum in backward, so scale it back up.
+                    engine.backward(nll / step_tokens * grad_accum)
+                    engine.step()
+                    step_nll += float(nll)
+                train_loss = step_nll / step_tokens
+                if not math.isfinite(train_loss):
+                    raise RuntimeError(f"sft: loss is {train_loss} at step {step}; lower sft.lr or check the data")
+                tokens_seen += sum(int(m["attention_mask"].sum()) for m in micro)
+                step_metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
+                                "perf/tokens_per_s": tokens_seen / (time.perf_counter() - started)}
+                if step % cfg.eval_every == 0 or step == steps:
+                    step_metrics["eval/loss"] = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)
+                log(step_metrics, step=step)
+                advance(f"loss {train_loss:.3f}")
+        final_loss = step_metrics["eval/loss"]
+        metrics.update({"eval/loss": final_loss, "train/loss": train_loss, "train/steps": float(steps),
+                        "perf/tokens_per_s": step_metrics["perf/tokens_per_s"],
+                        "timing/train_s": time.perf_counter() - started})
+        log({"eval/loss_final": final_loss, "timing/train_s": metrics["timing/train_s"]}, step=steps)
+        with ctx.output_dir() as out:
+            model.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
+            tokenizer.save_pretrained(out)
+            dump_json({"stage": "sft", "steps": steps, "examples": len(train), "truncated_examples": truncated,
+                       "metrics": metrics, "inputs": spec.inputs, "input_digests": spec.input_digests},
+                      out / "alignflow_checkpoint.json")
+            manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "eval/loss"})
+        return ctx.result(manifest, metrics, "eval/loss",
+                          message=f"held-out loss {initial_loss:.3f} -> {final_loss:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("sft", run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""Step arithmetic, shuffled batching and progress display shared by the supervised training stages."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import sys
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def total_steps(n_examples: int, epochs: float, batch_size: int) -> int:
+    """Optimizer steps for `epochs` passes (fractions allowed) over `n_examples`; at least one."""
+    return max(1, math.ceil(n_examples * epochs / batch_size))
+
+
+def batch_indices(n_examples: int, batch_size: int, steps: int, seed: int) -> Iterator[list[int]]:
+    """`steps` batches of example indices; each epoch is a fresh seeded shuffle, batches may span epochs."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    for _ in range(steps):
+        while len(order) < batch_size:
+            epoch = list(range(n_examples))
+            rng.shuffle(epoch)
+            order.extend(epoch)
+        batch, order = order[:batch_size], order[batch_size:]
+        yield batch
+
+
+def split_micro(indices: list[int], micro_batch_size: int) -> list[list[int]]:
+    return [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, total: int) -> Iterator:
+    """A rich progress bar on stderr (stdout is kept for the StageResult line); plain when not a TTY."""
+    console = Console(file=sys.stderr, force_terminal=None if os.environ.get("CI") is None else False)
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False,
+                  disable=not console.is_terminal and os.environ.get("ALIGNFLOW_PROGRESS") != "1") as bar:
+        task = bar.add_task(description, total=total, status="")
+
+        def advance(status: str = "") -> None:
+            bar.update(task, advance=1, status=status)
+
+        yield advance

@@ -1,0 +1,101 @@
+"""Config schema: shipped YAMLs validate, overrides apply, and errors name key, value and choices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from alignflow.config import ConfigError, PipelineConfig, apply_overrides, flatten, load_config, validate_config
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_there_are_shipped_configs():
+    assert any(p.name == "tiny.yaml" for p in SHIPPED)
+    assert len(SHIPPED) >= 2, "a realistic GPU example config must ship beside tiny.yaml"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_config_validates(path):
+    config = load_config(path)
+    assert isinstance(config, PipelineConfig)
+
+
+def test_overrides_apply_and_parse_types():
+    config = load_config(REPO / "configs/tiny.yaml", ["sft.lr=1e-4", "storage.root=s3://bucket/prefix",
+                                                      "reward.epochs=3", "engine.compile=true"])
+    assert config.sft.lr == pytest.approx(1e-4)
+    assert config.storage.root == "s3://bucket/prefix"
+    assert config.reward.epochs == 3.0
+    assert config.engine.compile is True
+
+
+def test_unknown_key_is_named_with_the_valid_keys():
+    with pytest.raises(ConfigError) as err:
+        validate_config({"sft": {"lrr": 0.1}}, source="my.yaml")
+    text = str(err.value)
+    assert text.startswith("my.yaml: 1 config error(s):")
+    assert "sft.lrr: unknown key (remove it or check its spelling; valid keys: lr, weight_decay," in text
+
+
+def test_wrong_type_names_key_and_value():
+    with pytest.raises(ConfigError) as err:
+        validate_config({"sft": {"epochs": "many"}})
+    assert "sft.epochs: Input should be a valid number, unable to parse string as a number (got \"many\")" in str(err.value)
+
+
+def test_bad_choice_lists_valid_choices():
+    with pytest.raises(ConfigError) as err:
+        validate_config({"engine": {"backend": "fast"}})
+    assert "engine.backend: Input should be 'native', 'hf', 'vllm' or 'tensorrt-llm' (got \"fast\")" in str(err.value)
+
+
+def test_all_errors_reported_together():
+    with pytest.raises(ConfigError) as err:
+        validate_config({"sft": {"lr": -1, "bogus": 1}, "ppo": {"top_p": 2}})
+    text = str(err.value)
+    assert "3 config error(s)" in text
+    assert "sft.lr:" in text and "sft.bogus:" in text and "ppo.top_p:" in text
+
+
+def test_unknown_top_level_section():
+    with pytest.raises(ConfigError, match=r"sftt: unknown key .*valid keys: name, workdir, stages, storage"):
+        validate_config({"sftt": {}})
+
+
+def test_stage_dependencies_checked():
+    with pytest.raises(ConfigError, match="stage 'ppo' needs 'engine'"):
+        validate_config({"stages": ["data", "base", "sft", "reward", "ppo"]})
+
+
+def test_override_into_value_is_rejected():
+    with pytest.raises(ConfigError, match="'lr' is a value, not a section"):
+        apply_overrides({"sft": {"lr": 1}}, ["sft.lr.x=2"])
+
+
+def test_override_without_equals_is_rejected():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        apply_overrides({}, ["sft.lr"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sft: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_flatten_makes_dotted_params():
+    flat = flatten(PipelineConfig().model_dump(mode="json"))
+    assert flat["sft.lr"] == PipelineConfig().sft.lr
+    assert flat["model.tiny.hidden_size"] == 64
+    assert flat["reward.models"].startswith("[")
+
+
+def test_grpo_needs_groups():
+    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+        validate_config({"ppo": {"algorithm": "grpo", "group_size": 1}})
