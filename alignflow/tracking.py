@@ -144,22 +144,27 @@ class UriDatasetSource(DatasetSource):
 
 @contextlib.contextmanager
 def stage_run(uri: str, experiment: str, stage: str, parent_run_id: str | None, tags: dict[str, str] | None = None,
-              run_name: str | None = None) -> Iterator[StageRun]:
-    """Open a stage's nested run under the pipeline's parent run; FAILED on exception."""
-    mlflow = _mlflow(uri)
-    experiment_id = _ensure_experiment(mlflow, experiment)
+              run_name: str | None = None, resume_run_id: str | None = None) -> Iterator[StageRun]:
+    """Open a stage's nested run under the pipeline's parent run (or reopen `resume_run_id`); FAILED on exception."""
+    _mlflow(uri)
     client = MlflowClient(uri)
-    all_tags = {"alignflow.kind": "stage", "alignflow.stage": stage, **(tags or {})}
-    if parent_run_id:
-        all_tags["mlflow.parentRunId"] = parent_run_id
-    run = client.create_run(experiment_id, run_name=run_name or stage, tags=all_tags)
-    handle = StageRun(client, run.info.run_id, mlflow)
+    if resume_run_id:
+        client.update_run(resume_run_id, status="RUNNING")
+        run_id = resume_run_id
+        client.set_tag(run_id, "alignflow.resumed", "true")
+    else:
+        experiment_id = _ensure_experiment(mlflow, experiment)
+        all_tags = {"alignflow.kind": "stage", "alignflow.stage": stage, **(tags or {})}
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run_id = client.create_run(experiment_id, run_name=run_name or stage, tags=all_tags).info.run_id
+    handle = StageRun(client, run_id, mlflow)
     try:
         yield handle
     except BaseException:
-        client.set_terminated(run.info.run_id, status="FAILED")
+        client.set_terminated(run_id, status="FAILED")
         raise
-    client.set_terminated(run.info.run_id, status="FINISHED")
+    client.set_terminated(run_id, status="FINISHED")
 
 
 def record_skipped_stage(uri: str, experiment: str, stage: str, parent_run_id: str | None, output_uri: str,

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from alignflow.flows.launch import launch_local
-from alignflow.flows.plan import StageCall, plan
 from prefect import flow, get_run_logger, task
 
 from alignflow import tracking
 from alignflow.config import PipelineConfig, config_digest
 from alignflow.contract import StageResult, StageSpec, TrackingSpec
+from alignflow.flows.launch import launch_local
+from alignflow.flows.plan import StageCall, plan
 from alignflow.manifest import code_version, find_published, output_uri
 from alignflow.offline import set_offline_defaults
 from alignflow.storage import normalize_root, open_store

@@ -43,7 +43,8 @@ def plan(config: PipelineConfig) -> list[StageCall]:
             calls.append(StageCall(key, "reward", {"reward": shared, "reward_model": rm, "model": model},
                                    {"sft": "sft", "data": "data"}))
     if "engine" in chosen:
-        calls.append(StageCall("engine", "engine", {"engine": dump["engine"], "model": model}, {"sft": "sft"}))
+        calls.append(StageCall("engine", "engine", {"engine": dump["engine"], "model": model},
+                               {"sft": "sft", "data": "data"}))
     rewards = {f"reward_{key.removeprefix('reward-')}": key for key in reward_keys}
     if "ppo" in chosen:
         calls.append(StageCall("ppo", "ppo", {"ppo": dump["ppo"], "model": model, "engine": dump["engine"]},

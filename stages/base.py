@@ -12,14 +12,14 @@ import shutil
 from pathlib import Path
 
 import torch
-from alignflow.stages.data.formats import load_preferences, load_prompts, load_sft, render_prompt
-from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
-from alignflow.stages.models.tiny import make_tiny_model, save_base_model, train_tokenizer
-from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 
 from alignflow.config import ModelConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.manifest import materialize
+from alignflow.stages.data.formats import load_preferences, load_prompts, load_sft, render_prompt
+from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
+from alignflow.stages.models.tiny import make_tiny_model, save_base_model, train_tokenizer
+from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 
 # Files of an HF model folder that the base stage republishes (weights, configs, tokenizer).
 _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".tiktoken")

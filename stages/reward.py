@@ -15,15 +15,15 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from alignflow.config import ModelConfig, RewardConfig, RewardModelSpec
+from alignflow.contract import StageResult, StageSpec
 from alignflow.stages.data.formats import load_preferences, render_prompt
 from alignflow.stages.models.loading import load_sequence_classifier, load_tokenizer
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
 from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, initialize
 from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
-
-from alignflow.config import ModelConfig, RewardConfig, RewardModelSpec
-from alignflow.contract import StageResult, StageSpec
 
 
 def encode_pair(tokenizer, record, max_length: int) -> tuple[list[int], list[int]]:

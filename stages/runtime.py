@@ -122,8 +122,11 @@ class StageContext:
 
 
 @contextlib.contextmanager
-def tracked(ctx: StageContext, run_name: str | None = None) -> Iterator[StageContext]:
-    """Open the stage's nested MLflow run (when tracking is on) and log the resolved config as params."""
+def tracked(ctx: StageContext, run_name: str | None = None, resume_run_id: str | None = None) -> Iterator[StageContext]:
+    """Open the stage's nested MLflow run (when tracking is on) and log the resolved config as params.
+
+    `resume_run_id` reopens the run of an interrupted attempt (the RL stage's resume) instead of a new one.
+    """
     tracking = ctx.spec.tracking
     if tracking is None or not tracking.enabled:
         yield ctx
@@ -132,10 +135,11 @@ def tracked(ctx: StageContext, run_name: str | None = None) -> Iterator[StageCon
 
     tags = {**tracking.tags, "alignflow.code_version": ctx.spec.code_version}
     with mlflow_tracking.stage_run(tracking.uri, tracking.experiment, ctx.spec.stage, tracking.parent_run_id,
-                                   tags=tags, run_name=run_name) as run:
+                                   tags=tags, run_name=run_name, resume_run_id=resume_run_id) as run:
         ctx.tracker = run
-        run.log_params(ctx.spec.config)
-        run.log_params({f"input.{k}": v for k, v in ctx.spec.inputs.items()})
+        if resume_run_id is None:  # params are immutable in MLflow: a resumed run has them already
+            run.log_params(ctx.spec.config)
+            run.log_params({f"input.{k}": v for k, v in ctx.spec.inputs.items()})
         try:
             yield ctx
         finally:

@@ -11,6 +11,9 @@ import math
 import time
 
 import torch
+
+from alignflow.config import ModelConfig, SFTConfig
+from alignflow.contract import StageResult, StageSpec
 from alignflow.kernels import selective_log_softmax
 from alignflow.stages.data.formats import load_sft, render_prompt
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
@@ -18,9 +21,6 @@ from alignflow.stages.runtime import StageContext, StageInputError, dump_json, s
 from alignflow.stages.tokenization import IGNORE_INDEX, Encoded, collate_lm, encode_example, pad_token_id
 from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, initialize
 from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
-
-from alignflow.config import ModelConfig, SFTConfig
-from alignflow.contract import StageResult, StageSpec
 
 
 def completion_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:

@@ -48,10 +48,10 @@ def s3_server():
 @pytest.fixture
 def s3_bucket(s3_server):
     """A fresh bucket on the local S3 server; yields (endpoint, bucket)."""
+    import uuid
+
     from alignflow.config import StorageConfig
     from alignflow.storage import S3Store
-
-    import uuid
 
     bucket = f"t-{uuid.uuid4().hex[:20]}"
     S3Store(StorageConfig(endpoint_url=s3_server)).create_bucket(bucket)

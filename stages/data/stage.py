@@ -11,13 +11,12 @@ import random
 import tempfile
 from pathlib import Path
 
-from alignflow.stages.data.demo_task import generate_demo_task
-from alignflow.stages.data.formats import load_preferences, load_prompts, load_sft, write_jsonl
-from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
-
 from alignflow.config import DataConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.manifest import sha256_file
+from alignflow.stages.data.demo_task import generate_demo_task
+from alignflow.stages.data.formats import load_preferences, load_prompts, load_sft, write_jsonl
+from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
 from alignflow.storage import open_store
 
 DATASET_FILES = ("sft_train", "sft_eval", "preferences_train", "preferences_eval", "prompts", "eval_prompts")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,3 +109,21 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
     else:
         state = engine.module.state_dict()
     return {k: v.detach().to("cpu").clone() for k, v in state.items()} if state is not None else {}
+
+
+def stream_weights(engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, tensor) pairs of the engine's model, one at a time, for an inference engine's refit.
+
+    Under ZeRO-3 each parameter is gathered on its own and released after the consumer copied it,
+    so the peak extra memory is one parameter, not a second model.
+    """
+    module = engine.module
+    zero3 = engine.zero_optimization_stage() == 3
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if zero3 and hasattr(tensor, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                yield name, tensor.detach()
+        else:
+            yield name, tensor.detach()

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from alignflow.config import ConfigError, PipelineConfig, apply_overrides, flatten, load_config, validate_config
+from alignflow.config import (
+    ConfigError,
+    PipelineConfig,
+    apply_overrides,
+    flatten,
+    load_config,
+    validate_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
