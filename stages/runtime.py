@@ -22,6 +22,7 @@ from alignflow.config import ConfigError
 from alignflow.contract import StageResult, StageSpec
 from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
 from alignflow.offline import set_offline_defaults
+from alignflow.stages.data.formats import DataError
 from alignflow.storage import StorageError, open_store
 
 
@@ -30,7 +31,7 @@ class StageInputError(ValueError):
 
 
 # Errors that mean "the input is wrong": exit code 2, one-line reason, never retried.
-BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (StageInputError, ConfigError, StorageError)
+BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (StageInputError, ConfigError, StorageError, DataError)
 
 
 def load_spec(path_or_uri: str) -> StageSpec:

@@ -7,7 +7,6 @@ every dataset they see has been validated once, here, with file:line errors for 
 
 from __future__ import annotations
 
-import random
 import tempfile
 from pathlib import Path
 
@@ -15,8 +14,8 @@ from alignflow.config import DataConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.manifest import sha256_file
 from alignflow.stages.data.demo_task import generate_demo_task
-from alignflow.stages.data.formats import load_preferences, load_prompts, load_sft, write_jsonl
-from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
+from alignflow.stages.data.formats import holdout_split, load_preferences, load_prompts, load_sft, write_jsonl
+from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.storage import open_store
 
 DATASET_FILES = ("sft_train", "sft_eval", "preferences_train", "preferences_eval", "prompts", "eval_prompts")
@@ -36,13 +35,11 @@ def _fetch(uri: str, scratch: Path, spec: StageSpec) -> Path:
     return target
 
 
-def _split(records: list, fraction: float, seed: int) -> tuple[list, list]:
-    """Deterministic held-out split; at least one record on each side when there are two or more."""
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    n_eval = min(max(1, round(len(records) * fraction)), len(records) - 1) if len(records) > 1 else 0
-    held = set(order[:n_eval])
-    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+def _split(name: str, records: list, fraction: float, seed: int) -> tuple[list, list]:
+    try:
+        return holdout_split(records, fraction, seed)
+    except ValueError as exc:
+        raise StageInputError(f"{name}: {exc}; add records or point data.{name} at a larger file") from None
 
 
 def run(spec: StageSpec) -> StageResult:
@@ -62,12 +59,12 @@ def run(spec: StageSpec) -> StageResult:
         sft = load_sft(paths["sft"])
         preferences = load_preferences(paths["preferences"])
         prompts = load_prompts(paths["prompts"])
-        sft_train, sft_eval = _split(sft, cfg.eval_fraction, seed)
-        pref_train, pref_eval = _split(preferences, cfg.eval_fraction, seed + 1)
+        sft_train, sft_eval = _split("sft", sft, cfg.eval_fraction, seed)
+        pref_train, pref_eval = _split("preferences", preferences, cfg.eval_fraction, seed + 1)
         if "eval_prompts" in paths:
             eval_prompts = load_prompts(paths["eval_prompts"])
         else:
-            prompts, eval_prompts = _split(prompts, cfg.eval_fraction, seed + 2)
+            prompts, eval_prompts = _split("prompts", prompts, cfg.eval_fraction, seed + 2)
         datasets = {"sft_train": sft_train, "sft_eval": sft_eval, "preferences_train": pref_train,
                     "preferences_eval": pref_eval, "prompts": prompts, "eval_prompts": eval_prompts}
         with ctx.output_dir() as out:

@@ -1,0 +1,109 @@
+"""The Prefect pipeline end to end on a small config: MLflow runs, manifests, S3, reuse and re-runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from alignflow.manifest import materialize, read_manifest, sha256_file
+from tests.flows.conftest import small_config
+
+pytestmark = pytest.mark.slow
+
+
+def run_pipeline(config):
+    from alignflow.flows.pipeline import alignflow_pipeline
+
+    return {row["key"]: row for row in alignflow_pipeline(config)}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, prefect_harness):
+    workdir = tmp_path_factory.mktemp("pipeline")
+    config = small_config(workdir)
+    return workdir, config, run_pipeline(config)
+
+
+def test_stages_ran_and_published(first_run):
+    workdir, config, rows = first_run
+    assert list(rows) == ["data", "base", "sft", "reward-rm"]
+    assert {r["status"] for r in rows.values()} == {"ok"}
+    for row in rows.values():
+        manifest = read_manifest(row["output_uri"])
+        assert manifest.digest == row["manifest_digest"]
+        folder, _ = materialize(row["output_uri"], workdir / "cache")
+        for entry in manifest.files:
+            assert sha256_file(folder / entry.path) == entry.sha256
+    sft = read_manifest(rows["sft"]["output_uri"])
+    assert {"model.safetensors", "config.json", "tokenizer.json", "alignflow_checkpoint.json"} <= {
+        f.path for f in sft.files}
+    assert sft.inputs["base"].digest == rows["base"]["manifest_digest"]
+    assert sft.inputs["data"].digest == rows["data"]["manifest_digest"]
+
+
+def test_sft_lowers_held_out_loss(first_run):
+    metrics = first_run[2]["sft"]["metrics"]
+    assert metrics["eval/loss"] < metrics["eval/loss_initial"] - 0.5, metrics
+
+
+def test_mlflow_has_parent_nested_runs_params_metrics_artifacts(first_run):
+    workdir, config, rows = first_run
+    client = MlflowClient(f"sqlite:///{workdir.resolve() / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("test")
+    parent_id = rows["sft"]["parent_run_id"]
+    parent = client.get_run(parent_id)
+    assert parent.data.tags["alignflow.kind"] == "pipeline" and parent.info.status == "FINISHED"
+    assert parent.data.params["sft.lr"] == str(config.sft.lr)
+    children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+    by_stage = {run.data.tags["alignflow.stage"]: run for run in children}
+    assert set(by_stage) == {"data", "base", "sft", "reward"}
+    sft = by_stage["sft"]
+    assert sft.info.run_id == rows["sft"]["mlflow_run_id"]
+    assert sft.data.params["sft.epochs"] == "1.0"
+    assert "eval/loss" in sft.data.metrics and "train/loss" in sft.data.metrics
+    assert len(client.get_metric_history(sft.info.run_id, "train/loss")) >= 2, "metrics are logged per step"
+    assert sft.data.tags["alignflow.output_uri"] == rows["sft"]["output_uri"]
+    artifacts = [a.path for a in client.list_artifacts(sft.info.run_id, "output")]
+    assert artifacts == ["output/manifest.json"]
+    logged = json.loads(Path(client.download_artifacts(sft.info.run_id, "output/manifest.json",
+                                                       str(workdir / "dl"))).read_text())
+    assert logged["digest"] == rows["sft"]["manifest_digest"]
+    reward = by_stage["reward"]
+    assert reward.data.metrics["eval/accuracy"] == pytest.approx(rows["reward-rm"]["metrics"]["eval/accuracy"])
+    inputs = {d.dataset.name: d.dataset.digest for d in sft.inputs.dataset_inputs}
+    assert set(inputs) == {"sft_train", "sft_eval"}
+
+
+def test_same_config_reuses_and_changed_sft_reruns_downstream(first_run):
+    workdir, config, rows = first_run
+    again = run_pipeline(config)
+    assert {k: r["status"] for k, r in again.items()} == {k: "skipped" for k in rows}
+    assert {k: r["output_uri"] for k, r in again.items()} == {k: r["output_uri"] for k, r in rows.items()}
+    changed = run_pipeline(small_config(workdir, sft={"lr": 2e-3}))
+    assert {k: r["status"] for k, r in changed.items()} == {"data": "skipped", "base": "skipped",
+                                                            "sft": "ok", "reward-rm": "ok"}
+    assert changed["sft"]["output_uri"] != rows["sft"]["output_uri"]
+    assert changed["reward-rm"]["output_uri"] != rows["reward-rm"]["output_uri"]
+
+
+def test_pipeline_on_s3(tmp_path, prefect_harness, s3_bucket):
+    import boto3
+
+    endpoint, bucket = s3_bucket
+    config = small_config(tmp_path, stages=["data", "base", "sft"],
+                          storage={"root": f"s3://{bucket}/runs", "endpoint_url": endpoint},
+                          sft={"epochs": 0.5})
+    rows = run_pipeline(config)
+    assert {r["status"] for r in rows.values()} == {"ok"}
+    client = boto3.client("s3", endpoint_url=endpoint)
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="runs/")["Contents"]}
+    sft_prefix = rows["sft"]["output_uri"].removeprefix(f"s3://{bucket}/")
+    assert f"{sft_prefix}/manifest.json" in keys and f"{sft_prefix}/model.safetensors" in keys
+    assert {k.split("/")[1] for k in keys} == {"data", "base", "sft"}
+    manifest = read_manifest(rows["sft"]["output_uri"], config.storage)
+    sizes = {o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix=sft_prefix)["Contents"]}
+    for entry in manifest.files:
+        assert sizes[f"{sft_prefix}/{entry.path}"] == entry.size
