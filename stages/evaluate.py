@@ -1,0 +1,479 @@
+"""The evaluation stage: the final policy against the SFT policy on held-out prompts, in numbers, words and plots.
+
+Inputs: `ppo` (the RL stage's output: policy/, metrics.jsonl, alignflow_run.json), `sft` (the SFT
+checkpoint: the baseline and the KL reference), `data` (eval_prompts.jsonl, stats.json) and one or
+more `reward_<name>` (the reward models the policy was trained against). Output: eval.json (every
+number), eval_report.md, samples.jsonl (one row per prompt), plots/{reward,kl,length}.png (training
+curves from metrics.jsonl) and profile.md. Everything is also logged to the stage's MLflow run.
+
+What it measures, on the first `evaluate.n_prompts` held-out prompts:
+  - reward-model score: the weighted sum of z-scored reward-model scores, the number PPO maximised
+    (stages/reward_scoring.py), for a policy response and an SFT response to each prompt;
+  - gold score: the demo task's hidden scorer (only when the data is the demo task);
+  - win rates of policy over SFT under both scores (ties count one half);
+  - KL(policy || SFT) in nats per response (see `kl_to_reference`);
+  - response length in tokens.
+Both policies answer each prompt with the same per-prompt seed (common random numbers), so at
+temperature > 0 the comparison is not noisier than it needs to be. What it is not: a benchmark of
+external tasks; it checks what this pipeline optimised, and whether optimising it helped (gold).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from alignflow.config import EngineConfig, EvaluateConfig, ModelConfig
+from alignflow.contract import StageResult, StageSpec
+from alignflow.kernels import selective_log_softmax
+from alignflow.stages.data.demo_task import gold_score
+from alignflow.stages.data.formats import load_prompts, render_prompt
+from alignflow.stages.generation.base import Generation, SamplingParams, build_engine
+from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
+from alignflow.stages.reward_scoring import load_reward_models, score_with_reward_models
+from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
+from alignflow.stages.tokenization import encode_prompt, pad_right, pad_token_id
+
+GENERATION_SEED = 0  # evaluation responses (both policies: the same seed per prompt)
+KL_SEED = 1  # the temperature-1 samples of the KL estimate
+KL_BATCH = 16  # sequences per forward pass of the KL estimate
+CELL_CHARS = 160  # a response longer than this is cut in the report's sample table (samples.jsonl has it all)
+
+# Curves drawn from the PPO stage's metrics.jsonl: file name -> (title, y label, [(metric, legend)]).
+PLOTS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
+    "reward": ("Reward during training", "score", [
+        ("rollout/score_mean", "reward-model score (z, weighted)"),
+        ("rollout/reward_total_mean", "reward after shaping"),
+        ("rollout/gold_score_mean", "gold score"),
+    ]),
+    "kl": ("KL to the reference during training", "nats per response", [("kl/mean", "KL(policy || reference)")]),
+    "length": ("Response length during training", "tokens", [("rollout/response_length_mean", "mean length")]),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements (pure functions)
+# ----------------------------------------------------------------------------------------------
+
+def win_rate(policy: Sequence[float], baseline: Sequence[float]) -> float:
+    """Share of prompts where the policy's score beats the baseline's; an exact tie counts 1/2."""
+    if len(policy) != len(baseline) or not policy:
+        raise ValueError(f"win_rate needs two equally long, non-empty score lists; got {len(policy)} and "
+                         f"{len(baseline)}")
+    wins = sum(1.0 if p > b else 0.5 if p == b else 0.0 for p, b in zip(policy, baseline, strict=True))
+    return wins / len(policy)
+
+
+def paired_delta(policy: Sequence[float], baseline: Sequence[float]) -> tuple[float, float]:
+    """(mean of policy - baseline, its standard error); the s.e. is 0 with fewer than two prompts."""
+    diffs = [p - b for p, b in zip(policy, baseline, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+    return mean, se
+
+
+@torch.no_grad()
+def response_logprob_sums(model: Any, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+                          batch_size: int = KL_BATCH) -> torch.Tensor:
+    """[N] float32: sum over response tokens of log p(token | prefix) under `model` (temperature 1).
+
+    Sequences are prompt + response, right-padded; position t's logits predict token t + 1, so response
+    token j of sequence i (at position P_i + j) is scored by the logits at P_i + j - 1.
+    """
+    device = next(model.parameters()).device
+    sums = []
+    for start in range(0, len(prompt_ids), batch_size):
+        prompts, responses = prompt_ids[start:start + batch_size], response_ids[start:start + batch_size]
+        sequences = [p + r for p, r in zip(prompts, responses, strict=True)]
+        ids = pad_right(sequences, pad_id).to(device)  # [B, T]
+        attention = pad_right([[1] * len(s) for s in sequences], 0).to(device)
+        logits = model(input_ids=ids, attention_mask=attention).logits  # [B, T, V]
+        logp = selective_log_softmax(logits[:, :-1], ids[:, 1:])  # [B, T-1]: log p(ids[:, t+1])
+        positions = torch.arange(ids.shape[1] - 1, device=device)[None, :]
+        first = torch.tensor([len(p) - 1 for p in prompts], device=device)[:, None]
+        last = torch.tensor([len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)],
+                            device=device)[:, None]
+        mask = (positions >= first) & (positions < last)  # [B, T-1]: the response tokens
+        sums.append((logp * mask).sum(-1).float().cpu())
+    return torch.cat(sums)
+
+
+def kl_to_reference(policy: Any, reference: Any, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                    pad_id: int, batch_size: int = KL_BATCH) -> torch.Tensor:
+    """[N] per-response k1 estimates of KL(policy || reference) in nats: sum_t log pi(y_t) - log ref(y_t).
+
+    The responses must be sampled from `policy` at temperature 1. Then each value is an unbiased
+    single-sample Monte-Carlo estimate of the sequence-level KL, and their mean estimates the expected
+    KL per response over the prompts. Single values can be negative; the mean of many is not, in
+    expectation. The PPO stage's `kl/mean` is the same quantity on training prompts when it runs with
+    its defaults (k1 estimator, temperature 1), so the plotted curve and this number are comparable.
+    """
+    return (response_logprob_sums(policy, prompt_ids, response_ids, pad_id, batch_size)
+            - response_logprob_sums(reference, prompt_ids, response_ids, pad_id, batch_size))
+
+
+def is_demo_task(data_dir: Path) -> bool:
+    """Whether the data stage generated the demo task (its stats.json sources start with demo://).
+
+    The gold scorer knows only the demo task's vocabulary; on other data its numbers would mean nothing.
+    """
+    stats = Path(data_dir) / "stats.json"
+    if not stats.is_file():
+        return False
+    sources = json.loads(stats.read_text()).get("sources", {})
+    source = sources.get("eval_prompts") or sources.get("prompts") or ""
+    return isinstance(source, str) and source.startswith("demo://")
+
+
+def read_history(path: Path) -> list[dict[str, float]]:
+    """The PPO stage's per-iteration metrics (one JSON object per line), in iteration order."""
+    if not path.is_file():
+        raise StageInputError(f"{path} not found: the 'ppo' input must be an RL stage output with metrics.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(rows, key=lambda r: r.get("iteration", 0))
+
+
+def early_late(history: list[dict[str, float]], key: str) -> tuple[float, float] | None:
+    """Mean of `key` over the first and the last quarter of the iterations (at least one each), or None."""
+    values = [float(r[key]) for r in history if key in r and r[key] is not None and math.isfinite(float(r[key]))]
+    if len(values) < 2:
+        return None
+    k = max(1, len(values) // 4)
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+# ----------------------------------------------------------------------------------------------
+# Words
+# ----------------------------------------------------------------------------------------------
+
+def reward_hacking_sentence(rm_delta: float, gold_delta: float | None, gold_se: float | None = None,
+                            where: str = "on held-out prompts") -> str | None:
+    """The reward-hacking warning when the reward-model score rose while the gold score fell, else None."""
+    if gold_delta is None or not (rm_delta > 0 and gold_delta < 0):
+        return None
+    noise = ""
+    if gold_se:
+        z = abs(gold_delta) / gold_se
+        noise = (f" (the gold drop is {z:.1f} standard errors" + (", within noise" if z < 2 else "") + ")")
+    return (f"Reward hacking {where}: the reward-model score rose by {rm_delta:+.3f} while the gold score fell by "
+            f"{gold_delta:+.3f}{noise}. The policy exploits the reward model's blind spots instead of getting "
+            "better: raise ppo.kl_coef (or lower ppo.target_kl), stop after fewer iterations, or train the reward "
+            "models on more or harder preference data (an ensemble is harder to exploit).")
+
+
+def kl_budget_sentence(kl: float, budget: float) -> str | None:
+    if kl <= budget:
+        return None
+    return (f"KL warning: the policy is {kl:.2f} nats per response from the SFT reference, above "
+            f"evaluate.kl_budget = {budget:g}. Its text may have drifted where the reward models were never "
+            "trained; raise ppo.kl_coef or use adaptive KL (ppo.adaptive_kl) with a lower ppo.target_kl.")
+
+
+def headline(result: dict[str, Any]) -> str:
+    """The one-line summary of the StageResult message."""
+    gold = (f"gold {result['gold_delta']:+.3f} (win rate {result['win_rate_gold']:.0%})" if result["gold_available"]
+            else "gold n/a")
+    return (f"policy vs SFT on {result['n_prompts']} prompts: RM {result['rm_delta']:+.3f} (win rate "
+            f"{result['win_rate_rm']:.0%}), {gold}, KL {result['kl_to_ref']:.2f} nats"
+            + ("; REWARD HACKING" if result["reward_hacking"] else ""))
+
+
+def _cell(text: str | None, limit: int = CELL_CHARS) -> str:
+    if text is None:
+        return "-"
+    text = text if len(text) <= limit else text[: limit - 1] + "…"
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>") or "(empty)"
+
+
+def _num(value: float | None, fmt: str = "+.3f") -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def render_report(result: dict[str, Any], samples: list[dict[str, Any]], n_shown: int) -> str:
+    """eval_report.md from eval.json's content and the per-prompt samples."""
+    pol, sft = result["policy"], result["sft"]
+    gold = result["gold_available"]
+    run = result.get("training", {})
+    lines = ["# Evaluation: final policy vs SFT", "",
+             f"{result['n_prompts']} held-out prompts; {run.get('algorithm', 'rl')} policy after "
+             f"{run.get('iterations', '?')} iterations; temperature {result['temperature']:g}, "
+             f"at most {result['max_new_tokens']} new tokens; reward models: "
+             + ", ".join(f"{m['name']} (weight {m['weight']:g})" for m in result["reward_models"]) + ".", "",
+             "## Summary", "",
+             "| | SFT | policy | delta (± 1 s.e.) | policy win rate |", "|---|---:|---:|---:|---:|",
+             f"| reward-model score (z) | {sft['rm_score']:+.3f} | {pol['rm_score']:+.3f} | "
+             f"{result['rm_delta']:+.3f} ± {result['rm_delta_se']:.3f} | {result['win_rate_rm']:.1%} |"]
+    if gold:
+        lines.append(f"| gold score | {sft['gold_score']:+.3f} | {pol['gold_score']:+.3f} | "
+                     f"{result['gold_delta']:+.3f} ± {result['gold_delta_se']:.3f} | {result['win_rate_gold']:.1%} |")
+    else:
+        lines.append("| gold score | n/a | n/a | n/a | n/a |")
+    lines += [f"| response length (tokens) | {sft['length']:.1f} | {pol['length']:.1f} | "
+              f"{pol['length'] - sft['length']:+.1f} | |",
+              f"| ended with EOS | {sft['eos_fraction']:.0%} | {pol['eos_fraction']:.0%} | | |", "",
+              f"KL(policy || SFT): {result['kl_to_ref']:.3f} ± {result['kl_to_ref_se']:.3f} nats per response "
+              f"(k1 estimate on {result['n_prompts']} temperature-1 samples; budget {result['kl_budget']:g}).", ""]
+    if not gold:
+        lines += ["Gold score unavailable: the data is not the demo task, so there is no hidden scorer.", ""]
+    if len(result["reward_models"]) > 1:
+        lines += ["Per reward model (z-scored):", "", "| model | SFT | policy |", "|---|---:|---:|"]
+        lines += [f"| {name} | {sft['rm_scores'][name]:+.3f} | {pol['rm_scores'][name]:+.3f} |"
+                  for name in pol["rm_scores"]]
+        lines.append("")
+    findings = [s for s in (result.get("reward_hacking_sentence"), result.get("training_reward_hacking_sentence"),
+                            kl_budget_sentence(result["kl_to_ref"], result["kl_budget"])) if s]
+    lines += ["## Findings", ""]
+    if findings:
+        lines += [f"- **{s.split(':', 1)[0]}**:{s.split(':', 1)[1]}" for s in findings]
+    else:
+        direction = "improved" if (result["gold_delta"] if gold else result["rm_delta"]) > 0 else "did not improve"
+        lines.append(f"- The policy {direction} on the {'gold' if gold else 'reward-model'} score; no reward hacking "
+                     "seen and the KL is within budget.")
+    lines += ["", "## Training curves", "", "![reward](plots/reward.png)", "", "![kl](plots/kl.png)", "",
+              "![length](plots/length.png)", ""]
+    shown = samples[:n_shown]
+    if shown:
+        lines += [f"## Sample responses ({len(shown)} of {len(samples)})", "",
+                  "| # | prompt | SFT response | RM | gold | policy response | RM | gold |",
+                  "|---:|---|---|---:|---:|---|---:|---:|"]
+        for i, s in enumerate(shown, start=1):
+            lines.append(f"| {i} | {_cell(s['prompt'], 80)} | {_cell(s['sft_response'])} | {s['sft_rm']:+.2f} | "
+                         f"{_num(s['sft_gold'], '+.2f')} | {_cell(s['policy_response'])} | {s['policy_rm']:+.2f} | "
+                         f"{_num(s['policy_gold'], '+.2f')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots
+# ----------------------------------------------------------------------------------------------
+
+def plot_curves(history: list[dict[str, float]], out_dir: Path, kl_budget: float | None = None) -> list[Path]:
+    """plots/reward.png, plots/kl.png and plots/length.png from the per-iteration metrics (Agg, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, (title, ylabel, series) in PLOTS.items():
+        fig = Figure(figsize=(6.0, 3.6), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        drawn = 0
+        for key, label in series:
+            points = [(r["iteration"], r[key]) for r in history if r.get(key) is not None and "iteration" in r]
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=label)
+                drawn += 1
+        if name == "kl" and kl_budget is not None:
+            ax.axhline(kl_budget, color="grey", linestyle="--", linewidth=1, label="evaluate.kl_budget")
+        if drawn == 0:
+            ax.text(0.5, 0.5, "not logged by the RL stage", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path)
+        paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage
+# ----------------------------------------------------------------------------------------------
+
+def _generate(checkpoint: Path, engine_cfg: EngineConfig, dtype: str, prompt_ids: list[list[int]],
+              *samplings: SamplingParams) -> list[Generation]:
+    """Build an engine from `checkpoint`, answer every prompt once per sampling setting, free the engine."""
+    engine = build_engine(checkpoint, engine_cfg, dtype=dtype)
+    try:
+        return [engine.generate(prompt_ids, sampling) for sampling in samplings]
+    finally:
+        engine.unload(keep_weights=False)
+
+
+@dataclass
+class SideResults:
+    """One policy's answers to the eval prompts, scored: every list has one entry per prompt."""
+
+    texts: list[str]
+    rm_total: list[float]  # weighted sum of z-scored reward-model scores
+    rm_each: dict[str, list[float]]  # reward-model name -> z-scored score
+    gold: list[float] | None  # None when the data is not the demo task
+    lengths: list[int]  # response tokens, the finishing EOS included
+    finish_reasons: list[str]
+
+    def means(self) -> dict[str, Any]:
+        n = len(self.rm_total)
+        return {"rm_score": sum(self.rm_total) / n, "rm_scores": {k: sum(v) / n for k, v in self.rm_each.items()},
+                "gold_score": sum(self.gold) / n if self.gold is not None else None,
+                "length": sum(self.lengths) / n, "eos_fraction": sum(r == "eos" for r in self.finish_reasons) / n}
+
+
+def summarise(policy: SideResults, sft: SideResults, kl: list[float], history: list[dict[str, float]],
+              kl_budget: float) -> dict[str, Any]:
+    """The numbers of eval.json: means per side, paired deltas, win rates, KL, and the reward-hacking checks."""
+    n = len(kl)
+    gold = policy.gold is not None and sft.gold is not None
+    rm_delta, rm_se = paired_delta(policy.rm_total, sft.rm_total)
+    gold_delta, gold_se = paired_delta(policy.gold, sft.gold) if gold else (None, None)
+    trend_rm, trend_gold = early_late(history, "rollout/score_mean"), early_late(history, "rollout/gold_score_mean")
+    training_hacking = None
+    if trend_rm and trend_gold:
+        training_hacking = reward_hacking_sentence(trend_rm[1] - trend_rm[0], trend_gold[1] - trend_gold[0],
+                                                   where="during training (first vs last quarter of iterations)")
+    eval_hacking = reward_hacking_sentence(rm_delta, gold_delta, gold_se)
+    kl_mean = sum(kl) / n
+    return {
+        "n_prompts": n, "gold_available": gold, "policy": policy.means(), "sft": sft.means(),
+        "rm_delta": rm_delta, "rm_delta_se": rm_se, "gold_delta": gold_delta, "gold_delta_se": gold_se,
+        "win_rate_rm": win_rate(policy.rm_total, sft.rm_total),
+        "win_rate_gold": win_rate(policy.gold, sft.gold) if gold else None,
+        "kl_to_ref": kl_mean, "kl_to_ref_se": statistics.stdev(kl) / math.sqrt(n) if n > 1 else 0.0,
+        "kl_budget": kl_budget, "kl_over_budget": kl_mean > kl_budget,
+        "reward_hacking": eval_hacking is not None, "reward_hacking_sentence": eval_hacking,
+        "training_reward_hacking": training_hacking is not None,
+        "training_reward_hacking_sentence": training_hacking,
+    }
+
+
+def sample_rows(ids: list[Any], prompts: list[str], policy: SideResults, sft: SideResults,
+                kl: list[float]) -> list[dict[str, Any]]:
+    """samples.jsonl: one row per prompt with both responses and their scores."""
+    rows = []
+    for i, prompt in enumerate(prompts):
+        row: dict[str, Any] = {"id": ids[i], "prompt": prompt}
+        for name, side in (("sft", sft), ("policy", policy)):
+            row.update({f"{name}_response": side.texts[i], f"{name}_rm": side.rm_total[i],
+                        f"{name}_gold": side.gold[i] if side.gold is not None else None,
+                        f"{name}_length": side.lengths[i], f"{name}_finish": side.finish_reasons[i],
+                        **{f"{name}_rm_{k}": v[i] for k, v in side.rm_each.items()}})
+        row["kl_sample"] = kl[i]
+        rows.append(row)
+    return rows
+
+
+def eval_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """The MLflow metrics (eval/...) of an eval.json result; gold metrics only when gold is available."""
+    pol, sft = result["policy"], result["sft"]
+    metrics = {"eval/policy_rm_score": pol["rm_score"], "eval/sft_rm_score": sft["rm_score"],
+               "eval/rm_delta": result["rm_delta"], "eval/win_rate_rm": result["win_rate_rm"],
+               "eval/kl_to_ref": result["kl_to_ref"], "eval/policy_length": pol["length"],
+               "eval/sft_length": sft["length"], "eval/n_prompts": float(result["n_prompts"])}
+    if result["gold_available"]:
+        metrics.update({"eval/policy_gold_score": pol["gold_score"], "eval/sft_gold_score": sft["gold_score"],
+                        "eval/gold_delta": result["gold_delta"], "eval/win_rate_gold": result["win_rate_gold"]})
+    if len(pol["rm_scores"]) > 1:
+        for name in pol["rm_scores"]:
+            metrics[f"eval/policy_rm_score_{name}"] = pol["rm_scores"][name]
+            metrics[f"eval/sft_rm_score_{name}"] = sft["rm_scores"][name]
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def run(spec: StageSpec) -> StageResult:
+    cfg: EvaluateConfig = section(spec, EvaluateConfig, "evaluate")
+    model_cfg: ModelConfig = section(spec, ModelConfig, "model")
+    engine_cfg: EngineConfig = section(spec, EngineConfig, "engine")
+    ctx = StageContext(spec)
+    with tracked(ctx):
+        profiler = ctx.profiler
+        profiler.iteration_word = "the evaluation"
+        ppo_dir, sft_dir, data_dir = ctx.input("ppo"), ctx.input("sft"), ctx.input("data")
+        policy_dir = ppo_dir / "policy"
+        if not (policy_dir / "config.json").is_file():
+            raise StageInputError(f"the 'ppo' input {ppo_dir} has no policy/ checkpoint; pass an RL stage output")
+        history = read_history(ppo_dir / "metrics.jsonl")
+        run_file = ppo_dir / "alignflow_run.json"
+        training = json.loads(run_file.read_text()) if run_file.is_file() else {}
+        tokenizer = load_tokenizer(policy_dir)
+        pad_id = pad_token_id(tokenizer)
+        records = load_prompts(data_dir / "eval_prompts.jsonl")[: cfg.n_prompts]
+        prompt_texts = [render_prompt(r.prompt, tokenizer) for r in records]
+        prompt_ids = [encode_prompt(tokenizer, t) for t in prompt_texts]
+        longest = max(len(p) for p in prompt_ids)
+        if longest + cfg.max_new_tokens > engine_cfg.max_seq_len:
+            raise StageInputError(f"the longest eval prompt has {longest} tokens; with evaluate.max_new_tokens="
+                                  f"{cfg.max_new_tokens} that exceeds engine.max_seq_len={engine_cfg.max_seq_len}: "
+                                  f"lower evaluate.max_new_tokens to <= {engine_cfg.max_seq_len - longest} or raise "
+                                  "engine.max_seq_len")
+        gold_available = is_demo_task(data_dir)
+        n = len(records)
+
+        with profiler.phase("generate"):
+            # Same per-prompt seeds for both policies: common random numbers make the comparison less noisy.
+            sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                                      seed=GENERATION_SEED)
+            kl_sampling = SamplingParams(temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=KL_SEED)
+            policy_gen, kl_sample = _generate(policy_dir, engine_cfg, model_cfg.dtype, prompt_ids, sampling,
+                                              kl_sampling)
+            (sft_gen,) = _generate(sft_dir, engine_cfg, model_cfg.dtype, prompt_ids, sampling)
+            gen = {"policy": policy_gen, "sft": sft_gen}
+        profiler.count(tokens=sum(sum(g.lengths) for g in (*gen.values(), kl_sample)), samples=3 * n)
+        texts = {side: [tokenizer.decode(ids, skip_special_tokens=True) for ids in g.response_token_ids]
+                 for side, g in gen.items()}
+
+        with profiler.phase("score"):
+            reward_models = load_reward_models(ctx, dtype=model_cfg.dtype, tokenizer=tokenizer)
+            rm_info = [{"name": m.name, "weight": m.weight, "score_mean": m.mean, "score_std": m.std}
+                       for m in reward_models]
+            rm = {side: score_with_reward_models(
+                reward_models, [p + r for p, r in zip(prompt_ids, g.response_token_ids, strict=True)], pad_id)
+                for side, g in gen.items()}
+            del reward_models
+            gold = {side: [gold_score(p, c) for p, c in zip(prompt_texts, texts[side], strict=True)]
+                    if gold_available else None for side in gen}
+
+        with profiler.phase("kl"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            policy = load_causal_lm(policy_dir, dtype=model_cfg.dtype).to(device).eval()
+            reference = load_causal_lm(sft_dir, dtype=model_cfg.dtype).to(device).eval()
+            kl = kl_to_reference(policy, reference, prompt_ids, kl_sample.response_token_ids, pad_id).tolist()
+            del policy, reference
+
+        sides = {side: SideResults(texts=texts[side], rm_total=rm[side].total.tolist(),
+                                   rm_each={k: v.tolist() for k, v in rm[side].per_model.items()},
+                                   gold=gold[side], lengths=g.lengths, finish_reasons=list(g.finish_reasons))
+                 for side, g in gen.items()}
+        result = summarise(sides["policy"], sides["sft"], kl, history, cfg.kl_budget)
+        result.update({"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
+                       "engine_backend": engine_cfg.backend, "reward_models": rm_info,
+                       "training": {"algorithm": training.get("algorithm"),
+                                    "iterations": training.get("iterations", len(history))}})
+        samples = sample_rows([r.extras.get("id", i) for i, r in enumerate(records)], prompt_texts,
+                              sides["policy"], sides["sft"], kl)
+        metrics = eval_metrics(result)
+        result["metrics"] = metrics
+        key_metric = "eval/gold_delta" if gold_available else "eval/rm_delta"
+
+        with ctx.output_dir() as out:
+            with profiler.phase("io"):
+                dump_json(result, out / "eval.json")
+                (out / "samples.jsonl").write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+                (out / "eval_report.md").write_text(render_report(result, samples, cfg.n_samples_shown))
+                plot_curves(history, out / "plots", cfg.kl_budget)
+            if ctx.tracker is not None:
+                ctx.tracker.log_metrics(metrics)
+                for name in ("eval_report.md", "eval.json", "samples.jsonl"):
+                    ctx.tracker.log_artifact(out / name)
+                ctx.tracker.log_artifacts(out / "plots", "plots")
+            manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": key_metric})
+        return ctx.result(manifest, metrics, key_metric, message=headline(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("evaluate", run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
