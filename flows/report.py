@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from alignflow.config import PipelineConfig
+from alignflow.storage import normalize_root
 from alignflow.tracking import resolve_tracking_uri
 
 
@@ -30,7 +31,7 @@ def print_summary(config: PipelineConfig, rows: list[dict[str, Any]], wall_s: fl
     console.print(table)
     workdir = Path(config.workdir).resolve()
     uri = resolve_tracking_uri(config.tracking, workdir)
-    console.print(f"Outputs: {config.storage.root} (each folder has a manifest.json)")
+    console.print(f"Outputs: {normalize_root(config.storage.root, workdir)} (each folder has a manifest.json)")
     if config.tracking.enabled:
         parent = rows[0].get("parent_run_id") if rows else None
         console.print(f"MLflow: {uri} (parent run {parent})")

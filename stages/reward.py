@@ -99,40 +99,47 @@ def run(spec: StageSpec) -> StageResult:
             micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, zero_stage=cfg.zero_stage,
             grad_clip=cfg.grad_clip, dtype=model_cfg.dtype))
         log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
-        initial = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)
+        with ctx.profiler.phase("eval"):
+            initial = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)
         log({"eval/accuracy": initial["eval/accuracy"], "eval/loss": initial["eval/loss"]}, step=0)
         started = time.perf_counter()
         with progress_bar(f"reward-{rm.name}", steps) as advance:
             for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, rm.seed), start=1):
                 step_loss, step_correct = 0.0, 0
-                for part in split_micro(indices, cfg.micro_batch_size):
-                    both = score(engine, [train[i][0] for i in part] + [train[i][1] for i in part], pad_id)
-                    chosen, rejected = both[: len(part)], both[len(part):]
-                    loss = bradley_terry_loss(chosen, rejected)
-                    engine.backward(loss / len(indices) * grad_accum)  # mean over the step's pairs
-                    engine.step()
-                    step_loss += float(loss)
-                    step_correct += int((chosen > rejected).sum())
+                with ctx.profiler.phase("train"):
+                    for part in split_micro(indices, cfg.micro_batch_size):
+                        both = score(engine, [train[i][0] for i in part] + [train[i][1] for i in part], pad_id)
+                        chosen, rejected = both[: len(part)], both[len(part):]
+                        loss = bradley_terry_loss(chosen, rejected)
+                        engine.backward(loss / len(indices) * grad_accum)  # mean over the step's pairs
+                        engine.step()
+                        step_loss += float(loss.detach())
+                        step_correct += int((chosen > rejected).sum())
+                ctx.profiler.count(tokens=sum(len(train[i][0]) + len(train[i][1]) for i in indices),
+                                   samples=len(indices))
                 train_loss = step_loss / len(indices)
                 if not math.isfinite(train_loss):
                     raise RuntimeError(f"reward-{rm.name}: loss is {train_loss} at step {step}; lower reward.lr")
                 step_metrics = {"train/loss": train_loss, "train/accuracy": step_correct / len(indices),
                                 "train/lr": scheduler.get_last_lr()[0]}
                 if step % cfg.eval_every == 0 or step == steps:
-                    step_metrics.update(evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size))
+                    with ctx.profiler.phase("eval"):
+                        step_metrics.update(evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size))
                 log(step_metrics, step=step)
                 advance(f"loss {train_loss:.3f}")
-        final = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)
+        with ctx.profiler.phase("eval"):
+            final = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)
         metrics = {**final, "eval/accuracy_initial": initial["eval/accuracy"], "train/steps": float(steps),
                    "timing/train_s": time.perf_counter() - started}
         log({"timing/train_s": metrics["timing/train_s"]}, step=steps)
         with ctx.output_dir() as out:
-            model.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
-            tokenizer.save_pretrained(out)
-            dump_json({"stage": "reward", "name": rm.name, "weight": rm.weight, "steps": steps,
-                       "pairs": len(train), "score_mean": final["eval/score_mean"],
-                       "score_std": final["eval/score_std"], "metrics": metrics, "inputs": spec.inputs},
-                      out / "alignflow_checkpoint.json")
+            with ctx.profiler.phase("save"):
+                model.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
+                tokenizer.save_pretrained(out)
+                dump_json({"stage": "reward", "name": rm.name, "weight": rm.weight, "steps": steps,
+                           "pairs": len(train), "score_mean": final["eval/score_mean"],
+                           "score_std": final["eval/score_std"], "metrics": metrics, "inputs": spec.inputs},
+                          out / "alignflow_checkpoint.json")
             manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "eval/accuracy",
                                                         "name": rm.name})
         return ctx.result(manifest, metrics, "eval/accuracy",

@@ -23,6 +23,7 @@ from alignflow.contract import StageResult, StageSpec
 from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
 from alignflow.offline import set_offline_defaults
 from alignflow.stages.data.formats import DataError
+from alignflow.stages.profiler import Profiler
 from alignflow.storage import StorageError, open_store
 
 
@@ -59,6 +60,9 @@ class StageContext:
         self.started = time.perf_counter()
         self._inputs: dict[str, tuple[Path, Manifest]] = {}
         self.tracker = None  # alignflow.tracking.StageRun when tracking is enabled
+        # Every stage is profiled: stages time their phases with `ctx.profiler.phase(name)`;
+        # publish_output adds profile.md to the output and the totals to MLflow.
+        self.profiler = Profiler(spec.stage).start()
 
     def input(self, name: str) -> Path:
         """A verified local folder of input `name` (downloaded once for s3://, in place for file://)."""
@@ -100,7 +104,15 @@ class StageContext:
         return root
 
     def publish_output(self, folder: Path, summary: dict[str, Any] | None = None) -> Manifest:
-        """Publish `folder` to the spec's output URI (manifest last) and log the manifest to MLflow."""
+        """Publish `folder` to the spec's output URI (manifest last) and log the manifest to MLflow.
+
+        Adds the stage's profile (profile.md) to the folder first and logs its totals as metrics.
+        """
+        self.profiler.stop()
+        self.profiler.write_report(folder / "profile.md")
+        if self.tracker is not None:
+            self.tracker.log_metrics(self.profiler.summary())
+            self.tracker.log_artifact(folder / "profile.md", "reports")
         inputs = {name: InputRef(uri=uri, digest=self.spec.input_digests.get(name, ""))
                   for name, uri in self.spec.inputs.items()}
         manifest = publish(folder, self.spec.output_uri, stage=self.spec.stage, config=self.spec.config,

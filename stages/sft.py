@@ -83,7 +83,8 @@ def run(spec: StageSpec) -> StageResult:
             micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, zero_stage=cfg.zero_stage,
             grad_clip=cfg.grad_clip, dtype=model_cfg.dtype))
 
-        initial_loss = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)
+        with ctx.profiler.phase("eval"):
+            initial_loss = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)
         log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
         log({"eval/loss": initial_loss}, step=0)
         metrics = {"eval/loss_initial": initial_loss}
@@ -94,13 +95,15 @@ def run(spec: StageSpec) -> StageResult:
                 micro = [collate_lm([train[i] for i in part], pad_id) for part in split_micro(indices, cfg.micro_batch_size)]
                 step_tokens = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
                 step_nll = 0.0
-                for batch in micro:
-                    nll, _ = completion_nll(engine, batch)
-                    # Token-mean over the whole optimizer step, not a mean of micro-batch means;
-                    # DeepSpeed divides by grad_accum in backward, so scale it back up.
-                    engine.backward(nll / step_tokens * grad_accum)
-                    engine.step()
-                    step_nll += float(nll)
+                with ctx.profiler.phase("train"):
+                    for batch in micro:
+                        nll, _ = completion_nll(engine, batch)
+                        # Token-mean over the whole optimizer step, not a mean of micro-batch means;
+                        # DeepSpeed divides by grad_accum in backward, so scale it back up.
+                        engine.backward(nll / step_tokens * grad_accum)
+                        engine.step()
+                        step_nll += float(nll.detach())
+                ctx.profiler.count(tokens=sum(int(m["attention_mask"].sum()) for m in micro), samples=len(indices))
                 train_loss = step_nll / step_tokens
                 if not math.isfinite(train_loss):
                     raise RuntimeError(f"sft: loss is {train_loss} at step {step}; lower sft.lr or check the data")
@@ -108,7 +111,8 @@ def run(spec: StageSpec) -> StageResult:
                 step_metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
                                 "perf/tokens_per_s": tokens_seen / (time.perf_counter() - started)}
                 if step % cfg.eval_every == 0 or step == steps:
-                    step_metrics["eval/loss"] = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)
+                    with ctx.profiler.phase("eval"):
+                        step_metrics["eval/loss"] = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)
                 log(step_metrics, step=step)
                 advance(f"loss {train_loss:.3f}")
         final_loss = step_metrics["eval/loss"]
@@ -117,11 +121,12 @@ def run(spec: StageSpec) -> StageResult:
                         "timing/train_s": time.perf_counter() - started})
         log({"eval/loss_final": final_loss, "timing/train_s": metrics["timing/train_s"]}, step=steps)
         with ctx.output_dir() as out:
-            model.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
-            tokenizer.save_pretrained(out)
-            dump_json({"stage": "sft", "steps": steps, "examples": len(train), "truncated_examples": truncated,
-                       "metrics": metrics, "inputs": spec.inputs, "input_digests": spec.input_digests},
-                      out / "alignflow_checkpoint.json")
+            with ctx.profiler.phase("save"):
+                model.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
+                tokenizer.save_pretrained(out)
+                dump_json({"stage": "sft", "steps": steps, "examples": len(train), "truncated_examples": truncated,
+                           "metrics": metrics, "inputs": spec.inputs, "input_digests": spec.input_digests},
+                          out / "alignflow_checkpoint.json")
             manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "eval/loss"})
         return ctx.result(manifest, metrics, "eval/loss",
                           message=f"held-out loss {initial_loss:.3f} -> {final_loss:.3f}")

@@ -7,6 +7,7 @@ import math
 import os
 import random
 import sys
+import time
 from collections.abc import Iterator
 
 from rich.console import Console
@@ -37,15 +38,27 @@ def split_micro(indices: list[int], micro_batch_size: int) -> list[list[int]]:
 
 @contextlib.contextmanager
 def progress_bar(description: str, total: int) -> Iterator:
-    """A rich progress bar on stderr (stdout is kept for the StageResult line); plain when not a TTY."""
-    console = Console(file=sys.stderr, force_terminal=None if os.environ.get("CI") is None else False)
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=False,
-                  disable=not console.is_terminal and os.environ.get("ALIGNFLOW_PROGRESS") != "1") as bar:
-        task = bar.add_task(description, total=total, status="")
+    """Progress on stderr (stdout carries the StageResult line): a rich bar on a terminal, else a
+    plain line at every 10% so logs of stages launched by the flow (a pipe, not a TTY) show progress too.
+    """
+    console = Console(file=sys.stderr)
+    if console.is_terminal and not os.environ.get("CI"):
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console) as bar:
+            task = bar.add_task(description, total=total, status="")
+            yield lambda status="": bar.update(task, advance=1, status=status)
+        return
+    started, done = time.perf_counter(), 0
+    every = max(1, total // 10)
 
-        def advance(status: str = "") -> None:
-            bar.update(task, advance=1, status=status)
+    def advance(status: str = "") -> None:
+        nonlocal done
+        done += 1
+        if done % every == 0 or done == total:
+            elapsed = time.perf_counter() - started
+            eta = elapsed / done * (total - done)
+            print(f"{description}: {done}/{total} {status} ({elapsed:.0f} s, eta {eta:.0f} s)", file=sys.stderr,
+                  flush=True)
 
-        yield advance
+    yield advance
