@@ -52,6 +52,7 @@ class OptimSettings:
     zero_stage: int
     grad_clip: float
     dtype: str = "float32"
+    schedule: str = "cosine"  # "cosine": linear warm-up then cosine decay; "constant": no scheduler (RL)
 
 
 def deepspeed_config(settings: OptimSettings) -> dict[str, Any]:
@@ -65,14 +66,17 @@ def deepspeed_config(settings: OptimSettings) -> dict[str, Any]:
         "zero_optimization": {"stage": settings.zero_stage},
         "optimizer": {"type": "AdamW", "params": {"lr": settings.lr, "weight_decay": settings.weight_decay,
                                                    "betas": [0.9, 0.95], "eps": 1e-8}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
+        "scheduler": None if settings.schedule == "constant" else {"type": "WarmupCosineLR", "params": {
             "total_num_steps": max(settings.total_steps, settings.warmup_steps + 1),
-            "warmup_num_steps": settings.warmup_steps, "warmup_type": "linear",
+            # DeepSpeed rejects 0 warm-up steps for this scheduler; 1 step is a no-op warm-up.
+            "warmup_num_steps": max(settings.warmup_steps, 1), "warmup_type": "linear",
             # cos_min_ratio: decay to 10% of the peak rather than 0, a common choice for short runs.
             "cos_min_ratio": 0.1, "warmup_min_ratio": 0.0}},
         "steps_per_print": 10**9,  # our own progress bars and MLflow metrics report progress
         "wall_clock_breakdown": False,
     }
+    if config["scheduler"] is None:
+        del config["scheduler"]
     if settings.dtype == "bfloat16":
         config["bf16"] = {"enabled": True}
     elif settings.dtype == "float16":

@@ -1,0 +1,478 @@
+"""The RL stage: PPO or GRPO over a generation engine that is built once and refit every iteration.
+
+Inputs: `engine` (the engine stage's output), `sft` (actor and frozen reference), `data` (prompts),
+and `reward_<name>` (frozen reward models; the first also initialises the PPO critic). Output:
+`policy/` (final actor, HF format), `critic/` (PPO), `rollouts/iter_NNNNN.parquet`,
+`checkpoints/iter_NNNNN/` (resumable, each with its own manifest), `metrics.jsonl`, `profile.md`.
+
+Each iteration reads like the algorithm: generate -> score -> reference/old log-probs -> values ->
+advantages -> write rollouts -> PPO epochs -> refit the engine, one profiler phase each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from alignflow.config import EngineConfig, ModelConfig, PPOConfig
+from alignflow.contract import StageResult, StageSpec
+from alignflow.manifest import find_published, materialize, publish
+from alignflow.stages.data.demo_task import gold_score
+from alignflow.stages.data.formats import load_prompts, render_prompt
+from alignflow.stages.generation.base import SamplingParams, load_engine
+from alignflow.stages.models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
+from alignflow.stages.reward_scoring import load_reward_models, score_with_reward_models
+from alignflow.stages.rl import algorithms as rl
+from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
+from alignflow.stages.rl.kl_control import make_kl_controller
+from alignflow.stages.rl.reward_functions import call_reward_function, load_reward_function
+from alignflow.stages.rollouts import write_rollouts
+from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
+from alignflow.stages.tokenization import encode_prompt, pad_token_id
+from alignflow.stages.training.deepspeed_setup import (
+    OptimSettings,
+    full_state_dict,
+    initialize,
+    stream_weights,
+)
+from alignflow.storage import join_uri, open_store
+
+CHECKPOINT_DIR = re.compile(r"/checkpoints/iter_(\d{5})/manifest\.json$")
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or inf in a reward, a loss or the KL: training stops after publishing the last good state."""
+
+
+def check_finite(what: str, value: torch.Tensor | float, iteration: int) -> None:
+    tensor = torch.as_tensor(value)
+    if not torch.isfinite(tensor).all():
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise NonFiniteError(f"iteration {iteration}: {what} is not finite ({bad} NaN/inf value(s))")
+
+
+# ----------------------------------------------------------------------------------------------
+# Plumbing: the RL state that a checkpoint holds, and where it lives
+# ----------------------------------------------------------------------------------------------
+
+class RLState:
+    """Everything besides model/optimizer weights that resuming needs."""
+
+    def __init__(self, cfg: PPOConfig):
+        self.iteration = 0                       # iterations completed
+        self.kl_controller = make_kl_controller(cfg)
+        self.score_stats = rl.RunningMeanStd()
+        self.history: list[dict[str, float]] = []  # per-iteration metrics, for metrics.jsonl
+        self.mlflow_run_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "kl_controller": self.kl_controller.state_dict(),
+                "score_stats": self.score_stats.state_dict(), "history": self.history,
+                "mlflow_run_id": self.mlflow_run_id}
+
+    def load_json(self, data: dict[str, Any]) -> None:
+        self.iteration = int(data["iteration"])
+        self.kl_controller.load_state_dict(data["kl_controller"])
+        self.score_stats.load_state_dict(data["score_stats"])
+        self.history = list(data["history"])
+        self.mlflow_run_id = data.get("mlflow_run_id")
+
+
+def latest_checkpoint(spec: StageSpec) -> tuple[int, str] | None:
+    """(iteration, URI) of the newest published checkpoint under the stage's output, if any."""
+    store = open_store(spec.output_uri, spec.storage)
+    found = []
+    for uri, _ in store.list(join_uri(spec.output_uri, "checkpoints")):
+        match = CHECKPOINT_DIR.search(uri)
+        if match:
+            found.append((int(match.group(1)), uri.rsplit("/", 1)[0]))
+    return max(found) if found else None
+
+
+def save_checkpoint(ctx: StageContext, out: Path, state: RLState, actor, critic) -> str:
+    """Publish checkpoints/iter_NNNNN (DeepSpeed states of actor and critic, RL state, RNG) with its manifest."""
+    name = f"iter_{state.iteration:05d}"
+    folder = out / "checkpoints" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    actor.save_checkpoint(str(folder / "actor"), tag="state")
+    if critic is not None:
+        critic.save_checkpoint(str(folder / "critic"), tag="state")
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, folder / "rng.pt")
+    dump_json(state.to_json(), folder / "state.json")
+    uri = join_uri(ctx.spec.output_uri, "checkpoints", name)
+    publish(folder, uri, stage="ppo-checkpoint", config=ctx.spec.config, inputs={}, version=ctx.spec.code_version,
+            summary={"iteration": state.iteration}, storage=ctx.spec.storage)
+    return uri
+
+
+def load_checkpoint(ctx: StageContext, uri: str, state: RLState, actor, critic) -> None:
+    folder, _ = materialize(uri, ctx.cache_dir, ctx.spec.storage)
+    actor.load_checkpoint(str(folder / "actor"), tag="state")
+    if critic is not None:
+        critic.load_checkpoint(str(folder / "critic"), tag="state")
+    rng = torch.load(folder / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    state.load_json(json.loads((folder / "state.json").read_text()))
+
+
+def working_dir(ctx: StageContext) -> Path:
+    """Where the stage writes as it goes: the output folder itself for file://, else a scratch folder.
+
+    Not cleared on start: a resumed run keeps the rollouts and checkpoints of the killed one.
+    """
+    local = open_store(ctx.spec.output_uri, ctx.spec.storage).local_path(ctx.spec.output_uri)
+    if local is None:
+        local = ctx.workdir / ".alignflow" / "scratch" / ("ppo-" + ctx.spec.output_uri.rsplit("/", 1)[-1])
+    local.mkdir(parents=True, exist_ok=True)
+    return local
+
+
+# ----------------------------------------------------------------------------------------------
+# The algorithm
+# ----------------------------------------------------------------------------------------------
+
+def compute_scores(reward_models, reward_fns, prompts: list[str], completions: list[str], sequences: list[list[int]],
+                   response_ids: list[list[int]], finish_reasons: list[str], pad_id: int, cfg: PPOConfig
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(B,) combined raw score and each component (B,): weighted, z-scored reward models plus reward functions."""
+    components, total = score_with_reward_models(reward_models, sequences, pad_id)
+    weights = cfg.reward_function_weights or [1.0] * len(reward_fns)
+    for (name, fn), weight in zip(reward_fns, weights, strict=True):
+        values = torch.tensor(call_reward_function(name, fn, prompts, completions, completion_ids=response_ids,
+                                                   finish_reasons=finish_reasons), dtype=torch.float32)
+        components[name] = values
+        total = total + weight * values
+    return total, components
+
+
+def shape_scores(raw: torch.Tensor, finished_with_eos: torch.Tensor, state: RLState, cfg: PPOConfig) -> torch.Tensor:
+    """Missing-EOS penalty, then running normalisation (optional), then clipping."""
+    scores = rl.apply_missing_eos_penalty(raw, finished_with_eos, cfg.missing_eos_penalty)
+    if cfg.normalize_reward:
+        scores = rl.normalize_scores(scores, state.score_stats, update=True)
+    return rl.clip_scores(scores, cfg.reward_clip)
+
+
+def advantages_for(exp: Experience, cfg: PPOConfig, kl_coef: float) -> None:
+    """Fill token_rewards, advantages and returns: GAE for PPO, group-relative for GRPO."""
+    mask = exp.response_mask
+    if cfg.algorithm == "grpo":
+        exp.token_rewards = rl.token_rewards_from_scores(exp.scores, exp.kl, 0.0, mask)  # GRPO: KL is in the loss
+        exp.advantages = rl.sequence_to_token(rl.grpo_advantages(exp.scores, cfg.group_size, cfg.grpo_scale_std), mask)
+        exp.returns = None
+        return
+    coef = kl_coef if cfg.kl_in_reward else 0.0
+    exp.token_rewards = rl.token_rewards_from_scores(exp.scores, exp.kl, coef, mask)
+    advantages, returns = rl.compute_gae(exp.token_rewards, exp.values, mask, cfg.gamma, cfg.lam)
+    exp.advantages = rl.whiten(advantages, mask) if cfg.whiten_advantages else advantages
+    exp.returns = returns
+
+
+def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int) -> dict[str, float]:
+    """PPO epochs over shuffled minibatches; returns the mean of each loss metric."""
+    sums: dict[str, float] = {}
+    count = 0
+    rows = exp.scores.shape[0]
+    generator = torch.Generator().manual_seed(cfg.seed * 100_003 + iteration)
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(rows, generator=generator)
+        for start in range(0, rows, cfg.minibatch_size):
+            mb = exp.select(order[start:start + cfg.minibatch_size])
+            logp, entropy = policy_logprobs(actor, mb, cfg.temperature, with_entropy=True)
+            if cfg.algorithm == "grpo":
+                loss, metrics = rl.policy_loss_grpo(
+                    logp, mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
+                    kl_coef=kl_coef, kl_estimator="k3", dual_clip=cfg.dual_clip, entropy=entropy,
+                    entropy_coef=cfg.entropy_coef)
+            else:
+                in_loss = not cfg.kl_in_reward
+                loss, metrics = rl.policy_loss_ppo(
+                    logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range, dual_clip=cfg.dual_clip,
+                    entropy=entropy, entropy_coef=cfg.entropy_coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
+                    kl_coef=kl_coef if in_loss else 0.0, kl_estimator=cfg.kl_estimator)
+            check_finite("the policy loss", loss, iteration)
+            actor.backward(loss)
+            actor.step()
+            if critic is not None:
+                values = token_values(critic, mb)
+                value_loss, value_metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
+                                                                  cfg.value_clip_range)
+                check_finite("the value loss", value_loss, iteration)
+                critic.backward(cfg.vf_coef * value_loss)
+                critic.step()
+                metrics = {**metrics, **value_metrics}
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            count += 1
+    return {key: value / count for key, value in sums.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage
+# ----------------------------------------------------------------------------------------------
+
+def run(spec: StageSpec) -> StageResult:
+    cfg: PPOConfig = section(spec, PPOConfig, "ppo")
+    model_cfg: ModelConfig = section(spec, ModelConfig, "model")
+    section(spec, EngineConfig, "engine")
+    reward_inputs = sorted(k for k in spec.inputs if k.startswith("reward_"))
+    if not reward_inputs and not cfg.reward_functions:
+        raise StageInputError("ppo needs at least one reward model input (reward_<name>) or ppo.reward_functions")
+    if cfg.algorithm == "ppo" and not reward_inputs:
+        raise StageInputError("ppo.algorithm 'ppo' initialises its critic from a reward model: add one, or use grpo")
+    reward_fns = [(path, load_reward_function(path)) for path in cfg.reward_functions]
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    ctx = StageContext(spec)
+    out = working_dir(ctx)
+    state = RLState(cfg)
+    resume = latest_checkpoint(spec)
+    resume_run_id = None
+    if resume is not None:
+        resume_run_id = json.loads(materialize(resume[1], ctx.cache_dir, spec.storage)[0]
+                                   .joinpath("state.json").read_text()).get("mlflow_run_id")
+    with tracked(ctx, resume_run_id=resume_run_id):
+        return _train(ctx, spec, cfg, model_cfg, reward_fns, out, state, resume)
+
+
+def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelConfig, reward_fns, out: Path,
+           state: RLState, resume: tuple[int, str] | None) -> StageResult:
+    profiler = ctx.profiler
+    with profiler.phase("setup"):
+        sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
+        tokenizer = load_tokenizer(sft_dir)
+        pad_id = pad_token_id(tokenizer)
+        prompts = load_prompts(data_dir / "prompts.jsonl")
+        demo_task = json.loads((data_dir / "stats.json").read_text())["sources"]["sft"].startswith("demo://")
+        prompt_texts = [render_prompt(p.prompt, tokenizer) for p in prompts]
+        prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
+        reward_models = load_reward_models(ctx)
+        reference = load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False)
+        actor_model = load_causal_lm(sft_dir, dtype=model_cfg.dtype)
+        steps = cfg.iterations * cfg.ppo_epochs * math.ceil(cfg.prompts_per_iteration * cfg.group_size
+                                                            / cfg.minibatch_size)
+        common = dict(weight_decay=0.0, warmup_steps=0, total_steps=steps, micro_batch_size=cfg.minibatch_size,
+                      grad_accum=1, zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=model_cfg.dtype,
+                      schedule="constant")
+        actor, _, _ = initialize(actor_model, OptimSettings(lr=cfg.actor_lr, **common))
+        critic = None
+        if cfg.algorithm == "ppo":
+            critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
+            critic, _, _ = initialize(load_sequence_classifier(critic_dir, dtype=model_cfg.dtype),
+                                      OptimSettings(lr=cfg.critic_lr, **common))
+    with profiler.phase("engine_load"):
+        engine = load_engine(ctx.input("engine"))  # built once by the engine stage; refit from here on
+    if resume is not None:
+        load_checkpoint(ctx, resume[1], state, actor, critic)
+        with profiler.phase("refit"):
+            engine.refit(stream_weights(actor))
+    state.mlflow_run_id = ctx.tracker.run_id if ctx.tracker else None
+    logged_through = _logged_through(ctx)
+    pending: list[dict[str, float]] = []
+    last_checkpoint = resume[1] if resume else None
+    rollout_store = open_store(spec.output_uri, spec.storage)
+
+    def flush_metrics() -> None:
+        """Send buffered per-iteration metrics to MLflow, skipping iterations a killed attempt logged already."""
+        nonlocal logged_through
+        for metrics in pending:
+            step = int(metrics["iteration"])
+            if ctx.tracker is not None and step > logged_through:
+                ctx.tracker.log_metrics({k: v for k, v in metrics.items() if k != "iteration"}, step=step)
+                logged_through = step
+        pending.clear()
+
+    try:
+        while state.iteration < cfg.iterations:
+            iteration = state.iteration + 1
+            metrics = _iteration(iteration, cfg, state, engine, actor, critic, reference, reward_models, reward_fns,
+                                 tokenizer, pad_id, prompts, prompt_texts, prompt_ids, demo_task, profiler, out,
+                                 rollout_store, spec)
+            state.iteration = iteration
+            state.history.append(metrics)
+            pending.append(metrics)
+            if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
+                flush_metrics()
+                with profiler.phase("checkpoint"):
+                    last_checkpoint = save_checkpoint(ctx, out, state, actor, critic)
+    except NonFiniteError as exc:
+        flush_metrics()
+        where = _publish_last_good(ctx, out, state, actor, critic, last_checkpoint, exc)
+        raise NonFiniteError(f"{exc}; stopped. Last good checkpoint: {where}") from None
+    with profiler.phase("publish"):
+        _write_final(out, state, actor, critic, tokenizer, cfg)
+        summary = profiler.summary()
+        final = state.history[-1]
+        metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"], "kl/mean": final["kl/mean"],
+                   "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")}}
+        if "rollout/gold_score_mean" in final:
+            metrics["rollout/gold_score_mean"] = final["rollout/gold_score_mean"]
+        if ctx.tracker is not None:
+            ctx.tracker.log_artifact(out / "metrics.jsonl", "reports")
+        manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "rollout/reward_total_mean"})
+    return ctx.result(manifest, metrics, "rollout/reward_total_mean",
+                      message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
+
+
+def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, critic, reference, reward_models,
+               reward_fns, tokenizer, pad_id: int, prompts, prompt_texts, prompt_ids, demo_task: bool,
+               profiler, out: Path, rollout_store, spec: StageSpec) -> dict[str, float]:
+    """One RL iteration; returns its metrics (namespaced) with 'iteration'."""
+    started = time.perf_counter()
+    # Prompts of this iteration: a seeded draw, so a resumed run draws the same ones.
+    chosen = random.Random(cfg.seed * 1_000_003 + iteration).sample(range(len(prompts)),
+                                                                   min(cfg.prompts_per_iteration, len(prompts)))
+    rows = [i for i in chosen for _ in range(cfg.group_size)]  # group-contiguous for GRPO
+    batch_prompt_ids = [prompt_ids[i] for i in rows]
+
+    with profiler.phase("generate"):
+        seeds = [(cfg.seed * 1_000_003 + iteration) * 4096 + k for k in range(len(rows))]
+        generation = engine.generate(batch_prompt_ids, SamplingParams(
+            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+            seeds=seeds))
+    profiler.count(tokens=sum(generation.lengths), samples=len(rows))
+    completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.response_token_ids]
+    texts = [prompt_texts[i] for i in rows]
+    input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(
+        batch_prompt_ids, generation.response_token_ids, pad_id)
+    rollout_logprobs = generation.padded(pad_id)[1][:, : response_ids.shape[1]]
+
+    with profiler.phase("score"):
+        raw, components = compute_scores(reward_models, reward_fns, texts, completions,
+                                         [p + r for p, r in zip(batch_prompt_ids, generation.response_token_ids,
+                                                                strict=True)],
+                                         generation.response_token_ids, list(generation.finish_reasons), pad_id, cfg)
+        check_finite("the reward", raw, iteration)
+        finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
+        scores = shape_scores(raw, finished, state, cfg)
+        gold = torch.tensor([gold_score(t, c) for t, c in zip(texts, completions, strict=True)]) if demo_task else None
+
+    exp = Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
+                     old_logprobs=torch.zeros_like(mask), ref_logprobs=torch.zeros_like(mask), values=None,
+                     scores=scores, token_rewards=torch.zeros_like(mask), kl=torch.zeros_like(mask),
+                     advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p)
+    with torch.no_grad():
+        with profiler.phase("reference"):
+            exp.ref_logprobs = policy_logprobs(reference, exp, cfg.temperature)[0]
+            exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature)[0]
+        if critic is not None:
+            with profiler.phase("values"):
+                exp.values = token_values(critic.module, exp)
+    kl_coef = state.kl_controller.value
+    with profiler.phase("advantages"):
+        estimator = "k3" if cfg.algorithm == "grpo" else cfg.kl_estimator
+        exp.kl = rl.kl_penalty(exp.old_logprobs, exp.ref_logprobs, estimator, mask)
+        check_finite("the KL to the reference", exp.kl, iteration)
+        advantages_for(exp, cfg, kl_coef)
+        check_finite("the advantages", exp.advantages, iteration)
+    seq_kl = rl.sequence_kl(exp.kl, mask)
+
+    with profiler.phase("io"):
+        path = out / "rollouts" / f"iter_{iteration:05d}.parquet"
+        write_rollouts(_rollout_rows(iteration, state.iteration, chosen, rows, prompts, texts, completions,
+                                     batch_prompt_ids, generation, exp, components, seq_kl), path)
+        if rollout_store.local_path(spec.output_uri) is None:
+            rollout_store.put_file(path, join_uri(spec.output_uri, "rollouts", path.name))
+
+    with profiler.phase("train"):
+        actor.train()
+        loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration)
+    with profiler.phase("refit"):
+        refit = engine.refit(stream_weights(actor))
+    state.kl_controller.update(float(seq_kl.mean()), n_steps=len(rows))
+
+    lengths = mask.sum(-1)
+    metrics: dict[str, float] = {
+        "iteration": float(iteration),
+        "rollout/score_mean": float(raw.mean()),
+        "rollout/reward_total_mean": float(scores.mean()),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/eos_fraction": float(finished.float().mean()),
+        "rollout/logprob_engine_vs_actor_max": float(((exp.rollout_logprobs - exp.old_logprobs).abs() * mask).max()),
+        "kl/mean": float(seq_kl.mean()),
+        "kl/coef": float(kl_coef),
+        "kl/coef_next": float(state.kl_controller.value),
+        "refit/bytes": float(refit.bytes),
+        **{f"rollout/reward_{name}_mean": float(v.mean()) for name, v in components.items()},
+        **{k if "/" in k else f"losses/{k}": v for k, v in loss_metrics.items()},
+        **profiler.iteration_metrics(),
+        "timing/iteration": time.perf_counter() - started,
+    }
+    if exp.values is not None:
+        metrics["losses/explained_variance"] = float(rl.explained_variance(exp.values, exp.returns, mask))
+    if gold is not None:
+        metrics["rollout/gold_score_mean"] = float(gold.mean())
+    return metrics
+
+
+def _rollout_rows(iteration, policy_version, chosen, rows, prompts, texts, completions, prompt_ids, generation,
+                  exp: Experience, components, seq_kl) -> list[dict[str, Any]]:
+    out = []
+    for b, prompt_index in enumerate(rows):
+        n = len(generation.response_token_ids[b])
+        record = prompts[prompt_index]
+        out.append({
+            "iteration": iteration, "policy_version": policy_version,
+            "prompt_id": str(getattr(record, "id", None) or prompt_index), "prompt": texts[b],
+            "response": completions[b], "prompt_token_ids": prompt_ids[b],
+            "response_token_ids": generation.response_token_ids[b],
+            "logprobs": exp.rollout_logprobs[b, :n].tolist(), "ref_logprobs": exp.ref_logprobs[b, :n].tolist(),
+            "values": exp.values[b, :n].tolist() if exp.values is not None else None,
+            "token_rewards": exp.token_rewards[b, :n].tolist(), "advantages": exp.advantages[b, :n].tolist(),
+            "returns": exp.returns[b, :n].tolist() if exp.returns is not None else None,
+            "rewards": {name: float(v[b]) for name, v in components.items()},
+            "reward_total": float(exp.scores[b]), "kl": float(seq_kl[b]), "length": n,
+            "finish_reason": generation.finish_reasons[b]})
+    return out
+
+
+def _logged_through(ctx: StageContext) -> int:
+    """The last iteration an earlier attempt of this MLflow run logged (0 for a fresh run)."""
+    if ctx.tracker is None:
+        return 0
+    history = ctx.tracker._client.get_metric_history(ctx.tracker.run_id, "timing/iteration")
+    return max((m.step for m in history), default=0)
+
+
+def _publish_last_good(ctx, out, state: RLState, actor, critic, last_checkpoint: str | None, exc) -> str:
+    """After a non-finite value: checkpoint the current state if no update ran in the bad iteration."""
+    if "loss" not in str(exc) and state.iteration > 0:
+        # The bad value appeared before any optimizer step of this iteration: the weights are good.
+        uri = join_uri(ctx.spec.output_uri, "checkpoints", f"iter_{state.iteration:05d}")
+        if find_published(uri, ctx.spec.storage) is None:
+            uri = save_checkpoint(ctx, out, state, actor, critic)
+        return f"{uri} (iteration {state.iteration})"
+    return f"{last_checkpoint} (the updates of this iteration are discarded)" if last_checkpoint else \
+        "none (no iteration completed)"
+
+
+def _write_final(out: Path, state: RLState, actor, critic, tokenizer, cfg: PPOConfig) -> None:
+    policy_dir = out / "policy"
+    policy_dir.mkdir(parents=True, exist_ok=True)
+    actor.module.save_pretrained(policy_dir, state_dict=full_state_dict(actor), safe_serialization=True)
+    tokenizer.save_pretrained(policy_dir)
+    if critic is not None:
+        critic_dir = out / "critic"
+        critic_dir.mkdir(parents=True, exist_ok=True)
+        critic.module.save_pretrained(critic_dir, state_dict=full_state_dict(critic), safe_serialization=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in state.history))
+    dump_json({"algorithm": cfg.algorithm, "iterations": state.iteration, "kl_coef_final": state.kl_controller.value,
+               "final": state.history[-1]}, out / "alignflow_run.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("ppo", run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

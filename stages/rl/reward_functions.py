@@ -1,0 +1,56 @@
+"""Reward functions named by import path ('pkg.module:function') with TRL's signature, plus two built-ins.
+
+A reward function is `f(prompts: list[str], completions: list[str], **kwargs) -> list[float]`;
+kwargs carry `completion_ids` (list[list[int]]) and `finish_reasons` (list[str]).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+RewardFunction = Callable[..., list[float]]
+
+
+def load_reward_function(path: str) -> RewardFunction:
+    """Import 'pkg.module:function' (or 'pkg.module.function'); errors say what was missing."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"reward function '{path}': expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward function '{path}': cannot import module '{module_name}' ({exc})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function '{path}': module '{module_name}' has no callable '{attr}'")
+    return fn
+
+
+def call_reward_function(name: str, fn: RewardFunction, prompts: list[str], completions: list[str],
+                         **kwargs) -> list[float]:
+    """Call `fn` and check it returned one finite number per completion."""
+    import math
+
+    values = fn(prompts, completions, **kwargs)
+    if len(values) != len(completions):
+        raise ValueError(f"reward function '{name}' returned {len(values)} values for {len(completions)} completions")
+    out = [float(v) for v in values]
+    bad = [i for i, v in enumerate(out) if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"reward function '{name}' returned a non-finite value for completion {bad[0]}: {out[bad[0]]}")
+    return out
+
+
+def brevity(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+    """-0.01 per whitespace-separated word beyond 20: discourages rambling (an example shaping term)."""
+    return [-0.01 * max(0, len(c.split()) - 20) for c in completions]
+
+
+def ends_with_eos(prompts: list[str], completions: list[str], finish_reasons: list[str] | None = None,
+                  **kwargs) -> list[float]:
+    """1.0 for a completion that ended with EOS, else 0.0."""
+    reasons = finish_reasons or ["eos"] * len(completions)
+    return [1.0 if r == "eos" else 0.0 for r in reasons]
