@@ -1,0 +1,232 @@
+"""Next-token sampling from [B, V] logits: temperature, top-k and top-p in one pass, seeded per request.
+
+This is the engine's sampler (not a generation loop, not a logits processor chain). Per row:
+
+1. greedy rows (temperature == 0) take the argmax and their log-prob at temperature 1;
+2. other rows scale z = logits / T (as ``logits * (1/T)`` with 1/T rounded to fp32 once);
+3. the *kept set* is {j : key(logits_j) >= tau}, one threshold per row, with ``key`` the
+   order-preserving int32 image of the fp32 logit (so ties are decided bit-exactly):
+   * top-k (0 = off, k >= V = off): tau_k = key of the k-th largest logit; ties with it are kept,
+     so more than k tokens survive only on exact ties;
+   * top-p (1.0 = off), applied to the renormalised top-k survivors with q_j proportional to
+     exp(z_j - max z): tau_p = key of the m-th largest surviving logit, m the smallest count whose
+     mass reaches top_p * (total surviving mass); again all ties with it are kept;
+4. the token is argmax over the kept set of z_j + G_j (Gumbel-max), the Gumbel noise G_j a pure
+   function of (seed, step, j) from rng.py, ties going to the lowest index;
+5. the returned log-prob is log softmax(z)[token] over the FULL vocabulary, not over the kept set:
+   that is the behaviour policy's probability PPO's importance ratio needs.
+
+The torch reference sorts; the Triton kernel (``_triton_sampling.py``) finds the same thresholds by
+a 16-way search over the int32 keys (8-9 passes each). Both use the same noise bits, the same
+thresholds-by-key and the same tie rule, so they pick the same token unless two candidates' scores,
+or a top-p cumulative mass and its target, fall within a few fp32 ulps of each other (fp32 sums
+differ in order; exp/log differ by an ulp between libm and the GPU): we estimate such a near tie at
+about 1e-6 per draw.
+
+A request's samples depend only on its own (seed, step) and logits: the same seed gives the same
+tokens in any batch position and alongside any other requests. Callers must give each sequence its
+own seed (e.g. GRPO's n samples per prompt) and advance ``step`` every token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from alignflow.kernels import rng
+from alignflow.kernels._triton_dispatch import resolve_impl
+
+
+class SampleOutput(NamedTuple):
+    """One sampled token per row and its log-prob under the full-vocabulary softmax(logits / T)."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] fp32; greedy rows: log softmax(logits)[token] at T = 1
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int,
+    top_p: torch.Tensor | float,
+    seeds: torch.Tensor | int,
+    step: int | torch.Tensor,
+    impl: str = "auto",
+    *,
+    validate: bool = True,
+) -> SampleOutput:
+    """Samples one token per row of ``logits`` [B, V] (see the module docstring for the exact rule).
+
+    temperature: [B] float, >= 0 (0 = greedy); top_k: [B] int, >= 0 (0 = off);
+    top_p: [B] float in (0, 1] (1 = off); seeds: [B] int64; step: int or [B] int64, >= 0.
+    Python scalars are broadcast to [B]. Returns SampleOutput(tokens [B] int64, logprobs [B] fp32).
+
+    ``validate=False`` skips the value checks (shapes and dtypes are always checked): they cost one
+    host-device sync per call, which a CUDA decode loop can avoid by checking its sampling
+    parameters once per generate call.
+    """
+    rows = sampling_rows("sample_tokens", logits, temperature, top_k, top_p, seeds, step, validate)
+    if resolve_impl(impl, logits.device, "sample_tokens") == "triton":
+        from alignflow.kernels import _triton_sampling
+
+        tokens, logprobs, _ = _triton_sampling.sample(logits, rows)
+    else:
+        tokens, logprobs, _ = sample_torch(logits, rows)
+    return SampleOutput(tokens, logprobs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks
+
+
+class SamplingRows(NamedTuple):
+    """Checked per-row sampling parameters, all [B] on the logits' device (what both impls take)."""
+
+    temperature: torch.Tensor  # fp32, >= 0
+    top_k: torch.Tensor  # int64, >= 0
+    top_p: torch.Tensor  # fp32, (0, 1]
+    seeds: torch.Tensor  # int64
+    steps: torch.Tensor  # int64, >= 0
+
+
+def _as_rows(op: str, name: str, value, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 1 or value.shape[0] != batch:
+            raise ValueError(
+                f"{op}: {name} must have shape [{batch}] (one per row of logits), got {tuple(value.shape)}"
+            )
+        if not dtype.is_floating_point and value.is_floating_point():
+            raise TypeError(f"{op}: {name} must be an integer tensor, got {value.dtype}")
+        return value.to(device=device, dtype=dtype)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{op}: {name} must be a [{batch}] tensor or a Python number, got {type(value).__name__}"
+        )
+    if not dtype.is_floating_point and not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an integer, got {value!r}")
+    return torch.full((batch,), value, dtype=dtype, device=device)
+
+
+def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> str:
+    row = int(bad.nonzero()[0, 0])
+    return f"row {row} has {values[row].item()!r} ({int(bad.sum())} bad row(s))"
+
+
+def sampling_rows(
+    op: str, logits: torch.Tensor, temperature, top_k, top_p, seeds, step, validate: bool = True
+) -> SamplingRows:
+    """Checks shapes and dtypes (always) and values (when ``validate``; one host sync); raises naming the bad row."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.ndim != 2:
+        got = (
+            f"shape {tuple(logits.shape)} {logits.dtype}"
+            if isinstance(logits, torch.Tensor)
+            else type(logits).__name__
+        )
+        raise ValueError(f"{op}: logits must be a floating-point [B, V] tensor, got {got}")
+    batch, vocab = logits.shape
+    if vocab == 0:
+        raise ValueError(f"{op}: logits have an empty vocabulary dim, shape {tuple(logits.shape)}")
+    dev = logits.device
+    rows = SamplingRows(
+        temperature=_as_rows(op, "temperature", temperature, batch, torch.float32, dev),
+        top_k=_as_rows(op, "top_k", top_k, batch, torch.int64, dev),
+        top_p=_as_rows(op, "top_p", top_p, batch, torch.float32, dev),
+        seeds=_as_rows(op, "seeds", seeds, batch, torch.int64, dev),
+        steps=_as_rows(op, "step", step, batch, torch.int64, dev),
+    )
+    if not validate or batch == 0:
+        return rows
+    temp, k, p, steps = rows.temperature, rows.top_k, rows.top_p, rows.steps
+    bad_t = ~(temp >= 0) | ~torch.isfinite(temp)
+    bad_k = k < 0
+    bad_p = ~((p > 0) & (p <= 1))
+    bad_s = steps < 0
+    # One host sync for all checks; the messages below are only built on failure.
+    if bool((bad_t | bad_k | bad_p | bad_s).any()):
+        problems = []
+        if bad_t.any():
+            problems.append(f"temperature must be finite and >= 0 (0 = greedy): {_first_bad(temp, bad_t)}")
+        if bad_k.any():
+            problems.append(f"top_k must be >= 0 (0 = off): {_first_bad(k, bad_k)}")
+        if bad_p.any():
+            problems.append(f"top_p must be in (0, 1] (1 = off): {_first_bad(p, bad_p)}")
+        if bad_s.any():
+            problems.append(f"step must be >= 0: {_first_bad(steps, bad_s)}")
+        raise ValueError(f"{op}: " + "; ".join(problems))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch reference
+
+
+def ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys with the order of fp32 ``x`` (-0.0 just below +0.0, -inf lowest): int64 tensor, same shape."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def kept_thresholds(
+    keys: torch.Tensor, z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Per-row kept-set threshold key tau (int64 [B]): the kept set is keys >= tau.
+
+    keys: [B, V] int64 from ordered_keys(logits) (thresholds are on raw logits so ties are bit-exact);
+    z: [B, V] fp32 scaled logits (masses); top_k int32 [B] (0 = off); top_p fp32 [B] (1 = off).
+    """
+    tau = keys.min(dim=1).values
+    use_k, use_p = top_k > 0, top_p < 1
+    if not bool((use_k | use_p).any()):
+        return tau
+    sorted_keys, order = keys.sort(dim=1, descending=True)
+    tau_k = sorted_keys.gather(1, (top_k.to(torch.int64) - 1).clamp(min=0)[:, None]).squeeze(1)
+    tau = torch.where(use_k, tau_k, tau)
+    if bool(use_p.any()):
+        z_sorted = z.gather(1, order)
+        mass = torch.exp(z_sorted - z_sorted[:, :1]).to(torch.float64)  # sorted, so column 0 is the max
+        mass = torch.where(sorted_keys >= tau[:, None], mass, torch.zeros_like(mass))
+        cumulative = mass.cumsum(dim=1)
+        target = top_p.to(torch.float64) * cumulative[:, -1]
+        # m = number of leading entries whose cumulative mass stays below target = first index reaching it.
+        first = (cumulative < target[:, None]).sum(dim=1).clamp(max=keys.shape[1] - 1)
+        tau_p = sorted_keys.gather(1, first[:, None]).squeeze(1)
+        tau = torch.where(use_p, torch.maximum(tau_p, tau), tau)
+    return tau
+
+
+def normalised_rows(
+    rows: SamplingRows, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inv_t fp32, greedy bool, top_k int32, top_p fp32), [B] each, with the off switches made explicit.
+
+    inv_t = 1/T rounded to fp32 once (1 for greedy rows); top_k = 0 when off, >= V or greedy;
+    top_p = 1 when off or greedy. The Triton kernel derives the same four values in-kernel.
+    """
+    temp = rows.temperature
+    greedy = temp == 0
+    ones = torch.ones_like(temp)
+    inv_t = torch.where(greedy, ones, 1.0 / torch.where(greedy, ones, temp))
+    top_k = torch.where(greedy | (rows.top_k >= vocab), torch.zeros_like(rows.top_k), rows.top_k).to(
+        torch.int32
+    )
+    top_p = torch.where(greedy, ones, rows.top_p)
+    return inv_t, greedy, top_k, top_p
+
+
+def sample_torch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference: (tokens int64 [B], logprobs fp32 [B], kept-set threshold keys int64 [B])."""
+    vocab = logits.shape[1]
+    inv_t, greedy, top_k, top_p = normalised_rows(rows, vocab)
+    x = logits.to(torch.float32)
+    z = x * inv_t[:, None]
+    keys = ordered_keys(x)
+    tau = kept_thresholds(keys, z, top_k, top_p)
+    score = z
+    if not bool(greedy.all()):  # the hash costs ~20 int64 ops per logit; all-greedy batches skip it
+        k1, k2 = rng.row_keys(rows.seeds, rows.steps)
+        score = z + rng.gumbel_noise(k1, k2, vocab) * (~greedy).to(torch.float32)[:, None]
+    score = torch.where(keys >= tau[:, None], score, torch.full_like(z, float("-inf")))
+    tokens = score.argmax(dim=1)  # first maximal index on ties, like the kernel
+    logprobs = z.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(z, dim=1)
+    return tokens, logprobs, tau

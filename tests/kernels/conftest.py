@@ -1,0 +1,50 @@
+"""Kernel-test setup: Triton's CPU interpreter on, and the one tolerance table every kernel test uses.
+
+TRITON_INTERPRET must be set before the ``alignflow.kernels._triton_*`` modules are imported
+(``@triton.jit`` reads it when decorating), so it is set here, at conftest import time.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# (atol, rtol) per comparison, set from measured maxima on the shapes in these tests (V up to 32_771,
+# logits ~ N(0, 3^2), temperatures 1.0, 0.8 and 0.7), with 1.5-3x headroom.
+TOLERANCES = {
+    # fp32 log-probs and entropies: reference vs the plain fp32 log_softmax, and kernel vs reference.
+    # Against float64 the fp32 oracle and the torch reference (the same fused log_softmax) are off by up
+    # to 1.3e-5 (entropy, V = 32_771, T = 0.7), the Triton kernel by 5.6e-7.
+    "value": (2e-5, 1e-6),
+    # fp32 gradients: measured 3.3e-6 at most (kernel vs reference, V = 32_771, T = 0.7), mostly the
+    # fp32 oracle/reference's own error. Entries on the picked index are O(1), so 1e-5 still catches
+    # a wrong 1/T factor or a missing -p term (see the mutation notes in the report).
+    "grad_fp32": (1e-5, 1e-5),
+    # bf16 gradients: each side rounds an fp32 value to bf16 once, so against the fp32 oracle they are
+    # half a bf16 ulp apart and against another bf16 result one ulp (2**-7 relative at worst).
+    "grad_bf16": (1e-6, 2**-7),
+    # Sampler log-probs (one logsumexp per row), kernel vs reference and vs log_softmax.
+    "sample_logprob": (1e-5, 1e-6),
+}
+
+
+@pytest.fixture
+def tol():
+    """tol(name) -> dict(atol=..., rtol=...) for torch.testing.assert_close."""
+
+    def get(name: str) -> dict:
+        atol, rtol = TOLERANCES[name]
+        return {"atol": atol, "rtol": rtol}
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    """Two cores are shared with other jobs: keep each test on one intra-op thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

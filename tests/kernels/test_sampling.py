@@ -1,0 +1,351 @@
+"""sample_tokens: greedy, full-vocabulary log-probs, kept sets against a plain sort-based oracle, sample
+frequencies, batch-independence of seeds, and exact Triton (interpreter) vs torch agreement."""
+
+import math
+
+import pytest
+import torch
+
+from alignflow.kernels import SampleOutput, rng, sample_tokens, sampling
+
+
+def _logits(batch, vocab, seed=0, scale=2.0, dtype=torch.float32):
+    return (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def _oracle_kept(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> set[int]:
+    """Kept set by the definition, one row, plain Python over a float64 sort.
+
+    top-k: values >= the k-th largest; top-p: over the renormalised top-k survivors, the highest
+    values until their mass reaches top_p, plus everything tied with the last one.
+    """
+    values = row.double().tolist()
+    order = sorted(range(len(values)), key=lambda j: -values[j])
+    keep = (
+        order
+        if not (0 < top_k < len(values))
+        else [j for j in order if values[j] >= values[order[top_k - 1]]]
+    )
+    if top_p < 1.0:
+        zmax = values[keep[0]] / temperature
+        mass = [math.exp(values[j] / temperature - zmax) for j in keep]
+        target, running, cut = top_p * sum(mass), 0.0, len(keep) - 1
+        for i, m in enumerate(mass):
+            running += m
+            if running >= target:
+                cut = i
+                break
+        keep = [j for j in keep if values[j] >= values[keep[cut]]]
+    return set(keep)
+
+
+def _kept_from_tau(logits: torch.Tensor, tau: torch.Tensor) -> list[set[int]]:
+    keys = sampling.ordered_keys(logits.float())
+    return [set((keys[b] >= tau[b]).nonzero().flatten().tolist()) for b in range(logits.shape[0])]
+
+
+def _rows(logits, temperature, top_k, top_p, seeds, step):
+    return sampling.sampling_rows("test", logits, temperature, top_k, top_p, seeds, step)
+
+
+# ----------------------------------------------------------------------------------------------
+# The counter-based hash
+
+
+def test_mul32_matches_python_integers_at_the_extremes():
+    xs = [0, 1, 2**16 - 1, 2**31, 2**32 - 1, 0x12345678, 0xDEADBEEF]
+    for c in (rng.FMIX_M1, rng.FMIX_M2, rng.GOLDEN, 0xFFFFFFFF):
+        got = rng._mul32(torch.tensor(xs, dtype=torch.int64), c).tolist()
+        assert got == [(x * c) % 2**32 for x in xs]
+
+
+def test_fmix32_matches_a_python_murmur3_finaliser():
+    def fmix(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    xs = [0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 0xCAFEBABE]
+    assert rng.fmix32(torch.tensor(xs, dtype=torch.int64)).tolist() == [fmix(x) for x in xs]
+
+
+def test_triton_hash_reproduces_torch_hash_bit_for_bit():
+    from alignflow.kernels import _triton_sampling
+
+    constants = ("FMIX_M1", "FMIX_M2", "GOLDEN", "SEED_SALT", "STEP_SALT")
+    assert [getattr(_triton_sampling, "_" + c).value for c in constants] == [
+        getattr(rng, c) for c in constants
+    ]
+    seeds = torch.tensor([0, 1, -1, 2**40 + 3, -(2**62), 12345])
+    steps = torch.tensor([0, 1, 2**32 + 5, 7, 0, 2**20])
+    k1, k2 = rng.row_keys(seeds, steps)
+    assert int(k1.min()) >= 0 and int(k1.max()) < 2**32 and int(k2.max()) < 2**32
+    vocab = 5003
+    want = rng.uniforms_from_hash(rng.token_hash(k1, k2, vocab))
+    got = _triton_sampling.uniforms(seeds, steps, vocab)  # keys derived in-kernel
+    assert torch.equal(got, want)
+
+
+def test_uniforms_are_uniform_and_distinct_within_a_row():
+    k1, k2 = rng.row_keys(torch.arange(4), torch.zeros(4, dtype=torch.long))
+    u = rng.uniforms_from_hash(rng.token_hash(k1, k2, 100_000))
+    assert float(u.min()) >= 2**-24 and float(u.max()) <= 1 - 2**-24
+    # 100k uniforms per row: mean within 5 sigma (sigma = 0.29 / sqrt(1e5) = 9e-4), deciles near 0.1.
+    assert torch.allclose(u.mean(1), torch.full((4,), 0.5), atol=5 * 9.1e-4)
+    deciles = torch.stack([torch.histc(r, bins=10, min=0, max=1) for r in u]) / 100_000
+    assert float((deciles - 0.1).abs().max()) < 5 * math.sqrt(0.1 * 0.9 / 100_000)
+    # The hash is a bijection of the vocab index for a fixed row: 23-bit uniforms collide only by chance.
+    assert all(len(set(r.tolist())) > 99_000 for r in u)
+    # Rows with neighbouring seeds are uncorrelated.
+    assert abs(float(torch.corrcoef(u)[0, 1])) < 0.02
+
+
+# ----------------------------------------------------------------------------------------------
+# Behaviour of the torch reference (and the kernel where cheap)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_greedy_rows_take_the_argmax_with_temperature_one_logprob(impl, tol):
+    logits = _logits(5, 300, seed=1)
+    out = sample_tokens(logits, 0.0, 7, 0.5, torch.arange(5), 3, impl=impl)
+    assert isinstance(out, SampleOutput)
+    assert torch.equal(out.tokens, logits.argmax(1))
+    want = torch.log_softmax(logits, 1).gather(1, out.tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, want, **tol("sample_logprob"))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_ties_go_to_the_lowest_index_even_across_vocab_blocks(impl):
+    # 9000 is in a later Triton block (4096 wide in the interpreter, 1024 on GPU) than 100.
+    logits = torch.zeros(2, 10_000)
+    logits[:, 100] = logits[:, 9000] = 5.0
+    out = sample_tokens(logits, 0.0, 0, 1.0, torch.arange(2), 0, impl=impl)
+    assert out.tokens.tolist() == [100, 100]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_logprobs_are_over_the_full_vocabulary_not_the_kept_set(impl, tol):
+    logits = _logits(4, 500, seed=2)
+    temperature = torch.tensor([1.0, 0.6, 1.4, 0.9])
+    out = sample_tokens(
+        logits,
+        temperature,
+        torch.tensor([0, 5, 0, 40]),
+        torch.tensor([0.7, 1.0, 0.5, 0.9]),
+        torch.arange(4),
+        0,
+        impl=impl,
+    )
+    want = torch.log_softmax(logits / temperature[:, None], 1).gather(1, out.tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, want, **tol("sample_logprob"))
+
+
+def test_top_k_one_is_greedy_and_top_k_at_least_vocab_is_off():
+    logits = _logits(6, 64, seed=3)
+    seeds = torch.arange(6) * 11
+    assert torch.equal(sample_tokens(logits, 1.0, 1, 1.0, seeds, 0, impl="torch").tokens, logits.argmax(1))
+    off = sample_tokens(logits, 1.0, 0, 1.0, seeds, 0, impl="torch").tokens
+    assert torch.equal(sample_tokens(logits, 1.0, 64, 1.0, seeds, 0, impl="torch").tokens, off)
+    assert torch.equal(sample_tokens(logits, 1.0, 10_000, 1.0, seeds, 0, impl="torch").tokens, off)
+
+
+@pytest.mark.parametrize("rounding", [None, 1])
+def test_kept_set_matches_the_sort_oracle_including_ties(rounding):
+    # rounding=1 rounds logits to one decimal, so many tokens tie at the top-k / top-p boundary.
+    logits = _logits(24, 200, seed=4)
+    if rounding is not None:
+        logits = torch.round(logits, decimals=rounding)
+    gen = torch.Generator().manual_seed(5)
+    temperature = torch.rand(24, generator=gen) * 1.5 + 0.2
+    top_k = torch.randint(0, 60, (24,), generator=gen)
+    top_p = torch.where(
+        torch.rand(24, generator=gen) < 0.3, torch.ones(24), torch.rand(24, generator=gen) * 0.95 + 0.02
+    )
+    inv_t, _, k, p = sampling.normalised_rows(_rows(logits, temperature, top_k, top_p, 0, 0), 200)
+    x = logits.float()
+    tau = sampling.kept_thresholds(sampling.ordered_keys(x), x * inv_t[:, None], k, p)
+    kept = _kept_from_tau(logits, tau)
+    for b in range(24):
+        assert kept[b] == _oracle_kept(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b])), (
+            f"row {b}"
+        )
+
+
+def test_samples_never_leave_the_kept_set():
+    # 3000 draws of one row: any token outside the 12 kept ones would show up.
+    logits = _logits(1, 80, seed=6).expand(3000, 80)
+    out = sample_tokens(logits, 0.9, 20, 0.8, torch.arange(3000), 0, impl="torch")
+    allowed = _oracle_kept(logits[0], 0.9, 20, 0.8)
+    assert set(out.tokens.tolist()) <= allowed
+    assert len(set(out.tokens.tolist())) == len(allowed)  # and every kept token does occur
+
+
+def _chi_square_bound(dof: int) -> float:
+    """Chi-square quantile at 1 - 1e-4 (Wilson-Hilferty): a correct sampler fails 1 run in 10_000."""
+    z = 3.719
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _filtered_probs(row, temperature, top_k, top_p):
+    kept = sorted(_oracle_kept(row, temperature, top_k, top_p))
+    probs = torch.softmax(row.double()[kept] / temperature, 0)
+    return kept, probs
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 12, 1.0), (1.3, 0, 0.85), (0.8, 25, 0.9)]
+)
+def test_sample_frequencies_match_the_filtered_distribution_across_seeds(temperature, top_k, top_p):
+    n = 20_000
+    row = _logits(1, 40, seed=7, scale=1.0)[0]
+    out = sample_tokens(row.expand(n, 40), temperature, top_k, top_p, torch.arange(n) + 1000, 5, impl="torch")
+    kept, probs = _filtered_probs(row, temperature, top_k, top_p)
+    counts = torch.bincount(out.tokens, minlength=40).double()
+    assert float(counts.sum() - counts[kept].sum()) == 0.0
+    expected = probs * n
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < _chi_square_bound(len(kept) - 1), f"chi2={chi2:.1f} over {len(kept) - 1} dof"
+
+
+def test_sample_frequencies_match_across_steps_of_one_seed():
+    # One request decoding 20k steps on the same logits: the step counter alone must give fresh draws.
+    n = 20_000
+    row = _logits(1, 30, seed=8, scale=1.0)[0]
+    out = sample_tokens(row.expand(n, 30), 1.1, 0, 0.95, 42, torch.arange(n), impl="torch")
+    kept, probs = _filtered_probs(row, 1.1, 0, 0.95)
+    counts = torch.bincount(out.tokens, minlength=30).double()[kept]
+    chi2 = float(((counts - probs * n) ** 2 / (probs * n)).sum())
+    assert chi2 < _chi_square_bound(len(kept) - 1), f"chi2={chi2:.1f} over {len(kept) - 1} dof"
+
+
+def test_chi_square_check_rejects_a_wrong_temperature():
+    # The frequency check above can fail: samples at T = 1.0 judged against T = 0.7 do.
+    n = 20_000
+    row = _logits(1, 40, seed=7, scale=1.0)[0]
+    out = sample_tokens(row.expand(n, 40), 1.0, 0, 1.0, torch.arange(n), 0, impl="torch")
+    kept, probs = _filtered_probs(row, 0.7, 0, 1.0)
+    counts = torch.bincount(out.tokens, minlength=40).double()[kept]
+    chi2 = float(((counts - probs * n) ** 2 / (probs * n)).sum())
+    assert chi2 > _chi_square_bound(len(kept) - 1)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_same_seed_gives_same_token_in_any_batch_position_or_company(impl):
+    logits = _logits(6, 257, seed=9)
+    temperature = torch.tensor([1.0, 0.8, 1.2, 0.5, 1.0, 0.9])
+    top_k = torch.tensor([0, 30, 0, 5, 100, 0])
+    top_p = torch.tensor([1.0, 0.9, 0.7, 1.0, 0.95, 1.0])
+    seeds = torch.tensor([3, 1, 4, 1, 5, 9])
+    step = torch.tensor([0, 5, 2, 5, 8, 13])
+    full = sample_tokens(logits, temperature, top_k, top_p, seeds, step, impl=impl)
+    perm = torch.tensor([4, 2, 0, 5, 1, 3])
+    permuted = sample_tokens(
+        logits[perm], temperature[perm], top_k[perm], top_p[perm], seeds[perm], step[perm], impl=impl
+    )
+    assert torch.equal(permuted.tokens, full.tokens[perm])
+    alone = sample_tokens(
+        logits[2:3], temperature[2:3], top_k[2:3], top_p[2:3], seeds[2:3], step[2:3], impl=impl
+    )
+    assert int(alone.tokens[0]) == int(full.tokens[2])
+
+
+def test_different_seeds_and_steps_give_different_draws():
+    logits = torch.zeros(200, 1000)  # uniform: any two draws collide with probability 1/1000
+    by_seed = sample_tokens(logits, 1.0, 0, 1.0, torch.arange(200), 0, impl="torch").tokens
+    by_step = sample_tokens(logits, 1.0, 0, 1.0, 7, torch.arange(200), impl="torch").tokens
+    assert len(set(by_seed.tolist())) > 150 and len(set(by_step.tolist())) > 150
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel (interpreter) vs torch reference
+
+
+def _mixed_rows(batch, gen):
+    temperature = torch.rand(batch, generator=gen) * 1.5 + 0.3
+    temperature[0] = 0.0  # a greedy row
+    top_k = torch.randint(1, 50, (batch,), generator=gen)
+    top_k[1::3] = 0
+    top_p = torch.rand(batch, generator=gen) * 0.9 + 0.05
+    top_p[2::3] = 1.0
+    return temperature, top_k, top_p
+
+
+@pytest.mark.parametrize(
+    ("batch", "vocab", "dtype"),
+    [
+        (7, 1000, torch.float32),
+        (7, 1000, torch.bfloat16),
+        (3, 32_771, torch.float32),
+        (2, 32_771, torch.bfloat16),
+    ],
+)
+def test_triton_picks_exactly_the_torch_tokens_and_kept_sets(batch, vocab, dtype, tol):
+    from alignflow.kernels import _triton_sampling
+
+    gen = torch.Generator().manual_seed(vocab + batch)
+    logits = _logits(batch, vocab, seed=vocab, scale=2.5, dtype=dtype)
+    temperature, top_k, top_p = _mixed_rows(batch, gen)
+    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
+    for step in (0, 1, 17):
+        rows = _rows(logits, temperature, top_k, top_p, seeds, step)
+        ref_tokens, ref_logprobs, ref_tau = sampling.sample_torch(logits, rows)
+        tokens, logprobs, tau = _triton_sampling.sample(logits, rows)
+        assert torch.equal(tau, ref_tau), f"kept-set thresholds differ at step {step}"
+        assert torch.equal(tokens, ref_tokens), f"tokens differ at step {step}"
+        torch.testing.assert_close(logprobs, ref_logprobs, **tol("sample_logprob"))
+
+
+def test_triton_samples_stay_in_the_oracle_kept_set():
+    batch, vocab = 16, 300
+    logits = _logits(1, vocab, seed=10).expand(batch, vocab)
+    out = sample_tokens(logits, 0.8, 15, 0.7, torch.arange(batch), 0, impl="triton")
+    assert set(out.tokens.tolist()) <= _oracle_kept(logits[0], 0.8, 15, 0.7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"temperature": torch.tensor([1.0, -0.5, 1.0])},
+            ValueError,
+            r"temperature must be finite and >= 0.*row 1 has -0.5",
+        ),
+        ({"temperature": torch.tensor([1.0, float("nan"), 1.0])}, ValueError, r"temperature.*row 1 has nan"),
+        ({"top_p": torch.tensor([1.0, 1.0, 0.0])}, ValueError, r"top_p must be in \(0, 1\].*row 2 has 0.0"),
+        ({"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\].*row 0 has 1.5 \(3 bad row\(s\)\)"),
+        ({"top_k": torch.tensor([0, -3, 0])}, ValueError, r"top_k must be >= 0.*row 1 has -3"),
+        ({"top_k": torch.tensor([0.5, 0.0, 0.0])}, TypeError, r"top_k must be an integer tensor"),
+        ({"step": -1}, ValueError, r"step must be >= 0"),
+        ({"step": 1.5}, TypeError, r"step must be an integer, got 1.5"),
+        ({"seeds": torch.zeros(2, dtype=torch.long)}, ValueError, r"seeds must have shape \[3\].*got \(2,\)"),
+        ({"logits": torch.randn(2, 3, 5)}, ValueError, r"logits must be a floating-point \[B, V\] tensor"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, message):
+    args = {
+        "logits": torch.randn(3, 5),
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "seeds": torch.arange(3),
+        "step": 0,
+    }
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        sample_tokens(**args, impl="torch")
+
+
+def test_validate_false_skips_only_the_value_checks():
+    logits = torch.randn(3, 5)
+    out = sample_tokens(
+        logits, -1.0, 0, 1.0, torch.arange(3), 0, impl="torch", validate=False
+    )  # no sync, no check
+    assert out.tokens.shape == (3,)
+    with pytest.raises(ValueError, match=r"seeds must have shape \[3\]"):
+        sample_tokens(logits, 1.0, 0, 1.0, torch.arange(2), 0, impl="torch", validate=False)
