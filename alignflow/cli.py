@@ -3,6 +3,8 @@
     alignflow run configs/tiny.yaml --set sft.lr=1e-4 --set storage.root=s3://bucket/prefix
     alignflow validate configs/tiny.yaml
     alignflow plan configs/tiny.yaml
+    alignflow deploy configs/tiny.yaml        # register the deployment with PREFECT_API_URL's server
+    alignflow ui                              # local Prefect server + MLflow UI on 127.0.0.1
 """
 
 from __future__ import annotations
@@ -52,17 +54,41 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_deploy(args) -> int:
+    config = _load(args)
+    from alignflow.flows.deploy import deploy
+
+    for name, deployment_id in deploy(config).items():
+        print(f"deployed {name} ({deployment_id})")
+    schedules = [s.cron or f"every {s.interval_s} s" for s in config.deployment.schedules]
+    print(f"schedules: {', '.join(schedules) or 'none'}; start a worker with: "
+          f"prefect worker start --pool {config.deployment.work_pool}")
+    return 0
+
+
+def _cmd_ui(args) -> int:
+    from alignflow.ui import serve
+
+    return serve(args.workdir, args.prefect_port, args.mlflow_port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alignflow", description="RLHF pipeline: SFT -> reward -> engine -> PPO -> eval")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (("run", _cmd_run, "run the pipeline (Prefect flow, stages as processes)"),
                                ("validate", _cmd_validate, "validate a config and print it resolved"),
-                               ("plan", _cmd_plan, "print the stage calls a config makes")):
+                               ("plan", _cmd_plan, "print the stage calls a config makes"),
+                               ("deploy", _cmd_deploy, "register the pipeline deployment with a Prefect server")):
         cmd = sub.add_parser(name, help=helptext)
         cmd.add_argument("config", type=Path, help="pipeline YAML, e.g. configs/tiny.yaml")
         cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set sft.lr=1e-4 (repeatable)")
         cmd.set_defaults(fn=fn)
+    ui = sub.add_parser("ui", help="start a local Prefect server and MLflow UI on 127.0.0.1 and print their URLs")
+    ui.add_argument("--workdir", type=Path, default=Path("."), help="where mlflow.db lives (default: .)")
+    ui.add_argument("--prefect-port", type=int, default=4200)
+    ui.add_argument("--mlflow-port", type=int, default=5000)
+    ui.set_defaults(fn=_cmd_ui)
     return parser
 
 

@@ -245,6 +245,55 @@ class EvaluateConfig(Section):
     kl_budget: float = Field(10.0, gt=0, description="Mean KL to the reference above which the report warns.")
 
 
+class ScheduleConfig(Section):
+    """One schedule of the pipeline deployment: a cron expression or an interval."""
+
+    cron: str | None = Field(None, description="Cron expression, e.g. '0 3 * * 1' (Mondays 03:00).")
+    interval_s: int | None = Field(None, ge=60, description="Run every N seconds (at least 60).")
+    timezone: str = Field("UTC", description="Timezone of the cron expression.")
+    active: bool = Field(True)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ScheduleConfig:
+        if (self.cron is None) == (self.interval_s is None):
+            raise ValueError("a schedule needs exactly one of cron or interval_s")
+        return self
+
+
+class StageInfraConfig(Section):
+    """Where one stage runs when stages run as their own deployments."""
+
+    work_pool: str = Field(..., min_length=1, description="Prefect work pool of this stage's deployment.")
+    image: str | None = Field(None, description="Container image (docker/kubernetes pools).")
+    gpus: int = Field(0, ge=0, description="GPUs the stage's job requests.")
+
+
+class DeploymentConfig(Section):
+    """How `alignflow deploy` registers the pipeline with a Prefect server."""
+
+    name: str = Field("alignflow", pattern=r"^[A-Za-z0-9_.\-]+$", description="Deployment name.")
+    work_pool: str = Field("alignflow-process", min_length=1, description="Work pool that runs the pipeline flow.")
+    work_pool_type: Literal["process", "docker", "kubernetes"] = Field(
+        "process", description="Type used when the work pool has to be created.")
+    schedules: list[ScheduleConfig] = Field(default_factory=list, description="Cron or interval schedules.")
+    tags: list[str] = Field(default_factory=list, description="Prefect tags of the deployment and its runs.")
+    stage_infra: dict[str, StageInfraConfig] = Field(
+        default_factory=dict, description="Run these stages as their own deployments (stage name -> infra); "
+        "others run as local processes of the flow's worker.")
+    stage_retries: int = Field(2, ge=0, le=10, description="Retries of a stage after a transient failure.")
+    retry_delay_s: float = Field(10.0, ge=0, description="First retry delay; doubles on each retry.")
+
+
+class RegistryConfig(Section):
+    """MLflow model registry: versions of the policy and reward models, and the promotion gate."""
+
+    enabled: bool = Field(True, description="Register policy and reward models after a run.")
+    policy_name: str = Field("alignflow-policy", min_length=1, description="Registered model name of the policy.")
+    reward_prefix: str = Field("alignflow-reward", min_length=1, description="Reward models: <prefix>-<name>.")
+    promote: bool = Field(True, description="Move the 'champion' alias when the gate passes.")
+    min_improvement: float = Field(0.0, description="Held-out reward gain over the champion required to promote.")
+
+
 STAGE_ORDER: tuple[str, ...] = ("data", "base", "sft", "reward", "engine", "ppo", "evaluate")
 
 
@@ -265,6 +314,8 @@ class PipelineConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
 
     @model_validator(mode="after")
     def _stage_dependencies(self) -> PipelineConfig:

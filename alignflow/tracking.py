@@ -180,3 +180,61 @@ def record_skipped_stage(uri: str, experiment: str, stage: str, parent_run_id: s
 def run_tag(uri: str, run_id: str, key: str, value: str) -> None:
     _mlflow(uri)
     MlflowClient(uri).set_tag(run_id, key, value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model registry: versions point at object-store folders (never a copy), aliases name the roles.
+# ------------------------------------------------------------------------------------------------
+
+def register_version(uri: str, name: str, source: str, run_id: str | None, tags: dict[str, str],
+                     aliases: tuple[str, ...] = ("candidate",), description: str = "") -> str:
+    """Register `source` (an object-store folder) as a new version of model `name`; returns the version."""
+    _mlflow(uri)
+    client = MlflowClient(uri)
+    try:
+        client.get_registered_model(name)
+    except mlflow.exceptions.MlflowException:
+        client.create_registered_model(name, description=description or None)
+    version = client.create_model_version(name, source=source, run_id=run_id,
+                                          tags={k: str(v) for k, v in tags.items()})
+    for alias in aliases:
+        client.set_registered_model_alias(name, alias, version.version)
+    return str(version.version)
+
+
+def alias_version(uri: str, name: str, alias: str) -> dict[str, Any] | None:
+    """{'version', 'source', 'tags'} of `name@alias`, or None when the model or alias does not exist."""
+    _mlflow(uri)
+    client = MlflowClient(uri)
+    try:
+        version = client.get_model_version_by_alias(name, alias)
+    except mlflow.exceptions.MlflowException:
+        return None
+    return {"version": str(version.version), "source": version.source, "tags": dict(version.tags)}
+
+
+def set_alias(uri: str, name: str, alias: str, version: str) -> None:
+    _mlflow(uri)
+    MlflowClient(uri).set_registered_model_alias(name, alias, version)
+
+
+def tag_version(uri: str, name: str, version: str, tags: dict[str, str]) -> None:
+    _mlflow(uri)
+    client = MlflowClient(uri)
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, str(value))
+
+
+def resolve_models_uri(uri: str, models_uri: str) -> str:
+    """The object-store folder behind 'models:/<name>@<alias>' or 'models:/<name>/<version>'."""
+    spec = models_uri.removeprefix("models:/")
+    _mlflow(uri)
+    client = MlflowClient(uri)
+    try:
+        if "@" in spec:
+            name, alias = spec.split("@", 1)
+            return client.get_model_version_by_alias(name, alias).source
+        name, version = spec.rsplit("/", 1)
+        return client.get_model_version(name, version).source
+    except (mlflow.exceptions.MlflowException, ValueError) as exc:
+        raise ValueError(f"'{models_uri}': no such registered model version ({exc})") from None

@@ -11,10 +11,11 @@ from pathlib import Path
 from alignflow.contract import StageResult, StageSpec
 
 
-def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) -> StageResult:
+def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) -> tuple[StageResult, int]:
     """Run `python -m alignflow.stages.<stage> --spec <file>`; stdout is echoed and logged, stderr passes through.
 
     The child inherits the environment (AWS credentials stay in the AWS chain, never in the spec).
+    Returns the StageResult and the exit code (2 means bad input: not worth retrying).
     """
     state = workdir / ".alignflow"
     (state / "specs").mkdir(parents=True, exist_ok=True)
@@ -45,4 +46,4 @@ def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) ->
         result = result.model_copy(update={"status": "failed", "message": f"exit code {code}; see {log_path}"})
     if result.duration_s == 0.0:
         result = result.model_copy(update={"duration_s": round(time.perf_counter() - started, 3)})
-    return result
+    return result, code

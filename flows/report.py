@@ -36,3 +36,19 @@ def print_summary(config: PipelineConfig, rows: list[dict[str, Any]], wall_s: fl
         parent = rows[0].get("parent_run_id") if rows else None
         console.print(f"MLflow: {uri} (parent run {parent})")
         console.print(f"Open the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
+
+
+def summary_markdown(config: PipelineConfig, rows: list[dict[str, Any]]) -> str:
+    """The run's stage table as Markdown (the Prefect flow-run artifact)."""
+    lines = [f"## alignflow pipeline `{config.name}`", "",
+             "| stage | status | duration | key metric | output | MLflow run |", "|---|---|---:|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['key']} | {row['status']} | {row['duration_s']:.1f} s | {key_metric_text(row)} | "
+                     f"`{row.get('output_uri') or '-'}` | `{row.get('mlflow_run_id') or '-'}` |")
+    return "\n".join(lines) + "\n"
+
+
+def evaluation_markdown(report: str, max_lines: int = 40) -> str:
+    """The head of the evaluation report (summary table, win rates, warnings), without the sample table."""
+    head = report.split("\n## Samples", 1)[0].splitlines()
+    return "\n".join(head[:max_lines]) + "\n"

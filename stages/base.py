@@ -15,7 +15,7 @@ import torch
 
 from alignflow.config import ModelConfig
 from alignflow.contract import StageResult, StageSpec
-from alignflow.manifest import materialize
+from alignflow.manifest import find_published, materialize
 from alignflow.stages.data.formats import load_preferences, load_prompts, load_sft, render_prompt
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.models.tiny import make_tiny_model, save_base_model, train_tokenizer
@@ -38,9 +38,15 @@ def corpus_texts(data_dir: Path) -> list[str]:
 
 
 def _import_dir(ctx: StageContext, base: str) -> Path:
-    """A local folder holding `model.base`: a plain directory, or a published output (verified)."""
+    """A local folder holding `model.base`: a plain directory, a published output, or a folder inside one
+    (the registry's versions point at `<RL output>/policy`); published outputs are verified."""
     if "://" in base and not base.startswith("file://"):
-        return materialize(base, ctx.cache_dir, ctx.spec.storage)[0]
+        if find_published(base, ctx.spec.storage) is not None:
+            return materialize(base, ctx.cache_dir, ctx.spec.storage)[0]
+        parent, _, sub = base.rstrip("/").rpartition("/")
+        if find_published(parent, ctx.spec.storage) is None:
+            raise StageInputError(f"model.base '{base}': neither it nor its parent is a published output")
+        return materialize(parent, ctx.cache_dir, ctx.spec.storage)[0] / sub
     path = Path(base.removeprefix("file://"))
     if not path.is_absolute():
         path = Path(ctx.spec.workdir) / path

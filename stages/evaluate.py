@@ -419,7 +419,12 @@ def run(spec: StageSpec) -> StageResult:
                                               kl_sampling)
             (sft_gen,) = _generate(sft_dir, engine_cfg, model_cfg.dtype, prompt_ids, sampling)
             gen = {"policy": policy_gen, "sft": sft_gen}
-        profiler.count(tokens=sum(sum(g.lengths) for g in (*gen.values(), kl_sample)), samples=3 * n)
+            if "champion" in spec.inputs:
+                # The registry's current champion, scored on the same prompts, seeds and reward models,
+                # so the promotion gate compares like with like.
+                (gen["champion"],) = _generate(ctx.input("champion") / "policy", engine_cfg, model_cfg.dtype,
+                                               prompt_ids, sampling)
+        profiler.count(tokens=sum(sum(g.lengths) for g in (*gen.values(), kl_sample)), samples=(len(gen) + 1) * n)
         texts = {side: [tokenizer.decode(ids, skip_special_tokens=True) for ids in g.response_token_ids]
                  for side, g in gen.items()}
 
@@ -453,6 +458,12 @@ def run(spec: StageSpec) -> StageResult:
         samples = sample_rows([r.extras.get("id", i) for i, r in enumerate(records)], prompt_texts,
                               sides["policy"], sides["sft"], kl)
         metrics = eval_metrics(result)
+        if "champion" in gen:
+            metrics["eval/champion_rm_score"] = float(rm["champion"].total.mean())
+            if gold_available:
+                metrics["eval/champion_gold_score"] = float(sum(gold["champion"]) / n)
+            result["champion"] = {"uri": spec.inputs["champion"], "rm_score": metrics["eval/champion_rm_score"],
+                                  "gold_score": metrics.get("eval/champion_gold_score")}
         result["metrics"] = metrics
         key_metric = "eval/gold_delta" if gold_available else "eval/rm_delta"
 

@@ -15,6 +15,7 @@ import json
 import math
 import random
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -298,6 +299,10 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                                  rollout_store, spec)
             state.iteration = iteration
             state.history.append(metrics)
+            gold = f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics else ""
+            print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score {metrics['rollout/score_mean']:+.3f}"
+                  f"{gold} kl {metrics['kl/mean']:.3f} len {metrics['rollout/response_length_mean']:.1f} "
+                  f"({metrics['timing/iteration']:.1f} s)", file=sys.stderr, flush=True)
             pending.append(metrics)
             if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
                 flush_metrics()
@@ -385,6 +390,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
 
     with profiler.phase("train"):
         actor.train()
+        if critic is not None:
+            critic.train()
         loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration)
     with profiler.phase("refit"):
         refit = engine.refit(stream_weights(actor))

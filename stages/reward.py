@@ -78,7 +78,7 @@ def run(spec: StageSpec) -> StageResult:
         sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
         tokenizer = load_tokenizer(sft_dir)
         pad_id = pad_token_id(tokenizer)
-        model = load_sequence_classifier(sft_dir, dtype=model_cfg.dtype)
+        model = load_sequence_classifier(sft_dir, dtype=model_cfg.dtype, seed=rm.seed)
         train_records = load_preferences(data_dir / "preferences_train.jsonl")
         eval_records = load_preferences(data_dir / "preferences_eval.jsonl")
         if rm.data_fraction < 1.0:
@@ -98,6 +98,7 @@ def run(spec: StageSpec) -> StageResult:
             lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
             micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, zero_stage=cfg.zero_stage,
             grad_clip=cfg.grad_clip, dtype=model_cfg.dtype))
+        engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
         log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
         with ctx.profiler.phase("eval"):
             initial = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)

@@ -40,12 +40,12 @@ def _float_list() -> pa.DataType:
 
 ROLLOUT_SCHEMA: pa.Schema = pa.schema(
     [
-        _field("iteration", pa.int32(), "RL iteration (0-based) that generated this row."),
+        _field("iteration", pa.int32(), "RL iteration (1-based) that generated this row."),
         _field(
             "policy_version",
             pa.int32(),
             "Version of the actor weights in the engine when the response was sampled (bumped at each "
-            "refit); equals `iteration` when rollouts are fully on-policy.",
+            "refit, 0 = the SFT weights); `iteration - 1` when rollouts are fully on-policy.",
         ),
         _field("prompt_id", pa.string(), "Stable id of the prompt in the prompt set; the GRPO group key."),
         _field("prompt", pa.string(), "Prompt text as given to the engine (after any chat template)."),

@@ -82,6 +82,7 @@ def run(spec: StageSpec) -> StageResult:
             lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
             micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, zero_stage=cfg.zero_stage,
             grad_clip=cfg.grad_clip, dtype=model_cfg.dtype))
+        engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
 
         with ctx.profiler.phase("eval"):
             initial_loss = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)

@@ -12,8 +12,7 @@ import pytest
 from alignflow.contract import StageResult, StageSpec
 from alignflow.manifest import output_uri
 from alignflow.storage import open_store
-from tests.conftest import REPO, free_port
-from tests.flows.conftest import small_config
+from tests.conftest import REPO, free_port, small_config
 
 GOOD_SFT = '{"prompt": "Write about tea.", "completion": "Tea is lovely."}\n'
 GOOD_PREF = '{"prompt": "Write about tea.", "chosen": "Tea is lovely.", "rejected": "Tea is grim."}\n'

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from alignflow.manifest import materialize, read_manifest, sha256_file
-from tests.flows.conftest import small_config
+from tests.conftest import small_config
 
 pytestmark = pytest.mark.slow
 
@@ -107,3 +107,16 @@ def test_pipeline_on_s3(tmp_path, prefect_harness, s3_bucket):
     sizes = {o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix=sft_prefix)["Contents"]}
     for entry in manifest.files:
         assert sizes[f"{sft_prefix}/{entry.path}"] == entry.size
+
+
+def test_flow_run_has_a_summary_artifact(first_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    _, _, rows = first_run
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["alignflow-summary"])))
+    assert artifacts, "the flow publishes a Markdown summary artifact"
+    text = artifacts[0].data
+    assert "| stage | status | duration | key metric | output | MLflow run |" in text
+    assert f"`{rows['sft']['output_uri']}`" in " ".join(a.data for a in artifacts)

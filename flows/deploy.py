@@ -1,0 +1,80 @@
+"""Register the pipeline (and, where configured, each stage) as Prefect deployments, with schedules and tags.
+
+The pipeline deployment's one parameter is the whole PipelineConfig (a pydantic model), so the
+Prefect UI shows a form with every field's description, default and constraints; the YAML's
+values are the deployment's defaults. Code is pulled from the source folder (offline-friendly:
+no image registry or git remote needed); docker/kubernetes pools pull their image instead.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from prefect import Flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.schedules import CronSchedule, IntervalSchedule
+from prefect.exceptions import ObjectNotFound
+
+from alignflow.config import PipelineConfig
+from alignflow.flows.pipeline import STAGE_FLOW_NAME
+
+REPO = Path(__file__).resolve().parent.parent
+POOL_TEMPLATES = {"docker": REPO / "infra" / "work-pools" / "docker.json",
+                  "kubernetes": REPO / "infra" / "work-pools" / "kubernetes.json"}
+
+
+def schedules_of(config: PipelineConfig) -> list:
+    out = []
+    for schedule in config.deployment.schedules:
+        if schedule.cron:
+            out.append(CronSchedule(cron=schedule.cron, timezone=schedule.timezone))
+        else:
+            out.append(IntervalSchedule(interval=timedelta(seconds=schedule.interval_s)))
+    return out
+
+
+def ensure_work_pool(name: str, pool_type: str) -> None:
+    """Create the work pool when missing (docker/kubernetes pools get the GPU-aware templates in infra/)."""
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(name)
+            return
+        except ObjectNotFound:
+            pass
+        template: dict[str, Any] = {}
+        if pool_type in POOL_TEMPLATES and POOL_TEMPLATES[pool_type].is_file():
+            template = json.loads(POOL_TEMPLATES[pool_type].read_text())
+        client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
+
+
+def deploy(config: PipelineConfig, source: Path = REPO) -> dict[str, str]:
+    """Register the pipeline deployment (and stage deployments); returns {deployment name: id}."""
+    dep = config.deployment
+    ensure_work_pool(dep.work_pool, dep.work_pool_type)
+    pipeline = Flow.from_source(source=str(source), entrypoint="flows/pipeline.py:alignflow_pipeline")
+    deployed = {}
+    deployment_id = pipeline.deploy(
+        name=dep.name, work_pool_name=dep.work_pool, build=False, push=False,
+        parameters={"config": config.model_dump(mode="json")}, schedules=schedules_of(config), tags=dep.tags,
+        description=f"alignflow pipeline '{config.name}': SFT -> reward -> engine -> RL -> evaluation",
+        print_next_steps=False, ignore_warnings=True)
+    deployed[f"alignflow-pipeline/{dep.name}"] = str(deployment_id)
+    for stage, infra in dep.stage_infra.items():
+        ensure_work_pool(infra.work_pool, "kubernetes" if infra.image and infra.gpus else "process")
+        stage_flow = Flow.from_source(source=str(source), entrypoint="flows/pipeline.py:alignflow_stage")
+        job_variables: dict[str, Any] = {}
+        if infra.image:
+            job_variables["image"] = infra.image
+        if infra.gpus:
+            job_variables["gpus"] = infra.gpus
+        stage_id = stage_flow.deploy(
+            name=f"{dep.name}-{stage}", work_pool_name=infra.work_pool, build=False, push=False,
+            job_variables=job_variables or None, tags=[*dep.tags, f"stage:{stage}"],
+            description=f"alignflow '{stage}' stage: runs `python -m alignflow.stages.{stage}` with the given spec",
+            print_next_steps=False, ignore_warnings=True)
+        deployed[f"{STAGE_FLOW_NAME}/{dep.name}-{stage}"] = str(stage_id)
+    return deployed
