@@ -163,3 +163,29 @@ def test_rollouts_read_back_and_engine_refit_every_iteration(upstream):
     assert "| engine_load | 1 |" in profile, "the engine is loaded once (built by the engine stage), not rebuilt"
     assert "| refit | 3 |" in profile
     assert max(m["rollout/logprob_engine_vs_actor_max"] for m in metrics) < 1e-4, "refit keeps engine == actor"
+
+
+def test_failed_pipeline_rerun_skips_finished_stages_and_ppo_continues(upstream, tmp_path, monkeypatch):
+    from alignflow.flows.pipeline import alignflow_pipeline
+
+    workdir, _, rows = upstream
+    monkeypatch.setenv("ALIGNFLOW_TEST_COUNTER", str(tmp_path / "calls"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    config = small_config(workdir, stages=["data", "base", "sft", "reward", "engine", "ppo"],
+                          engine={"max_seq_len": 96, "max_batch_size": 32},
+                          ppo={**PPO_TEST, "reward_functions": ["tests.stages.reward_fixtures:fail_once_on_third_call"],
+                               "reward_function_weights": [0.0]},
+                          deployment={"stage_retries": 0})
+    with pytest.raises(Exception, match="stage 'ppo' failed: RuntimeError: injected failure at iteration 3"):
+        alignflow_pipeline(config)
+    again = {row["key"]: row for row in alignflow_pipeline(config)}
+    assert {k: again[k]["status"] for k in rows} == {k: "skipped" for k in rows}
+    assert again["ppo"]["status"] == "ok" and again["ppo"]["metrics"]["iterations"] == 4
+    out = local(again["ppo"]["output_uri"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_00002", "iter_00004"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    run = client.get_run(again["ppo"]["mlflow_run_id"])
+    assert run.data.tags.get("alignflow.resumed") == "true", "PPO continued from its checkpoint, in the same run"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "timing/iteration")) == [1, 2, 3, 4]

@@ -1,0 +1,159 @@
+"""save/load, unload/reload, interrupted generation, the build-time parity check and the compiled decode step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_test_models import TOLERANCES, engine_config, random_prompts
+
+from alignflow.stages.generation import (
+    EngineError,
+    SamplingParams,
+    build_engine,
+    check_greedy_parity,
+    load_engine,
+)
+from alignflow.stages.generation.native import NativeEngine
+from alignflow.stages.generation.native.weights import checkpoint_tensors
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=5)
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_save_load_round_trip_gives_identical_output(tiny_checkpoints, tmp_path, backend):
+    source = tiny_checkpoints["llama_gqa_tied_llama3"]
+    (source / "tokenizer.json").write_text('{"stand-in": true}')  # the engine carries tokenizer files along
+    engine = build_engine(source, engine_config(backend=backend, max_seq_len=48))
+    prompts = random_prompts(5, seed=1)
+    saved = engine.save(tmp_path / "engine")
+
+    meta = json.loads((saved / "engine_config.json").read_text())
+    assert meta["backend"] == backend and meta["layout_version"] == 1 and meta["engine_config"]["max_seq_len"] == 48
+    assert meta["tokenizer"] == "tokenizer" and (saved / "tokenizer" / "tokenizer.json").is_file()
+    if backend == "native":  # weights are stored in the inference layout
+        from safetensors import safe_open
+
+        with safe_open(str(saved / "weights.safetensors"), framework="pt") as f:
+            assert "qkv_w" in f.keys() and "gate_up_w" in f.keys() and "lm_head" not in f.keys()  # tied
+
+    loaded = load_engine(saved)
+    assert type(loaded) is type(engine) and loaded.eos_token_ids == engine.eos_token_ids
+    for sampling in (GREEDY, SAMPLED):
+        a, b = engine.generate(prompts, sampling), loaded.generate(prompts, sampling)
+        assert a.response_token_ids == b.response_token_ids and a.logprobs == b.logprobs
+
+
+def test_load_rejects_what_is_not_an_engine(tmp_path, tiny_checkpoints):
+    with pytest.raises(FileNotFoundError, match="not a saved engine"):
+        load_engine(tiny_checkpoints["llama_mha_untied"])
+    saved = build_engine(tiny_checkpoints["llama_mha_untied"], engine_config()).save(tmp_path / "e")
+    meta = json.loads((saved / "engine_config.json").read_text())
+    meta["layout_version"] = 99
+    (saved / "engine_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="layout_version 99 but this code reads version 1; rebuild"):
+        load_engine(saved)
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_unload_reload_keeps_output_and_guards_generate(tiny_checkpoints, backend):
+    path = tiny_checkpoints["mistral_linear_window"]
+    engine = build_engine(path, engine_config(backend=backend))
+    prompts = random_prompts(4, seed=2)
+    want = engine.generate(prompts, SAMPLED)
+
+    engine.unload()
+    assert not engine.loaded
+    if backend == "native":
+        assert engine.cache is None  # the KV cache is freed
+    with pytest.raises(EngineError, match=r"unloaded; call reload\(\)"):
+        engine.generate(prompts, SAMPLED)
+    engine.reload()
+    assert engine.loaded
+    assert engine.generate(prompts, SAMPLED).response_token_ids == want.response_token_ids
+
+    # Discarding the weights: reload gives empty buffers, generate refuses until a full refit.
+    engine.unload(keep_weights=False)
+    with pytest.raises(EngineError, match=r"reload\(\) before refit"):
+        engine.refit(checkpoint_tensors(path))
+    engine.reload()
+    with pytest.raises(EngineError, match="no valid weights"):
+        engine.generate(prompts, SAMPLED)
+    engine.refit(checkpoint_tensors(path))
+    assert engine.generate(prompts, SAMPLED).response_token_ids == want.response_token_ids
+
+
+def test_native_unload_frees_weights_when_asked(tiny_checkpoints):
+    engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config())
+    size = engine.weights.nbytes()
+    engine.unload(keep_weights=False)
+    assert engine.weights.nbytes() == 0 < size and engine.cache is None
+
+
+def test_interrupted_generation_leaves_the_engine_usable(tiny_checkpoints):
+    engine = NativeEngine.build(tiny_checkpoints["qwen2_bias_window"], engine_config())
+    prompts = random_prompts(3, seed=3)
+    want = engine.generate(prompts, SAMPLED)
+
+    decode, calls = engine._decode, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt  # what Ctrl-C mid-decode looks like
+        return decode(*args, **kwargs)
+
+    engine._decode = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, SAMPLED)
+    engine._decode = decode
+    again = engine.generate(prompts, SAMPLED)
+    assert again.response_token_ids == want.response_token_ids and again.logprobs == want.logprobs
+
+
+def test_build_time_parity_check_against_hf(tiny_checkpoints):
+    path = tiny_checkpoints["llama_bias_yarn"]
+    report = check_greedy_parity(build_engine(path, engine_config()), build_engine(path, engine_config(backend="hf")),
+                                 random_prompts(8, seed=4), max_new_tokens=12)
+    assert report.ok and report.sequences == 8 and report.first_mismatch is None
+
+
+def test_padded_view_of_a_generation(tiny_checkpoints):
+    engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config())
+    gen = engine.generate([[5, 6], [7]], SamplingParams(temperature=0.0, max_new_tokens=6,
+                                                        stop_token_ids=[0]))
+    tokens, logprobs, lengths = gen.padded(pad_token_id=-1)
+    assert tokens.shape == logprobs.shape == (2, max(gen.lengths))
+    for b in range(2):
+        assert tokens[b, : lengths[b]].tolist() == gen.response_token_ids[b]
+        assert (tokens[b, lengths[b]:] == -1).all() and (logprobs[b, lengths[b]:] == 0).all()
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_matches_eager(tiny_checkpoints):
+    """torch.compile of the decode step (engine.compile) changes speed, not results."""
+    path = tiny_checkpoints["qwen2_bias_window"]
+    prompts = random_prompts(3, seed=5)
+    eager = NativeEngine.build(path, engine_config()).generate(prompts, SAMPLED, return_logits=True)
+    compiled = NativeEngine.build(path, engine_config(compile=True)).generate(prompts, SAMPLED, return_logits=True)
+    assert compiled.response_token_ids == eager.response_token_ids
+    worst = max((a - b).abs().max().item() for a, b in zip(compiled.logits, eager.logits, strict=True))
+    assert worst <= TOLERANCES["logits_fp32"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_decode_matches_eager_on_gpu(tiny_checkpoints):
+    path = tiny_checkpoints["mistral_linear_window"]
+    prompts = random_prompts(5, seed=6)
+    graphed = NativeEngine.build(path, engine_config(cuda_graphs=True), device="cuda")
+    eager = NativeEngine.build(path, engine_config(cuda_graphs=False), device="cuda")
+    a = graphed.generate(prompts, SAMPLED, return_logits=True)
+    b = eager.generate(prompts, SAMPLED, return_logits=True)
+    assert graphed._graphs, "no CUDA graph was captured"
+    assert a.response_token_ids == b.response_token_ids
+    worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
+    assert worst <= TOLERANCES["logits_fp32"]
+    graphed.refit(checkpoint_tensors(path))  # in-place refit keeps the captured graphs valid
+    assert graphed.generate(prompts, SAMPLED).response_token_ids == a.response_token_ids
