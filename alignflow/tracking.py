@@ -12,6 +12,7 @@ the object-store folder. Checkpoints are therefore never stored twice (see READM
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +32,11 @@ _PARAM_MAX_CHARS = 6000
 
 
 def resolve_tracking_uri(config: TrackingConfig, workdir: str | Path) -> str:
-    """The configured URI, or a SQLite file in the working dir (no server needed)."""
+    """The configured URI, else MLFLOW_TRACKING_URI, else a SQLite file in the working dir (no server needed)."""
     if config.uri:
         return config.uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
 
 

