@@ -36,3 +36,10 @@ lint: $(VENV)/.installed-dev
 
 clean-demo:
 	rm -rf artifacts mlflow.db mlruns .alignflow
+
+# Build the training image with podman (no Docker engine, no registry: a debootstrap base image) and
+# run the SFT stage in it against the host's object store; prints step times and the image size.
+# Needs root and minutes of CPU (torch, the DeepSpeed sdist); see containers/README.md.
+.PHONY: container-test
+container-test: $(VENV)/.installed-runtime
+	bash scripts/container_test.sh
