@@ -1,0 +1,229 @@
+"""Generation throughput of the native engine (eager, compiled) against transformers, and refit vs build time.
+
+Same random model, prompts and sampling (temperature 1, no top-k/top-p, EOS ignored so every
+sequence generates exactly --new-tokens tokens) for every engine:
+
+    native            alignflow native engine, eager decode step
+    native+compile    the same with engine.compile (torch.compile of the decode step)
+    hf                alignflow hf backend: transformers generate + alignflow's sampler
+    transformers      plain transformers generate(do_sample=True, top_k=0), its own multinomial sampling
+
+Runs are interleaved (every engine once per batch size, then repeat) and the median is reported,
+because the CI box's 2 cores are shared. Tokens/s counts generated tokens over the wall time of
+the whole generate call (prefill included).
+
+    python benchmarks/engine_throughput.py            # full table (~10 min on 2 cores)
+    python benchmarks/engine_throughput.py --quick    # tiny model + batch 8 on ~100M, one repeat
+    python benchmarks/engine_throughput.py --json     # machine-readable
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODELS: dict[str, dict[str, Any]] = {
+    # The pipeline's demo model (alignflow.config.TinyModelConfig defaults).
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+    # ~110M parameters (85M in the layers, 25M in the tied embedding).
+    "llama-100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                       num_key_value_heads=12, vocab_size=32000, tie_word_embeddings=True),
+}
+ENGINES = ("native", "native+compile", "hf", "transformers")
+
+
+def make_checkpoint(root: Path, name: str) -> tuple[Path, int]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                         **MODELS[name]))
+    path = root / name
+    model.save_pretrained(path)
+    return path, sum(p.numel() for p in model.parameters())
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(length),), generator=gen).tolist()
+            for length in torch.randint(8, 25, (n,), generator=gen)]
+
+
+class PlainTransformers:
+    """transformers generate with its own sampling, on the hf backend's model (no alignflow code per step)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        import torch
+        from transformers import GenerationConfig
+
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+
+
+def bench_model(name: str, root: Path, args: argparse.Namespace, log) -> dict[str, Any]:
+    from alignflow.config import EngineConfig
+    from alignflow.stages.generation import SamplingParams
+    from alignflow.stages.generation.hf_backend import HFEngine
+    from alignflow.stages.generation.native import NativeEngine
+    from alignflow.stages.generation.native.weights import checkpoint_tensors
+
+    path, n_params = make_checkpoint(root, name)
+    batches = args.batch_sizes if name != "llama-100m" or not args.quick else [8]
+    max_batch = max(batches)
+    config = EngineConfig(max_batch_size=max_batch, max_seq_len=24 + args.new_tokens, cuda_graphs=False)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    prompts = make_prompts(max_batch, MODELS[name]["vocab_size"])
+
+    log(f"[{name}] {n_params / 1e6:.1f}M parameters: building engines")
+    engines: dict[str, Any] = {"native": NativeEngine.build(path, config)}
+    if not args.no_compile:
+        engines["native+compile"] = NativeEngine.build(path, config.model_copy(update={"compile": True}))
+    hf = HFEngine.build(path, config)
+    engines["hf"] = hf
+    engines["transformers"] = PlainTransformers(hf.model)
+
+    def run(engine_name: str, batch: int) -> float:
+        engine = engines[engine_name]
+        started = time.perf_counter()
+        if engine_name == "transformers":
+            engine.generate(prompts[:batch], args.new_tokens)
+        else:
+            gen = engine.generate(prompts[:batch], sampling)
+            assert sum(gen.lengths) == batch * args.new_tokens
+        return time.perf_counter() - started
+
+    for engine_name in engines:  # warm-up: compilation, allocator, first-call costs
+        for batch in batches:
+            t = run(engine_name, batch)
+            log(f"  warm-up {engine_name:15s} batch {batch:3d}: {t:.2f}s")
+
+    times: dict[tuple[str, int], list[float]] = {}
+    for repeat in range(args.repeats):
+        for batch in batches:
+            for engine_name in engines:
+                times.setdefault((engine_name, batch), []).append(run(engine_name, batch))
+        log(f"  repeat {repeat + 1}/{args.repeats} done (load average {os.getloadavg()[0]:.1f})")
+
+    rows = []
+    for batch in batches:
+        medians = {e: statistics.median(times[(e, batch)]) for e in engines}
+        for engine_name in engines:
+            seconds = medians[engine_name]
+            rows.append({
+                "model": name, "params_m": round(n_params / 1e6, 1), "batch": batch, "engine": engine_name,
+                "tokens_per_s": batch * args.new_tokens / seconds, "ms_per_token_step": seconds / args.new_tokens * 1e3,
+                "runs_s": [round(t, 3) for t in times[(engine_name, batch)]],
+                "speedup_vs_hf": medians["hf"] / seconds, "speedup_vs_transformers": medians["transformers"] / seconds,
+            })
+
+    # Refit (the PPO path: named_parameters of a live model) against a full build from disk.
+    build_s, refit_s, refit_disk_s = [], [], []
+    native = engines["native"]
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        fresh = NativeEngine.build(path, config)
+        build_s.append(time.perf_counter() - started)
+        del fresh
+        started = time.perf_counter()
+        native.refit(hf.model.named_parameters())
+        refit_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        native.refit(checkpoint_tensors(path))
+        refit_disk_s.append(time.perf_counter() - started)
+    refit = {"model": name, "build_s": statistics.median(build_s), "refit_s": statistics.median(refit_s),
+             "refit_from_safetensors_s": statistics.median(refit_disk_s)}
+    refit["refit_over_build"] = refit["refit_s"] / refit["build_s"]
+    return {"throughput": rows, "refit": refit}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model + batch 8 of the ~100M model, 1 repeat")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (pinned for comparability)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the native+compile engine")
+    args = parser.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; valid: {', '.join(MODELS)}")
+    if args.quick:
+        args.repeats = 1
+    return args
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"Generation throughput ({result['new_tokens']} new tokens, {result['threads']} threads, "
+                        f"median of {result['repeats']})")
+    for column in ("model", "batch", "engine", "tokens/s", "ms/step", "x hf", "x transformers"):
+        table.add_column(column, justify="right" if column not in ("model", "engine") else "left")
+    for row in result["throughput"]:
+        table.add_row(row["model"], str(row["batch"]), row["engine"], f"{row['tokens_per_s']:.1f}",
+                      f"{row['ms_per_token_step']:.1f}", f"{row['speedup_vs_hf']:.2f}",
+                      f"{row['speedup_vs_transformers']:.2f}")
+    console.print(table)
+    refit = Table(title="Refit (live named_parameters) vs full build from the checkpoint directory")
+    for column in ("model", "build s", "refit s", "refit from safetensors s", "refit / build"):
+        refit.add_column(column, justify="right" if column != "model" else "left")
+    for row in result["refit"]:
+        refit.add_row(row["model"], f"{row['build_s']:.3f}", f"{row['refit_s']:.3f}",
+                      f"{row['refit_from_safetensors_s']:.3f}", f"{row['refit_over_build']:.1%}")
+    console.print(refit)
+    console.print(f"load average before/after: {result['load_before']:.1f} / {result['load_after']:.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    result: dict[str, Any] = {"new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
+                              "torch": torch.__version__, "load_before": os.getloadavg()[0],
+                              "throughput": [], "refit": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            part = bench_model(name, Path(tmp), args, log)
+            result["throughput"] += part["throughput"]
+            result["refit"].append(part["refit"])
+    result["load_after"] = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

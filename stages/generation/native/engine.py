@@ -1,0 +1,492 @@
+"""The native engine for the Llama family: static KV cache, batched prefill, on-device sampling, in-place refit.
+
+It turns prompt token ids into sampled responses with per-token log-probabilities; it knows nothing
+of PPO or tokenizers. Weights live in `InferenceWeights` (fused QKV, fused gate/up) and are only
+ever overwritten in place by `refit`, so a refit costs one copy of the weights and nothing else.
+
+Memory (documented contract of unload/reload): unload() drops the KV cache and any CUDA graphs; the
+weights move to pinned host memory on GPU (keep_weights=True) or are freed (keep_weights=False,
+then reload() allocates fresh buffers and a full refit must follow). On CPU the weights already live
+in host memory, so keep_weights=True leaves them in place.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from alignflow.config import EngineConfig
+from alignflow.stages.generation.base import (
+    ENGINE_CONFIG_FILE,
+    ENGINE_FORMAT,
+    ENGINE_LAYOUT_VERSION,
+    Engine,
+    EngineError,
+    FinishReason,
+    Generation,
+    RefitError,
+    RefitStats,
+    SamplingParams,
+    check_fits,
+    copy_tokenizer_files,
+    eos_ids_of,
+    read_engine_config,
+    resolve_device,
+    resolve_dtype,
+    validate_prompts,
+)
+from alignflow.stages.generation.native.model import DecodeMasks, KVCache, LlamaFamilyModel, prefill_masks
+from alignflow.stages.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
+from alignflow.stages.generation.native.weights import InferenceWeights, checkpoint_tensors
+
+WEIGHTS_FILE = "weights.safetensors"
+# On GPU, checking "all sequences finished?" syncs the host with the device; every 8 steps it costs
+# at most 7 wasted decode steps per generate call instead of one sync per token.
+GPU_STOP_CHECK_EVERY = 8
+
+
+@dataclass
+class _GraphedStep:
+    """A decode step captured in a CUDA graph for one batch-size bucket, with its static inputs."""
+
+    tokens: torch.Tensor  # [bucket, 1] long
+    positions: torch.Tensor  # [bucket, 1] long
+    slot: torch.Tensor  # [1] long
+    masks: dict[int | None, torch.Tensor]  # window -> additive [bucket, 1, 1, S_max]
+    graph: Any = None
+    logits: torch.Tensor | None = None  # [bucket, V], written by replay
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class NativeEngine(Engine):
+    """Llama-family engine; see the module docstring."""
+
+    backend: ClassVar[str] = "native"
+    # How many engines were built or loaded in this process: a refit must leave it unchanged.
+    builds: ClassVar[int] = 0
+
+    def __init__(
+        self,
+        hf_config: Any,
+        engine_config: EngineConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...],
+        tokenizer_source: Path | None,
+        source_checkpoint: str | None,
+    ):
+        if engine_config.tensor_parallel_size != 1:
+            raise NotImplementedError(
+                f"engine.tensor_parallel_size={engine_config.tensor_parallel_size}: the native engine runs on "
+                "one device for now; set engine.tensor_parallel_size: 1"
+            )
+        self.hf_config = hf_config
+        self.engine_config = engine_config
+        self.spec: LlamaFamilySpec = spec_from_hf_config(hf_config, engine_config.max_seq_len)
+        self.dtype = dtype
+        self.device = device
+        self._eos = eos_token_ids
+        self.tokenizer_source = tokenizer_source
+        self.source_checkpoint = source_checkpoint
+        self.weights = InferenceWeights(self.spec, dtype, device)
+        cos, sin = rope_tables(hf_config, self.spec, engine_config.max_seq_len)
+        self.model = LlamaFamilyModel(self.spec, self.weights, cos.to(device, dtype), sin.to(device, dtype))
+        self.cache: KVCache | None = self._new_cache()
+        self._weights_valid = False  # set once a full weight stream has been copied in
+        self._busy = False
+        self._graphs: dict[int, _GraphedStep] = {}
+        self._graph_pool = None
+        self._use_graphs = engine_config.cuda_graphs and device.type == "cuda"
+        from alignflow.kernels import sample_tokens
+
+        # engine.compile: the decode step and the sampler are compiled with dynamic shapes, so one
+        # graph serves every step (slot, kv length) and batch size instead of a recompile per value.
+        # The sampler is ~40 small integer/float ops over [B, V] (hash-based noise), which inductor
+        # fuses into one loop.
+        self._step = torch.compile(self.model.forward, dynamic=True) if engine_config.compile else self.model.forward
+        self._sample = torch.compile(sample_tokens, dynamic=True) if engine_config.compile else sample_tokens
+        NativeEngine.builds += 1
+
+    def _new_cache(self) -> KVCache:
+        return KVCache(self.spec, self.engine_config.max_batch_size, self.engine_config.max_seq_len, self.dtype,
+                       self.device)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def build(cls, checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str = "float32",
+              device: str | None = None) -> NativeEngine:
+        """Read config.json, allocate buffers, stream the safetensors shards into them (one tensor at a time)."""
+        from transformers import AutoConfig
+
+        checkpoint_dir = Path(checkpoint_dir)
+        if not (checkpoint_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{checkpoint_dir}: no config.json; expected a Hugging Face causal-LM directory")
+        hf_config = AutoConfig.from_pretrained(checkpoint_dir)
+        spec_from_hf_config(hf_config, engine_config.max_seq_len)  # fail on the architecture before allocating
+        engine = cls(
+            hf_config, engine_config, dtype=resolve_dtype(dtype), device=resolve_device(device),
+            eos_token_ids=eos_ids_of(checkpoint_dir, hf_config), tokenizer_source=checkpoint_dir,
+            source_checkpoint=str(checkpoint_dir),
+        )
+        engine.weights.copy_stream(checkpoint_tensors(checkpoint_dir), partial=False)
+        engine._weights_valid = True
+        return engine
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine_config.max_seq_len
+
+    @property
+    def loaded(self) -> bool:
+        return self.cache is not None
+
+    # -- generation -------------------------------------------------------------------------------
+    def _check_ready(self) -> None:
+        if self.cache is None:
+            raise EngineError("the engine is unloaded; call reload() before generate()")
+        if not self._weights_valid:
+            raise EngineError(
+                "the engine holds no valid weights (unload(keep_weights=False) discarded them, or a refit failed); "
+                "call refit(...) with every parameter first"
+            )
+        if self._busy:
+            raise EngineError("generate() is already running on this engine (engines are not re-entrant)")
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                 return_logits: bool = False) -> Generation:
+        """Generate for any number of prompts, max_batch_size rows at a time. See Engine.generate."""
+        self._check_ready()
+        prompts = validate_prompts(prompt_token_ids, self.vocab_size)
+        check_fits(prompts, sampling, self.max_seq_len, self.vocab_size)
+        seeds = sampling.sequence_seeds(len(prompts))
+        rows = self.engine_config.max_batch_size
+        parts = []
+        self._busy = True
+        try:
+            for start in range(0, len(prompts), rows):
+                parts.append(self._generate_batch(prompts[start : start + rows], seeds[start : start + rows],
+                                                  sampling, return_logits))
+        finally:
+            # An exception or KeyboardInterrupt mid-decode leaves nothing half-done that matters: every
+            # generate rewrites the cache slots it reads, so the engine stays usable.
+            self._busy = False
+        return _merge(parts)
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams,
+                        return_logits: bool) -> Generation:
+        started = time.perf_counter()
+        dev, cache = self.device, self.cache
+        assert cache is not None
+        B, S = len(prompts), max(len(p) for p in prompts)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        tokens = torch.tensor([[0] * (S - len(p)) + p for p in prompts], dtype=torch.long, device=dev)
+        pad = (S - lens).to(dev)
+        lens = lens.to(dev)
+        positions = (torch.arange(S, device=dev)[None, :] - pad[:, None]).clamp(min=0)
+        logits = self.model.forward(cache, tokens, positions, 0, prefill_masks(self.spec, pad, S, self.dtype))
+        masks = DecodeMasks(self.spec, pad, self.max_seq_len, self.dtype)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        prefill_s = time.perf_counter() - started
+
+        temperature = torch.full((B,), sampling.temperature, dtype=torch.float32, device=dev)
+        top_k = torch.full((B,), sampling.top_k, dtype=torch.long, device=dev)
+        top_p = torch.full((B,), sampling.top_p, dtype=torch.float32, device=dev)
+        seed_t = torch.tensor(seeds, dtype=torch.long, device=dev)
+        ends = torch.zeros(self.vocab_size, dtype=torch.bool, device=dev)
+        if not sampling.ignore_eos and self._eos:
+            ends[list(self._eos)] = True
+        if sampling.stop_token_ids:
+            ends[sampling.stop_token_ids] = True
+
+        new = sampling.max_new_tokens
+        out_tokens = torch.zeros((B, new), dtype=torch.long, device=dev)
+        out_logprobs = torch.zeros((B, new), dtype=torch.float32, device=dev)
+        lengths = torch.full((B,), new, dtype=torch.long, device=dev)
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        kept_logits: list[torch.Tensor] = []
+        check_every = GPU_STOP_CHECK_EVERY if dev.type == "cuda" else 1
+        steps = 0
+        for t in range(new):
+            # Values were checked once by SamplingParams: skip the per-call check (a host sync on GPU).
+            sample = self._sample(logits, temperature, top_k, top_p, seed_t, t, validate=False)
+            out_tokens[:, t] = sample.tokens
+            out_logprobs[:, t] = sample.logprobs
+            if return_logits:
+                kept_logits.append(logits.float().cpu())
+            hit = ends[sample.tokens] & ~finished
+            lengths = torch.where(hit, t + 1, lengths)
+            finished |= hit
+            steps = t + 1
+            if t + 1 == new or ((t + 1) % check_every == 0 and bool(finished.all())):
+                break
+            logits = self._decode(sample.tokens, lens + t, S + t, masks)
+
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        elapsed = time.perf_counter() - started
+        lengths_l = lengths.tolist()
+        tokens_l = out_tokens.tolist()
+        logprobs_l = out_logprobs.tolist()
+        responses, logprobs, reasons = [], [], []
+        eos = set(self._eos) if not sampling.ignore_eos else set()
+        for b in range(B):
+            n = lengths_l[b]
+            responses.append(tokens_l[b][:n])
+            logprobs.append(logprobs_l[b][:n])
+            reasons.append(_finish_reason(tokens_l[b][n - 1], eos, sampling.stop_token_ids))
+        generated = sum(lengths_l)
+        per_row_logits = None
+        if return_logits:
+            stacked = torch.stack(kept_logits, dim=1)  # [B, steps, V]
+            per_row_logits = [stacked[b, : lengths_l[b]] for b in range(B)]
+        return Generation(
+            response_token_ids=responses, logprobs=logprobs, finish_reasons=reasons, logits=per_row_logits,
+            metrics={"timing/prefill_s": prefill_s, "timing/generate_s": elapsed, "perf/decode_steps": steps,
+                     "perf/generated_tokens": generated, "perf/gen_tokens_per_s": generated / max(elapsed, 1e-9)},
+        )
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, masks: DecodeMasks) -> torch.Tensor:
+        """Logits [B, V] of one decode step: tokens, positions [B]; the new keys go to cache slot `slot`."""
+        assert self.cache is not None
+        if self._use_graphs:
+            return self._decode_graphed(tokens, positions, slot, masks)
+        return self._step(self.cache, tokens[:, None], positions[:, None], slot, masks.at(slot, slot + 1))
+
+    # -- CUDA graphs (GPU only) ---------------------------------------------------------------------
+    def _bucket(self, batch: int) -> int:
+        bucket = 1
+        while bucket < batch:
+            bucket *= 2
+        return min(bucket, self.engine_config.max_batch_size)
+
+    def _decode_graphed(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
+                        masks: DecodeMasks) -> torch.Tensor:
+        B = tokens.shape[0]
+        bucket = self._bucket(B)
+        step = self._graphs.get(bucket)
+        if step is None:
+            try:
+                step = self._capture(bucket)
+            except Exception as exc:  # noqa: BLE001 - capture problems must not stop generation
+                warnings.warn(f"CUDA graph capture failed ({exc!r}); decoding eagerly from now on", stacklevel=2)
+                self._use_graphs = False
+                return self._decode(tokens, positions, slot, masks)
+            self._graphs[bucket] = step
+        step.tokens.zero_()
+        step.tokens[:B, 0].copy_(tokens)
+        step.positions.zero_()
+        step.positions[:B, 0].copy_(positions)
+        step.slot.fill_(slot)
+        for window, mask in masks.at(slot, self.max_seq_len).items():
+            # Rows past B keep an all-zero mask: they attend to finite stale keys, never to nothing.
+            step.masks[window][:B].copy_(mask)
+        step.graph.replay()
+        assert step.logits is not None
+        return step.logits[:B]
+
+    def _capture(self, bucket: int) -> _GraphedStep:
+        dev, S = self.device, self.max_seq_len
+        step = _GraphedStep(
+            tokens=torch.zeros((bucket, 1), dtype=torch.long, device=dev),
+            positions=torch.zeros((bucket, 1), dtype=torch.long, device=dev),
+            # Warm-up and capture write into the last slot, which a running generation has not
+            # reached yet (and overwrites before it reads it), so capturing mid-generate is safe.
+            slot=torch.full((1,), S - 1, dtype=torch.long, device=dev),
+            masks={w: torch.zeros((bucket, 1, 1, S), dtype=self.dtype, device=dev)
+                   for w in set(self.spec.sliding_windows)},
+        )
+
+        def run() -> torch.Tensor:
+            return self._step(self.cache, step.tokens, step.positions, step.slot, step.masks)
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            step.logits = run()
+        step.graph = graph
+        return step
+
+    # -- reference path ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Logits [len_i, V] float32 at every position of each sequence, from one batched prefill.
+
+        The slow, simple path (no decode loop): tests compare it and the decode loop with transformers.
+        """
+        self._check_ready()
+        seqs = validate_prompts(sequences, self.vocab_size)
+        if len(seqs) > self.engine_config.max_batch_size or max(map(len, seqs)) > self.max_seq_len:
+            raise ValueError(f"forward_logits takes at most {self.engine_config.max_batch_size} sequences of at "
+                             f"most {self.max_seq_len} tokens")
+        dev, S = self.device, max(len(s) for s in seqs)
+        tokens = torch.tensor([[0] * (S - len(s)) + s for s in seqs], dtype=torch.long, device=dev)
+        pad = torch.tensor([S - len(s) for s in seqs], dtype=torch.long, device=dev)
+        positions = (torch.arange(S, device=dev)[None, :] - pad[:, None]).clamp(min=0)
+        assert self.cache is not None
+        logits = self.model.forward(self.cache, tokens, positions, 0, prefill_masks(self.spec, pad, S, self.dtype),
+                                    logits_for="all")
+        return [logits[b, S - len(s):].cpu() for b, s in enumerate(seqs)]
+
+    # -- refit -------------------------------------------------------------------------------------
+    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False) -> RefitStats:
+        """Copy (HF name, tensor) pairs into the fused buffers in place; see InferenceWeights.copy_stream."""
+        if self._busy:
+            raise EngineError("refit() called while generate() is running")
+        if self.weights.buffers["embed"].numel() == 0:
+            raise EngineError("the engine's weights were discarded by unload(keep_weights=False); call reload() "
+                              "before refit()")
+        if partial and not self._weights_valid:
+            raise RefitError("partial refit into discarded weights: send every parameter (partial=False)")
+        try:
+            stats = self.weights.copy_stream(named_tensors, partial=partial)
+        except BaseException:
+            # Some slices may hold new values and others old ones: refuse to generate from the mix.
+            self._weights_valid = False
+            raise
+        self._weights_valid = True
+        return stats
+
+    # -- memory -----------------------------------------------------------------------------------
+    def unload(self, *, keep_weights: bool = True) -> None:
+        if self._busy:
+            raise EngineError("unload() called while generate() is running")
+        self.cache = None
+        self._graphs.clear()
+        self._graph_pool = None
+        if not keep_weights:
+            self.weights.discard()
+            self._weights_valid = False
+        elif self.device.type != "cpu":
+            self.weights.move_to("cpu", pin=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        if self.weights.buffers["embed"].numel() == 0:
+            self.weights.allocate(self.device)
+        elif self.weights.device != self.device:
+            self.weights.move_to(self.device)
+        if self.cache is None:
+            self.cache = self._new_cache()
+
+    # -- persistence ------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write engine_config.json, config.json, weights.safetensors (inference layout) and tokenizer/."""
+        from safetensors.torch import save_file
+
+        if not self._weights_valid:
+            raise EngineError("cannot save an engine without valid weights; refit it first")
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.detach().contiguous().cpu() for name, t in self.weights.buffers.items()},
+                  str(path / WEIGHTS_FILE), metadata={"format": ENGINE_FORMAT})
+        self.hf_config.to_json_file(str(path / "config.json"))
+        tokenizer_files = copy_tokenizer_files(self.tokenizer_source, path) if self.tokenizer_source else []
+        meta = {
+            "format": ENGINE_FORMAT,
+            "layout_version": ENGINE_LAYOUT_VERSION,
+            "backend": self.backend,
+            "engine_config": self.engine_config.model_dump(mode="json"),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "model_type": self.spec.model_type,
+            "spec": self.spec.to_dict(),
+            "eos_token_ids": list(self._eos),
+            "weights": WEIGHTS_FILE,
+            "tokenizer": "tokenizer" if tokenizer_files else None,
+            "source_checkpoint": self.source_checkpoint,
+        }
+        (path / ENGINE_CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str | None = None) -> NativeEngine:
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        path = Path(path)
+        meta = read_engine_config(path)
+        if meta["backend"] != cls.backend:
+            raise ValueError(f"{path} holds a {meta['backend']!r} engine, not {cls.backend!r}; use load_engine()")
+        hf_config = AutoConfig.from_pretrained(path)
+        tokenizer_dir = path / meta["tokenizer"] if meta.get("tokenizer") else None
+        engine = cls(
+            hf_config, EngineConfig.model_validate(meta["engine_config"]), dtype=resolve_dtype(meta["dtype"]),
+            device=resolve_device(device), eos_token_ids=tuple(meta["eos_token_ids"]),
+            tokenizer_source=tokenizer_dir, source_checkpoint=meta.get("source_checkpoint"),
+        )
+        if _json_roundtrip(engine.spec.to_dict()) != meta["spec"]:
+            raise ValueError(f"{path}: config.json does not describe the model in engine_config.json (edited?)")
+        with safe_open(str(path / meta["weights"]), framework="pt", device="cpu") as handle, torch.no_grad():
+            names = set(handle.keys())
+            expected = set(engine.weights.buffers)
+            if names != expected:
+                raise ValueError(f"{path / meta['weights']}: tensors {sorted(names ^ expected)} missing or unexpected")
+            for name in names:
+                src = handle.get_tensor(name)
+                dst = engine.weights.buffers[name]
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(f"{name}: saved shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+                dst.copy_(src)
+        engine._weights_valid = True
+        return engine
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """Where this engine's tokenizer files are (a saved engine carries a copy in tokenizer/)."""
+        return self.tokenizer_source
+
+
+def _json_roundtrip(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+def _finish_reason(last: int, eos: set[int], stops: list[int]) -> FinishReason:
+    """Why a sequence ended, from its last token (EOS wins when a token is both)."""
+    if last in eos:
+        return "eos"
+    if last in stops:
+        return "stop"
+    return "length"
+
+
+def _merge(parts: list[Generation]) -> Generation:
+    if len(parts) == 1:
+        return parts[0]
+    logits = None if parts[0].logits is None else [x for p in parts for x in (p.logits or [])]
+    metrics: dict[str, float] = {}
+    for key in ("timing/prefill_s", "timing/generate_s", "perf/decode_steps", "perf/generated_tokens"):
+        metrics[key] = sum(p.metrics.get(key, 0.0) for p in parts)
+    metrics["perf/gen_tokens_per_s"] = metrics["perf/generated_tokens"] / max(metrics["timing/generate_s"], 1e-9)
+    return Generation(
+        response_token_ids=[r for p in parts for r in p.response_token_ids],
+        logprobs=[lp for p in parts for lp in p.logprobs],
+        finish_reasons=[f for p in parts for f in p.finish_reasons],
+        logits=logits,
+        metrics=metrics,
+    )
+
