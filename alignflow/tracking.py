@@ -12,7 +12,6 @@ the object-store folder. Checkpoints are therefore never stored twice (see READM
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,11 +31,13 @@ _PARAM_MAX_CHARS = 6000
 
 
 def resolve_tracking_uri(config: TrackingConfig, workdir: str | Path) -> str:
-    """The configured URI, else MLFLOW_TRACKING_URI, else a SQLite file in the working dir (no server needed)."""
+    """The configured URI, or a SQLite file in the working dir (no server needed).
+
+    MLFLOW_TRACKING_URI is deliberately not a fallback: mlflow.set_tracking_uri exports it into the
+    process environment, so a second pipeline in the same process would log into the first one's store.
+    """
     if config.uri:
         return config.uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,7 +54,11 @@ GPU_STOP_CHECK_EVERY = 8
 
 @dataclass
 class _GraphedStep:
-    """A decode step captured in a CUDA graph for one batch-size bucket, with its static inputs."""
+    """A static-shape decode step for one batch-size bucket: its input buffers and how to replay it.
+
+    On CUDA `replay` launches the captured graph; elsewhere it calls the same static-shape step
+    eagerly, which lets CPU tests exercise every buffer, slot and mask the graph path uses.
+    """
 
     tokens: torch.Tensor  # [bucket, 1] long
     positions: torch.Tensor  # [bucket, 1] long
@@ -62,7 +66,7 @@ class _GraphedStep:
     masks: dict[int | None, torch.Tensor]  # window -> additive [bucket, 1, 1, S_max]
     graph: Any = None
     logits: torch.Tensor | None = None  # [bucket, V], written by replay
-    extra: dict[str, Any] = field(default_factory=dict)
+    replay: Callable[[], None] = field(default=lambda: None)
 
 
 class NativeEngine(Engine):
@@ -298,7 +302,7 @@ class NativeEngine(Engine):
         for window, mask in masks.at(slot, self.max_seq_len).items():
             # Rows past B keep an all-zero mask: they attend to finite stale keys, never to nothing.
             step.masks[window][:B].copy_(mask)
-        step.graph.replay()
+        step.replay()
         assert step.logits is not None
         return step.logits[:B]
 
@@ -317,6 +321,12 @@ class NativeEngine(Engine):
         def run() -> torch.Tensor:
             return self._step(self.cache, step.tokens, step.positions, step.slot, step.masks)
 
+        if dev.type != "cuda":
+            def eager_replay() -> None:
+                step.logits = run()
+
+            step.replay = eager_replay
+            return step
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -329,6 +339,7 @@ class NativeEngine(Engine):
         with torch.cuda.graph(graph, pool=self._graph_pool):
             step.logits = run()
         step.graph = graph
+        step.replay = graph.replay
         return step
 
     # -- reference path ---------------------------------------------------------------------------

@@ -143,6 +143,26 @@ def test_compiled_decode_step_matches_eager(tiny_checkpoints):
     assert worst <= TOLERANCES["logits_fp32"]
 
 
+@pytest.mark.parametrize("arch", ["mistral_linear_window", "qwen2_bias_window", "llama_gqa_tied_llama3"])
+def test_static_shape_decode_path_matches_eager_on_cpu(tiny_checkpoints, arch):
+    """The CUDA-graph path's static buffers, tensor slot, full-length masks and batch buckets, run
+    eagerly on CPU (only the graph capture itself needs a GPU)."""
+    path = tiny_checkpoints[arch]
+    static = NativeEngine.build(path, engine_config())
+    static._use_graphs = True
+    eager = NativeEngine.build(path, engine_config())
+    for batch, seed in ((3, 1), (5, 2), (1, 3), (3, 4)):  # buckets 4, 8, 1, then 4 again (reused)
+        prompts = random_prompts(batch, seed=seed)
+        a = static.generate(prompts, SAMPLED, return_logits=True)
+        b = eager.generate(prompts, SAMPLED, return_logits=True)
+        assert a.response_token_ids == b.response_token_ids
+        worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
+        assert worst <= TOLERANCES["logits_fp32"]
+    assert sorted(static._graphs) == [1, 4, 8]
+    static.refit(checkpoint_tensors(path))  # in place: the static buffers and steps stay valid
+    assert static.generate(prompts, SAMPLED).response_token_ids == b.response_token_ids
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_decode_matches_eager_on_gpu(tiny_checkpoints):
     path = tiny_checkpoints["mistral_linear_window"]
