@@ -101,19 +101,19 @@ def bench_model(name: str, root: Path, args: argparse.Namespace, log) -> dict[st
     engines["hf"] = hf
     engines["transformers"] = PlainTransformers(hf.model)
 
-    def run(engine_name: str, batch: int) -> float:
+    def run(engine_name: str, batch: int, new_tokens: int = args.new_tokens) -> float:
         engine = engines[engine_name]
         started = time.perf_counter()
         if engine_name == "transformers":
-            engine.generate(prompts[:batch], args.new_tokens)
+            engine.generate(prompts[:batch], new_tokens)
         else:
-            gen = engine.generate(prompts[:batch], sampling)
-            assert sum(gen.lengths) == batch * args.new_tokens
+            gen = engine.generate(prompts[:batch], sampling.model_copy(update={"max_new_tokens": new_tokens}))
+            assert sum(gen.lengths) == batch * new_tokens
         return time.perf_counter() - started
 
-    for engine_name in engines:  # warm-up: compilation, allocator, first-call costs
+    for engine_name in engines:  # warm-up: compilation (dynamic shapes: a few steps cover all), first calls
         for batch in batches:
-            t = run(engine_name, batch)
+            t = run(engine_name, batch, new_tokens=min(4, args.new_tokens))
             log(f"  warm-up {engine_name:15s} batch {batch:3d}: {t:.2f}s")
 
     times: dict[tuple[str, int], list[float]] = {}
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             part = bench_model(name, Path(tmp), args, log)
+            log(json.dumps(part))  # partial results survive an interrupted run
             result["throughput"] += part["throughput"]
             result["refit"].append(part["refit"])
     result["load_after"] = os.getloadavg()[0]

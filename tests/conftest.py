@@ -82,7 +82,7 @@ def small_config(workdir: Path, stages: list[str] | None = None, **sections: Any
                            "max_position_embeddings": 128}},
         "data": {"demo": {"n_sft": 160, "n_preferences": 160, "n_prompts": 16, "n_eval_prompts": 8},
                  "eval_fraction": 0.1},
-        "sft": {"epochs": 1, "batch_size": 16, "micro_batch_size": 8, "max_length": 64, "eval_every": 5,
+        "sft": {"epochs": 3, "batch_size": 16, "micro_batch_size": 8, "max_length": 64, "eval_every": 5,
                 "warmup_steps": 2},
         "reward": {"epochs": 1, "batch_size": 16, "micro_batch_size": 16, "max_length": 64, "eval_every": 5,
                    "warmup_steps": 2},

@@ -62,7 +62,7 @@ def test_mlflow_has_parent_nested_runs_params_metrics_artifacts(first_run):
     assert set(by_stage) == {"data", "base", "sft", "reward"}
     sft = by_stage["sft"]
     assert sft.info.run_id == rows["sft"]["mlflow_run_id"]
-    assert sft.data.params["sft.epochs"] == "1.0"
+    assert sft.data.params["sft.epochs"] == "3.0"
     assert "eval/loss" in sft.data.metrics and "train/loss" in sft.data.metrics
     assert len(client.get_metric_history(sft.info.run_id, "train/loss")) >= 2, "metrics are logged per step"
     assert sft.data.tags["alignflow.output_uri"] == rows["sft"]["output_uri"]

@@ -139,11 +139,13 @@ def test_interval_schedule_produces_a_completed_run(prefect_server, tmp_path):
     deployment_id = ids["alignflow-pipeline/every-minute"]
 
     def completed_scheduled_run():
+        # Filter on the state: an interval schedule also creates many future SCHEDULED runs.
         runs = _http("POST", f"{api}/flow_runs/filter",
-                     {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}, "limit": 10})
+                     {"flow_runs": {"deployment_id": {"any_": [deployment_id]},
+                                    "state": {"type": {"any_": ["COMPLETED"]}}}, "limit": 10})
         return next((r for r in runs if r["state_type"] == "COMPLETED" and r.get("auto_scheduled")), None)
 
-    run = _wait(completed_scheduled_run, 300, "a scheduled run to complete", 5)
+    run = _wait(completed_scheduled_run, 480, "a scheduled run to complete", 5)
     assert run["auto_scheduled"] is True
 
 

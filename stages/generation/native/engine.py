@@ -392,7 +392,7 @@ class NativeEngine(Engine):
         if not keep_weights:
             self.weights.discard()
             self._weights_valid = False
-        elif self.device.type != "cpu":
+        elif self.weights.device.type != "cpu":
             self.weights.move_to("cpu", pin=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
