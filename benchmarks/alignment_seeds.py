@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{statistics.mean(r['rm_delta'] for r in mine):+.3f}",
                       f"{statistics.mean(r['win_rate_gold'] for r in mine):.1%}",
                       f"{statistics.mean(r['kl_to_ref'] for r in mine):.2f}")
-    Console(file=sys.stdout).print(table)
+    Console(file=sys.stdout, width=200).print(table)
     return 0
 
 

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         table.add_row(r["backend"], f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.1f}",
                       f"{r['gen_tokens_per_s']:.0f}", *(f"{r[f'{p}_s']:.3f}" for p in PHASES))
-    Console(file=sys.stdout).print(table)
+    Console(file=sys.stdout, width=200).print(table)
     return 0
 
 

@@ -194,12 +194,14 @@ def test_pipeline_on_s3_and_mlflow_server_with_registry_gate(mlflow_server, pref
     s3 = boto3.client("s3", endpoint_url=endpoint)
     objects = {o["Key"]: o["Size"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="prod")
                for o in page.get("Contents", [])}
-    runs_bytes = sum(size for key, size in objects.items() if key.startswith("runs/"))
     mlflow_objects = {k: s for k, s in objects.items() if k.startswith("mlflow/")}
-    assert any(k.startswith("runs/ppo/") and k.endswith("/policy/model.safetensors") for k in objects)
+    checkpoint_files = {k: s for k, s in objects.items()
+                        if k.startswith("runs/") and k.endswith((".safetensors", ".pt", ".bin"))}
+    assert any(k.startswith("runs/ppo/") and k.endswith("/policy/model.safetensors") for k in checkpoint_files)
     assert mlflow_objects, "MLflow artifacts went to S3 through the proxy"
-    assert not [k for k in mlflow_objects if k.endswith((".safetensors", ".pt"))], "no checkpoint copied into MLflow"
-    assert sum(mlflow_objects.values()) < 0.05 * runs_bytes
+    assert not [k for k in mlflow_objects if k.endswith((".safetensors", ".pt", ".bin"))]
+    copies = sorted(k for k, size in mlflow_objects.items() if size in set(checkpoint_files.values()))
+    assert copies == [], "no checkpoint stored twice: no MLflow object has a checkpoint file's size"
 
     client = MlflowClient(url)
     experiment = client.get_experiment_by_name("prod")

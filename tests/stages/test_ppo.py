@@ -78,7 +78,9 @@ def test_rl_raises_held_out_gold_score_above_sft(upstream, algorithm):
                     max_new_tokens=24, **extra)
     code, result, stderr = finish(start_stage(spec, workdir))
     assert code == 0, stderr[-3000:]
-    evaluate = {"evaluate": {**config.evaluate.model_dump(mode="json"), "n_prompts": 8, "max_new_tokens": 24},
+    # Sampled at T=1 like the demo: greedy decoding of this tiny model collapses for SFT and policy alike.
+    evaluate = {"evaluate": {**config.evaluate.model_dump(mode="json"), "n_prompts": 8, "max_new_tokens": 24,
+                             "temperature": 1.0},
                 "model": spec.config["model"], "engine": spec.config["engine"]}
     eval_spec = StageSpec(stage="evaluate", config=evaluate,
                           inputs={"ppo": result.output_uri, "sft": spec.inputs["sft"], "data": spec.inputs["data"],
