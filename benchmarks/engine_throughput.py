@@ -184,7 +184,7 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=140)  # no truncated columns when piped
     table = Table(title=f"Generation throughput ({result['new_tokens']} new tokens, {result['threads']} threads, "
                         f"best of {result['repeats']} interleaved runs)")
     for column in ("model", "batch", "engine", "tokens/s", "median tokens/s", "ms/step", "x hf", "x transformers"):

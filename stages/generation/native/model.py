@@ -5,8 +5,8 @@ not sample, stop sequences or know about requests (that is `engine.py`). Arithme
 transformers' Llama/Qwen2/Mistral op for op (RMSNorm in float32, rotate-half RoPE, SDPA with the
 same scale), so fp32 logits agree with an HF forward to ~1e-6.
 
-Cache layout: k[l], v[l] [B_max, kv_heads, S_max, head_dim], one tensor per layer. Prompts are left-padded to a common
-width S, so cache slot s of every row is "the s-th column of the padded batch"; slot S + t holds
+Cache layout: k[l], v[l] [B_max, kv_heads, S_max, head_dim], one tensor per layer. Prompts are
+left-padded to a common width S, so cache slot s of every row is "the s-th column of the padded batch"; slot S + t holds
 decode step t. Row b's real tokens start at slot pad[b] and have positions 0, 1, 2, ...
 """
 
@@ -42,8 +42,8 @@ class KVCache:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale. x [..., H], weight [H]."""
     if x.dtype == torch.float32:
-        # One fused op instead of eight; bit-identical to the sequence below in fp32 (checked by the
-        # parity tests), about 2x faster per call on CPU.
+        # One fused op instead of eight; it gave bit-identical fp32 results to the sequence below
+        # on [1|64, 768] inputs and runs about 2x faster per call on CPU (24 us vs 40 us at B=1).
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -135,9 +135,9 @@ class LlamaFamilyModel:
 
         tokens, positions: [B, T] long. slot: first cache slot of the T tokens, an int (eager: keys
         up to slot + T are attended, the rest of the cache is not read) or a 1-element long tensor
-        (static shapes for CUDA graphs / compile: T must be 1 and all S_max slots are attended behind
-        the mask). masks: window -> additive [B, 1, T, kv_len] (0 / -inf). Returns logits float32, [B, V] for
-        logits_for="last", [B, T, V] for "all".
+        (static shapes for CUDA graphs: T must be 1 and all S_max slots are attended behind the
+        mask). masks: window -> additive [B, 1, T, kv_len] (0 / -inf). Returns float32 logits,
+        [B, V] for logits_for="last", [B, T, V] for "all".
         """
         spec, w = self.spec, self.weights
         B, T = tokens.shape

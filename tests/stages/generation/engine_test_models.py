@@ -89,3 +89,16 @@ def engine_config(**overrides):
     values = {"max_batch_size": 8, "max_seq_len": 64, "cuda_graphs": False}
     values.update(overrides)
     return EngineConfig(**values)
+
+
+def perturbed_checkpoint(source: Path, dest: Path, scale: float = 0.05, seed: int = 1) -> Path:
+    """A copy of `source` with every weight moved by noise (what a PPO step does), saved as safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std().clamp(min=1e-3))
+    model.save_pretrained(dest)
+    return dest

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from engine_test_models import TOLERANCES, engine_config, random_prompts
+from engine_test_models import TOLERANCES, engine_config, perturbed_checkpoint, random_prompts
 
 from alignflow.stages.generation import (
     EngineError,
@@ -132,15 +132,23 @@ def test_padded_view_of_a_generation(tiny_checkpoints):
 
 
 @pytest.mark.slow
-def test_compiled_decode_step_matches_eager(tiny_checkpoints):
-    """torch.compile of the decode step (engine.compile) changes speed, not results."""
+def test_compiled_decode_step_matches_eager_and_survives_refit(tiny_checkpoints, tmp_path):
+    """torch.compile of the decode step and sampler (engine.compile) changes speed, not results; the
+    compiled graphs read the weight buffers as inputs, so an in-place refit needs no recompile."""
     path = tiny_checkpoints["qwen2_bias_window"]
     prompts = random_prompts(3, seed=5)
     eager = NativeEngine.build(path, engine_config()).generate(prompts, SAMPLED, return_logits=True)
-    compiled = NativeEngine.build(path, engine_config(compile=True)).generate(prompts, SAMPLED, return_logits=True)
+    engine = NativeEngine.build(path, engine_config(compile=True))
+    compiled = engine.generate(prompts, SAMPLED, return_logits=True)
     assert compiled.response_token_ids == eager.response_token_ids
     worst = max((a - b).abs().max().item() for a, b in zip(compiled.logits, eager.logits, strict=True))
     assert worst <= TOLERANCES["logits_fp32"]
+
+    perturbed = perturbed_checkpoint(path, tmp_path / "p")
+    engine.refit(checkpoint_tensors(perturbed))
+    want = NativeEngine.build(perturbed, engine_config()).generate(prompts, SAMPLED)
+    assert want.response_token_ids != compiled.response_token_ids  # the refit has something to show
+    assert engine.generate(prompts, SAMPLED).response_token_ids == want.response_token_ids
 
 
 @pytest.mark.parametrize("arch", ["mistral_linear_window", "qwen2_bias_window", "llama_gqa_tied_llama3"])

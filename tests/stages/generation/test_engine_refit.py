@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_test_models import engine_config, random_prompts, save_tiny_model
+from engine_test_models import engine_config, perturbed_checkpoint, random_prompts, save_tiny_model
 
 from alignflow.stages.generation import EngineError, RefitError, SamplingParams, build_engine
 from alignflow.stages.generation.native import NativeEngine
@@ -32,19 +32,6 @@ def _heap_in_use() -> int | None:
         return None
     info = libc.mallinfo2()
     return info.uordblks + info.hblkhd
-
-
-def perturbed_checkpoint(source: Path, dest: Path, scale: float = 0.05, seed: int = 1) -> Path:
-    """A copy of `source` with every weight moved by noise (what a PPO step does), saved as safetensors."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(source)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std().clamp(min=1e-3))
-    model.save_pretrained(dest)
-    return dest
 
 
 @pytest.fixture(scope="module")
