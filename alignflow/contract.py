@@ -13,6 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from alignflow.config import StorageConfig
+from alignflow.manifest import Manifest
+
+REUSED_MESSAGE = "output already published with a matching manifest; reused"
 
 
 class TrackingSpec(BaseModel):
@@ -62,6 +65,13 @@ class StageResult(BaseModel):
     mlflow_run_id: str | None = None
     duration_s: float = 0.0
     message: str = ""
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, status: Literal["ok", "skipped"], **fields: Any) -> StageResult:
+        """The result of a stage whose output `manifest` is published (its summary holds the key metrics)."""
+        return cls(stage=manifest.stage, status=status, output_uri=manifest.uri, manifest_digest=manifest.digest,
+                   metrics={k: float(v) for k, v in manifest.summary.get("metrics", {}).items()},
+                   key_metric=manifest.summary.get("key_metric"), **fields)
 
     def to_line(self) -> str:
         return self.model_dump_json()

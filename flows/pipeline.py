@@ -21,7 +21,7 @@ from prefect.context import FlowRunContext
 
 from alignflow import tracking
 from alignflow.config import PipelineConfig, config_digest
-from alignflow.contract import StageResult, StageSpec, TrackingSpec
+from alignflow.contract import REUSED_MESSAGE, StageResult, StageSpec, TrackingSpec
 from alignflow.flows.launch import launch_local
 from alignflow.flows.plan import StageCall, plan
 from alignflow.flows.registry import champion_output, decision_markdown, register_and_gate
@@ -70,10 +70,7 @@ def _reused(key: str, spec: StageSpec) -> StageResult | None:
     if spec.tracking is not None and spec.tracking.enabled:
         run_id = tracking.record_skipped_stage(spec.tracking.uri, spec.tracking.experiment, key,
                                                spec.tracking.parent_run_id, manifest.uri, None, tags=spec.tracking.tags)
-    return StageResult(stage=spec.stage, status="skipped", output_uri=manifest.uri, manifest_digest=manifest.digest,
-                       mlflow_run_id=run_id, metrics={k: float(v) for k, v in manifest.summary.get("metrics", {}).items()},
-                       key_metric=manifest.summary.get("key_metric"),
-                       message="output already published with a matching manifest; reused")
+    return StageResult.from_manifest(manifest, "skipped", mlflow_run_id=run_id, message=REUSED_MESSAGE)
 
 
 def _run_as_deployment(key: str, spec: StageSpec, deployment: str) -> StageResult:
@@ -85,10 +82,7 @@ def _run_as_deployment(key: str, spec: StageSpec, deployment: str) -> StageResul
                               timeout=None, as_subflow=True)
     manifest = find_published(spec.output_uri, spec.storage)
     if flow_run.state is not None and flow_run.state.is_completed() and manifest is not None:
-        return StageResult(stage=spec.stage, status="ok", output_uri=manifest.uri, manifest_digest=manifest.digest,
-                           metrics={k: float(v) for k, v in manifest.summary.get("metrics", {}).items()},
-                           key_metric=manifest.summary.get("key_metric"),
-                           duration_s=round(time.perf_counter() - started, 3))
+        return StageResult.from_manifest(manifest, "ok", duration_s=round(time.perf_counter() - started, 3))
     state = flow_run.state.name if flow_run.state else "unknown"
     message = (flow_run.state.message if flow_run.state else "") or f"deployment run ended {state}"
     return StageResult(stage=spec.stage, status="failed", message=f"{deployment}: {message}",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from alignflow.config import ConfigError
-from alignflow.contract import StageResult, StageSpec
+from alignflow.contract import REUSED_MESSAGE, StageResult, StageSpec
 from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
 from alignflow.offline import set_offline_defaults
 from alignflow.stages.data.formats import DataError
@@ -164,10 +164,7 @@ def already_published(spec: StageSpec) -> StageResult | None:
     manifest = find_published(spec.output_uri, spec.storage)
     if manifest is None:
         return None
-    return StageResult(stage=spec.stage, status="skipped", output_uri=manifest.uri, manifest_digest=manifest.digest,
-                       metrics={k: float(v) for k, v in manifest.summary.get("metrics", {}).items()},
-                       key_metric=manifest.summary.get("key_metric"),
-                       message="output already published with a matching manifest; reused")
+    return StageResult.from_manifest(manifest, "skipped", message=REUSED_MESSAGE)
 
 
 def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[str] | None = None) -> int:
