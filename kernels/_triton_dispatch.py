@@ -1,7 +1,7 @@
-"""Picks the torch reference or the Triton kernel for one call (the choice only; kernels live elsewhere).
+"""Picks the torch reference, the chunked CPU sampler or the Triton kernel for one call (the choice only).
 
 ``impl="auto"`` runs Triton when the tensor is on a CUDA (or ROCm) device and triton imports, else the
-torch reference. ``impl="triton"`` on a CPU tensor only works in Triton's interpreter, which has to
+eager CPU fast path where one exists (``"chunked"``, sample_tokens only) and the torch reference otherwise. ``impl="triton"`` on a CPU tensor only works in Triton's interpreter, which has to
 be switched on (``TRITON_INTERPRET=1``) before the ``_triton_*`` kernel modules are first imported,
 because ``@triton.jit`` reads that variable when it decorates a function.
 """
@@ -15,6 +15,8 @@ import os
 import torch
 
 IMPLS = ("auto", "torch", "triton")
+# Ops with an eager CPU fast path besides the reference.
+CHUNKED_OPS = ("sample_tokens",)
 
 
 @functools.cache
@@ -30,13 +32,18 @@ def interpreter_requested() -> bool:
 
 def resolve_impl(impl: str, device: torch.device, op: str) -> str:
     """Returns "torch" or "triton" for ``op`` on ``device``; raises with the fix when ``impl`` cannot run."""
-    if impl not in IMPLS:
-        raise ValueError(f"{op}: impl={impl!r} is not one of {IMPLS}")
+    valid = IMPLS[:2] + ("chunked",) + IMPLS[2:] if op in CHUNKED_OPS else IMPLS
+    if impl not in valid:
+        raise ValueError(f"{op}: impl={impl!r} is not one of {valid}")
     if impl == "torch":
         return "torch"
     on_gpu = device.type == "cuda"
+    if impl == "chunked":
+        return "chunked"
     if impl == "auto":
-        return "triton" if on_gpu and triton_available() else "torch"
+        if on_gpu and triton_available():
+            return "triton"
+        return "chunked" if op in CHUNKED_OPS else "torch"
     if not triton_available():
         raise RuntimeError(
             f"{op}: impl='triton' but triton is not installed; install triton or use impl='torch'"

@@ -52,6 +52,7 @@ class _CounterSampler:
         self.top_k = torch.full((n,), sampling.top_k, dtype=torch.long, device=device)
         self.top_p = torch.full((n,), sampling.top_p, dtype=torch.float32, device=device)
         self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
+        self.flags = None  # set on the first call, once the vocabulary size is known
         self.prompt_width = prompt_width
         self.keep_logits = keep_logits
         self.tokens: list[torch.Tensor] = []
@@ -60,10 +61,14 @@ class _CounterSampler:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         from alignflow.kernels import sample_tokens
+        from alignflow.kernels.sampling import uniform_flags
 
         step = input_ids.shape[1] - self.prompt_width
+        if self.flags is None:
+            self.flags = uniform_flags(float(self.temperature[0]), int(self.top_k[0]), float(self.top_p[0]),
+                                       scores.shape[1])
         sample = sample_tokens(scores.float(), self.temperature, self.top_k, self.top_p, self.seeds, step,
-                               validate=False)
+                               validate=False, flags=self.flags)
         self.tokens.append(sample.tokens)
         self.logprobs.append(sample.logprobs)
         if self.keep_logits:

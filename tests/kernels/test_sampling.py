@@ -231,7 +231,7 @@ def test_chi_square_check_rejects_a_wrong_temperature():
     assert chi2 > _chi_square_bound(len(kept) - 1)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "chunked", "triton"])
 def test_same_seed_gives_same_token_in_any_batch_position_or_company(impl):
     logits = _logits(6, 257, seed=9)
     temperature = torch.tensor([1.0, 0.8, 1.2, 0.5, 1.0, 0.9])
@@ -256,6 +256,68 @@ def test_different_seeds_and_steps_give_different_draws():
     by_seed = sample_tokens(logits, 1.0, 0, 1.0, torch.arange(200), 0, impl="torch").tokens
     by_step = sample_tokens(logits, 1.0, 0, 1.0, 7, torch.arange(200), impl="torch").tokens
     assert len(set(by_seed.tolist())) > 150 and len(set(by_step.tolist())) > 150
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked CPU path vs torch reference: equal, not close
+
+
+@pytest.mark.parametrize(
+    ("batch", "vocab", "dtype"),
+    [
+        (1, 50, torch.float32),
+        (7, 1000, torch.bfloat16),
+        (3, 32_771, torch.float32),  # several chunks with a ragged last one
+        (70, 5003, torch.float32),  # chunk narrower than the vocab at this batch size
+        (9, 32_000, torch.bfloat16),
+    ],
+)
+def test_chunked_sampler_equals_the_reference_bit_for_bit(batch, vocab, dtype):
+    from alignflow.kernels import _chunked_sampling
+
+    gen = torch.Generator().manual_seed(batch * vocab)
+    logits = _logits(batch, vocab, seed=vocab + 1, scale=2.5, dtype=dtype)
+    mixed = _mixed_rows(batch, gen)
+    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
+    plain = (torch.ones(batch), torch.zeros(batch, dtype=torch.long), torch.ones(batch))
+    greedy = (torch.zeros(batch), torch.zeros(batch, dtype=torch.long), torch.ones(batch))
+    for temperature, top_k, top_p in (mixed, plain, greedy):
+        for step in (0, 3, 2**40):
+            rows = _rows(logits, temperature, top_k, top_p, seeds, step)
+            ref = sampling.sample_torch(logits, rows)
+            got = _chunked_sampling.sample(logits, rows, sampling.batch_flags(rows, vocab))
+            for name, a, b in zip(("tokens", "logprobs", "thresholds"), got, ref, strict=True):
+                assert torch.equal(a, b), f"{name} differ at step {step}"
+
+
+def test_chunked_sampler_ties_go_to_the_lowest_index_across_chunks():
+    from alignflow.kernels import _chunked_sampling
+
+    # Greedy over a row whose maximum appears in the first and the last chunk.
+    logits = torch.zeros(2, 40_000)
+    logits[:, [5, 39_999]] = 3.0
+    rows = _rows(logits, 0.0, 0, 1.0, torch.arange(2), 0)
+    tokens, _, _ = _chunked_sampling.sample(logits, rows, sampling.batch_flags(rows, 40_000))
+    assert tokens.tolist() == [5, 5]
+
+
+def test_batch_flags_from_values_match_uniform_flags_and_leave_results_unchanged():
+    logits = _logits(4, 300, seed=3)
+    for temperature, top_k, top_p in ((0.0, 5, 0.5), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.9), (1.0, 300, 1.0)):
+        rows = _rows(logits, temperature, top_k, top_p, torch.arange(4), 2)
+        flags = sampling.uniform_flags(temperature, top_k, top_p, 300)
+        assert sampling.batch_flags(rows, 300) == flags
+        with_flags = sample_tokens(logits, temperature, top_k, top_p, torch.arange(4), 2, impl="torch", flags=flags)
+        without = sample_tokens(logits, temperature, top_k, top_p, torch.arange(4), 2, impl="torch")
+        assert torch.equal(with_flags.tokens, without.tokens)
+
+
+def test_auto_picks_the_chunked_sampler_on_cpu_and_rejects_it_for_other_ops():
+    from alignflow.kernels._triton_dispatch import resolve_impl
+
+    assert resolve_impl("auto", torch.device("cpu"), "sample_tokens") == "chunked"
+    with pytest.raises(ValueError, match=r"impl='chunked' is not one of \('auto', 'torch', 'triton'\)"):
+        resolve_impl("chunked", torch.device("cpu"), "selective_log_softmax")
 
 
 # ----------------------------------------------------------------------------------------------
