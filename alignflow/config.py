@@ -177,8 +177,14 @@ class EngineConfig(Section):
     backend: EngineBackend = Field("native", description="native | hf | vllm | tensorrt-llm.")
     max_batch_size: int = Field(64, ge=1, description="Sequences per generate call (KV cache rows).")
     max_seq_len: int = Field(256, ge=8, description="Prompt + generated tokens the KV cache holds.")
-    compile: bool = Field(False, description="torch.compile the decode step.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Engine weights and activations; None = model.dtype. bfloat16 generates 2-3x faster on "
+                          "CPUs with AMX (the actor recomputes log-probs for the PPO ratio in model.dtype).")
+    compile: bool = Field(False, description="torch.compile the decode step (compiled during the build).")
     cuda_graphs: bool = Field(True, description="Capture the decode step in CUDA graphs (GPU only).")
+    cpu_prepack: bool = Field(
+        True, description="CPU: keep a oneDNN-blocked copy of each linear weight (1.2-1.8x faster decode GEMMs, "
+                          "twice the weight memory).")
     parity_prompts: int = Field(8, ge=1, description="Prompts of the build-time greedy parity check against hf.")
     parity_new_tokens: int = Field(16, ge=1)
     tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor-parallel ranks.")

@@ -54,25 +54,26 @@ def run(spec: StageSpec) -> StageResult:
         tokenizer = load_tokenizer(sft_dir)
         prompts = load_prompts(data_dir / "prompts.jsonl")[: cfg.parity_prompts]
         prompt_ids = [encode_prompt(tokenizer, render_prompt(p.prompt, tokenizer)) for p in prompts]
+        dtype = cfg.dtype or model_cfg.dtype
         rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
         try:
-            engine = build_engine(sft_dir, cfg, dtype=model_cfg.dtype)
+            engine = build_engine(sft_dir, cfg, dtype=dtype)
         except UnsupportedArchitectureError as exc:
             raise StageInputError(str(exc)) from None
         except NotImplementedError as exc:
             raise StageInputError(f"engine.backend: {exc}") from None
         build_s = time.perf_counter() - started
         footprint_mb = (psutil.Process().memory_info().rss - rss_before) / 2**20
-        report: dict = {"backend": cfg.backend, "dtype": model_cfg.dtype, "build_s": round(build_s, 3),
+        report: dict = {"backend": cfg.backend, "dtype": dtype, "build_s": round(build_s, 3),
                         "footprint_mb": round(footprint_mb, 1)}
         if cfg.backend != "hf":
             reference = build_engine(sft_dir, EngineConfig(**{**cfg.model_dump(), "backend": "hf"}),
-                                     dtype=model_cfg.dtype)
+                                     dtype=dtype)
             parity = check_greedy_parity(engine, reference, prompt_ids, cfg.parity_new_tokens)
-            error = logit_error(engine, load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval(), prompt_ids,
+            error = logit_error(engine, load_causal_lm(sft_dir, dtype=dtype).eval(), prompt_ids,
                                 cfg.parity_new_tokens)
-            tolerance = LOGIT_TOLERANCE[model_cfg.dtype]
+            tolerance = LOGIT_TOLERANCE[dtype]
             report["parity"] = {"prompts": len(prompt_ids), "new_tokens": cfg.parity_new_tokens,
                                 "greedy_matching_sequences": parity.matching_sequences,
                                 "first_mismatch": parity.first_mismatch, "max_abs_logit_error": error,

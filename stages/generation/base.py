@@ -273,9 +273,13 @@ def engine_class(backend: str) -> type[Engine]:
 
 
 def build_engine(
-    checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str = "float32", device: str | None = None
+    checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str | None = None, device: str | None = None
 ) -> Engine:
-    """Build the engine `engine_config.backend` names from a Hugging Face checkpoint directory."""
+    """Build the engine `engine_config.backend` names from a Hugging Face checkpoint directory.
+
+    dtype: an explicit value wins, then engine_config.dtype, then float32.
+    """
+    dtype = dtype or engine_config.dtype or "float32"
     return engine_class(engine_config.backend).build(checkpoint_dir, engine_config, dtype=dtype, device=device)
 
 

@@ -185,3 +185,10 @@ def test_cuda_graph_decode_matches_eager_on_gpu(tiny_checkpoints):
     assert worst <= TOLERANCES["logits_fp32"]
     graphed.refit(checkpoint_tensors(path))  # in-place refit keeps the captured graphs valid
     assert graphed.generate(prompts, SAMPLED).response_token_ids == a.response_token_ids
+
+
+def test_engine_dtype_comes_from_the_config_unless_given(tiny_checkpoints):
+    path = tiny_checkpoints["llama_mha_untied"]
+    assert build_engine(path, engine_config(dtype="bfloat16")).dtype == torch.bfloat16
+    assert build_engine(path, engine_config(dtype="bfloat16"), dtype="float32").dtype == torch.float32
+    assert build_engine(path, engine_config()).dtype == torch.float32

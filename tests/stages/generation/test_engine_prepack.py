@@ -1,0 +1,104 @@
+"""CPU weight prepacking: packed copies give F.linear's results, are never used stale, and leave with the engine."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from engine_test_models import TOLERANCES, engine_config, perturbed_checkpoint, random_prompts
+
+from alignflow.stages.generation import SamplingParams
+from alignflow.stages.generation.native import NativeEngine, prepack
+from alignflow.stages.generation.native.weights import checkpoint_tensors
+
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _calls() -> dict[str, int]:
+    return dict(prepack.calls)
+
+
+def _delta(before: dict[str, int]) -> dict[str, int]:
+    return {k: prepack.calls[k] - before[k] for k in before}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepacked_engine_matches_the_plain_one(tiny_checkpoints, dtype):
+    path = tiny_checkpoints["qwen2_bias_window"]  # QKV bias: the bias is added after the packed GEMM
+    prompts = random_prompts(5, seed=2)
+    plain = NativeEngine.build(path, engine_config(cpu_prepack=False), dtype=dtype)
+    packed = NativeEngine.build(path, engine_config(), dtype=dtype)
+    assert plain._prepacked is None and packed._prepacked is not None
+    before = _calls()
+    got = packed.forward_logits(prompts)
+    assert _delta(before) == {"packed": 4 * 2 + 1, "fallback": 0}  # 4 linears x 2 layers + the head
+    want = plain.forward_logits(prompts)
+    worst = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+    # bf16: oneDNN and F.linear round to bf16 once each from fp32 sums in another order: one bf16 ulp
+    # of a logit (|logit| < 1 here) through two layers.
+    assert worst <= (TOLERANCES["logits_fp32"] if dtype == "float32" else 3e-2)
+    if dtype == "float32":
+        assert packed.generate(prompts, SAMPLED).response_token_ids == plain.generate(prompts, SAMPLED).response_token_ids
+
+
+def test_a_write_behind_the_engines_back_falls_back_to_the_new_weights(tiny_checkpoints):
+    """A packed copy is tied to its buffer's version counter: after any in-place write it is not used."""
+    path = tiny_checkpoints["llama_mha_untied"]
+    prompts = random_prompts(3, seed=4)
+    engine = NativeEngine.build(path, engine_config())
+    reference = NativeEngine.build(path, engine_config(cpu_prepack=False))
+    for e in (engine, reference):
+        e.weights.buffers["down_w"].mul_(1.5)  # not through refit: nothing repacks
+    before = _calls()
+    got = engine.forward_logits(prompts)
+    delta = _delta(before)
+    assert delta["fallback"] == 2 and delta["packed"] == 3 * 2 + 1  # only down_w (2 layers) falls back
+    want = reference.forward_logits(prompts)
+    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= TOLERANCES["logits_fp32"]
+
+
+def test_refit_repacks_and_the_table_empties_with_the_engine(tiny_checkpoints, tmp_path):
+    path = tiny_checkpoints["llama_gqa_tied_llama3"]
+    prompts = random_prompts(4, seed=6)
+    engine = NativeEngine.build(path, engine_config())
+    keys = list(engine._prepacked.keys)
+    assert keys and all(key in prepack._TABLE for key in keys)
+
+    perturbed = perturbed_checkpoint(path, tmp_path / "p")
+    engine.refit(checkpoint_tensors(perturbed))
+    before = _calls()
+    got = engine.generate(prompts, SAMPLED).response_token_ids
+    assert _delta(before)["fallback"] == 0  # refit left current packed copies behind
+    assert got == NativeEngine.build(perturbed, engine_config(cpu_prepack=False)).generate(prompts, SAMPLED) \
+        .response_token_ids
+
+    engine.unload(keep_weights=False)
+    assert not any(key in prepack._TABLE for key in keys)
+    engine.reload()
+    engine.refit(checkpoint_tensors(perturbed))
+    keys = list(engine._prepacked.keys)
+    assert all(key in prepack._TABLE for key in keys)
+    del engine
+    gc.collect()
+    assert not any(key in prepack._TABLE for key in keys)
+
+
+@pytest.mark.slow
+def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpoints):
+    """One graph per compiled function: a graph break (e.g. a SymBool reaching SDPA, or a host sync in
+    the sampler) used to split the decode step at every layer and cost ~20% of its speed."""
+    from torch._dynamo.utils import counters
+
+    path = tiny_checkpoints["llama_gqa_tied_llama3"]
+    prompts = random_prompts(4, seed=8)
+    engine = NativeEngine.build(path, engine_config(compile=True))
+    counters.clear()
+    engine.generate(prompts, SAMPLED)  # compiles
+    assert dict(counters["graph_break"]) == {}
+    before = _calls()
+    engine.generate(prompts, SAMPLED)
+    delta = _delta(before)
+    assert delta["fallback"] == 0 and delta["packed"] > 0
