@@ -81,24 +81,42 @@ class PlainTransformers:
 
 
 def bench_model(name: str, root: Path, args: argparse.Namespace, log) -> dict[str, Any]:
+    path, n_params = make_checkpoint(root, name)
+    result: dict[str, Any] = {"throughput": [], "refit": []}
+    for dtype in args.dtypes:
+        part = bench_model_dtype(name, path, n_params, dtype, args, log)
+        result["throughput"] += part["throughput"]
+        result["refit"] += part["refit"]
+    # Every row also against hf in float32, the reference configuration (parity is checked in fp32).
+    hf_fp32 = {r["batch"]: r["tokens_per_s"] for r in result["throughput"]
+               if r["engine"] == "hf" and r["dtype"] == "float32"}
+    for row in result["throughput"]:
+        row["speedup_vs_hf_fp32"] = row["tokens_per_s"] / hf_fp32[row["batch"]] if row["batch"] in hf_fp32 else None
+    return result
+
+
+def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: argparse.Namespace,
+                      log) -> dict[str, Any]:
     from alignflow.config import EngineConfig
     from alignflow.stages.generation import SamplingParams
     from alignflow.stages.generation.hf_backend import HFEngine
     from alignflow.stages.generation.native import NativeEngine
     from alignflow.stages.generation.native.weights import checkpoint_tensors
 
-    path, n_params = make_checkpoint(root, name)
     batches = args.batch_sizes if name != "llama-100m" or not args.quick else [8]
     max_batch = max(batches)
     config = EngineConfig(max_batch_size=max_batch, max_seq_len=24 + args.new_tokens, cuda_graphs=False)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     prompts = make_prompts(max_batch, MODELS[name]["vocab_size"])
 
-    log(f"[{name}] {n_params / 1e6:.1f}M parameters: building engines")
-    engines: dict[str, Any] = {"native": NativeEngine.build(path, config)}
+    log(f"[{name} {dtype}] {n_params / 1e6:.1f}M parameters: building engines")
+    engines: dict[str, Any] = {"native": NativeEngine.build(path, config, dtype=dtype)}
+    compile_build_s = None
     if not args.no_compile:
-        engines["native+compile"] = NativeEngine.build(path, config.model_copy(update={"compile": True}))
-    hf = HFEngine.build(path, config)
+        started = time.perf_counter()
+        engines["native+compile"] = NativeEngine.build(path, config.model_copy(update={"compile": True}), dtype=dtype)
+        compile_build_s = time.perf_counter() - started  # includes the compile warm-up (NativeEngine.warmup)
+    hf = HFEngine.build(path, config, dtype=dtype)
     engines["hf"] = hf
     engines["transformers"] = PlainTransformers(hf.model)
 
@@ -132,7 +150,8 @@ def bench_model(name: str, root: Path, args: argparse.Namespace, log) -> dict[st
         for engine_name in engines:
             seconds = best[engine_name]
             rows.append({
-                "model": name, "params_m": round(n_params / 1e6, 1), "batch": batch, "engine": engine_name,
+                "model": name, "params_m": round(n_params / 1e6, 1), "dtype": dtype, "batch": batch,
+                "engine": engine_name,
                 "tokens_per_s": batch * args.new_tokens / seconds, "ms_per_token_step": seconds / args.new_tokens * 1e3,
                 "median_tokens_per_s": batch * args.new_tokens / statistics.median(times[(engine_name, batch)]),
                 "runs_s": [round(t, 3) for t in times[(engine_name, batch)]],
@@ -144,7 +163,7 @@ def bench_model(name: str, root: Path, args: argparse.Namespace, log) -> dict[st
     native = engines["native"]
     for _ in range(args.repeats):
         started = time.perf_counter()
-        fresh = NativeEngine.build(path, config)
+        fresh = NativeEngine.build(path, config, dtype=dtype)
         build_s.append(time.perf_counter() - started)
         del fresh
         started = time.perf_counter()
@@ -153,10 +172,17 @@ def bench_model(name: str, root: Path, args: argparse.Namespace, log) -> dict[st
         started = time.perf_counter()
         native.refit(checkpoint_tensors(path))
         refit_disk_s.append(time.perf_counter() - started)
-    refit = {"model": name, "build_s": min(build_s), "refit_s": min(refit_s),
-             "refit_from_safetensors_s": min(refit_disk_s)}
-    refit["refit_over_build"] = refit["refit_s"] / refit["build_s"]
-    return {"throughput": rows, "refit": refit}
+    refits = [{"model": name, "dtype": dtype, "engine": "native", "build_s": min(build_s), "refit_s": min(refit_s),
+               "refit_from_safetensors_s": min(refit_disk_s)}]
+    if compile_build_s is not None:
+        compiled = engines["native+compile"]
+        started = time.perf_counter()
+        compiled.refit(hf.model.named_parameters())
+        refits.append({"model": name, "dtype": dtype, "engine": "native+compile", "build_s": compile_build_s,
+                       "refit_s": time.perf_counter() - started, "refit_from_safetensors_s": None})
+    for refit in refits:
+        refit["refit_over_build"] = refit["refit_s"] / refit["build_s"]
+    return {"throughput": rows, "refit": refits}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -168,9 +194,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (pinned for comparability)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="engine dtypes; every engine runs in each (bfloat16 uses AMX/AVX512-BF16 where present)")
     parser.add_argument("--no-compile", action="store_true", help="skip the native+compile engine")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    if not set(args.dtypes) <= {"float32", "bfloat16"}:
+        parser.error(f"--dtypes {args.dtypes}: valid are float32, bfloat16")
     args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
@@ -187,19 +218,25 @@ def print_table(result: dict[str, Any]) -> None:
     console = Console(width=140)  # no truncated columns when piped
     table = Table(title=f"Generation throughput ({result['new_tokens']} new tokens, {result['threads']} threads, "
                         f"best of {result['repeats']} interleaved runs)")
-    for column in ("model", "batch", "engine", "tokens/s", "median tokens/s", "ms/step", "x hf", "x transformers"):
-        table.add_column(column, justify="right" if column not in ("model", "engine") else "left")
+    columns = ("model", "dtype", "batch", "engine", "tokens/s", "median tokens/s", "ms/step", "x hf (same dtype)",
+               "x hf fp32", "x transformers (same dtype)")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("model", "dtype", "engine") else "right")
     for row in result["throughput"]:
-        table.add_row(row["model"], str(row["batch"]), row["engine"], f"{row['tokens_per_s']:.1f}",
-                      f"{row['median_tokens_per_s']:.1f}", f"{row['ms_per_token_step']:.1f}", f"{row['speedup_vs_hf']:.2f}",
+        vs_fp32 = row.get("speedup_vs_hf_fp32")
+        table.add_row(row["model"], row["dtype"], str(row["batch"]), row["engine"], f"{row['tokens_per_s']:.1f}",
+                      f"{row['median_tokens_per_s']:.1f}", f"{row['ms_per_token_step']:.1f}",
+                      f"{row['speedup_vs_hf']:.2f}", "-" if vs_fp32 is None else f"{vs_fp32:.2f}",
                       f"{row['speedup_vs_transformers']:.2f}")
     console.print(table)
-    refit = Table(title="Refit (live named_parameters) vs full build from the checkpoint directory (best of runs)")
-    for column in ("model", "build s", "refit s", "refit from safetensors s", "refit / build"):
-        refit.add_column(column, justify="right" if column != "model" else "left")
+    refit = Table(title="Refit (live named_parameters) vs build from the checkpoint directory (build of "
+                        "native+compile includes its compile warm-up)")
+    for column in ("model", "dtype", "engine", "build s", "refit s", "refit from safetensors s", "refit / build"):
+        refit.add_column(column, justify="left" if column in ("model", "dtype", "engine") else "right")
     for row in result["refit"]:
-        refit.add_row(row["model"], f"{row['build_s']:.3f}", f"{row['refit_s']:.3f}",
-                      f"{row['refit_from_safetensors_s']:.3f}", f"{row['refit_over_build']:.1%}")
+        disk = row["refit_from_safetensors_s"]
+        refit.add_row(row["model"], row["dtype"], row["engine"], f"{row['build_s']:.3f}", f"{row['refit_s']:.3f}",
+                      "-" if disk is None else f"{disk:.3f}", f"{row['refit_over_build']:.3%}")
     console.print(refit)
     console.print(f"load average before/after: {result['load_before']:.1f} / {result['load_after']:.1f}")
 
@@ -221,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             part = bench_model(name, Path(tmp), args, log)
             log(json.dumps(part))  # partial results survive an interrupted run
             result["throughput"] += part["throughput"]
-            result["refit"].append(part["refit"])
+            result["refit"] += part["refit"]
     result["load_after"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(result, indent=2))
