@@ -151,9 +151,11 @@ def test_top_k_one_is_greedy_and_top_k_at_least_vocab_is_off():
     assert torch.equal(sample_tokens(logits, 1.0, 10_000, 1.0, seeds, 0, impl="torch").tokens, off)
 
 
+@pytest.mark.parametrize("top_p_on", [True, False], ids=["top_k_and_top_p_sort", "top_k_only_topk"])
 @pytest.mark.parametrize("rounding", [None, 1])
-def test_kept_set_matches_the_sort_oracle_including_ties(rounding):
+def test_kept_set_matches_the_sort_oracle_including_ties(rounding, top_p_on):
     # rounding=1 rounds logits to one decimal, so many tokens tie at the top-k / top-p boundary.
+    # Without top-p, kept_thresholds takes torch.topk instead of the sort: same thresholds expected.
     logits = _logits(24, 200, seed=4)
     if rounding is not None:
         logits = torch.round(logits, decimals=rounding)
@@ -163,6 +165,8 @@ def test_kept_set_matches_the_sort_oracle_including_ties(rounding):
     top_p = torch.where(
         torch.rand(24, generator=gen) < 0.3, torch.ones(24), torch.rand(24, generator=gen) * 0.95 + 0.02
     )
+    if not top_p_on:
+        top_p = torch.ones(24)
     inv_t, _, k, p = sampling.normalised_rows(_rows(logits, temperature, top_k, top_p, 0, 0), 200)
     x = logits.float()
     tau = sampling.kept_thresholds(sampling.ordered_keys(x), x * inv_t[:, None], k, p)
@@ -281,7 +285,8 @@ def test_chunked_sampler_equals_the_reference_bit_for_bit(batch, vocab, dtype):
     seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
     plain = (torch.ones(batch), torch.zeros(batch, dtype=torch.long), torch.ones(batch))
     greedy = (torch.zeros(batch), torch.zeros(batch, dtype=torch.long), torch.ones(batch))
-    for temperature, top_k, top_p in (mixed, plain, greedy):
+    top_k_only = (mixed[0], mixed[1], torch.ones(batch))
+    for temperature, top_k, top_p in (mixed, plain, greedy, top_k_only):
         for step in (0, 3, 2**40):
             rows = _rows(logits, temperature, top_k, top_p, seeds, step)
             ref = sampling.sample_torch(logits, rows)
