@@ -103,10 +103,6 @@ class Prepacked:
         """Forget the packed copies (the buffers are about to be freed or replaced)."""
         _drop(self.keys)
 
-    def nbytes(self) -> int:
-        """Bytes of the packed copies (oneDNN pads nothing for these shapes: equal to the plain views)."""
-        return sum(_TABLE[key][0].numel() * _TABLE[key][0].element_size() for key in self.keys if key in _TABLE)
-
 
 def _drop(keys: list[_Key]) -> None:
     for key in keys:
