@@ -1,8 +1,9 @@
 """Picks the torch reference, the chunked CPU sampler or the Triton kernel for one call (the choice only).
 
 ``impl="auto"`` runs Triton when the tensor is on a CUDA (or ROCm) device and triton imports, else the
-eager CPU fast path where one exists (``"chunked"``, sample_tokens only) and the torch reference otherwise. ``impl="triton"`` on a CPU tensor only works in Triton's interpreter, which has to
-be switched on (``TRITON_INTERPRET=1``) before the ``_triton_*`` kernel modules are first imported,
+eager CPU fast path where one exists (``"chunked"``, sample_tokens only) and the torch reference
+otherwise. ``impl="triton"`` on a CPU tensor only works in Triton's interpreter, which has to be
+switched on (``TRITON_INTERPRET=1``) before the ``_triton_*`` kernel modules are first imported,
 because ``@triton.jit`` reads that variable when it decorates a function.
 """
 
@@ -31,8 +32,8 @@ def interpreter_requested() -> bool:
 
 
 def resolve_impl(impl: str, device: torch.device, op: str) -> str:
-    """Returns "torch" or "triton" for ``op`` on ``device``; raises with the fix when ``impl`` cannot run."""
-    valid = IMPLS[:2] + ("chunked",) + IMPLS[2:] if op in CHUNKED_OPS else IMPLS
+    """Returns "torch", "chunked" or "triton" for ``op`` on ``device``; raises with the fix when ``impl`` cannot run."""
+    valid = ("auto", "torch", "chunked", "triton") if op in CHUNKED_OPS else IMPLS
     if impl not in valid:
         raise ValueError(f"{op}: impl={impl!r} is not one of {valid}")
     if impl == "torch":
