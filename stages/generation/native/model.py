@@ -117,10 +117,11 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """Attention of the decode step as two batched matmuls and a float32 softmax.
 
     q [B, kv_heads, groups, D], keys/values [B, kv_heads, L, D], mask additive [B, 1, 1, L];
-    returns [B, kv_heads, groups, D]. SDPA's CPU kernel costs ~1.2 ms per call at B = 64 with
-    L <= 56 (14 ms of a 60 ms bf16 step, 12 layers), nearly all fixed overhead for 11 MFLOP of
-    work; this costs a few elementwise passes, which torch.compile fuses into the matmuls' neighbours.
-    Agrees with SDPA to ~1e-7 in fp32 (tests compare logits with transformers at 1e-4).
+    returns [B, kv_heads, groups, D]. Decode attention is bound by reading the KV cache (B = 64,
+    12 heads, 88 slots, bf16: 17 MB per layer); eagerly this and SDPA's CPU kernel cost the same
+    (896 vs 964 us per call), but torch.compile fuses this form into one loop (670 us), which SDPA,
+    an opaque call to inductor, does not allow. Agrees with SDPA to ~1e-7 in fp32 (tests compare
+    logits with transformers at 1e-4).
     """
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale + mask
     return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
