@@ -19,8 +19,9 @@ repacks after its writes. (The buffer's counter, not the view's: inside a compil
 reach the op as fresh tensors whose own counters start at 0.) Costs: a second copy of the linear weights in
 memory (`engine.cpu_prepack: false` turns it off) and the repack time inside refit.
 
-Numerics: bf16 results equal F.linear's bit for bit in the measurements above; fp32 differs by
-~1e-6 relative (another accumulation order), inside the engine's 1e-4 parity tolerance.
+Numerics: bf16 results equal F.linear's bit for bit in the measurements above; fp32 [8, 768] x
+[768, 2304] differs by ~1e-6 relative (another accumulation order), inside the engine's 1e-4 parity
+tolerance; the tiny test models' logits come out identical in both dtypes.
 """
 
 from __future__ import annotations

@@ -37,9 +37,10 @@ def test_prepacked_engine_matches_the_plain_one(tiny_checkpoints, dtype):
     assert _delta(before) == {"packed": 4 * 2 + 1, "fallback": 0}  # 4 linears x 2 layers + the head
     want = plain.forward_logits(prompts)
     worst = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
-    # bf16: oneDNN and F.linear round to bf16 once each from fp32 sums in another order: one bf16 ulp
-    # of a logit (|logit| < 1 here) through two layers.
-    assert worst <= (TOLERANCES["logits_fp32"] if dtype == "float32" else 3e-2)
+    # Measured 0.0 in both dtypes on the CI box. Bounds that still allow another CPU's oneDNN kernel
+    # to sum in another order: the fp32 parity tolerance, and one bf16 ulp of the largest logit.
+    largest = max(w.abs().max().item() for w in want)
+    assert worst <= (TOLERANCES["logits_fp32"] if dtype == "float32" else largest * 2**-7)
     if dtype == "float32":
         assert packed.generate(prompts, SAMPLED).response_token_ids == plain.generate(prompts, SAMPLED).response_token_ids
 
