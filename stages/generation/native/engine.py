@@ -164,14 +164,26 @@ class NativeEngine(Engine):
         """Compile now rather than inside the first generate (engine.compile only); returns seconds spent.
 
         Part of build and load: a compiled engine is not built until its decode step is. One short
-        generate at batch 2 (size-1 dims get their own specialised graph) with temperature 1 and no
-        top-k/top-p, the RL default; other sampling modes compile their sampler on first use.
+        generate with temperature 1 and no top-k/top-p (the RL default; other sampling modes compile
+        their sampler on first use). Its batch size and cache slots avoid every size the step also
+        sees (heads, head_dim, cache shape, ...): dynamo gives equal sizes one symbol, so a warm-up at
+        batch 2 on a model with 2 KV heads compiled a graph valid only while batch == 2 and the first
+        real generate recompiled (4.8 s on the demo model). Size 1 is avoided too (it is specialised).
         """
         if not self.engine_config.compile or self.cache is None:
             return 0.0
+        spec, config = self.spec, self.engine_config
+        taken = {1, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size,
+                 spec.vocab_size, spec.num_layers, spec.q_size, spec.kv_size, config.max_batch_size,
+                 config.max_seq_len}
+        new_tokens = 3
+        rows = next((b for b in range(2, config.max_batch_size) if b not in taken), 1)
+        # Prompt width w: the decode steps use slots w .. w + new_tokens - 1 and kv lengths up to w + new_tokens.
+        width = next((w for w in range(2, config.max_seq_len - new_tokens)
+                      if taken.isdisjoint(range(w, w + new_tokens + 1)) and rows not in range(w, w + new_tokens + 1)),
+                     2)
         started = time.perf_counter()
-        rows = min(2, self.engine_config.max_batch_size)
-        self.generate([[0, 1]] * rows, SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True))
+        self.generate([[0] * width] * rows, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True))
         return time.perf_counter() - started
 
     def _weights_written(self) -> None:

@@ -95,10 +95,16 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
 
     path = tiny_checkpoints["llama_gqa_tied_llama3"]
     prompts = random_prompts(4, seed=8)
-    engine = NativeEngine.build(path, engine_config(compile=True))
     counters.clear()
-    engine.generate(prompts, SAMPLED)  # compiles
+    engine = NativeEngine.build(path, engine_config(compile=True))  # compiles (warmup)
     assert dict(counters["graph_break"]) == {}
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    engine.generate(prompts, SAMPLED)
+    engine.generate(random_prompts(7, seed=9), SAMPLED)
+    # The build compiled for every batch size and cache slot: nothing is recompiled later (a warm-up
+    # whose batch size equalled the model's KV-head count once made the first generate recompile).
+    assert counters["stats"]["unique_graphs"] == graphs
     before = _calls()
     engine.generate(prompts, SAMPLED)
     delta = _delta(before)
