@@ -125,8 +125,7 @@ def sample(
     mixed = bool(greedy.any())
     columns = _golden_columns(vocab, logits.device)
     chunk = max(_MIN_CHUNK, _CHUNK_ELEMENTS // max(batch, 1))
-    best_value = torch.full((batch,), float("-inf"), device=logits.device)
-    best_index = torch.zeros(batch, dtype=torch.int64, device=logits.device)
+    best_value = best_index = None
     for start in range(0, vocab, chunk):
         stop = min(vocab, start + chunk)
         score = _gumbel_chunk(k1_bits, k2_bits, columns[start:stop])
@@ -136,7 +135,7 @@ def sample(
         if truncated:
             score.masked_fill_(ordered_keys32(x[:, start:stop]) < tau[:, None], float("-inf"))
         value, index = score.max(dim=1)
-        if start == 0:
+        if best_value is None:
             best_value, best_index = value, index
             continue
         better = value > best_value  # strictly: an equal value in a later chunk has a higher index

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from alignflow.config import EngineConfig
+from alignflow.kernels.sampling import uniform_flags
 from alignflow.stages.generation.base import (
     ENGINE_CONFIG_FILE,
     ENGINE_FORMAT,
@@ -46,13 +47,13 @@ class _CounterSampler:
     """A transformers logits processor that samples with alignflow.kernels and records what it drew."""
 
     def __init__(self, sampling: SamplingParams, seeds: list[int], prompt_width: int, device: torch.device,
-                 keep_logits: bool):
+                 keep_logits: bool, vocab_size: int):
         n = len(seeds)
         self.temperature = torch.full((n,), sampling.temperature, dtype=torch.float32, device=device)
         self.top_k = torch.full((n,), sampling.top_k, dtype=torch.long, device=device)
         self.top_p = torch.full((n,), sampling.top_p, dtype=torch.float32, device=device)
         self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
-        self.flags = None  # set on the first call, once the vocabulary size is known
+        self.flags = uniform_flags(sampling.temperature, sampling.top_k, sampling.top_p, vocab_size)
         self.prompt_width = prompt_width
         self.keep_logits = keep_logits
         self.tokens: list[torch.Tensor] = []
@@ -61,12 +62,8 @@ class _CounterSampler:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         from alignflow.kernels import sample_tokens
-        from alignflow.kernels.sampling import uniform_flags
 
         step = input_ids.shape[1] - self.prompt_width
-        if self.flags is None:
-            self.flags = uniform_flags(float(self.temperature[0]), int(self.top_k[0]), float(self.top_p[0]),
-                                       scores.shape[1])
         sample = sample_tokens(scores.float(), self.temperature, self.top_k, self.top_p, self.seeds, step,
                                validate=False, flags=self.flags)
         self.tokens.append(sample.tokens)
@@ -177,7 +174,7 @@ class HFEngine(Engine):
         ids = torch.tensor([[pad_id] * (S - len(p)) + p for p in prompts], dtype=torch.long, device=self.device)
         mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
                             device=self.device)
-        sampler = _CounterSampler(sampling, seeds, S, self.device, return_logits)
+        sampler = _CounterSampler(sampling, seeds, S, self.device, return_logits, self.vocab_size)
         config = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
             eos_token_id=sorted(ends) or None, pad_token_id=pad_id,
