@@ -53,23 +53,33 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKABLE_DTYPES
 
 
-@torch.library.custom_op("alignflow::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (no bias) from the packed copy of `weight` when one is current, else F.linear."""
-    entry = _TABLE.get(_key(weight))
+    entry = _TABLE.get((weight.data_ptr(), tuple(weight.shape), weight.dtype))
     buffer = entry[1]() if entry is not None else None
     if buffer is None or buffer._version != entry[2]:
         calls["fallback"] += 1
         return F.linear(x, weight)
     calls["packed"] += 1
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(flat, entry[0], None, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), entry[0], None, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-@linear.register_fake
+# Registered through torch.library.Library rather than the @custom_op decorator: the decorator's
+# Python wrapper cost ~15 us per call against ~2.5 us here (measured on a [8, 768] x [768, 768]
+# bf16 linear), i.e. ~0.6 ms of a decode step's 49 linear calls. The op is inference-only (no
+# autograd formula) and CPU-only, like the packed weights it reads.
+_LIBRARY = torch.library.Library("alignflow", "DEF")
+_LIBRARY.define("linear(Tensor x, Tensor weight) -> Tensor")
+_LIBRARY.impl("linear", _linear_cpu, "CPU")
+
+
+@torch.library.register_fake("alignflow::linear")
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+linear = torch.ops.alignflow.linear
 
 
 class Prepacked:
