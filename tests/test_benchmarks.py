@@ -1,4 +1,4 @@
-"""The benchmark scripts still run end to end and print well-formed results (tiny sizes; the figures are not checked)."""
+"""Benchmark scripts run end to end with well-formed output; the roofline's byte and flop counts are exact."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,3 +32,37 @@ def test_engine_throughput_reports_every_engine_and_refit():
     assert engines == {"native", "hf", "transformers"}
     assert all(row["tokens_per_s"] > 0 and row["speedup_vs_hf_fp32"] is not None for row in result["throughput"])
     assert [(r["engine"], r["dtype"]) for r in result["refit"]] == [("native", "float32")]
+
+
+def test_cpu_roofline_counts_the_bytes_and_flops_of_a_real_model(monkeypatch):
+    """The floor's byte and flop counts are those of the transformers model the benchmark builds."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from cpu_roofline import step_cost
+    from engine_throughput import MODELS
+
+    config = MODELS["tiny"]
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    kv_len, batch = 40, 3
+    kv_bytes = 2 * config["num_hidden_layers"] * batch * kv_len * config["num_key_value_heads"] * head_dim * 2
+    nbytes, flops = step_cost(config, batch, kv_len, "bfloat16")
+    assert nbytes == linear_params * 2 + kv_bytes
+    attention_flops = 4 * config["num_hidden_layers"] * kv_len * config["hidden_size"]
+    assert flops == batch * (2 * linear_params + attention_flops)
+
+
+def test_cpu_roofline_reads_the_throughput_json(tmp_path):
+    rows = [{"model": "llama-100m", "dtype": "float32", "batch": 8, "engine": engine, "tokens_per_s": tps}
+            for engine, tps in (("hf", 100.0), ("native+compile", 150.0))]
+    (tmp_path / "t.json").write_text(json.dumps({"throughput": rows}))
+    result = json.loads(_run("cpu_roofline.py", "--throughput-json", str(tmp_path / "t.json"), "--batch-sizes", "8",
+                             "--dtypes", "float32", "--repeats", "1", "--json"))
+    (row,) = result["rows"]
+    assert result["read_bandwidth_gbs"] > 0 and result["gemm_gflops"]["float32"] > 0
+    assert row["hf_tokens_per_s"] == 100.0 and row["native_tokens_per_s"] == 150.0
+    assert row["max_speedup_vs_hf"] == row["floor_tokens_per_s"] / 100.0
+    assert row["native_share_of_floor"] == pytest.approx(150.0 / row["floor_tokens_per_s"], rel=1e-12)
