@@ -169,9 +169,10 @@ class NativeEngine(Engine):
 
         Part of build and load: a compiled engine is not built until its decode step is. Two short
         generates with temperature 1 and no top-k/top-p (the RL default; other sampling modes compile
-        their sampler on first use), at two batch sizes and over several decode steps: under automatic
-        dynamic shapes the batch size and the cache slot only become symbolic once they change.
-        Those sizes avoid every size the step also sees (heads, head_dim, cache shape, ...): dynamo
+        their sampler on first use), over several decode steps (under automatic dynamic shapes the
+        cache slot becomes symbolic once it changes; the batch dim is marked dynamic from the start,
+        see _batch_dim_dynamic) and at two batch sizes, so that a batch size the compiled graph
+        specialised on anyway is found in the build, not in the first real generate. Those sizes avoid every size the step also sees (heads, head_dim, cache shape, ...): dynamo
         gives equal sizes one symbol, so a warm-up at batch 2 on a model with 2 KV heads compiled a
         graph valid only while batch == 2 and the first real generate recompiled (4.8 s on the demo
         model). Size 1 is avoided too (it is specialised).

@@ -55,7 +55,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (no bias) from the packed copy of `weight` when one is current, else F.linear."""
-    entry = _TABLE.get((weight.data_ptr(), tuple(weight.shape), weight.dtype))
+    entry = _TABLE.get(_key(weight))
     buffer = entry[1]() if entry is not None else None
     if buffer is None or buffer._version != entry[2]:
         calls["fallback"] += 1
