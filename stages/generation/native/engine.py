@@ -169,10 +169,10 @@ class NativeEngine(Engine):
 
         Part of build and load: a compiled engine is not built until its decode step is. Two short
         generates with temperature 1 and no top-k/top-p (the RL default; other sampling modes compile
-        their sampler on first use), over several decode steps (under automatic dynamic shapes the
-        cache slot becomes symbolic once it changes; the batch dim is marked dynamic from the start,
-        see _batch_dim_dynamic) and at two batch sizes, so that a batch size the compiled graph
-        specialised on anyway is found in the build, not in the first real generate. Those sizes avoid every size the step also sees (heads, head_dim, cache shape, ...): dynamo
+        their sampler on first use), over several decode steps and at two batch sizes: the varying
+        dims are marked dynamic before the first compile (_mark_dynamic), and the second generate
+        makes a graph that specialised on one of them anyway recompile in the build, not in the
+        first real generate. Those sizes avoid every size the step also sees (heads, head_dim, cache shape, ...): dynamo
         gives equal sizes one symbol, so a warm-up at batch 2 on a model with 2 KV heads compiled a
         graph valid only while batch == 2 and the first real generate recompiled (4.8 s on the demo
         model). Size 1 is avoided too (it is specialised).
@@ -290,9 +290,11 @@ class NativeEngine(Engine):
         flags = uniform_flags(sampling.temperature, sampling.top_k, sampling.top_p, self.vocab_size)
         for t in range(new):
             # Values were checked once by SamplingParams: skip the per-call check (a host sync on GPU).
-            self._batch_dim_dynamic(logits, temperature, top_k, top_p, seed_t)
-            sample = self._sample(logits, temperature, top_k, top_p, seed_t, t, self._sample_impl, validate=False,
-                                  flags=flags)
+            # The step as a [B] tensor, not an int: see _mark_dynamic.
+            steps_t = torch.full((B,), t, dtype=torch.long, device=dev)
+            self._mark_dynamic(logits, temperature, top_k, top_p, seed_t, steps_t)
+            sample = self._sample(logits, temperature, top_k, top_p, seed_t, steps_t, self._sample_impl,
+                                  validate=False, flags=flags)
             out_tokens[:, t] = sample.tokens
             out_logprobs[:, t] = sample.logprobs
             if return_logits:
@@ -336,20 +338,26 @@ class NativeEngine(Engine):
             return self._decode_graphed(tokens, positions, slot, masks)
         step_masks = masks.at(slot, slot + 1)
         tokens, positions = tokens[:, None], positions[:, None]
-        self._batch_dim_dynamic(tokens, positions, *step_masks.values())
-        return self._step(self.cache, tokens, positions, slot, step_masks)
+        self._mark_dynamic(tokens, positions)
+        self._mark_dynamic(*step_masks.values(), dims=(0, 3))
+        # slot=None: the step reads slot = kv_len - 1 from the masks' (dynamic) last dim.
+        return self._step(self.cache, tokens, positions, None, step_masks)
 
-    def _batch_dim_dynamic(self, *tensors: torch.Tensor) -> None:
-        """Tell torch.compile that dim 0 (the batch) of these inputs varies, before it first compiles.
+    def _mark_dynamic(self, *tensors: torch.Tensor, dims: tuple[int, ...] = (0,)) -> None:
+        """Tell torch.compile that these dims (batch; kv length of the masks) vary, before it first compiles.
 
-        Without it, automatic dynamic shapes would compile once for the warm-up's first batch size and
-        again for its second (fresh caches, compiled fp32 build of the ~110M model: 7 graphs in 221 s without
-        this, 4 graphs in 145 s with it).
-        "maybe": a batch of 1 is still specialised rather than rejected.
+        Under automatic dynamic shapes a size or int argument is first compiled as a constant and
+        only made symbolic when it changes, one more compile each time. Marking the varying dims
+        up front, and passing the decode step and the sampler no int that changes per step (the
+        cache slot comes from the masks' shape, the sampling step is a [B] tensor), leaves one
+        graph per function (fresh inductor caches, ~110M model, fp32: 4 graphs in 145 s with
+        marks on the batch dim alone, 7 graphs in 221 s with none). "maybe": a batch of 1 is
+        still specialised rather than rejected.
         """
         if self.engine_config.compile:
             for tensor in tensors:
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                for dim in dims:
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
     # -- CUDA graphs (GPU only) ---------------------------------------------------------------------
     def _bucket(self, batch: int) -> int:

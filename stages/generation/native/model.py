@@ -150,7 +150,7 @@ class LlamaFamilyModel:
         cache: KVCache,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        slot: int | torch.Tensor,
+        slot: int | torch.Tensor | None,
         masks: dict[int | None, torch.Tensor],
         *,
         logits_for: str = "last",
@@ -160,13 +160,18 @@ class LlamaFamilyModel:
         tokens, positions: [B, T] long. slot: first cache slot of the T tokens, an int (eager: keys
         up to slot + T are attended, the rest of the cache is not read) or a 1-element long tensor
         (static shapes for CUDA graphs: T must be 1 and all S_max slots are attended behind the
-        mask). masks: window -> additive [B, 1, T, kv_len] (0 / -inf). Returns float32 logits,
+        mask), or None: slot = kv_len - T, read from the masks' shape (the compiled decode step: its
+        only varying sizes are then tensor dims, which can be marked dynamic before the first compile,
+        where an int argument would compile once as a constant and again as a symbol).
+        masks: window -> additive [B, 1, T, kv_len] (0 / -inf). Returns float32 logits,
         [B, V] for logits_for="last", [B, T, V] for "all".
         """
         spec, w = self.spec, self.weights
         B, T = tokens.shape
         q_size, kv_size, D = spec.q_size, spec.kv_size, spec.head_dim
         static = isinstance(slot, torch.Tensor)
+        if slot is None:
+            slot = next(iter(masks.values())).shape[-1] - T
         kv_len = cache.max_seq_len if static else slot + T
         cos = self.cos[positions].unsqueeze(2)  # [B, T, 1, D]
         sin = self.sin[positions].unsqueeze(2)
