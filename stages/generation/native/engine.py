@@ -288,11 +288,12 @@ class NativeEngine(Engine):
         # One SamplingParams for the whole batch: its flags let the sampler branch on Python values
         # (no per-step host sync, no graph break in the compiled sampler).
         flags = uniform_flags(sampling.temperature, sampling.top_k, sampling.top_p, self.vocab_size)
+        self._mark_dynamic(temperature, top_k, top_p, seed_t)  # once: they live for the whole batch
         for t in range(new):
             # Values were checked once by SamplingParams: skip the per-call check (a host sync on GPU).
             # The step as a [B] tensor, not an int: see _mark_dynamic.
             steps_t = torch.full((B,), t, dtype=torch.long, device=dev)
-            self._mark_dynamic(logits, temperature, top_k, top_p, seed_t, steps_t)
+            self._mark_dynamic(logits, steps_t)
             sample = self._sample(logits, temperature, top_k, top_p, seed_t, steps_t, self._sample_impl,
                                   validate=False, flags=flags)
             out_tokens[:, t] = sample.tokens
