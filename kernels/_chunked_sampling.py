@@ -14,8 +14,8 @@ logs, masks); at [64, 32000] each is 16 MB, so it streams ~650 MB through memory
 * with a running (max, first index) across chunks, later chunks winning only when strictly
   greater, which is argmax's first-index tie rule over the whole row.
 
-Top-k/top-p thresholds come from the reference's sort (``kept_thresholds``) and are applied per
-chunk, so those modes gain little. Every value that decides the token is computed by the same fp32
+Top-k/top-p thresholds come from the reference's ``kept_thresholds`` (a top-k prefix, or the sort
+for top-p without top-k) and are applied per chunk. Every value that decides the token is computed by the same fp32
 operations as the reference: tokens, log-probs and thresholds are equal, not close
 (tests/kernels/test_sampling.py). Timings: ``python benchmarks/sampler_bench.py``.
 """
@@ -58,7 +58,10 @@ def _to_int32_bits(words: torch.Tensor) -> torch.Tensor:
 def ordered_keys32(x: torch.Tensor) -> torch.Tensor:
     """sampling.ordered_keys in int32 (the same values): fp32 bits, negatives flipped to sort below positives."""
     bits = x.to(torch.float32).contiguous().view(torch.int32)
-    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    flip = torch.bitwise_right_shift(bits, 31)  # as in sampling.ordered_keys
+    flip &= 0x7FFFFFFF
+    flip ^= bits
+    return flip
 
 
 @functools.cache
@@ -98,14 +101,16 @@ def _gumbel_chunk(k1_bits: torch.Tensor, k2_bits: torch.Tensor, columns: torch.T
 
 
 def sample(
-    logits: torch.Tensor, rows: SamplingRows, flags: BatchFlags
+    logits: torch.Tensor, rows: SamplingRows, flags: BatchFlags, thresholds: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract and results as sampling.sample_torch: (tokens int64 [B], logprobs fp32 [B], tau int64 [B])."""
     batch, vocab = logits.shape
     inv_t, greedy, top_k, top_p = normalised_rows(rows, vocab)
     x = logits.to(torch.float32)
     z = x * inv_t[:, None]
-    if flags.any_top_k or flags.any_top_p:
+    if thresholds is not None:
+        tau, truncated = thresholds, True
+    elif flags.any_top_k or flags.any_top_p:
         tau = kept_thresholds(ordered_keys(x), z, top_k, top_p, flags)
         truncated = True
     else:

@@ -177,6 +177,63 @@ def test_kept_set_matches_the_sort_oracle_including_ties(rounding, top_p_on):
         )
 
 
+def _threshold_inputs(logits, top_k, top_p, temperature=0.8):
+    rows = _rows(logits, temperature, top_k, top_p, 0, 0)
+    inv_t, _, k, p = sampling.normalised_rows(rows, logits.shape[1])
+    x = logits.float()
+    keys = sampling.ordered_keys(x)
+    return keys, x * inv_t[:, None], k, p, keys.min(dim=1).values, k > 0, p < 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_p_on", [True, False])
+def test_top_k_prefix_thresholds_equal_the_sort_bit_for_bit(dtype, top_p_on):
+    # bf16 logits tie often (8-bit mantissa): ties at the k-th key and at the top-p cut are common.
+    batch, vocab = 32, 5000
+    logits = _logits(batch, vocab, seed=6, scale=3.0, dtype=dtype)
+    gen = torch.Generator().manual_seed(7)
+    top_k = torch.randint(1, 120, (batch,), generator=gen)
+    top_k[:4] = torch.tensor([1, 2, 119, 0])  # 0: top-k off on a row without top-p
+    top_p = torch.rand(batch, generator=gen) * 0.98 + 0.01 if top_p_on else torch.ones(batch)
+    top_p[3] = 1.0
+    args = _threshold_inputs(logits, top_k, top_p)
+    prefix = sampling._prefix_thresholds(*args, any_p=top_p_on)
+    assert prefix is not None  # the fast path was taken, not a silent fallback
+    assert torch.equal(prefix, sampling._sorted_thresholds(*args, any_p=top_p_on))
+    keys, z, k, p = args[:4]
+    assert torch.equal(sampling.kept_thresholds(keys, z, k, p), prefix)
+
+
+def test_prefix_thresholds_fall_back_where_the_prefix_cannot_decide():
+    vocab = 3000
+    logits = _logits(3, vocab, seed=8)
+    # A top-p row without top-k: its nucleus can reach any token.
+    args = _threshold_inputs(logits, torch.tensor([5, 0, 5]), torch.tensor([0.9, 0.9, 1.0]))
+    assert sampling._prefix_thresholds(*args, any_p=True) is None
+    # A tie with the k-th key that runs past the prefix (2 * 5 + 64 keys): 200 equal top logits.
+    tied = logits.clone()
+    tied[:, :200] = 9.0
+    args = _threshold_inputs(tied, torch.tensor([5, 5, 5]), torch.tensor([0.9, 0.5, 0.99]))
+    assert sampling._prefix_thresholds(*args, any_p=True) is None
+    keys, z, k, p = args[:4]
+    tau = sampling.kept_thresholds(keys, z, k, p)  # falls back to the sort: all 200 tied tokens kept
+    assert [len(s) for s in _kept_from_tau(tied, tau)] == [200, 200, 200]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(40, 1.0), (40, 0.8), (0, 0.8)])
+def test_precomputed_thresholds_give_the_same_samples(top_k, top_p):
+    logits = _logits(6, 2000, seed=9, scale=3.0)
+    seeds = torch.arange(6) * 5
+    flags = sampling.uniform_flags(0.9, top_k, top_p, 2000)
+    tau = sampling.kept_set_thresholds(logits, 0.9, top_k, top_p, flags)
+    for impl in ("torch", "chunked"):
+        want = sample_tokens(logits, 0.9, top_k, top_p, seeds, 3, impl=impl)
+        got = sample_tokens(logits, 0.9, top_k, top_p, seeds, 3, impl=impl, flags=flags, thresholds=tau)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs), impl
+    with pytest.raises(ValueError, match="thresholds= is for the torch and chunked impls"):
+        sample_tokens(logits, 0.9, top_k, top_p, seeds, 3, impl="triton", thresholds=tau)
+
+
 def test_samples_never_leave_the_kept_set():
     # 3000 draws of one row: any token outside the 12 kept ones would show up.
     logits = _logits(1, 80, seed=6).expand(3000, 80)
