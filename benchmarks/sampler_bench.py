@@ -2,7 +2,9 @@
 
 Both give the same tokens bit for bit (tests/kernels/test_sampling.py); softmax + torch.multinomial
 is printed beside them as the usual baseline, although it draws different tokens and no top-k/top-p.
-Times are the best of --repeats calls on [B, V] fp32 logits, after two warm-up calls.
+Times are the best of --repeats calls on [B, V] fp32 logits, after two warm-up calls. For the
+top-k modes the kept-set thresholds alone are also timed both ways: by the full sort (the
+definition) and by the top-k prefix that both impls use (same thresholds, see sampling.kept_thresholds).
 
     python benchmarks/sampler_bench.py           # table
     python benchmarks/sampler_bench.py --json
@@ -15,7 +17,8 @@ import functools
 import json
 import time
 
-MODES = {"plain": (1.0, 0, 1.0), "top_p 0.9": (1.0, 0, 0.9), "top_k 50": (0.8, 50, 1.0)}
+MODES = {"plain": (1.0, 0, 1.0), "top_p 0.9": (1.0, 0, 0.9), "top_k 50": (0.8, 50, 1.0),
+         "top_k 50, top_p 0.9": (1.0, 50, 0.9)}
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -27,6 +30,23 @@ def best_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - started)
     return min(times) * 1e3
+
+
+def threshold_ms(logits, temperature: float, top_k: int, top_p: float, repeats: int) -> tuple[float, float]:
+    """(sort, top-k prefix) milliseconds for the kept-set thresholds of one batch; they must agree."""
+    import torch
+
+    from alignflow.kernels import sampling
+
+    rows = sampling.sampling_rows("bench", logits, temperature, top_k, top_p, 0, 0)
+    inv_t, _, k, p = sampling.normalised_rows(rows, logits.shape[1])
+    keys = sampling.ordered_keys(logits)
+    args = (keys, logits * inv_t[:, None], k, p, keys.min(dim=1).values, k > 0, p < 1, top_p < 1)
+    by_sort, by_prefix = sampling._sorted_thresholds(*args), sampling._prefix_thresholds(*args)
+    if by_prefix is None or not torch.equal(by_sort, by_prefix):
+        raise SystemExit(f"top-k prefix thresholds differ from the sort at top_k={top_k}, top_p={top_p}")
+    return (best_ms(functools.partial(sampling._sorted_thresholds, *args), repeats),
+            best_ms(functools.partial(sampling._prefix_thresholds, *args), repeats))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                                              validate=False)
                     row[f"{impl}_ms"] = best_ms(call, args.repeats)
                 row["speedup"] = row["torch_ms"] / row["chunked_ms"]
+                if top_k:
+                    row["sort_thresholds_ms"], row["prefix_thresholds_ms"] = threshold_ms(
+                        logits, temperature, top_k, top_p, args.repeats)
                 if mode == "plain":
                     row["multinomial_ms"] = best_ms(
                         functools.partial(lambda p: torch.multinomial(torch.softmax(p, dim=-1), 1), logits),
@@ -67,13 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     table = Table(title=f"sample_tokens on CPU, {args.threads} threads, best of {args.repeats} (ms per call)")
-    for column in ("vocab", "batch", "mode", "reference (torch)", "chunked", "speedup", "softmax+multinomial"):
+    for column in ("vocab", "batch", "mode", "reference (torch)", "chunked", "speedup", "softmax+multinomial",
+                   "thresholds: sort", "top-k prefix"):
         table.add_column(column, justify="left" if column == "mode" else "right")
+
+    def cell(r, key):
+        return "" if r.get(key) is None else f"{r[key]:.2f}"
+
     for r in rows:
-        multinomial = r.get("multinomial_ms")
-        table.add_row(str(r["vocab"]), str(r["batch"]), r["mode"], f"{r['torch_ms']:.2f}", f"{r['chunked_ms']:.2f}",
-                      f"{r['speedup']:.1f}x", "" if multinomial is None else f"{multinomial:.2f}")
-    Console(width=120).print(table)
+        table.add_row(str(r["vocab"]), str(r["batch"]), r["mode"], cell(r, "torch_ms"), cell(r, "chunked_ms"),
+                      f"{r['speedup']:.1f}x", cell(r, "multinomial_ms"), cell(r, "sort_thresholds_ms"),
+                      cell(r, "prefix_thresholds_ms"))
+    Console(width=150).print(table)
     return 0
 
 
