@@ -2,9 +2,9 @@
 
 Both give the same tokens bit for bit (tests/kernels/test_sampling.py); softmax + torch.multinomial
 is printed beside them as the usual baseline, although it draws different tokens and no top-k/top-p.
-Times are the best of --repeats calls on [B, V] fp32 logits, after two warm-up calls. For the
-top-k modes the kept-set thresholds alone are also timed both ways: by the full sort (the
-definition) and by the top-k prefix that both impls use (same thresholds, see sampling.kept_thresholds).
+Times are the best of --repeats calls on [B, V] fp32 logits, after two warm-up calls. With top-k
+or top-p on, the kept-set thresholds alone are also timed both ways: by sorting every row and by
+the sorted prefixes that both impls use (same thresholds, see sampling.kept_thresholds).
 
     python benchmarks/sampler_bench.py           # table
     python benchmarks/sampler_bench.py --json
@@ -33,20 +33,20 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def threshold_ms(logits, temperature: float, top_k: int, top_p: float, repeats: int) -> tuple[float, float]:
-    """(sort, top-k prefix) milliseconds for the kept-set thresholds of one batch; they must agree."""
+    """(sort, prefix) milliseconds for the kept-set thresholds of one batch; they must agree."""
     import torch
 
     from alignflow.kernels import sampling
 
     rows = sampling.sampling_rows("bench", logits, temperature, top_k, top_p, 0, 0)
     inv_t, _, k, p = sampling.normalised_rows(rows, logits.shape[1])
-    keys = sampling.ordered_keys(logits)
-    args = (keys, logits * inv_t[:, None], k, p, keys.min(dim=1).values, k > 0, p < 1, top_p < 1)
-    by_sort, by_prefix = sampling._sorted_thresholds(*args), sampling._prefix_thresholds(*args)
-    if by_prefix is None or not torch.equal(by_sort, by_prefix):
-        raise SystemExit(f"top-k prefix thresholds differ from the sort at top_k={top_k}, top_p={top_p}")
-    return (best_ms(functools.partial(sampling._sorted_thresholds, *args), repeats),
-            best_ms(functools.partial(sampling._prefix_thresholds, *args), repeats))
+    args = (sampling.ordered_keys32(logits), logits * inv_t[:, None], k, p)
+    by_sort = sampling.kept_thresholds(*args, method="sort")
+    by_prefix = sampling.kept_thresholds(*args)
+    if not torch.equal(by_sort, by_prefix):
+        raise SystemExit(f"prefix thresholds differ from the sort at top_k={top_k}, top_p={top_p}")
+    return (best_ms(functools.partial(sampling.kept_thresholds, *args, method="sort"), repeats),
+            best_ms(functools.partial(sampling.kept_thresholds, *args), repeats))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                                              validate=False)
                     row[f"{impl}_ms"] = best_ms(call, args.repeats)
                 row["speedup"] = row["torch_ms"] / row["chunked_ms"]
-                if top_k:
+                if top_k or top_p < 1:
                     row["sort_thresholds_ms"], row["prefix_thresholds_ms"] = threshold_ms(
                         logits, temperature, top_k, top_p, args.repeats)
                 if mode == "plain":
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     table = Table(title=f"sample_tokens on CPU, {args.threads} threads, best of {args.repeats} (ms per call)")
     for column in ("vocab", "batch", "mode", "reference (torch)", "chunked", "speedup", "softmax+multinomial",
-                   "thresholds: sort", "top-k prefix"):
+                   "thresholds: sort", "by prefix"):
         table.add_column(column, justify="left" if column == "mode" else "right")
 
     def cell(r, key):

@@ -11,8 +11,9 @@ Per row the kernel streams the vocabulary several times:
   first index on ties.
 
 So a row costs 2 passes with both filters off and up to ~21 with both on. The searches produce the
-same thresholds as the sort in sampling.kept_thresholds: exactly for top-k, and for top-p unless
-a cumulative mass lies within fp32 rounding of its target. Import only after deciding whether
+same thresholds as sampling.kept_thresholds: exactly for top-k, and for top-p unless a cumulative
+mass lies within fp32 rounding of its target (the reference sums fixed-point masses exactly, the
+kernel sums fp32). Import only after deciding whether
 TRITON_INTERPRET=1 applies (see _triton_dispatch.py).
 """
 

@@ -9,14 +9,16 @@ This is the engine's sampler (not a generation loop, not a logits processor chai
    * top-k (0 = off, k >= V = off): tau_k = key of the k-th largest logit; ties with it are kept,
      so more than k tokens survive only on exact ties;
    * top-p (1.0 = off), applied to the renormalised top-k survivors with q_j proportional to
-     exp(z_j - max z): tau_p = key of the m-th largest surviving logit, m the smallest count whose
-     mass reaches top_p * (total surviving mass); again all ties with it are kept;
+     exp(z_j - max z), in fixed point (see kept_thresholds): tau_p = key of the m-th largest
+     surviving logit, m the smallest count whose mass reaches top_p * (total surviving mass); again
+     all ties with it are kept;
 4. the token is argmax over the kept set of z_j + G_j (Gumbel-max), the Gumbel noise G_j a pure
    function of (seed, step, j) from rng.py, ties going to the lowest index;
 5. the returned log-prob is log softmax(z)[token] over the FULL vocabulary, not over the kept set:
    that is the behaviour policy's probability PPO's importance ratio needs.
 
-The torch reference sorts (top-k alone: ``torch.topk``). The eager CPU path (``_chunked_sampling.py``,
+The torch reference finds the thresholds with ``torch.topk`` on a prefix of each row where that
+decides them exactly, and sorts otherwise. The eager CPU path (``_chunked_sampling.py``,
 what ``impl="auto"`` runs on CPU) does the reference's arithmetic in 32-bit words over cache-sized
 vocabulary chunks and gives the same tokens bit for bit, 3-6x faster. The Triton kernel
 (``_triton_sampling.py``) finds the same thresholds by a 16-way search over the int32 keys (8-9 passes each). Both use the same noise bits, the same
@@ -244,89 +246,133 @@ def ordered_keys32(x: torch.Tensor) -> torch.Tensor:
     return flip
 
 
-# Widest prefix taken with torch.topk rather than a sort (topk slows down as k grows: at [64, 32000]
-# int64, k = 1024 took 8 ms and k = 4096 13 ms, against 59 ms for the sort).
+# Widest top-k threshold taken with torch.topk rather than a sort (topk slows down as k grows: at
+# [64, 32000] int64, k = 1024 took 8 ms and k = 4096 13 ms, against 59 ms for the sort).
 _TOPK_INSTEAD_OF_SORT = 1024
+# Prefix widths tried, in order, for the top-p cut of the rows still undecided; then a sort. A
+# trained LM's nucleus is usually within the first 256 tokens.
+_TOP_P_PREFIXES = (256, 2048)
+
+
+def mass_bits(vocab: int) -> int:
+    """Fractional bits of the fixed-point top-p masses: a row's total stays below 2**52, so every sum
+    and its conversion to float64 is exact in any order (V = 32000: 37 bits, a resolution of 7e-12)."""
+    return 52 - max(vocab - 1, 1).bit_length()
 
 
 def kept_thresholds(
-    keys: torch.Tensor, z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, flags: BatchFlags | None = None
+    keys: torch.Tensor, z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, flags: BatchFlags | None = None,
+    method: str = "auto",
 ) -> torch.Tensor:
     """Per-row kept-set threshold key tau (int64 [B]): the kept set is keys >= tau.
 
     keys: [B, V] from ordered_keys(logits), int64 or the same values in int32 (thresholds are on raw
-    logits so ties are bit-exact);
-    z: [B, V] fp32 scaled logits (masses); top_k int32 [B] (0 = off); top_p fp32 [B] (1 = off).
+    logits so ties are bit-exact); z: [B, V] fp32 scaled logits (masses); top_k int32 [B] (0 = off);
+    top_p fp32 [B] (1 = off).
 
-    The definition is the sort below. Eagerly, when every top-p row also has a top-k, the same
-    thresholds come from a top-k prefix instead (``_prefix_thresholds``); under torch.compile,
-    where choosing between the two would be a host sync, it always sorts (the engine computes the
-    thresholds eagerly and passes them in, see ``sample_tokens(thresholds=...)``).
+    Top-p masses are fixed point: q_j = floor(exp(z_j - max z) * 2**mass_bits(V)) as int64, so the
+    total and every running sum are exact integers whatever the order of summation. That makes the
+    cut computable from a short prefix of the sorted row, bit for bit equal to the full sort, with
+    the total taken by a plain sum: eagerly, the rows whose cut lies in the first 256 (then 2048)
+    keys never sort. Under torch.compile, where choosing would be a host sync, every row is sorted
+    (the engine computes the thresholds eagerly and passes them in: ``sample_tokens(thresholds=...)``).
+    ``method="sort"`` sorts every row eagerly too: the same thresholds, for tests and benchmarks.
     """
-    tau = keys.min(dim=1).values
+    if method not in ("auto", "sort"):
+        raise ValueError(f"kept_thresholds: method must be 'auto' or 'sort', got {method!r}")
+    tau = keys.min(dim=1).values.to(torch.int64)
     use_k, use_p = top_k > 0, top_p < 1
     any_k, any_p = (flags.any_top_k, flags.any_top_p) if flags else (bool(use_k.any()), bool(use_p.any()))
     if not (any_k or any_p):
-        return tau.to(torch.int64)
-    if not torch.compiler.is_compiling():
-        prefix = _prefix_thresholds(keys, z, top_k, top_p, tau, use_k, use_p, any_p)
-        if prefix is not None:
-            return prefix.to(torch.int64)
-    return _sorted_thresholds(keys, z, top_k, top_p, tau, use_k, use_p, any_p).to(torch.int64)
-
-
-def _sorted_thresholds(keys, z, top_k, top_p, tau, use_k, use_p, any_p: bool) -> torch.Tensor:
-    """kept_thresholds by a full sort of every row: the definition."""
-    sorted_keys, order = keys.sort(dim=1, descending=True)
-    tau_k = sorted_keys.gather(1, (top_k.to(torch.int64) - 1).clamp(min=0)[:, None]).squeeze(1)
-    tau = torch.where(use_k, tau_k, tau)
-    if any_p:
-        tau = _top_p_threshold(sorted_keys, z.gather(1, order), top_p, tau, use_p)
-    return tau
-
-
-def _top_p_threshold(sorted_keys, z_sorted, top_p, tau, use_p) -> torch.Tensor:
-    """tau raised to the top-p threshold, from keys sorted descending (a whole row or a prefix of it).
-
-    Exact on a prefix when every kept entry (keys >= tau) of a top-p row lies inside it: the masses
-    beyond are then 0 in the full row, so the fp64 running sums, their total and the first index
-    reaching top_p * total are the same numbers (cumsum on CPU is a sequential scan per row).
-    """
-    mass = torch.exp(z_sorted - z_sorted[:, :1]).to(torch.float64)  # sorted, so column 0 is the max
-    mass = torch.where(sorted_keys >= tau[:, None], mass, torch.zeros_like(mass))
-    cumulative = mass.cumsum(dim=1)
-    target = top_p.to(torch.float64) * cumulative[:, -1]
-    # m = number of leading entries whose cumulative mass stays below target = first index reaching it.
-    first = (cumulative < target[:, None]).sum(dim=1).clamp(max=sorted_keys.shape[1] - 1)
-    tau_p = sorted_keys.gather(1, first[:, None]).squeeze(1)
+        return tau
+    eager = method == "auto" and not torch.compiler.is_compiling()
+    prefix = None  # (largest keys, their order): a sorted prefix of every row, when one was taken
+    if any_k:
+        k_max = int(top_k.max()) if eager else None
+        if k_max is not None and k_max <= _TOPK_INSTEAD_OF_SORT:
+            # Only the k-th largest key matters: topk instead of a sort (at [64, 32000]: topk(50)
+            # 1.4 ms, the sort 55 ms). With top-p, twice as wide plus 64, to hold ties with the k-th.
+            width = min(keys.shape[1], 2 * k_max + 64 if any_p else max(k_max, 1))
+            prefix = keys.topk(width, dim=1)
+        else:
+            prefix = keys.sort(dim=1, descending=True)
+        tau_k = prefix[0].gather(1, (top_k.to(torch.int64) - 1).clamp(min=0)[:, None]).squeeze(1)
+        tau = torch.where(use_k, tau_k.to(torch.int64), tau)
+    if not any_p:
+        return tau
+    scale = 2.0 ** mass_bits(keys.shape[1])
+    if eager and prefix is not None and _nucleus_inside(prefix[0], tau, use_k, use_p, keys.shape[1]):
+        # Every top-p row's survivors lie in the prefix: its masses alone give the exact total.
+        largest, order = prefix
+        z_sorted = z.gather(1, order)
+        mass = _fixed_point(z_sorted, z_sorted[:, :1], scale).masked_fill_(largest < tau[:, None].to(largest.dtype), 0)
+        target = top_p.to(torch.float64) * mass.sum(dim=1).to(torch.float64)
+        tau_p = _top_p_cut(largest, mass, target)[0]
+        return torch.where(use_p, torch.maximum(tau_p, tau), tau)
+    # Fixed-point masses of the top-k survivors (keys >= tau) over whole rows, their exact total, the target.
+    mass = _fixed_point(z, z.max(dim=1, keepdim=True).values, scale).masked_fill_(keys < tau[:, None].to(keys.dtype), 0)
+    target = top_p.to(torch.float64) * mass.sum(dim=1).to(torch.float64)
+    if eager:
+        tau_p = _top_p_cut_by_prefixes(keys, mass, target, use_p)
+    else:
+        tau_p = _top_p_cut(*_sorted_prefix(keys, mass, keys.shape[1]), target)[0]
     return torch.where(use_p, torch.maximum(tau_p, tau), tau)
 
 
-def _prefix_thresholds(keys, z, top_k, top_p, tau, use_k, use_p, any_p: bool) -> torch.Tensor | None:
-    """kept_thresholds from the ``width`` largest keys of each row, or None when that may differ from the sort.
+def _fixed_point(z: torch.Tensor, z_max: torch.Tensor, scale: float) -> torch.Tensor:
+    """int64 floor(exp(z - z_max) * scale): an fp32 in [0, 1] times a power of two, truncated exactly."""
+    mass = z - z_max
+    return mass.exp_().mul_(scale).to(torch.int64)
 
-    Every row's top-k threshold is in the prefix when width >= max top_k. A top-p row's nucleus is
-    a subset of its top-k set, so it is in the prefix too unless a tie with the k-th key runs past
-    the prefix's end (bf16 logits tie often); the prefix is twice max top_k plus 64 wide to leave
-    room for ties, and the last prefix key is checked (top-k alone needs only max top_k keys). A top-p row without top-k spreads its mass
-    over the whole row: that needs the sort. At [64, 32000] fp32 logits, top_k 50 and top_p 0.9:
-    this 3.0 ms, the sort 69 ms (``python benchmarks/sampler_bench.py``).
+
+def _nucleus_inside(largest: torch.Tensor, tau: torch.Tensor, use_k: torch.Tensor, use_p: torch.Tensor,
+                    vocab: int) -> bool:
+    """Whether every top-p row has top-k and its survivors (keys >= tau) all lie in this sorted prefix."""
+    if largest.shape[1] == vocab:
+        return True
+    return not bool((use_p & (~use_k | (largest[:, -1].to(torch.int64) >= tau))).any())
+
+
+def _sorted_prefix(keys: torch.Tensor, mass: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``width`` largest keys of each row, largest first, and their masses in that order."""
+    if width >= keys.shape[1]:
+        largest, order = keys.sort(dim=1, descending=True)
+    else:
+        largest, order = keys.topk(width, dim=1)
+    return largest, mass.gather(1, order)
+
+
+def _top_p_cut(largest: torch.Tensor, mass_sorted: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tau_p int64 [R], decided bool [R]) from a sorted prefix: tau_p = the key at the first index whose
+    running mass reaches the target; decided = that index lies in the prefix (its whole row if the
+    prefix is the row). Ties reorder freely: tied keys carry equal masses, so the running sums agree.
+    """
+    cumulative = mass_sorted.cumsum(dim=1).to(torch.float64)  # exact integers below 2**53
+    first = (cumulative < target[:, None]).sum(dim=1)
+    decided = first < largest.shape[1]
+    first = first.clamp(max=largest.shape[1] - 1)
+    return largest.gather(1, first[:, None]).squeeze(1).to(torch.int64), decided
+
+
+def _top_p_cut_by_prefixes(keys: torch.Tensor, mass: torch.Tensor, target: torch.Tensor,
+                           use_p: torch.Tensor) -> torch.Tensor:
+    """Eager top-p cut: prefixes of _TOP_P_PREFIXES widths, each for the rows still undecided, then a sort.
+
+    At [64, 32000] with top_k 50 and top_p 0.9 this took 3 ms against 69 ms for sorting every row.
     """
     vocab = keys.shape[1]
-    if any_p and bool((use_p & ~use_k).any()):
-        return None
-    k_max = int(top_k.max())
-    width = min(vocab, 2 * k_max + 64 if any_p else k_max)
-    if k_max == 0 or width > _TOPK_INSTEAD_OF_SORT:
-        return None
-    largest, order = keys.topk(width, dim=1)  # sorted, largest first
-    tau_k = largest.gather(1, (top_k.to(torch.int64) - 1).clamp(min=0)[:, None]).squeeze(1)
-    tau = torch.where(use_k, tau_k, tau)
-    if not any_p:
-        return tau
-    if width < vocab and bool((use_p & (largest[:, -1] >= tau)).any()):
-        return None  # a kept tie reaches the prefix's last key and may continue beyond it
-    return _top_p_threshold(largest, z.gather(1, order), top_p, tau, use_p)
+    tau_p = torch.zeros(keys.shape[0], dtype=torch.int64, device=keys.device)
+    pending = use_p.nonzero().squeeze(1)
+    for width in (*_TOP_P_PREFIXES, vocab):
+        if pending.numel() == 0:
+            break
+        width = min(width, vocab)
+        everyone = pending.numel() == keys.shape[0]
+        rows_keys, rows_mass = (keys, mass) if everyone else (keys[pending], mass[pending])
+        cut, decided = _top_p_cut(*_sorted_prefix(rows_keys, rows_mass, width), target[pending])
+        tau_p[pending[decided]] = cut[decided]
+        pending = pending[~decided]
+    return tau_p
 
 
 def normalised_rows(

@@ -21,8 +21,10 @@ def _run(script: str, *args: str) -> str:
 
 def test_sampler_bench_reports_both_impls():
     rows = json.loads(_run("sampler_bench.py", "--batch-sizes", "3", "--vocabs", "1000", "--repeats", "1", "--json"))
-    assert {r["mode"] for r in rows} == {"plain", "top_p 0.9", "top_k 50"}
+    assert {r["mode"] for r in rows} == {"plain", "top_p 0.9", "top_k 50", "top_k 50, top_p 0.9"}
     assert all(r["torch_ms"] > 0 and r["chunked_ms"] > 0 for r in rows)
+    # Truncating modes also time the thresholds by sort and by prefix (the script checks they agree).
+    assert all(r["sort_thresholds_ms"] > 0 and r["prefix_thresholds_ms"] > 0 for r in rows if r["mode"] != "plain")
 
 
 def test_engine_throughput_reports_every_engine_and_refit():

@@ -181,43 +181,53 @@ def _threshold_inputs(logits, top_k, top_p, temperature=0.8):
     rows = _rows(logits, temperature, top_k, top_p, 0, 0)
     inv_t, _, k, p = sampling.normalised_rows(rows, logits.shape[1])
     x = logits.float()
-    keys = sampling.ordered_keys(x)
-    return keys, x * inv_t[:, None], k, p, keys.min(dim=1).values, k > 0, p < 1
+    return sampling.ordered_keys32(x), x * inv_t[:, None], k, p
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("top_p_on", [True, False])
-def test_top_k_prefix_thresholds_equal_the_sort_bit_for_bit(dtype, top_p_on):
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.3], ids=["peaked", "spread", "flat"])
+def test_prefix_thresholds_equal_the_full_sort_bit_for_bit(dtype, scale):
     # bf16 logits tie often (8-bit mantissa): ties at the k-th key and at the top-p cut are common.
+    # "peaked" rows are decided by the 256-key prefix, "spread" ones partly by the 2048-key one,
+    # "flat" ones (nucleus beyond 2048 keys) by the final sort of the rows still undecided.
     batch, vocab = 32, 5000
-    logits = _logits(batch, vocab, seed=6, scale=3.0, dtype=dtype)
+    logits = _logits(batch, vocab, seed=6, scale=scale, dtype=dtype)
     gen = torch.Generator().manual_seed(7)
-    top_k = torch.randint(1, 120, (batch,), generator=gen)
-    top_k[:4] = torch.tensor([1, 2, 119, 0])  # 0: top-k off on a row without top-p
-    top_p = torch.rand(batch, generator=gen) * 0.98 + 0.01 if top_p_on else torch.ones(batch)
-    top_p[3] = 1.0
+    top_k = torch.where(torch.rand(batch, generator=gen) < 0.5, torch.randint(1, 300, (batch,), generator=gen), 0)
+    top_p = torch.rand(batch, generator=gen) * 0.98 + 0.01
+    top_k[:4], top_p[:4] = torch.tensor([1, 2, 0, 0]), torch.tensor([0.5, 1.0, 1.0, 0.999])
     args = _threshold_inputs(logits, top_k, top_p)
-    prefix = sampling._prefix_thresholds(*args, any_p=top_p_on)
-    assert prefix is not None  # the fast path was taken, not a silent fallback
-    assert torch.equal(prefix, sampling._sorted_thresholds(*args, any_p=top_p_on))
-    keys, z, k, p = args[:4]
-    assert torch.equal(sampling.kept_thresholds(keys, z, k, p), prefix)
+    want = sampling.kept_thresholds(*args, method="sort")
+    assert torch.equal(sampling.kept_thresholds(*args), want)
+    assert torch.equal(sampling.kept_thresholds(args[0].to(torch.int64), *args[1:]), want)  # int64 keys too
 
 
-def test_prefix_thresholds_fall_back_where_the_prefix_cannot_decide():
-    vocab = 3000
-    logits = _logits(3, vocab, seed=8)
-    # A top-p row without top-k: its nucleus can reach any token.
-    args = _threshold_inputs(logits, torch.tensor([5, 0, 5]), torch.tensor([0.9, 0.9, 1.0]))
-    assert sampling._prefix_thresholds(*args, any_p=True) is None
-    # A tie with the k-th key that runs past the prefix (2 * 5 + 64 keys): 200 equal top logits.
-    tied = logits.clone()
+def test_top_p_cut_falls_through_the_prefixes_to_the_sort_per_row():
+    # A nucleus of ~all 3000 tokens (flat row, top_p 0.99) is decided by no prefix; a peaked row by
+    # the first. Each must still equal the sort, and the flat one keep > 2048 tokens.
+    logits = torch.cat([_logits(1, 3000, seed=8, scale=0.01), _logits(1, 3000, seed=9, scale=8.0)])
+    args = _threshold_inputs(logits, torch.tensor([0, 0]), torch.tensor([0.99, 0.9]))
+    tau = sampling.kept_thresholds(*args)
+    assert torch.equal(tau, sampling.kept_thresholds(*args, method="sort"))
+    flat, peaked = (len(s) for s in _kept_from_tau(logits, tau))
+    assert flat > 2048 and peaked < 256
+    # 200 tokens tied at the top with top_k 5: all are kept, by either method.
+    tied = _logits(2, 3000, seed=10)
     tied[:, :200] = 9.0
-    args = _threshold_inputs(tied, torch.tensor([5, 5, 5]), torch.tensor([0.9, 0.5, 0.99]))
-    assert sampling._prefix_thresholds(*args, any_p=True) is None
-    keys, z, k, p = args[:4]
-    tau = sampling.kept_thresholds(keys, z, k, p)  # falls back to the sort: all 200 tied tokens kept
-    assert [len(s) for s in _kept_from_tau(tied, tau)] == [200, 200, 200]
+    args = _threshold_inputs(tied, torch.tensor([5, 5]), torch.tensor([0.9, 0.99]))
+    tau = sampling.kept_thresholds(*args)
+    assert torch.equal(tau, sampling.kept_thresholds(*args, method="sort"))
+    assert [len(s) for s in _kept_from_tau(tied, tau)] == [200, 200]
+
+
+def test_top_p_masses_are_exact_fixed_point_sums():
+    # The whole point of fixed point: a row's total and running sums do not depend on the order of
+    # summation, so a prefix, a sort and a plain sum agree. 2**mass_bits(V) * V stays below 2**52.
+    for vocab in (1, 2, 1000, 32000, 128256, 256000):
+        assert (2 ** sampling.mass_bits(vocab)) * vocab <= 2**52, vocab
+    assert sampling.mass_bits(32000) == 37
+    with pytest.raises(ValueError, match="method must be 'auto' or 'sort'"):
+        sampling.kept_thresholds(*_threshold_inputs(_logits(1, 10), 0, 0.5), method="topk")
 
 
 @pytest.mark.parametrize("top_k, top_p", [(40, 1.0), (40, 0.8), (0, 0.8)])

@@ -143,6 +143,10 @@ def test_compiled_decode_step_matches_eager_and_survives_refit(tiny_checkpoints,
     assert compiled.response_token_ids == eager.response_token_ids
     worst = max((a - b).abs().max().item() for a, b in zip(compiled.logits, eager.logits, strict=True))
     assert worst <= TOLERANCES["logits_fp32"]
+    # top-k with top-p: the compiled engine takes the thresholds from the eager top-k prefix.
+    top_k = SAMPLED.model_copy(update={"top_k": 12})
+    want = NativeEngine.build(path, engine_config()).generate(prompts, top_k)
+    assert engine.generate(prompts, top_k).response_token_ids == want.response_token_ids
 
     perturbed = perturbed_checkpoint(path, tmp_path / "p")
     engine.refit(checkpoint_tensors(perturbed))
