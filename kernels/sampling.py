@@ -350,11 +350,13 @@ def _top_p_cut(largest: torch.Tensor, mass_sorted: torch.Tensor,
     lies in the prefix (always, if the prefix is the whole row). Ties reorder freely: tied keys
     carry equal masses, so the running sums agree.
     """
-    cumulative = mass_sorted.cumsum(dim=1).to(torch.float64)  # exact integers below 2**53
-    first = (cumulative < target[:, None]).sum(dim=1)
+    cumulative = mass_sorted.cumsum(dim=1)  # int64, exact
+    # The running sums are integers, so "cum < target" is "cum < ceil(target)"; they never decrease,
+    # so the first index reaching it is a binary search (no float64 copy of [R, W], no counting pass).
+    first = torch.searchsorted(cumulative, torch.ceil(target).to(torch.int64)[:, None]).squeeze(1)
     decided = first < largest.shape[1]
     first = first.clamp(max=largest.shape[1] - 1)
-    return largest.gather(1, first[:, None]).squeeze(1).to(torch.int64), decided, cumulative[:, -1]
+    return largest.gather(1, first[:, None]).squeeze(1).to(torch.int64), decided, cumulative[:, -1].to(torch.float64)
 
 
 def _top_p_cut_by_prefixes(keys: torch.Tensor, mass: torch.Tensor, target: torch.Tensor,
