@@ -1,7 +1,7 @@
 """Generation throughput of the native engine (eager, compiled) against transformers, and refit vs build time.
 
-Same random model, prompts and sampling (temperature 1, no top-k/top-p, EOS ignored so every
-sequence generates exactly --new-tokens tokens) for every engine:
+Same random model, prompts and sampling (temperature 1, top-k/top-p from --top-k/--top-p, off by
+default; EOS ignored so every sequence generates exactly --new-tokens tokens) for every engine:
 
     native            alignflow native engine, eager decode step
     native+compile    the same with engine.compile (torch.compile of the decode step)
@@ -64,8 +64,9 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 class PlainTransformers:
     """transformers generate with its own sampling, on the hf backend's model (no alignflow code per step)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, top_k: int = 0, top_p: float = 1.0):
         self.model = model
+        self.top_k, self.top_p = top_k, top_p
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         import torch
@@ -74,7 +75,8 @@ class PlainTransformers:
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+        config = GenerationConfig(do_sample=True, temperature=1.0, top_k=self.top_k, top_p=self.top_p,
+                                  max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
         with torch.no_grad():
             self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
@@ -106,7 +108,8 @@ def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: ar
     batches = args.batch_sizes if name != "llama-100m" or not args.quick else [8]
     max_batch = max(batches)
     config = EngineConfig(max_batch_size=max_batch, max_seq_len=24 + args.new_tokens, cuda_graphs=False)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    sampling = SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.new_tokens,
+                              ignore_eos=True, seed=0)
     prompts = make_prompts(max_batch, MODELS[name]["vocab_size"])
 
     log(f"[{name} {dtype}] {n_params / 1e6:.1f}M parameters: building engines")
@@ -118,7 +121,7 @@ def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: ar
         compile_build_s = time.perf_counter() - started  # includes the compile warm-up (NativeEngine.warmup)
     hf = HFEngine.build(path, config, dtype=dtype)
     engines["hf"] = hf
-    engines["transformers"] = PlainTransformers(hf.model)
+    engines["transformers"] = PlainTransformers(hf.model, args.top_k, args.top_p)
 
     def run(engine_name: str, batch: int, new_tokens: int = args.new_tokens) -> float:
         engine = engines[engine_name]
@@ -192,6 +195,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=0, help="top-k of every engine's sampling (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="top-p of every engine's sampling (1 = off)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (pinned for comparability)")
     parser.add_argument("--dtypes", default="float32,bfloat16",
@@ -216,7 +221,8 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(width=140)  # no truncated columns when piped
-    table = Table(title=f"Generation throughput ({result['new_tokens']} new tokens, {result['threads']} threads, "
+    table = Table(title=f"Generation throughput ({result['new_tokens']} new tokens, top_k {result['top_k']}, "
+                        f"top_p {result['top_p']}, {result['threads']} threads, "
                         f"best of {result['repeats']} interleaved runs)")
     columns = ("model", "dtype", "batch", "engine", "tokens/s", "median tokens/s", "ms/step", "x hf (same dtype)",
                "x hf fp32", "x transformers (same dtype)")
@@ -250,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    result: dict[str, Any] = {"new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
+    result: dict[str, Any] = {"new_tokens": args.new_tokens, "top_k": args.top_k, "top_p": args.top_p,
+                              "threads": args.threads, "repeats": args.repeats,
                               "torch": torch.__version__, "load_before": os.getloadavg()[0],
                               "throughput": [], "refit": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,7 +29,9 @@ def test_sampler_bench_reports_both_impls():
 
 def test_engine_throughput_reports_every_engine_and_refit():
     result = json.loads(_run("engine_throughput.py", "--models", "tiny", "--batch-sizes", "2", "--new-tokens", "4",
-                             "--repeats", "1", "--no-compile", "--dtypes", "float32", "--json"))
+                             "--repeats", "1", "--no-compile", "--dtypes", "float32", "--top-k", "5", "--top-p", "0.9",
+                             "--json"))
+    assert (result["top_k"], result["top_p"]) == (5, 0.9)
     engines = {row["engine"] for row in result["throughput"]}
     assert engines == {"native", "hf", "transformers"}
     assert all(row["tokens_per_s"] > 0 and row["speedup_vs_hf_fp32"] is not None for row in result["throughput"])
