@@ -365,13 +365,19 @@ def _top_p_cut_by_prefixes(keys: torch.Tensor, mass: torch.Tensor, target: torch
 
     A row goes straight to the sort when even the next prefix cannot reach its target (the masses
     are sorted, so it adds at most its extra width times the last mass seen): a flat row then costs
-    one short topk more than the sort alone, not two.
+    at most one short topk more than the sort alone, and none when its target exceeds 2048 top masses.
     """
     vocab = keys.shape[1]
     widths = [w for w in _TOP_P_PREFIXES if w < vocab] + [vocab]
     tau_p = torch.zeros(keys.shape[0], dtype=torch.int64, device=keys.device)
     pending = use_p.nonzero().squeeze(1)
+    # No mass exceeds the top token's (2**mass_bits), so a prefix of w keys holds at most w times
+    # that: rows whose target is beyond even the widest prefix's reach are sorted without trying.
+    beyond = target[pending] > widths[-2] * 2.0 ** mass_bits(vocab) if len(widths) > 1 else None
     to_sort: list[torch.Tensor] = []
+    if beyond is not None:
+        to_sort.append(pending[beyond])
+        pending = pending[~beyond]
     for stage, width in enumerate(widths):
         if width == vocab:
             pending = torch.cat([pending, *to_sort])

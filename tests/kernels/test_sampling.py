@@ -220,6 +220,24 @@ def test_top_p_cut_falls_through_the_prefixes_to_the_sort_per_row():
     assert [len(s) for s in _kept_from_tau(tied, tau)] == [200, 200]
 
 
+def test_top_p_rows_take_the_prefix_their_masses_allow(monkeypatch):
+    """Which prefixes a row tries follows from bounds on its masses; every route ends at the sort's cut."""
+    vocab = 5000
+    logits = torch.full((4, vocab), -20.0)
+    logits[:, 0] = 0.0
+    logits[0, 1:1000] = math.log(0.5)  # total ~500 top masses, target 450: beyond 256 keys, within 2048
+    logits[1, 1:2500] = math.log(0.5)  # target ~1188: the 256 prefix shows 2048 cannot reach it -> sort
+    logits[2, 1:4999] = math.log(0.9)  # target ~4050 > 2048 top masses: straight to the sort
+    logits[3, 1:50] = math.log(0.5)  # decided by the first prefix
+    widths = []
+    real = sampling._sorted_prefix
+    monkeypatch.setattr(sampling, "_sorted_prefix", lambda k, m, w: widths.append((k.shape[0], w)) or real(k, m, w))
+    args = _threshold_inputs(logits, torch.zeros(4, dtype=torch.long), torch.tensor([0.9, 0.95, 0.9, 0.9]), 1.0)
+    tau = sampling.kept_thresholds(*args)
+    assert widths == [(3, 256), (1, 2048), (2, vocab)]  # rows {0, 1, 3}, then row 0, then rows {2, 1}
+    assert torch.equal(tau, sampling.kept_thresholds(*args, method="sort"))
+
+
 def test_top_p_masses_are_exact_fixed_point_sums():
     # The whole point of fixed point: a row's total and running sums do not depend on the order of
     # summation, so a prefix, a sort and a plain sum agree. 2**mass_bits(V) * V stays below 2**52.
