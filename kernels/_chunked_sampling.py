@@ -14,8 +14,8 @@ logs, masks); at [64, 32000] each is 16 MB, so it streams ~650 MB through memory
 * with a running (max, first index) across chunks, later chunks winning only when strictly
   greater, which is argmax's first-index tie rule over the whole row.
 
-Top-k/top-p thresholds come from the reference's ``kept_thresholds`` (a top-k prefix, or the sort
-for top-p without top-k) and are applied per chunk. Every value that decides the token is computed by the same fp32
+Top-k/top-p thresholds come from the reference's ``kept_thresholds`` (sorted prefixes of each row,
+a full sort only for rows no prefix decides) and are applied per chunk. Every value that decides the token is computed by the same fp32
 operations as the reference: tokens, log-probs and thresholds are equal, not close
 (tests/kernels/test_sampling.py). Timings: ``python benchmarks/sampler_bench.py``.
 """

@@ -373,9 +373,9 @@ def _top_p_cut_by_prefixes(keys: torch.Tensor, mass: torch.Tensor, target: torch
     pending = use_p.nonzero().squeeze(1)
     # No mass exceeds the top token's (2**mass_bits), so a prefix of w keys holds at most w times
     # that: rows whose target is beyond even the widest prefix's reach are sorted without trying.
-    beyond = target[pending] > widths[-2] * 2.0 ** mass_bits(vocab) if len(widths) > 1 else None
     to_sort: list[torch.Tensor] = []
-    if beyond is not None:
+    if len(widths) > 1:
+        beyond = target[pending] > widths[-2] * 2.0 ** mass_bits(vocab)
         to_sort.append(pending[beyond])
         pending = pending[~beyond]
     for stage, width in enumerate(widths):

@@ -289,7 +289,7 @@ class NativeEngine(Engine):
         flags = uniform_flags(sampling.temperature, sampling.top_k, sampling.top_p, self.vocab_size)
         self._mark_dynamic(temperature, top_k, top_p, seed_t)  # once: they live for the whole batch
         # The compiled torch sampler would sort every row for top-k/top-p (at [64, 32000]: a 72 ms
-        # sampler against 8 ms without truncation); eagerly its thresholds come from a top-k prefix.
+        # sampler against 8 ms without truncation); eagerly its thresholds come from sorted prefixes.
         eager_thresholds = self.engine_config.compile and self._sample_impl == "torch" and (
             flags.any_top_k or flags.any_top_p
         )
