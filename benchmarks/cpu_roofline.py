@@ -1,15 +1,19 @@
-"""The fastest a decode step of the ~100M benchmark model can be on this machine, and what that caps a speed-up at.
+"""The fastest the benchmark's generate call can be on this machine, and what that caps a speed-up at.
 
-A decode step reads every linear weight once (plus the KV cache) and does 2 flops per weight per
-row. Measured here, on this machine with --threads threads:
+Measured here, on this machine with --threads threads:
 
     read bandwidth   best GB/s of torch.sum over a 512 MB tensor (a pure streaming read)
-    peak GEMM        best GFLOP/s of a 2048^3 matmul in each dtype (bf16 uses AMX/AVX512-BF16 where present)
+    peak GEMM        best GFLOP/s of square matmuls (1024, 2048, 3072) in each dtype (bf16 uses
+                     AMX/AVX512-BF16 where present); the largest is taken, which favours the engine
 
-The floor of one step is max(bytes / bandwidth, flops / peak GEMM): no engine can beat it (it
-ignores prefill, sampling, norms, RoPE and the Python loop, so it is optimistic). Given the JSON of
-engine_throughput.py, the table puts that floor beside hf's measured step: hf ms / floor ms is the
-largest speed-up over hf any engine could show on this machine, in the same dtype.
+One forward pass costs max(bytes / bandwidth, flops / peak GEMM): it reads every linear weight once
+(plus the KV cache) and does 2 flops per weight per token. The floor of a whole generate call, which
+is what engine_throughput.py times, is the sum over its passes: the prefill of the actual prompts
+(their real lengths, not the padded width: an engine may skip padding) and new_tokens - 1 decode
+steps, each row's cache one slot longer per step. It ignores sampling, norms, RoPE and the Python
+loop and lets bytes and flops overlap perfectly, so no engine can beat it. Given the JSON of
+engine_throughput.py, the table puts the floor beside hf's measured throughput: floor tokens/s / hf
+tokens/s is the largest speed-up over hf any engine could show on this machine, in the same dtype.
 
     python benchmarks/engine_throughput.py --models llama-100m --json > /tmp/throughput.json
     python benchmarks/cpu_roofline.py --throughput-json /tmp/throughput.json
@@ -25,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import MODELS  # noqa: E402  (a sibling script, not a package)
+from engine_throughput import MODELS, make_prompts  # noqa: E402  (a sibling script, not a package)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -47,24 +51,60 @@ def read_bandwidth_gbs(repeats: int, megabytes: int = 512) -> float:
     return data.numel() * 4 / best_seconds(lambda: data.sum(), repeats) / 1e9
 
 
-def gemm_gflops(dtype: str, repeats: int, size: int = 2048) -> float:
+def gemm_gflops(dtype: str, repeats: int, sizes: tuple[int, ...] = (1024, 2048, 3072)) -> float:
     import torch
 
-    a = torch.randn(size, size).to(getattr(torch, dtype))
-    b = torch.randn(size, size).to(getattr(torch, dtype))
-    return 2 * size**3 / best_seconds(lambda: torch.mm(a, b), repeats) / 1e9
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size).to(getattr(torch, dtype))
+        b = torch.randn(size, size).to(getattr(torch, dtype))
+        best = max(best, 2 * size**3 / best_seconds(lambda a=a, b=b: torch.mm(a, b), repeats) / 1e9)
+    return best
+
+
+def _shape(model: dict[str, Any]) -> tuple[int, int, int]:
+    """(linear weights of one layer, of the lm_head, KV width) of a MODELS entry."""
+    hidden, inter = model["hidden_size"], model["intermediate_size"]
+    kv_dim = model["num_key_value_heads"] * (hidden // model["num_attention_heads"])
+    per_layer = hidden * (hidden + 2 * kv_dim) + hidden * hidden + 3 * hidden * inter  # qkv, o, gate/up, down
+    return per_layer, model["vocab_size"] * hidden, kv_dim
 
 
 def step_cost(model: dict[str, Any], batch: int, kv_len: float, dtype: str) -> tuple[float, float]:
     """(bytes read, flops) of one decode step: every linear weight and the lm_head once, the KV cache up to kv_len."""
-    hidden, inter, layers = model["hidden_size"], model["intermediate_size"], model["num_hidden_layers"]
-    head_dim = hidden // model["num_attention_heads"]
-    kv_dim = model["num_key_value_heads"] * head_dim
-    per_layer = hidden * (hidden + 2 * kv_dim) + hidden * hidden + 3 * hidden * inter  # qkv, o, gate/up, down
-    linear_params = layers * per_layer + model["vocab_size"] * hidden
+    per_layer, head, kv_dim = _shape(model)
+    layers, hidden = model["num_hidden_layers"], model["hidden_size"]
+    linear_params = layers * per_layer + head
     kv_bytes = 2 * layers * batch * kv_len * kv_dim * DTYPE_BYTES[dtype]
     flops = batch * (2 * linear_params + 4 * layers * kv_len * hidden)  # GEMMs, then q.k and p.v
     return linear_params * DTYPE_BYTES[dtype] + kv_bytes, flops
+
+
+def prefill_cost(model: dict[str, Any], prompt_lens: list[int], dtype: str) -> tuple[float, float]:
+    """(bytes read, flops) of the prefill: every weight once; each prompt token through every layer,
+    causal attention over its own prompt, and the lm_head for each row's last token only."""
+    per_layer, head, kv_dim = _shape(model)
+    layers, hidden = model["num_hidden_layers"], model["hidden_size"]
+    tokens = sum(prompt_lens)
+    causal_pairs = sum(n * (n + 1) // 2 for n in prompt_lens)  # (query, key) pairs over all rows
+    kv_written = 2 * layers * tokens * kv_dim * DTYPE_BYTES[dtype]
+    flops = 2 * layers * per_layer * tokens + 2 * head * len(prompt_lens) + 4 * layers * hidden * causal_pairs
+    return (layers * per_layer + head) * DTYPE_BYTES[dtype] + kv_written, flops
+
+
+def generate_floor_s(model: dict[str, Any], prompt_lens: list[int], new_tokens: int, dtype: str,
+                     bandwidth_gbs: float, peak_gflops: float) -> tuple[float, float]:
+    """(floor seconds of a whole generate call, of which the prefill): the prefill, then new_tokens - 1
+    decode steps (the prefill's logits give the first token) with every row's cache one slot longer each step."""
+
+    def seconds(cost: tuple[float, float]) -> float:
+        return max(cost[0] / (bandwidth_gbs * 1e9), cost[1] / (peak_gflops * 1e9))
+
+    batch, mean_len = len(prompt_lens), sum(prompt_lens) / len(prompt_lens)
+    prefill = seconds(prefill_cost(model, prompt_lens, dtype))
+    # Step t attends to len_b + t keys per row; step_cost is linear in batch * kv_len, so the mean is exact.
+    decode = sum(seconds(step_cost(model, batch, mean_len + t, dtype)) for t in range(1, new_tokens))
+    return prefill + decode, prefill
 
 
 def roofline(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +114,8 @@ def roofline(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = read_bandwidth_gbs(args.repeats)
     peaks = {dtype: gemm_gflops(dtype, args.repeats) for dtype in args.dtypes}
     model = MODELS["llama-100m"]
-    kv_len = args.prompt_len + args.new_tokens / 2  # the cache length averaged over the decode steps
+    # engine_throughput.py generates from make_prompts(its largest batch)[:batch].
+    prompts = make_prompts(args.prompts_of_batch, model["vocab_size"])
     measured: dict[tuple[str, int, str], float] = {}
     if args.throughput_json:
         for row in json.loads(Path(args.throughput_json).read_text())["throughput"]:
@@ -83,20 +124,23 @@ def roofline(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for dtype in args.dtypes:
         for batch in args.batch_sizes:
-            nbytes, flops = step_cost(model, batch, kv_len, dtype)
-            floor_s = max(nbytes / (bandwidth * 1e9), flops / (peaks[dtype] * 1e9))
-            row = {"dtype": dtype, "batch": batch, "mbytes_per_step": nbytes / 1e6, "gflop_per_step": flops / 1e9,
-                   "bound": "memory" if nbytes / bandwidth > flops / peaks[dtype] else "compute",
-                   "floor_ms_per_step": floor_s * 1e3, "floor_tokens_per_s": batch / floor_s}
+            lens = [len(p) for p in prompts[:batch]]
+            floor_s, prefill_s = generate_floor_s(model, lens, args.new_tokens, dtype, bandwidth, peaks[dtype])
+            step_bytes, step_flops = step_cost(model, batch, sum(lens) / batch + args.new_tokens / 2, dtype)
+            floor_tps = batch * args.new_tokens / floor_s
+            row = {"dtype": dtype, "batch": batch, "prompt_tokens": sum(lens),
+                   "mbytes_per_step": step_bytes / 1e6, "gflop_per_step": step_flops / 1e9,
+                   "bound": "memory" if step_bytes / bandwidth > step_flops / peaks[dtype] else "compute",
+                   "floor_s": floor_s, "floor_prefill_s": prefill_s, "floor_tokens_per_s": floor_tps}
             hf = measured.get((dtype, batch, "hf"))
             native = measured.get((dtype, batch, "native+compile")) or measured.get((dtype, batch, "native"))
             row["hf_tokens_per_s"] = hf
-            row["max_speedup_vs_hf"] = batch / floor_s / hf if hf else None
+            row["max_speedup_vs_hf"] = floor_tps / hf if hf else None
             row["native_tokens_per_s"] = native
-            row["native_share_of_floor"] = native * floor_s / batch if native else None
+            row["native_share_of_floor"] = native / floor_tps if native else None
             rows.append(row)
-    return {"threads": args.threads, "read_bandwidth_gbs": bandwidth, "gemm_gflops": peaks, "kv_len": kv_len,
-            "rows": rows}
+    return {"threads": args.threads, "read_bandwidth_gbs": bandwidth, "gemm_gflops": peaks,
+            "new_tokens": args.new_tokens, "rows": rows}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -104,7 +148,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--throughput-json", help="engine_throughput.py --json output: adds hf and native columns")
     parser.add_argument("--batch-sizes", default="8,32,64")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--prompt-len", type=int, default=24, help="padded prompt width (engine_throughput: 24)")
+    parser.add_argument("--prompts-of-batch", type=int, default=64,
+                        help="engine_throughput.py's largest --batch-sizes (its prompts are make_prompts(that)[:batch])")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -122,23 +167,24 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     peaks = ", ".join(f"{d} {g:.0f}" for d, g in result["gemm_gflops"].items())
-    table = Table(title=f"Decode-step floor of llama-100m ({result['threads']} threads): read "
-                        f"{result['read_bandwidth_gbs']:.1f} GB/s, peak GEMM GFLOP/s {peaks}, "
-                        f"mean KV length {result['kv_len']:.0f}")
-    columns = ("dtype", "batch", "MB/step", "GFLOP/step", "bound", "floor ms/step", "floor tokens/s",
-               "hf tokens/s", "max x hf", "native tokens/s", "native / floor")
+    table = Table(title=f"Floor of one generate call of llama-100m, {result['new_tokens']} new tokens "
+                        f"({result['threads']} threads): read {result['read_bandwidth_gbs']:.1f} GB/s, "
+                        f"peak GEMM GFLOP/s {peaks}")
+    columns = ("dtype", "batch", "prompt tokens", "MB/step", "GFLOP/step", "step bound", "floor s (prefill)",
+               "floor tokens/s", "hf tokens/s", "max x hf", "native tokens/s", "native / floor")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("dtype", "bound") else "right")
+        table.add_column(column, justify="left" if column in ("dtype", "step bound") else "right")
 
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     for row in result["rows"]:
-        table.add_row(row["dtype"], str(row["batch"]), f"{row['mbytes_per_step']:.0f}", f"{row['gflop_per_step']:.1f}",
-                      row["bound"], f"{row['floor_ms_per_step']:.1f}", f"{row['floor_tokens_per_s']:.0f}",
+        table.add_row(row["dtype"], str(row["batch"]), str(row["prompt_tokens"]), f"{row['mbytes_per_step']:.0f}",
+                      f"{row['gflop_per_step']:.1f}", row["bound"],
+                      f"{row['floor_s']:.2f} ({row['floor_prefill_s']:.2f})", f"{row['floor_tokens_per_s']:.0f}",
                       fmt(row["hf_tokens_per_s"], ".0f"), fmt(row["max_speedup_vs_hf"], ".2f"),
                       fmt(row["native_tokens_per_s"], ".0f"), fmt(row["native_share_of_floor"], ".0%"))
-    Console(width=160).print(table)
+    Console(width=170).print(table)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,41 @@ def test_cpu_roofline_counts_the_bytes_and_flops_of_a_real_model(monkeypatch):
     assert flops == batch * (2 * linear_params + attention_flops)
 
 
+def test_cpu_roofline_generate_floor_is_the_prefill_plus_every_decode_step(monkeypatch):
+    """The floor of a generate call counts each real prompt token once and each row's growing cache."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from cpu_roofline import generate_floor_s, prefill_cost
+    from engine_throughput import MODELS
+
+    config = MODELS["tiny"]
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    layers_params = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    head_params = model.lm_head.weight.numel()
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    lens, new_tokens = [3, 7, 5], 4
+    # Token by token: a token at position i (1-based) of its row attends to i keys (q.k and p.v: 4 flops per
+    # key and hidden unit per layer); only each row's last prompt token and the decode tokens reach the head.
+    prefill_flops = sum(2 * layers_params + 4 * layers * hidden * i for n in lens for i in range(1, n + 1))
+    prefill_flops += 2 * head_params * len(lens)
+    decode_flops = sum(2 * (layers_params + head_params) + 4 * layers * hidden * (n + t)
+                       for t in range(1, new_tokens) for n in lens)
+    assert prefill_cost(config, lens, "float32")[1] == prefill_flops
+    # Bandwidth so high that every pass is compute bound: the floor is then all flops at the peak rate.
+    floor, prefill = generate_floor_s(config, lens, new_tokens, "float32", bandwidth_gbs=1e12, peak_gflops=1.0)
+    assert prefill == pytest.approx(prefill_flops / 1e9, rel=1e-12)
+    assert floor == pytest.approx((prefill_flops + decode_flops) / 1e9, rel=1e-12)
+    # A machine with fast arithmetic and a 1 GB/s read: every pass costs its bytes. The prefill reads every
+    # weight once and writes each prompt token's keys and values.
+    kv_dim = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    prefill_bytes = (layers_params + head_params) * 4 + 2 * layers * sum(lens) * kv_dim * 4
+    assert prefill_cost(config, lens, "float32")[0] == prefill_bytes
+    _, prefill = generate_floor_s(config, lens, new_tokens, "float32", bandwidth_gbs=1.0, peak_gflops=1e12)
+    assert prefill == pytest.approx(prefill_bytes / 1e9, rel=1e-12)
+
+
 def test_cpu_roofline_reads_the_throughput_json(tmp_path):
     rows = [{"model": "llama-100m", "dtype": "float32", "batch": 8, "engine": engine, "tokens_per_s": tps}
             for engine, tps in (("hf", 100.0), ("native+compile", 150.0))]
