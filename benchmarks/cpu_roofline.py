@@ -157,6 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
+    if max(args.batch_sizes) > args.prompts_of_batch:
+        parser.error(f"--batch-sizes {max(args.batch_sizes)} exceeds --prompts-of-batch {args.prompts_of_batch}: "
+                     "the floor needs that many prompts; raise --prompts-of-batch to engine_throughput.py's largest batch")
     if not set(args.dtypes) <= set(DTYPE_BYTES):
         parser.error(f"--dtypes {args.dtypes}: valid are {', '.join(DTYPE_BYTES)}")
     return args

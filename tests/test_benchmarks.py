@@ -105,3 +105,10 @@ def test_cpu_roofline_reads_the_throughput_json(tmp_path):
     assert row["hf_tokens_per_s"] == 100.0 and row["native_tokens_per_s"] == 150.0
     assert row["max_speedup_vs_hf"] == row["floor_tokens_per_s"] / 100.0
     assert row["native_share_of_floor"] == pytest.approx(150.0 / row["floor_tokens_per_s"], rel=1e-12)
+
+
+def test_cpu_roofline_refuses_a_batch_larger_than_its_prompt_set():
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_roofline.py"), "--batch-sizes", "8,128"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2
+    assert "--batch-sizes 128 exceeds --prompts-of-batch 64" in done.stderr
