@@ -21,6 +21,27 @@ class StorageError(RuntimeError):
     """An object-store operation failed; the message names the URI and what to check."""
 
 
+def is_unfinished_write(name: str) -> bool:
+    """Whether a file name is the temp file of an atomic write (ours: `.tmp-*`, `.<name>.<random>.tmp`).
+
+    Such a file exists only while its writer runs; one seen later is what a killed writer left behind.
+    """
+    return name.startswith(".tmp-") or (name.startswith(".") and name.endswith(".tmp"))
+
+
+def remove_unfinished_writes(root: Path) -> list[Path]:
+    """Delete, under `root`, the temp files that killed atomic writers left; returns what was removed.
+
+    Only for a folder this process owns (a stage's own output): a live writer's temp file would go too.
+    """
+    removed = []
+    for path in sorted(Path(root).rglob(".*")):
+        if path.is_file() and is_unfinished_write(path.name):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 def join_uri(root: str, *parts: str) -> str:
     """Join URI path parts with '/', whatever the scheme."""
     out = root.rstrip("/")
@@ -130,7 +151,7 @@ class LocalStore(ObjectStore):
         if not root.is_dir():
             return
         for path in sorted(root.rglob("*")):
-            if path.is_file() and not path.name.startswith(".tmp-"):
+            if path.is_file() and not is_unfinished_write(path.name):
                 yield "file://" + str(path), path.stat().st_size
 
     def delete_prefix(self, prefix_uri: str) -> None:

@@ -15,6 +15,7 @@ import json
 import math
 import random
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ from alignflow.stages.training.deepspeed_setup import (
     initialize,
     stream_weights,
 )
-from alignflow.storage import join_uri, open_store
+from alignflow.storage import join_uri, open_store, remove_unfinished_writes
 
 CHECKPOINT_DIR = re.compile(r"/checkpoints/iter_(\d{5})/manifest\.json$")
 
@@ -127,12 +128,23 @@ def load_checkpoint(ctx: StageContext, uri: str, state: RLState, actor, critic) 
 def working_dir(ctx: StageContext) -> Path:
     """Where the stage writes as it goes: the output folder itself for file://, else a scratch folder.
 
-    Not cleared on start: a resumed run keeps the rollouts and checkpoints of the killed one.
+    Not cleared on start: a resumed run keeps the rollouts and checkpoints of the killed one. What the
+    killed run left half-written goes, so the published output never carries it: the temp files of
+    atomic writes, and checkpoint folders that never got their manifest (they are rewritten).
     """
     local = open_store(ctx.spec.output_uri, ctx.spec.storage).local_path(ctx.spec.output_uri)
     if local is None:
         local = ctx.workdir / ".alignflow" / "scratch" / ("ppo-" + ctx.spec.output_uri.rsplit("/", 1)[-1])
     local.mkdir(parents=True, exist_ok=True)
+    leftovers = [str(p.relative_to(local)) for p in remove_unfinished_writes(local)]
+    checkpoints = local / "checkpoints"
+    for folder in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
+        if folder.is_dir() and not (folder / "manifest.json").is_file():
+            shutil.rmtree(folder)
+            leftovers.append(f"{folder.relative_to(local)}/")
+    if leftovers:
+        print(f"ppo: removed what an interrupted run left half-written in {local}: {', '.join(leftovers)}",
+              file=sys.stderr)
     return local
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from alignflow.config import StorageConfig
-from alignflow.storage import LocalStore, StorageError, join_uri, normalize_root, open_store
+from alignflow.storage import (
+    LocalStore,
+    StorageError,
+    is_unfinished_write,
+    join_uri,
+    normalize_root,
+    open_store,
+    remove_unfinished_writes,
+)
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -88,3 +96,24 @@ def test_local_store_writes_atomically(tmp_path):
     store.put_bytes(b"two", uri)
     assert store.get_bytes(uri) == b"two"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"], "no temp files left behind"
+
+
+def test_unfinished_writes_are_named_by_every_atomic_writer():
+    assert is_unfinished_write(".tmp-abc123")                      # LocalStore.put_*
+    assert is_unfinished_write(".iter_00004.parquet.0f3a.tmp")     # write_rollouts
+    assert is_unfinished_write(".prompts.jsonl.x7y.tmp")           # write_jsonl
+    for finished in ("iter_00004.parquet", "model.tmp", ".gitignore", "tmp-abc"):
+        assert not is_unfinished_write(finished), finished
+
+
+def test_remove_unfinished_writes_keeps_finished_files(tmp_path):
+    keep = [tmp_path / "rollouts" / "iter_00001.parquet", tmp_path / ".hidden", tmp_path / "a.tmp"]
+    drop = [tmp_path / "rollouts" / ".iter_00002.parquet.ab12.tmp", tmp_path / "deep" / "er" / ".tmp-x"]
+    for path in keep + drop:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    assert remove_unfinished_writes(tmp_path) == sorted(drop)
+    assert all(p.exists() for p in keep) and not any(p.exists() for p in drop)
+    store = LocalStore()
+    listed = {uri.rsplit("/", 1)[-1] for uri, _ in store.list(f"file://{tmp_path}")}
+    assert listed == {"iter_00001.parquet", ".hidden", "a.tmp"}

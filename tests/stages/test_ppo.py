@@ -16,7 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from alignflow.contract import StageResult, StageSpec, TrackingSpec
-from alignflow.manifest import find_published, output_uri
+from alignflow.manifest import find_published, output_uri, read_manifest
 from alignflow.stages.rollouts import ROLLOUT_SCHEMA, read_rollouts
 from tests.conftest import REPO, small_config
 
@@ -107,13 +107,25 @@ def test_resume_after_sigkill_is_continuous(upstream):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert find_published(spec.output_uri) is None, "a killed stage must not look finished"
+    # What a kill in the middle of a write leaves, whether or not this kill landed in one: the temp files of
+    # atomic writes and a checkpoint folder without its manifest. The resumed run must not publish them.
+    killed_out = local(spec.output_uri)
+    leftovers = [killed_out / "rollouts" / ".iter_00004.parquet.0123456789abcdef.tmp",
+                 killed_out / ".tmp-k1ll3d", killed_out / "checkpoints" / "iter_00004" / "rng.pt"]
+    for path in leftovers:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half-written")
 
     code, result, stderr = finish(start_stage(spec, workdir))
     assert code == 0, stderr[-3000:]
+    assert "removed what an interrupted run left half-written" in stderr
     assert result.metrics["iterations"] == 4
     out = local(result.output_uri)
     files = sorted(p.name for p in (out / "rollouts").iterdir())
     assert files == [f"iter_{i:05d}.parquet" for i in range(1, 5)]
+    published = {entry.path for entry in read_manifest(result.output_uri).files}
+    assert not any(".tmp" in name for name in published), sorted(published)
+    assert b"half-written" not in (out / "checkpoints" / "iter_00004" / "rng.pt").read_bytes()
     for i, name in enumerate(files, start=1):
         assert set(pq.read_table(out / "rollouts" / name).column("iteration").to_pylist()) == {i}
     history = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
