@@ -41,6 +41,27 @@ MODELS: dict[str, dict[str, Any]] = {
 ENGINES = ("native", "native+compile", "hf", "transformers")
 
 
+def machine() -> dict[str, Any]:
+    """What the figures depend on: the CPU, its core count, and whether it has bf16 arithmetic.
+
+    Without AVX512-BF16 or AMX, bfloat16 matmuls are emulated through float32 and run slower than
+    float32 (60 vs 226 GFLOP/s on a 2-core Ice Lake), so bf16 rows are only comparable across
+    machines that agree on `bf16_arithmetic`.
+    """
+    import platform
+
+    import torch
+
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        model = names[0] if names else model
+    return {"cpu": model, "cpus": os.cpu_count(),
+            "bf16_arithmetic": bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())}
+
+
 def make_checkpoint(root: Path, name: str) -> tuple[Path, int]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -244,7 +265,10 @@ def print_table(result: dict[str, Any]) -> None:
         refit.add_row(row["model"], row["dtype"], row["engine"], f"{row['build_s']:.3f}", f"{row['refit_s']:.3f}",
                       "-" if disk is None else f"{disk:.3f}", f"{row['refit_over_build']:.3%}")
     console.print(refit)
-    console.print(f"load average before/after: {result['load_before']:.1f} / {result['load_after']:.1f}")
+    box = result["machine"]
+    console.print(f"{box['cpu']}, {box['cpus']} CPUs, bf16 arithmetic (AVX512-BF16/AMX): "
+                  f"{'yes' if box['bf16_arithmetic'] else 'no, bf16 is emulated'}; load average before/after: "
+                  f"{result['load_before']:.1f} / {result['load_after']:.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict[str, Any] = {"new_tokens": args.new_tokens, "top_k": args.top_k, "top_p": args.top_p,
                               "threads": args.threads, "repeats": args.repeats,
-                              "torch": torch.__version__, "load_before": os.getloadavg()[0],
+                              "torch": torch.__version__, "machine": machine(), "load_before": os.getloadavg()[0],
                               "throughput": [], "refit": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:

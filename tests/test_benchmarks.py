@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,11 @@ def test_engine_throughput_reports_every_engine_and_refit():
     assert engines == {"native", "hf", "transformers"}
     assert all(row["tokens_per_s"] > 0 and row["speedup_vs_hf_fp32"] is not None for row in result["throughput"])
     assert [(r["engine"], r["dtype"]) for r in result["refit"]] == [("native", "float32")]
+    import torch
+
+    assert result["machine"]["cpus"] == os.cpu_count() and result["machine"]["cpu"]
+    assert result["machine"]["bf16_arithmetic"] == (torch.cpu._is_avx512_bf16_supported()
+                                                    or torch.cpu._is_amx_tile_supported())
 
 
 def test_cpu_roofline_counts_the_bytes_and_flops_of_a_real_model(monkeypatch):

@@ -38,6 +38,7 @@ from alignflow.stages.generation.base import (
     resolve_device,
     resolve_dtype,
     validate_prompts,
+    warn_if_cpu_emulates,
 )
 
 MODEL_DIR = "model"
@@ -89,6 +90,7 @@ class HFEngine(Engine):
                 f"engine.tensor_parallel_size={engine_config.tensor_parallel_size}: the hf engine runs on one "
                 "device; set engine.tensor_parallel_size: 1"
             )
+        warn_if_cpu_emulates(model.dtype, device)
         self.model = model.eval().to(device)
         self.model.generation_config = GenerationConfig()
         self.engine_config = engine_config

@@ -48,6 +48,7 @@ from alignflow.stages.generation.base import (
     resolve_device,
     resolve_dtype,
     validate_prompts,
+    warn_if_cpu_emulates,
 )
 from alignflow.stages.generation.native import prepack
 from alignflow.stages.generation.native.model import DecodeMasks, KVCache, LlamaFamilyModel, prefill_masks
@@ -103,6 +104,7 @@ class NativeEngine(Engine):
         self.hf_config = hf_config
         self.engine_config = engine_config
         self.spec: LlamaFamilySpec = spec_from_hf_config(hf_config, engine_config.max_seq_len)
+        warn_if_cpu_emulates(dtype, device)
         self.dtype = dtype
         self.device = device
         self._eos = eos_token_ids

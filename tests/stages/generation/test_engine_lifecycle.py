@@ -196,3 +196,22 @@ def test_engine_dtype_comes_from_the_config_unless_given(tiny_checkpoints):
     assert build_engine(path, engine_config(dtype="bfloat16")).dtype == torch.bfloat16
     assert build_engine(path, engine_config(dtype="bfloat16"), dtype="float32").dtype == torch.float32
     assert build_engine(path, engine_config()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_bfloat16_on_a_cpu_without_bf16_arithmetic_warns(tiny_checkpoints, monkeypatch, backend):
+    import warnings
+
+    path = tiny_checkpoints["llama_mha_untied"]
+    config = engine_config(dtype="bfloat16", backend=backend)
+    for avx512_bf16, amx, warned in [(False, False, True), (True, False, False), (False, True, False)]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda value=avx512_bf16: value)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda value=amx: value)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build_engine(path, config)
+            build_engine(path, engine_config(backend=backend))  # float32: never a warning
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(messages) == int(warned), (avx512_bf16, amx, messages)
+        if warned:
+            assert "engine.dtype: float32" in messages[0] and "AVX512-BF16 or AMX" in messages[0]
