@@ -118,3 +118,13 @@ def test_cpu_roofline_refuses_a_batch_larger_than_its_prompt_set():
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2
     assert "--batch-sizes 128 exceeds --prompts-of-batch 64" in done.stderr
+
+
+def test_linear_bench_times_every_kernel_and_checks_them():
+    from alignflow.kernels import skinny_linear
+
+    if not skinny_linear.available():
+        pytest.skip(f"skinny_linear: {skinny_linear.unavailable_reason()}")
+    result = json.loads(_run("linear_bench.py", "--model", "tiny", "--rows", "3,9", "--repeats", "1", "--json"))
+    assert [r["rows"] for r in result["rows"]] == [3, 9]
+    assert all(r[f"{k}_ms"] > 0 for r in result["rows"] for k in ("skinny", "onednn", "F.linear"))

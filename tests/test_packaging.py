@@ -58,6 +58,9 @@ def test_wheel_in_a_fresh_venv_imports_every_module(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         in_wheel = {n[:-3].replace("/", ".").removesuffix(".__init__") for n in zf.namelist() if n.endswith(".py")}
     assert in_wheel == source_modules(), "pyproject's packages list is missing or has extra packages"
+    with zipfile.ZipFile(wheel) as zf:
+        sources = {n for n in zf.namelist() if n.endswith(".cpp")}
+    assert sources == {"alignflow/kernels/csrc/skinny_linear.cpp"}, "C++ kernel sources compiled on first use"
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,11 +22,20 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 
 
-def _http(method: str, url: str, body: dict | None = None) -> dict | list:
+def _http(method: str, url: str, body: dict | None = None, attempts: int = 5) -> dict | list:
+    """One REST call; 503 and 429 are retried with backoff, as Prefect's own client does: the server
+    answers 503 when its SQLite database is busy (seen once in a full test run on 2 cores)."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - loopback only
-        return json.loads(response.read() or b"null")
+    for attempt in range(attempts):
+        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - loopback only
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            if exc.code not in (429, 503) or attempt == attempts - 1:
+                raise
+            time.sleep(2**attempt)
+    raise AssertionError("unreachable")
 
 
 def _wait(predicate, timeout_s: float, what: str, interval_s: float = 1.0):

@@ -1,11 +1,18 @@
-"""oneDNN-prepacked copies of the native engine's linear weights on CPU, and the linear op that uses them.
+"""Prepacked copies of the native engine's linear weights on CPU, and the linear op that uses them.
 
-Why: a decode step is a chain of skinny GEMMs (M = batch) that stream every weight once. oneDNN's
-blocked weight layout streams them much faster than the plain [out, in] layout F.linear reads
-(12 layers of the ~110M model plus its 32000-row head, 2 threads, weights not in cache):
+Why: a decode step is a chain of skinny GEMMs (M = batch) that stream every weight once, and the
+plain [out, in] layout F.linear reads streams slowly at small M. Two packed layouts:
 
-    bf16  batch 8: 16.5 -> 10.6 ms/step    batch 64: 23.4 -> 15.1 ms/step
-    fp32  batch 8: 40.9 -> 23.1 ms/step    batch 64: 72.7 -> 60.5 ms/step
+- "blocked" (float32 on AVX-512 CPUs): [ceil(N/16), K, 16] copies for alignflow.kernels.skinny_linear,
+  used up to skinny_linear.MAX_ROWS rows (decode); above that (prefill) F.linear on the plain weight.
+- "onednn" (bfloat16, or float32 where the kernel cannot be built): oneDNN's blocked copies.
+
+12 layers of the ~110M model plus its 32000-row head, 2 threads, weights not in cache, ms per step
+(`python benchmarks/linear_bench.py`; oneDNN rows from an AMX Sapphire Rapids box, blocked from Ice Lake):
+
+    bf16  batch 8: F.linear 16.5, onednn 10.6      batch 64: F.linear 23.4, onednn 15.1
+    fp32  batch 8: F.linear 54.2, onednn 31.2, blocked 18.1
+          batch 64: F.linear 80.1, onednn 62.9, blocked 64.9 (65 vs 79 in another run)
 
 How: the plain fused buffers of InferenceWeights stay the source of truth (refit, save, GPU). A
 `Prepacked` object keeps one packed copy per linear weight (each layer's view of qkv_w, o_w,
@@ -19,9 +26,9 @@ repacks after its writes. (The buffer's counter, not the view's: inside a compil
 reach the op as fresh tensors whose own counters start at 0.) Costs: a second copy of the linear weights in
 memory (`engine.cpu_prepack: false` turns it off) and the repack time inside refit.
 
-Numerics: bf16 results equal F.linear's bit for bit in the measurements above; fp32 [8, 768] x
-[768, 2304] differs by ~1e-6 relative (another accumulation order), inside the engine's 1e-4 parity
-tolerance; the tiny test models' logits come out identical in both dtypes.
+Numerics: oneDNN bf16 results equal F.linear's bit for bit in the measurements above; fp32 results of
+both packed layouts differ from F.linear by ~1e-6 relative (another accumulation order), inside the
+engine's 1e-4 parity tolerance.
 """
 
 from __future__ import annotations
@@ -32,25 +39,38 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from alignflow.kernels import skinny_linear as skinny
 from alignflow.stages.generation.native.weights import InferenceWeights
 
 LINEAR_BUFFERS = ("qkv_w", "o_w", "gate_up_w", "down_w")
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
+LAYOUTS = ("blocked", "onednn")
+
 _Key = tuple[int, tuple[int, ...], torch.dtype]
-# (address, shape, dtype) of a weight view -> (packed copy, its buffer, the buffer's version when packed)
-_TABLE: dict[_Key, tuple[torch.Tensor, weakref.ref[torch.Tensor], int]] = {}
-# Calls of alignflow::linear that used a packed copy / fell back to F.linear (tests read these).
-calls = {"packed": 0, "fallback": 0}
+# (address, shape, dtype) of a weight view -> (packed copy, its buffer, the buffer's version when packed,
+# the weight's out_features for a "blocked" copy or None for a oneDNN one)
+_TABLE: dict[_Key, tuple[torch.Tensor, weakref.ref[torch.Tensor], int, int | None]] = {}
+# Calls of alignflow::linear that used a packed copy / fell back to F.linear because the copy was stale /
+# used F.linear by design because a blocked copy's kernel does not pay at that many rows (tests read these).
+calls = {"packed": 0, "fallback": 0, "plain": 0}
 
 
 def _key(weight: torch.Tensor) -> _Key:
     return weight.data_ptr(), tuple(weight.shape), weight.dtype
 
 
-def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where prepacking applies: CPU, oneDNN built in, fp32 or bf16 weights."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKABLE_DTYPES
+def layout_for(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The packed layout for weights of `dtype` on `device`, or None where prepacking does not apply.
+
+    "blocked" for float32 where the skinny_linear kernel runs (AVX-512, extension built; building it
+    the first time takes ~30 s), "onednn" for float32 elsewhere and bfloat16 with oneDNN, else None.
+    """
+    if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
+        return None
+    if dtype == torch.float32 and skinny.available():
+        return "blocked"
+    return "onednn" if torch.backends.mkldnn.is_available() else None
 
 
 def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -60,8 +80,15 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if buffer is None or buffer._version != entry[2]:
         calls["fallback"] += 1
         return F.linear(x, weight)
+    packed, out_features = entry[0], entry[3]
+    if out_features is not None:  # blocked
+        if x.numel() > skinny.MAX_ROWS * x.shape[-1]:
+            calls["plain"] += 1
+            return F.linear(x, weight)
+        calls["packed"] += 1
+        return skinny.skinny_linear(x, packed, out_features)
     calls["packed"] += 1
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), entry[0], None, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, None, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -85,8 +112,11 @@ linear = torch.ops.alignflow.linear
 class Prepacked:
     """The packed copies of one engine's linear weights; entries leave the table with this object."""
 
-    def __init__(self, weights: InferenceWeights, batch_hint: int):
+    def __init__(self, weights: InferenceWeights, batch_hint: int, layout: str):
+        if layout not in LAYOUTS:
+            raise ValueError(f"prepack layout {layout!r}: valid are {', '.join(LAYOUTS)}")
         self.weights = weights
+        self.layout = layout
         self.batch_hint = batch_hint  # oneDNN picks its blocking for this M (the engine's max batch)
         self.keys: list[_Key] = []
         # Drop the table entries when the engine goes away, even without an explicit clear().
@@ -105,9 +135,12 @@ class Prepacked:
         """(Re)pack every linear weight from the plain buffers; call after any write to them."""
         self.clear()
         for view, buffer in self._views():
-            packed = torch.ops.mkldnn._reorder_linear_weight(view, self.batch_hint)
+            if self.layout == "blocked":
+                packed, out_features = skinny.block_weight(view), view.shape[0]
+            else:
+                packed, out_features = torch.ops.mkldnn._reorder_linear_weight(view, self.batch_hint), None
             key = _key(view)
-            _TABLE[key] = (packed, weakref.ref(buffer), buffer._version)
+            _TABLE[key] = (packed, weakref.ref(buffer), buffer._version, out_features)
             self.keys.append(key)
 
     def clear(self) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from engine_test_models import TOLERANCES, engine_config, perturbed_checkpoint, random_prompts
 
+from alignflow.kernels import skinny_linear as skinny
 from alignflow.stages.generation import SamplingParams
 from alignflow.stages.generation.native import NativeEngine, prepack
 from alignflow.stages.generation.native.weights import checkpoint_tensors
@@ -25,24 +26,53 @@ def _delta(before: dict[str, int]) -> dict[str, int]:
     return {k: prepack.calls[k] - before[k] for k in before}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prepacked_engine_matches_the_plain_one(tiny_checkpoints, dtype):
+@pytest.fixture
+def force_layout(monkeypatch):
+    """Make engines built after this call pack in `layout` (skipping where it cannot run here)."""
+    def force(layout: str) -> None:
+        if layout == "blocked" and not skinny.available():
+            pytest.skip(f"skinny_linear unavailable: {skinny.unavailable_reason()}")
+        monkeypatch.setattr(prepack, "layout_for", lambda device, dt: layout)
+    return force
+
+
+@pytest.mark.parametrize("dtype, layout", [("float32", "blocked"), ("float32", "onednn"), ("bfloat16", "onednn")])
+def test_prepacked_engine_matches_the_plain_one(tiny_checkpoints, force_layout, dtype, layout):
+    force_layout(layout)
     path = tiny_checkpoints["qwen2_bias_window"]  # QKV bias: the bias is added after the packed GEMM
     prompts = random_prompts(5, seed=2)
     plain = NativeEngine.build(path, engine_config(cpu_prepack=False), dtype=dtype)
     packed = NativeEngine.build(path, engine_config(), dtype=dtype)
-    assert plain._prepacked is None and packed._prepacked is not None
+    assert plain._prepacked is None and packed._prepacked.layout == layout
     before = _calls()
-    got = packed.forward_logits(prompts)
-    assert _delta(before) == {"packed": 4 * 2 + 1, "fallback": 0}  # 4 linears x 2 layers + the head
+    got = packed.forward_logits(prompts)  # 5 x 13 = 65 rows: within skinny_linear.MAX_ROWS
+    assert _delta(before) == {"packed": 4 * 2 + 1, "fallback": 0, "plain": 0}  # 4 linears x 2 layers + the head
     want = plain.forward_logits(prompts)
     worst = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
-    # Measured 0.0 in both dtypes on the CI box. Bounds that still allow another CPU's oneDNN kernel
-    # to sum in another order: the fp32 parity tolerance, and one bf16 ulp of the largest logit.
+    # Measured 0.0 for oneDNN in both dtypes on the CI box. Bounds that still allow another summation
+    # order (the blocked kernel's, another CPU's oneDNN kernel): the fp32 parity tolerance, and one bf16
+    # ulp of the largest logit.
     largest = max(w.abs().max().item() for w in want)
     assert worst <= (TOLERANCES["logits_fp32"] if dtype == "float32" else largest * 2**-7)
     if dtype == "float32":
         assert packed.generate(prompts, SAMPLED).response_token_ids == plain.generate(prompts, SAMPLED).response_token_ids
+
+
+def test_blocked_layout_leaves_a_long_prefill_to_f_linear(tiny_checkpoints, force_layout):
+    """Beyond skinny_linear.MAX_ROWS rows the GEMM is compute-bound and MKL's F.linear is as fast: used by design."""
+    force_layout("blocked")
+    path = tiny_checkpoints["llama_mha_untied"]
+    prompts = random_prompts(8, seed=5, lengths=(17, 30))  # 8 x 29 = 232 rows > 128
+    packed = NativeEngine.build(path, engine_config())
+    plain = NativeEngine.build(path, engine_config(cpu_prepack=False))
+    before = _calls()
+    got = packed.forward_logits(prompts)
+    assert _delta(before) == {"packed": 0, "fallback": 0, "plain": 4 * 2 + 1}
+    want = plain.forward_logits(prompts)
+    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) == 0.0
+    before = _calls()
+    packed.generate(prompts, SAMPLED)  # the decode steps (8 rows) take the kernel
+    assert _delta(before)["packed"] > 0 and _delta(before)["fallback"] == 0
 
 
 def test_a_write_behind_the_engines_back_falls_back_to_the_new_weights(tiny_checkpoints):

@@ -1,0 +1,88 @@
+"""The AVX-512 skinny_linear kernel against F.linear and float64, on odd shapes; its layout and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from alignflow.kernels import skinny_linear as skinny
+
+needs_kernel = pytest.mark.skipif(not skinny.available(), reason=f"skinny_linear: {skinny.unavailable_reason()}")
+
+
+def test_block_weight_layout_is_16_column_blocks_zero_padded():
+    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    blocked = skinny.block_weight(weight)
+    assert blocked.shape == (2, 3, 16)
+    for n in range(20):
+        for k in range(3):
+            assert blocked[n // 16, k, n % 16] == weight[n, k]
+    assert (blocked[1, :, 4:] == 0).all()
+    with pytest.raises(ValueError, match="float32 \\[N, K\\]"):
+        skinny.block_weight(weight.double())
+
+
+# Rows: 1, every tail of the 8-row tile, several tiles and the largest decode batch; columns: one partial
+# block, exact blocks, tiles of 1, 2 and 3 blocks with a partial last one, a vocabulary; K: 1, odd, real.
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 17, 64, 130])
+@pytest.mark.parametrize("out_features, in_features", [(5, 1), (16, 7), (33, 768), (50, 31), (2304, 768),
+                                                       (32_001, 64)])
+def test_matches_f_linear_and_float64(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 7919 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    got = skinny.skinny_linear(x, skinny.block_weight(weight), out_features)
+    exact = (x.double() @ weight.double().T)
+    mkl = skinny.reference(x, weight)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # A float32 sum over K: error grows like sqrt(K) ulps of the terms' magnitude. Both kernels are held
+    # to the same float64 yardstick; measured, both reach at most 0.52 of sqrt(K) * eps * (|x| @ |W|.T).
+    bound = 4 * in_features**0.5 * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+    assert ((got.double() - exact).abs() <= bound + 1e-30).all()
+    assert ((mkl.double() - exact).abs() <= bound + 1e-30).all()
+
+
+@needs_kernel
+def test_leading_dims_and_a_non_contiguous_input():
+    x = torch.randn(4, 3, 40)[:, :, ::2]  # [4, 3, 20], not contiguous
+    weight = torch.randn(24, 20)
+    got = skinny.skinny_linear(x, skinny.block_weight(weight), 24)
+    assert got.shape == (4, 3, 24)
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_bad_inputs_name_what_is_wrong():
+    weight = torch.randn(32, 8)
+    blocked = skinny.block_weight(weight)
+    with pytest.raises(RuntimeError, match="contiguous float32 CPU matrix"):
+        skinny.skinny_linear(torch.randn(2, 8, dtype=torch.float64), blocked, 32)
+    with pytest.raises(RuntimeError, match="blocked as \\[ceil\\(N/16\\), K, 16\\]"):
+        skinny.skinny_linear(torch.randn(2, 9), blocked, 32)
+    with pytest.raises(RuntimeError, match="out_features 40 does not fit 2 blocks"):
+        skinny.skinny_linear(torch.randn(2, 8), blocked, 40)
+
+
+def test_a_failed_build_warns_once_and_callers_keep_onednn(monkeypatch):
+    import torch.utils.cpp_extension
+
+    from alignflow.stages.generation.native import prepack
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    skinny._extension.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"fall back to oneDNN.*Install g\+\+ and ninja"):
+            assert not skinny.available()
+        assert "skinny_linear.cpp failed: RuntimeError: error: command 'c++' failed" in skinny.unavailable_reason()
+        with pytest.raises(RuntimeError, match="skinny_linear is not available: building .* use F.linear"):
+            skinny.skinny_linear(torch.randn(2, 8), torch.zeros(2, 8, 16), 32)
+        if torch.backends.mkldnn.is_available():
+            assert prepack.layout_for(torch.device("cpu"), torch.float32) == "onednn"
+    finally:
+        skinny._extension.cache_clear()  # the next caller builds (or loads the cached build) again
