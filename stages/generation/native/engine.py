@@ -263,7 +263,8 @@ class NativeEngine(Engine):
         pad = (S - lens).to(dev)
         lens = lens.to(dev)
         positions = (torch.arange(S, device=dev)[None, :] - pad[:, None]).clamp(min=0)
-        logits = self.model.forward(cache, tokens, positions, 0, prefill_masks(self.spec, pad, S, self.dtype))
+        logits = self.model.forward(cache, tokens, positions, 0, prefill_masks(self.spec, pad, S, self.dtype),
+                                    pad=pad)
         masks = DecodeMasks(self.spec, pad, self.max_seq_len, self.dtype)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -457,7 +458,7 @@ class NativeEngine(Engine):
         positions = (torch.arange(S, device=dev)[None, :] - pad[:, None]).clamp(min=0)
         assert self.cache is not None
         logits = self.model.forward(self.cache, tokens, positions, 0, prefill_masks(self.spec, pad, S, self.dtype),
-                                    logits_for="all")
+                                    logits_for="all", pad=pad)
         return [logits[b, S - len(s):].cpu() for b, s in enumerate(seqs)]
 
     # -- refit -------------------------------------------------------------------------------------

@@ -154,6 +154,7 @@ class LlamaFamilyModel:
         masks: dict[int | None, torch.Tensor],
         *,
         logits_for: str = "last",
+        pad: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run T new tokens per row through the model, writing their keys/values into cache slots.
 
@@ -164,7 +165,11 @@ class LlamaFamilyModel:
         only varying sizes are then tensor dims, which can be marked dynamic before the first compile,
         where an int argument would compile once as a constant and again as a symbol).
         masks: window -> additive [B, 1, T, kv_len] (0 / -inf). Returns float32 logits,
-        [B, V] for logits_for="last", [B, T, V] for "all".
+        [B, V] for logits_for="last", [B, T, V] for "all" (zeros at padding slots when `pad` is given).
+        pad: [B] left-padding widths of a prefill (T > 1, slot 0). When given, the linears, norms and MLP
+        run on the real tokens only (packed rows): prompts of mixed lengths do not pay for their padding
+        (24-wide batch of 8-24-token prompts: 1037 real rows of 1536). Only attention and the cache write
+        see the padded layout, where padding slots hold zero keys and values that every mask excludes.
         """
         spec, w = self.spec, self.weights
         B, T = tokens.shape
@@ -184,12 +189,20 @@ class LlamaFamilyModel:
         eps = spec.rms_norm_eps
         linear = self.linear
 
-        x = F.embedding(tokens, w["embed"])  # [B, T, H]
+        real = None
+        if pad is not None and T > 1 and bool((pad > 0).any()):
+            # Flat indices (b * T + t) of the real tokens, in order: row b's last real token is slot T - 1.
+            real = (torch.arange(T, device=tokens.device)[None, :] >= pad[:, None]).reshape(-1).nonzero().squeeze(1)
+            x = F.embedding(tokens.reshape(-1)[real], w["embed"])  # [N, H]
+        else:
+            x = F.embedding(tokens, w["embed"])  # [B, T, H]
         for layer in range(spec.num_layers):
             h = rms_norm(x, ln_attn[layer], eps)
-            qkv = linear(h, qkv_w[layer])  # [B, T, Q + 2K]
+            qkv = linear(h, qkv_w[layer])  # [B, T, Q + 2K], or [N, Q + 2K] packed
             if qkv_b is not None:
                 qkv = qkv + qkv_b[layer]
+            if real is not None:  # into the padded layout for RoPE, the cache and attention
+                qkv = qkv.new_zeros(B * T, qkv.shape[-1]).index_copy_(0, real, qkv).view(B, T, -1)
             # q and k heads are adjacent in the fused output: rotate them in one pass.
             qk = apply_rope(qkv[..., : q_size + kv_size].view(B, T, heads + kv_heads, D), cos, sin)
             q = qk[:, :, :heads].transpose(1, 2)  # [B, heads, T, D]
@@ -214,12 +227,18 @@ class LlamaFamilyModel:
                 attn = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa
                 ).transpose(1, 2).reshape(B, T, q_size)
+                if real is not None:
+                    attn = attn.reshape(B * T, q_size).index_select(0, real)
             out = linear(attn, o_w[layer])
             x = x + (out if o_b is None else out + o_b[layer])
             h = rms_norm(x, ln_mlp[layer], eps)
             gate, up = linear(h, gate_up_w[layer]).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, down_w[layer])
-        if logits_for == "last":
+        if real is not None and logits_for == "last":
+            x = x.index_select(0, torch.cumsum(T - pad, 0) - 1)  # each row's last real token
+        elif real is not None:
+            x = x.new_zeros(B * T, x.shape[-1]).index_copy_(0, real, x).view(B, T, -1)
+        elif logits_for == "last":
             x = x[:, -1]
         x = rms_norm(x, w["norm"], eps)
         return linear(x, w["lm_head"]).float()
