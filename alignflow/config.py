@@ -183,8 +183,12 @@ class EngineConfig(Section):
     compile: bool = Field(False, description="torch.compile the decode step (compiled during the build).")
     cuda_graphs: bool = Field(True, description="Capture the decode step in CUDA graphs (GPU only).")
     cpu_prepack: bool = Field(
-        True, description="CPU: keep a oneDNN-blocked copy of each linear weight (1.2-1.8x faster decode GEMMs, "
-                          "twice the weight memory).")
+        True, description="CPU: keep a packed copy of each linear weight (oneDNN's layout, or 16-column blocks for "
+                          "the fp32 kernel of cpu_kernels): 1.2-3x faster decode GEMMs, twice the weight memory.")
+    cpu_kernels: bool = Field(
+        True, description="CPU with AVX-512: run fp32 decode attention and (with cpu_prepack) fp32 linears in "
+                          "alignflow's C++ kernels, built with g++ on first use (~40 s, then cached); false: torch "
+                          "and oneDNN only.")
     parity_prompts: int = Field(8, ge=1, description="Prompts of the build-time greedy parity check against hf.")
     parity_new_tokens: int = Field(16, ge=1)
     tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor-parallel ranks.")

@@ -120,11 +120,14 @@ def test_cpu_roofline_refuses_a_batch_larger_than_its_prompt_set():
     assert "--batch-sizes 128 exceeds --prompts-of-batch 64" in done.stderr
 
 
-def test_linear_bench_times_every_kernel_and_checks_them():
-    from alignflow.kernels import skinny_linear
+def test_cpu_kernels_bench_times_every_implementation_and_checks_them():
+    from alignflow.kernels import _cpu_extension
 
-    if not skinny_linear.available():
-        pytest.skip(f"skinny_linear: {skinny_linear.unavailable_reason()}")
-    result = json.loads(_run("linear_bench.py", "--model", "tiny", "--rows", "3,9", "--repeats", "1", "--json"))
-    assert [r["rows"] for r in result["rows"]] == [3, 9]
-    assert all(r[f"{k}_ms"] > 0 for r in result["rows"] for k in ("skinny", "onednn", "F.linear"))
+    if _cpu_extension.extension() is None:
+        pytest.skip(f"CPU kernels: {_cpu_extension.unavailable_reason()}")
+    result = json.loads(_run("cpu_kernels_bench.py", "--model", "tiny", "--rows", "3,9", "--attention-rows", "2,5",
+                             "--kv-len", "7", "--repeats", "1", "--json"))
+    assert [r["rows"] for r in result["linears"]] == [3, 9]
+    assert all(r[f"{k}_ms"] > 0 for r in result["linears"] for k in ("skinny", "onednn", "F.linear"))
+    assert [r["rows"] for r in result["attention"]] == [2, 5]
+    assert all(r[f"{k}_ms"] > 0 for r in result["attention"] for k in ("kernel", "torch", "compiled"))

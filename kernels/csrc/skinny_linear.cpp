@@ -104,7 +104,3 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_
   });
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_linear", &skinny_linear, "x @ W^T in float32, W blocked as [ceil(N/16), K, 16]");
-}

@@ -65,9 +65,11 @@ def test_bad_inputs_name_what_is_wrong():
         skinny.skinny_linear(torch.randn(2, 8), blocked, 40)
 
 
-def test_a_failed_build_warns_once_and_callers_keep_onednn(monkeypatch):
+def test_a_failed_build_warns_once_and_callers_keep_their_torch_paths(monkeypatch):
     import torch.utils.cpp_extension
 
+    from alignflow.kernels import _cpu_extension
+    from alignflow.kernels import decode_attention as da
     from alignflow.stages.generation.native import prepack
 
     def no_compiler(*args, **kwargs):
@@ -75,14 +77,15 @@ def test_a_failed_build_warns_once_and_callers_keep_onednn(monkeypatch):
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
-    skinny._extension.cache_clear()
+    _cpu_extension.reset()
     try:
-        with pytest.warns(RuntimeWarning, match=r"fall back to oneDNN.*Install g\+\+ and ninja"):
+        with pytest.warns(RuntimeWarning, match=r"fall back to torch.*Install g\+\+ and ninja"):
             assert not skinny.available()
+        assert not da.available() and not da.supports(torch.device("cpu"), torch.float32, 64)
         assert "skinny_linear.cpp failed: RuntimeError: error: command 'c++' failed" in skinny.unavailable_reason()
         with pytest.raises(RuntimeError, match="skinny_linear is not available: building .* use F.linear"):
             skinny.skinny_linear(torch.randn(2, 8), torch.zeros(2, 8, 16), 32)
         if torch.backends.mkldnn.is_available():
             assert prepack.layout_for(torch.device("cpu"), torch.float32) == "onednn"
     finally:
-        skinny._extension.cache_clear()  # the next caller builds (or loads the cached build) again
+        _cpu_extension.reset()  # the next caller loads the cached build again

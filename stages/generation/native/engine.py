@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from alignflow.config import EngineConfig
+from alignflow.kernels import decode_attention as cpu_decode_attention
 from alignflow.kernels import sample_tokens
 from alignflow.kernels.sampling import kept_set_thresholds, uniform_flags
 from alignflow.stages.generation.base import (
@@ -113,10 +114,13 @@ class NativeEngine(Engine):
         self.source_checkpoint = source_checkpoint
         self.weights = InferenceWeights(self.spec, dtype, device)
         cos, sin = rope_tables(hf_config, self.spec, engine_config.max_seq_len)
-        layout = prepack.layout_for(device, dtype) if engine_config.cpu_prepack else None
+        layout = prepack.layout_for(device, dtype, engine_config.cpu_kernels) if engine_config.cpu_prepack else None
         self._prepacked = prepack.Prepacked(self.weights, engine_config.max_batch_size, layout) if layout else None
-        self.model = LlamaFamilyModel(self.spec, self.weights, cos.to(device, dtype), sin.to(device, dtype),
-                                      linear=prepack.linear if self._prepacked else torch.nn.functional.linear)
+        self.model = LlamaFamilyModel(
+            self.spec, self.weights, cos.to(device, dtype), sin.to(device, dtype),
+            linear=prepack.linear if self._prepacked else torch.nn.functional.linear,
+            cpu_attention=engine_config.cpu_kernels and cpu_decode_attention.supports(device, dtype, self.spec.head_dim),
+        )
         self.cache: KVCache | None = self._new_cache()
         self._weights_valid = False  # set once a full weight stream has been copied in
         self._busy = False

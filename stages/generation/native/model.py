@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from alignflow.kernels import decode_attention as cpu_decode_attention
 from alignflow.stages.generation.native.spec import LlamaFamilySpec
 from alignflow.stages.generation.native.weights import InferenceWeights
 
@@ -131,10 +132,13 @@ class LlamaFamilyModel:
     """Forward passes of one Llama-family model over its inference weights and KV cache."""
 
     def __init__(self, spec: LlamaFamilySpec, weights: InferenceWeights, cos: torch.Tensor, sin: torch.Tensor,
-                 linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear):
+                 linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+                 cpu_attention: bool = False):
         self.spec = spec
         # x @ w.T without bias: F.linear, or prepack.linear (oneDNN-packed weights on CPU).
         self.linear = linear
+        # Decode attention through alignflow::decode_attention (kernels/decode_attention.py: fp32, AVX-512).
+        self.cpu_attention = cpu_attention
         self.weights = weights
         self.cos = cos  # [S_max, D] in the model dtype, on the model device
         self.sin = sin
@@ -221,7 +225,11 @@ class LlamaFamilyModel:
             if T == 1:
                 # One query per row: fold the query heads of a KV group into the "time" axis, so each
                 # cached key is read once with no repeat_kv copy.
-                attn = decode_attention(q.reshape(B, kv_heads, groups, D), keys, values, mask, self.scale)
+                if self.cpu_attention and not static:
+                    attn = cpu_decode_attention.op(q.reshape(B, kv_heads, groups, D), keys, values,
+                                                   mask.reshape(B, kv_len), self.scale)
+                else:
+                    attn = decode_attention(q.reshape(B, kv_heads, groups, D), keys, values, mask, self.scale)
                 attn = attn.reshape(B, 1, q_size)
             else:
                 attn = F.scaled_dot_product_attention(

@@ -8,7 +8,7 @@ plain [out, in] layout F.linear reads streams slowly at small M. Two packed layo
 - "onednn" (bfloat16, or float32 where the kernel cannot be built): oneDNN's blocked copies.
 
 12 layers of the ~110M model plus its 32000-row head, 2 threads, weights not in cache, ms per step
-(`python benchmarks/linear_bench.py`; oneDNN rows from an AMX Sapphire Rapids box, blocked from Ice Lake):
+(`python benchmarks/cpu_kernels_bench.py`; oneDNN rows from an AMX Sapphire Rapids box, blocked from Ice Lake):
 
     bf16  batch 8: F.linear 16.5, onednn 10.6      batch 64: F.linear 23.4, onednn 15.1
     fp32  batch 8: F.linear 54.2, onednn 31.2, blocked 18.1
@@ -60,15 +60,16 @@ def _key(weight: torch.Tensor) -> _Key:
     return weight.data_ptr(), tuple(weight.shape), weight.dtype
 
 
-def layout_for(device: torch.device, dtype: torch.dtype) -> str | None:
+def layout_for(device: torch.device, dtype: torch.dtype, kernels: bool = True) -> str | None:
     """The packed layout for weights of `dtype` on `device`, or None where prepacking does not apply.
 
-    "blocked" for float32 where the skinny_linear kernel runs (AVX-512, extension built; building it
-    the first time takes ~30 s), "onednn" for float32 elsewhere and bfloat16 with oneDNN, else None.
+    "blocked" for float32 where the skinny_linear kernel may and can run (`kernels`, AVX-512, extension
+    built; building it the first time takes ~40 s), "onednn" for float32 elsewhere and bfloat16 with
+    oneDNN, else None.
     """
     if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
         return None
-    if dtype == torch.float32 and skinny.available():
+    if dtype == torch.float32 and kernels and skinny.available():
         return "blocked"
     return "onednn" if torch.backends.mkldnn.is_available() else None
 

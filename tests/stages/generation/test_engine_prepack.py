@@ -32,7 +32,7 @@ def force_layout(monkeypatch):
     def force(layout: str) -> None:
         if layout == "blocked" and not skinny.available():
             pytest.skip(f"skinny_linear unavailable: {skinny.unavailable_reason()}")
-        monkeypatch.setattr(prepack, "layout_for", lambda device, dt: layout)
+        monkeypatch.setattr(prepack, "layout_for", lambda device, dtype, kernels=True: layout)
     return force
 
 
@@ -139,3 +139,21 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
     engine.generate(prompts, SAMPLED)
     delta = _delta(before)
     assert delta["fallback"] == 0 and delta["packed"] > 0
+
+
+def test_cpu_kernels_switch_selects_the_cpp_kernels_or_torch_and_onednn(tiny_checkpoints):
+    from alignflow.kernels import decode_attention
+
+    if not (skinny.available() and decode_attention.available()):
+        pytest.skip(f"CPU kernels unavailable: {skinny.unavailable_reason()}")
+    path = tiny_checkpoints["llama_gqa_tied_llama3"]  # head_dim 16: the attention kernel applies
+    prompts = random_prompts(5, seed=12)
+    fast = NativeEngine.build(path, engine_config())
+    plain = NativeEngine.build(path, engine_config(cpu_kernels=False))
+    assert (fast._prepacked.layout, fast.model.cpu_attention) == ("blocked", True)
+    assert (plain._prepacked.layout, plain.model.cpu_attention) == ("onednn", False)
+    a = fast.generate(prompts, SAMPLED.model_copy(update={"seed": 5}), return_logits=True)
+    b = plain.generate(prompts, SAMPLED.model_copy(update={"seed": 5}), return_logits=True)
+    assert a.response_token_ids == b.response_token_ids
+    worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
+    assert worst <= TOLERANCES["logits_fp32"]

@@ -1,0 +1,51 @@
+"""Builds and loads the C++ CPU kernels of kernels/csrc/ as one torch extension (the choice of path is the caller's).
+
+Compiled on first use with torch.utils.cpp_extension (g++, ninja; ~40 s), then cached in
+TORCH_EXTENSIONS_DIR and loaded in ~0.1 s. The kernels use AVX-512: on a CPU without it, or where the
+build fails, `extension()` is None and `unavailable_reason()` says why; the build failure also warns
+once, because the callers then fall back to slower torch paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+NAME = "alignflow_cpu_kernels"
+_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
+
+
+@functools.cache
+def _load() -> tuple[object | None, str | None]:
+    if not torch.cpu._is_avx512_supported():
+        return None, "this CPU has no AVX-512"
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(NAME, sources=[str(s) for s in SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                      verbose=False)
+    except Exception as exc:  # no compiler, no ninja, no headers: the callers keep their torch paths
+        why = f"building {', '.join(s.name for s in SOURCES)} failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
+        warnings.warn(f"{why}; CPU kernels fall back to torch (slower decoding). Install g++ and ninja, and make "
+                      "TORCH_EXTENSIONS_DIR writable, to use them", RuntimeWarning, stacklevel=3)
+        return None, why
+    return module, None
+
+
+def extension():
+    """The compiled module (functions skinny_linear, decode_attention), or None where it cannot run."""
+    return _load()[0]
+
+
+def unavailable_reason() -> str | None:
+    """Why extension() is None (no AVX-512, or the compiler's error), else None."""
+    return _load()[1]
+
+
+def reset() -> None:
+    """Forget the loaded module or the failure (tests); the next call loads or builds again."""
+    _load.cache_clear()
