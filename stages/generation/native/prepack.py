@@ -64,7 +64,7 @@ def layout_for(device: torch.device, dtype: torch.dtype, kernels: bool = True) -
     """The packed layout for weights of `dtype` on `device`, or None where prepacking does not apply.
 
     "blocked" for float32 where the skinny_linear kernel may and can run (`kernels`, AVX-512, extension
-    built; building it the first time takes ~40 s), "onednn" for float32 elsewhere and bfloat16 with
+    built; building it the first time takes ~1 min), "onednn" for float32 elsewhere and bfloat16 with
     oneDNN, else None.
     """
     if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
