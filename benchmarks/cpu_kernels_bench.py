@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import MODELS  # noqa: E402  (a sibling script, not a package)
+from cpu_roofline import best_seconds  # noqa: E402  (sibling scripts, not a package)
+from engine_throughput import MODELS  # noqa: E402
 
 CACHE_SLOTS = 88  # the benchmark engine's max_seq_len: 24 prompt + 64 new tokens
 
@@ -33,16 +33,6 @@ def step_shapes(model: dict) -> list[tuple[int, int]]:
     qkv = hidden + 2 * model["num_key_value_heads"] * head_dim
     layer = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
     return layer * model["num_hidden_layers"] + [(model["vocab_size"], hidden)]
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def bench_linears(model: dict, rows_list: list[int], repeats: int) -> list[dict]:
