@@ -135,7 +135,7 @@ class LlamaFamilyModel:
                  linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
                  cpu_attention: bool = False):
         self.spec = spec
-        # x @ w.T without bias: F.linear, or prepack.linear (oneDNN-packed weights on CPU).
+        # x @ w.T without bias: F.linear, or prepack.linear (packed weight copies on CPU).
         self.linear = linear
         # Decode attention through alignflow::decode_attention (kernels/decode_attention.py: fp32, AVX-512).
         self.cpu_attention = cpu_attention

@@ -8,7 +8,8 @@ plain [out, in] layout F.linear reads streams slowly at small M. Two packed layo
 - "onednn" (bfloat16, or float32 where the kernel cannot be built): oneDNN's blocked copies.
 
 12 layers of the ~110M model plus its 32000-row head, 2 threads, weights not in cache, ms per step
-(`python benchmarks/cpu_kernels_bench.py`; oneDNN rows from an AMX Sapphire Rapids box, blocked from Ice Lake):
+(fp32: `python benchmarks/cpu_kernels_bench.py` on the Ice Lake CI box; bf16: measured on an AMX
+Sapphire Rapids box when the oneDNN layout was added):
 
     bf16  batch 8: F.linear 16.5, onednn 10.6      batch 64: F.linear 23.4, onednn 15.1
     fp32  batch 8: F.linear 54.2, onednn 31.2, blocked 18.1
