@@ -1,7 +1,7 @@
 """Builds and loads the C++ CPU kernels of kernels/csrc/ as one torch extension (the choice of path is the caller's).
 
-Compiled on first use with torch.utils.cpp_extension (g++, ninja; 54-66 s on the 2-core CI box), then cached in
-TORCH_EXTENSIONS_DIR and loaded in ~0.1 s. The kernels use AVX-512: on a CPU without it, or where the
+Compiled on first use with torch.utils.cpp_extension (g++, ninja; 54-66 s on the 2-core CI box),
+then cached in TORCH_EXTENSIONS_DIR and loaded from there. The kernels use AVX-512: on a CPU without it, or where the
 build fails, `extension()` is None and `unavailable_reason()` says why; the build failure also warns
 once, because the callers then fall back to slower torch paths.
 """

@@ -366,8 +366,8 @@ def warn_if_cpu_emulates(dtype: torch.dtype, device: torch.device) -> None:
 
     There oneDNN converts every tile to float32 and back: a 2048^3 matmul ran at 60 GFLOP/s in bf16
     against 226 in fp32 on a 2-core Ice Lake, where the compiled ~110M engine generated 124 tokens/s in
-    bf16 against 229 in fp32 at batch 8, 191 against 557 at batch 64. Only a warning: the engine is still correct, and a bf16 engine may be
-    built on one machine to be loaded on another.
+    bf16 against 229 in fp32 at batch 8, 191 against 557 at batch 64. Only a warning: the engine is
+    still correct, and a bf16 engine may be built on one machine to be loaded on another.
     """
     import torch
 
