@@ -4,7 +4,9 @@ Parity check: on a fixed prompt set (the first `engine.parity_prompts` RL prompt
 decodes greedily and returns its logits; an hf forward pass over the same tokens must give the
 same logits (max abs error <= 1e-3 in fp32, 5e-2 in 16-bit) and the same greedy tokens as hf
 `generate`. The published artifact is the engine's own save() (engine config, weights in the
-inference layout, tokenizer files) plus build_report.json with build time, parity and memory.
+inference layout, tokenizer files) plus build_report.json with build time, parity, memory and the
+engine's execution paths (which code runs each part here: the same config runs C++ kernels on one
+machine and torch on another), the latter also as `alignflow.engine.*` tags of the MLflow run.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def run(spec: StageSpec) -> StageResult:
         build_s = time.perf_counter() - started
         footprint_mb = (psutil.Process().memory_info().rss - rss_before) / 2**20
         report: dict = {"backend": cfg.backend, "dtype": dtype, "build_s": round(build_s, 3),
-                        "footprint_mb": round(footprint_mb, 1)}
+                        "footprint_mb": round(footprint_mb, 1), "execution_paths": engine.execution_paths()}
         if cfg.backend != "hf":
             reference = build_engine(sft_dir, EngineConfig(**{**cfg.model_dump(), "backend": "hf"}),
                                      dtype=dtype)
@@ -94,6 +96,8 @@ def run(spec: StageSpec) -> StageResult:
             dump_json(report, out / "build_report.json")
             if ctx.tracker is not None:
                 ctx.tracker.log_metrics(metrics)
+                ctx.tracker.set_tags({f"alignflow.engine.{part}": how
+                                      for part, how in report["execution_paths"].items()})
                 ctx.tracker.log_artifact(out / "build_report.json", "reports")
             manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "engine/build_s",
                                                         "report": report})

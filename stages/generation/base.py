@@ -240,6 +240,14 @@ class Engine(ABC):
     def load(cls, path: str | Path, *, device: str | None = None) -> Engine:
         """Read an engine written by save()."""
 
+    def execution_paths(self) -> dict[str, Any]:
+        """Which implementation runs each part of generation in this engine, for build reports.
+
+        Backends add their parts (and, where a fast path is unavailable, why): the same config can
+        run different code on different machines, and a throughput figure means little without this.
+        """
+        return {"backend": self.backend}
+
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...

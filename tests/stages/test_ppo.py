@@ -26,19 +26,6 @@ PPO_TEST = {"iterations": 4, "prompts_per_iteration": 8, "minibatch_size": 8, "m
             "checkpoint_every": 2}
 
 
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory, prefect_harness):
-    """data -> base -> sft -> reward -> engine on the small test config, run once for this module."""
-    from alignflow.flows.pipeline import alignflow_pipeline
-
-    workdir = tmp_path_factory.mktemp("rl")
-    config = small_config(workdir, stages=["data", "base", "sft", "reward", "engine"],
-                          engine={"max_seq_len": 96, "max_batch_size": 32})
-    rows = {row["key"]: row for row in alignflow_pipeline(config)}
-    assert {r["status"] for r in rows.values()} == {"ok"}
-    return workdir, config, rows
-
-
 def ppo_spec(upstream, name: str, tracking: bool = False, **ppo) -> StageSpec:
     workdir, config, rows = upstream
     section = {"ppo": {**config.ppo.model_dump(mode="json"), **PPO_TEST, **ppo},

@@ -30,7 +30,7 @@ import torch
 
 from alignflow.config import EngineConfig
 from alignflow.kernels import decode_attention as cpu_decode_attention
-from alignflow.kernels import sample_tokens
+from alignflow.kernels import sample_tokens, skinny_linear
 from alignflow.kernels.sampling import kept_set_thresholds, uniform_flags
 from alignflow.stages.generation.base import (
     ENGINE_CONFIG_FILE,
@@ -143,6 +143,46 @@ class NativeEngine(Engine):
         else:
             self._step, self._sample, self._sample_impl = self.model.forward, sample_tokens, "auto"
         NativeEngine.builds += 1
+
+    def execution_paths(self) -> dict[str, Any]:
+        """The code each part of generation runs here: decode step, linears, decode attention, sampler.
+
+        On CPU the fast paths depend on the machine (AVX-512, a compiler for the C++ kernels) and on
+        config (engine.cpu_prepack, engine.cpu_kernels); a path that is not taken says why.
+        """
+        config, cpu = self.engine_config, self.device.type == "cpu"
+        if self._use_graphs:
+            step = "CUDA graph per batch bucket"
+        else:
+            step = "torch.compile" if config.compile else "eager"
+        layout = self._prepacked.layout if self._prepacked is not None else None
+        linear = {
+            "blocked": f"skinny_linear (AVX-512 C++) up to {skinny_linear.MAX_ROWS} rows, F.linear above",
+            "onednn": "oneDNN prepacked",
+            None: "F.linear",
+        }[layout]
+        if self.model.cpu_attention:
+            attention = "decode_attention (AVX-512 C++)"
+        else:
+            attention = "torch (one query per row, KV groups folded)"
+            if cpu and self.dtype == torch.float32 and config.cpu_kernels and skinny_linear.available():
+                attention += f"; the C++ kernel takes head_dim a multiple of 16 up to 256, not {self.spec.head_dim}"
+        if self._sample_impl == "torch":
+            sampler = "torch reference, compiled"
+        else:
+            sampler = "triton" if self.device.type == "cuda" else "chunked torch"
+        paths: dict[str, Any] = {"backend": self.backend, "device": str(self.device),
+                                 "dtype": str(self.dtype).removeprefix("torch."), "decode_step": step,
+                                 "linear": linear, "decode_attention": attention, "prefill_attention": "sdpa",
+                                 "sampler": sampler}
+        if cpu and self.dtype == torch.float32:
+            if not config.cpu_kernels:
+                paths["cpu_kernels"] = "off (engine.cpu_kernels: false)"
+            elif (reason := skinny_linear.unavailable_reason()) is not None:
+                paths["cpu_kernels"] = f"unavailable: {reason}"
+            if not config.cpu_prepack:
+                paths["cpu_prepack"] = "off (engine.cpu_prepack: false)"
+        return paths
 
     def _new_cache(self) -> KVCache:
         return KVCache(self.spec, self.engine_config.max_batch_size, self.engine_config.max_seq_len, self.dtype,

@@ -139,6 +139,8 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
     engine.generate(prompts, SAMPLED)
     delta = _delta(before)
     assert delta["fallback"] == 0 and delta["packed"] > 0
+    paths = engine.execution_paths()
+    assert (paths["decode_step"], paths["sampler"]) == ("torch.compile", "torch reference, compiled")
 
 
 def test_cpu_kernels_switch_selects_the_cpp_kernels_or_torch_and_onednn(tiny_checkpoints):
@@ -157,3 +159,44 @@ def test_cpu_kernels_switch_selects_the_cpp_kernels_or_torch_and_onednn(tiny_che
     assert a.response_token_ids == b.response_token_ids
     worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
     assert worst <= TOLERANCES["logits_fp32"]
+
+
+def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(tiny_checkpoints, tmp_path,
+                                                                               monkeypatch):
+    import torch.utils.cpp_extension
+    from engine_test_models import save_tiny_model
+
+    from alignflow.kernels import _cpu_extension
+
+    if not skinny.available():
+        pytest.skip(f"CPU kernels unavailable: {skinny.unavailable_reason()}")
+    path = tiny_checkpoints["llama_gqa_tied_llama3"]  # head_dim 16: the attention kernel applies
+    fast = NativeEngine.build(path, engine_config()).execution_paths()
+    assert fast == {"backend": "native", "device": "cpu", "dtype": "float32", "decode_step": "eager",
+                    "linear": "skinny_linear (AVX-512 C++) up to 128 rows, F.linear above",
+                    "decode_attention": "decode_attention (AVX-512 C++)", "prefill_attention": "sdpa",
+                    "sampler": "chunked torch"}
+    off = NativeEngine.build(path, engine_config(cpu_kernels=False)).execution_paths()
+    assert off["linear"] == "oneDNN prepacked" and off["decode_attention"].startswith("torch")
+    assert off["cpu_kernels"] == "off (engine.cpu_kernels: false)"
+    plain = NativeEngine.build(path, engine_config(cpu_prepack=False)).execution_paths()
+    assert plain["linear"] == "F.linear" and plain["cpu_prepack"] == "off (engine.cpu_prepack: false)"
+    assert plain["decode_attention"] == fast["decode_attention"]  # attention does not need the prepack
+    odd_head = save_tiny_model(tmp_path / "head24", "llama_mha_untied", head_dim=24)
+    odd = NativeEngine.build(odd_head, engine_config()).execution_paths()
+    assert odd["linear"] == fast["linear"]
+    assert odd["decode_attention"].endswith("takes head_dim a multiple of 16 up to 256, not 24")
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    _cpu_extension.reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="fall back to torch"):
+            failed = NativeEngine.build(path, engine_config()).execution_paths()
+    finally:
+        _cpu_extension.reset()  # the next caller loads the cached build again
+    assert failed["linear"] == "oneDNN prepacked" and failed["decode_attention"].startswith("torch")
+    assert failed["cpu_kernels"].startswith("unavailable: building ")
+    assert "error: command 'c++' failed" in failed["cpu_kernels"]
