@@ -84,6 +84,15 @@ RUN pip install --no-cache-dir --no-deps /src \
     && rm -rf /src \
     && chmod 0755 /usr/local/bin/alignflow-entrypoint
 
+# 2: compile alignflow's C++ CPU kernels (kernels/csrc: fp32 decode linears and attention) into
+# TORCH_EXTENSIONS_DIR too. A stage container starts from the image every run, so otherwise every
+# engine and PPO stage on CPU spends 54-66 s (2 cores) compiling them. 0 skips it (GPU-only images).
+ARG ALIGNFLOW_CPU_KERNELS=1
+RUN if [ "${ALIGNFLOW_CPU_KERNELS}" = "1" ]; then \
+        python -c "from alignflow.kernels import _cpu_extension; print(_cpu_extension.build_ahead())" \
+        && chown -R 10001:10001 /opt/torch_extensions; \
+    fi
+
 ENV ALIGNFLOW_CODE_VERSION=${ALIGNFLOW_CODE_VERSION} \
     ALIGNFLOW_IMAGE_ROLE=training \
     HOME=/home/alignflow

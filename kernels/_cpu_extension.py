@@ -19,15 +19,30 @@ NAME = "alignflow_cpu_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
 
 
+def _compile():
+    from torch.utils.cpp_extension import load
+
+    return load(NAME, sources=[str(s) for s in SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                verbose=False)
+
+
+def build_ahead() -> Path:
+    """Compile the extension into TORCH_EXTENSIONS_DIR now, on any x86-64 CPU; returns the .so's path.
+
+    For container images: a stage container starts from the image's file system every run, so a
+    kernel compiled at run time is compiled again by every engine and PPO stage (54-66 s on 2 cores).
+    The build host need not have AVX-512 (the flags, not the host, decide the instructions); at run
+    time `extension()` finds this build, up to date, and only loads it. Raises if compiling fails.
+    """
+    return Path(_compile().__file__)
+
+
 @functools.cache
 def _load() -> tuple[object | None, str | None]:
     if not torch.cpu._is_avx512_supported():
         return None, "this CPU has no AVX-512"
     try:
-        from torch.utils.cpp_extension import load
-
-        module = load(NAME, sources=[str(s) for s in SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                      verbose=False)
+        module = _compile()
     except Exception as exc:  # no compiler, no ninja, no headers: the callers keep their torch paths
         why = f"building {', '.join(s.name for s in SOURCES)} failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
         warnings.warn(f"{why}; CPU kernels fall back to torch (slower decoding). Install g++ and ninja, and make "

@@ -248,3 +248,18 @@ def test_make_container_test():
                           text=True, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "container-test passed" in proc.stdout
+
+
+def test_training_image_compiles_the_cpu_kernels_after_installing_the_code():
+    steps = instructions(CONTAINERS / "training.Dockerfile")
+    runs = [rest for keyword, rest in steps if keyword == "RUN"]
+    install = next(i for i, run in enumerate(runs) if "pip install --no-cache-dir --no-deps /src" in run)
+    prebuild = next(i for i, run in enumerate(runs) if "_cpu_extension.build_ahead()" in run)
+    assert prebuild > install, "the kernels' sources come with the installed package"
+    assert "chown -R 10001:10001 /opt/torch_extensions" in runs[prebuild]
+    envs = " ".join(r for k, r in steps if k == "ENV")
+    assert "TORCH_EXTENSIONS_DIR=/opt/torch_extensions" in envs
+    assert arg_defaults(steps)["ALIGNFLOW_CPU_KERNELS"] == "1"
+    from alignflow.kernels import _cpu_extension
+
+    assert callable(_cpu_extension.build_ahead)

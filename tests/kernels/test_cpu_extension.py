@@ -1,0 +1,41 @@
+"""The C++ CPU kernels' extension: built ahead of time on any x86-64 host, then only loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.cpp_extension
+
+from alignflow.kernels import _cpu_extension
+
+
+def test_build_ahead_compiles_without_avx512_and_extension_then_loads_that_build(monkeypatch):
+    if not _cpu_extension.extension():
+        pytest.skip(f"the extension does not build here: {_cpu_extension.unavailable_reason()}")
+    built = _cpu_extension.extension().__file__
+    # An image build host without AVX-512 still compiles (the flags choose the instructions) ...
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    path = _cpu_extension.build_ahead()
+    assert str(path) == built and path.is_file()
+    # ... while running on such a host keeps the torch paths, saying why.
+    _cpu_extension.reset()
+    try:
+        assert _cpu_extension.extension() is None
+        assert _cpu_extension.unavailable_reason() == "this CPU has no AVX-512"
+    finally:
+        monkeypatch.undo()
+        _cpu_extension.reset()
+    # On an AVX-512 host the ahead-of-time build is loaded, not compiled again.
+    calls = []
+    real_load = torch.utils.cpp_extension.load
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda *a, **k: calls.append(k) or real_load(*a, **k))
+    assert _cpu_extension.extension().__file__ == built and len(calls) == 1
+
+
+def test_build_ahead_raises_when_compiling_fails(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    with pytest.raises(RuntimeError, match="command 'c\\+\\+' failed"):
+        _cpu_extension.build_ahead()
