@@ -1,8 +1,8 @@
-"""Picks the torch reference, the chunked CPU sampler or the Triton kernel for one call (the choice only).
+"""Picks the torch reference, a CPU fast path or the Triton kernel for one call (the choice only).
 
 ``impl="auto"`` runs Triton when the tensor is on a CUDA (or ROCm) device and triton imports, else the
-eager CPU fast path where one exists (``"chunked"``, sample_tokens only) and the torch reference
-otherwise. ``impl="triton"`` on a CPU tensor only works in Triton's interpreter, which has to be
+eager CPU fast path where one exists (sample_tokens only: ``"cpp"`` where the C++ kernels build,
+otherwise ``"chunked"``) and the torch reference otherwise. ``impl="triton"`` on a CPU tensor only works in Triton's interpreter, which has to be
 switched on (``TRITON_INTERPRET=1``) before the ``_triton_*`` kernel modules are first imported,
 because ``@triton.jit`` reads that variable when it decorates a function.
 """
@@ -16,8 +16,16 @@ import os
 import torch
 
 IMPLS = ("auto", "torch", "triton")
-# Ops with an eager CPU fast path besides the reference.
+# Ops with eager CPU fast paths besides the reference: "chunked" (torch ops) and "cpp" (the AVX-512
+# C++ extension, kernels/csrc; "auto" takes it where it builds, else "chunked").
 CHUNKED_OPS = ("sample_tokens",)
+
+
+def cpp_available() -> bool:
+    """True when the C++ CPU kernels run here (AVX-512 CPU, extension built; the first call builds it)."""
+    from alignflow.kernels import _cpu_extension
+
+    return _cpu_extension.extension() is not None
 
 
 @functools.cache
@@ -32,8 +40,8 @@ def interpreter_requested() -> bool:
 
 
 def resolve_impl(impl: str, device: torch.device, op: str) -> str:
-    """Returns "torch", "chunked" or "triton" for ``op`` on ``device``; raises with the fix when ``impl`` cannot run."""
-    valid = ("auto", "torch", "chunked", "triton") if op in CHUNKED_OPS else IMPLS
+    """Returns "torch", "chunked", "cpp" or "triton" for ``op`` on ``device``; raises with the fix when ``impl`` cannot run."""
+    valid = ("auto", "torch", "chunked", "cpp", "triton") if op in CHUNKED_OPS else IMPLS
     if impl not in valid:
         raise ValueError(f"{op}: impl={impl!r} is not one of {valid}")
     if impl == "torch":
@@ -41,10 +49,21 @@ def resolve_impl(impl: str, device: torch.device, op: str) -> str:
     on_gpu = device.type == "cuda"
     if impl == "chunked":
         return "chunked"
+    if impl == "cpp":
+        if on_gpu:
+            raise RuntimeError(f"{op}: impl='cpp' runs on CPU tensors only; use impl='auto' or 'triton' on {device}")
+        if not cpp_available():
+            from alignflow.kernels import _cpu_extension
+
+            raise RuntimeError(f"{op}: impl='cpp' is not available here ({_cpu_extension.unavailable_reason()}); "
+                               "use impl='chunked' or 'auto'")
+        return "cpp"
     if impl == "auto":
         if on_gpu and triton_available():
             return "triton"
-        return "chunked" if op in CHUNKED_OPS else "torch"
+        if op in CHUNKED_OPS:
+            return "cpp" if device.type == "cpu" and cpp_available() else "chunked"
+        return "torch"
     if not triton_available():
         raise RuntimeError(
             f"{op}: impl='triton' but triton is not installed; install triton or use impl='torch'"

@@ -18,9 +18,15 @@ This is the engine's sampler (not a generation loop, not a logits processor chai
    that is the behaviour policy's probability PPO's importance ratio needs.
 
 The torch reference finds the thresholds with ``torch.topk`` on a prefix of each row where that
-decides them exactly, and sorts otherwise. The eager CPU path (``_chunked_sampling.py``,
-what ``impl="auto"`` runs on CPU) does the reference's arithmetic in 32-bit words over cache-sized
-vocabulary chunks and gives the same tokens bit for bit, 3-6x faster. The Triton kernel
+decides them exactly, and sorts otherwise. Two eager CPU paths: ``impl="cpp"`` (``csrc/sampling.cpp``,
+what ``impl="auto"`` runs on AVX-512 CPUs) takes the thresholds from the reference's code and does
+the rest in one AVX-512 pass per row: the same hash in uint32 lanes and the same SLEEF log torch's
+kernels call, so the same noise bits and tokens; its log-sum-exp sums in another order (log-probs
+within a few ulps). ``impl="chunked"`` (``_chunked_sampling.py``, "auto" where the C++ kernels do not
+build) does the reference's arithmetic in 32-bit words over cache-sized vocabulary chunks and gives
+the same tokens and log-probs bit for bit, 3-6x faster than the eager reference. At [64, 32000], no
+top-k/top-p, 2 threads (``python benchmarks/sampler_bench.py``): reference 101 ms, compiled 8.7,
+chunked 17.2, cpp 3.98. The Triton kernel
 (``_triton_sampling.py``) finds the same thresholds by a 16-way search over the int32 keys (8-9 passes each). Both use the same noise bits, the same
 thresholds-by-key and the same tie rule, so they pick the same token unless two candidates' scores,
 or a top-p cumulative mass and its target, fall within a few fp32 ulps of each other (fp32 sums
@@ -40,6 +46,8 @@ import torch
 
 from alignflow.kernels import rng
 from alignflow.kernels._triton_dispatch import resolve_impl
+
+_NO_THRESHOLDS = torch.empty(0, dtype=torch.int64)  # the C++ sampler's "no kept-set mask"
 
 
 class SampleOutput(NamedTuple):
@@ -80,8 +88,9 @@ def sample_tokens(
     logits and values, computed beforehand; the torch paths then skip that step. The compiled engine
     passes them because eagerly they come from a short top-k prefix, while a compiled graph must sort.
 
-    impl: "auto" (Triton on CUDA, "chunked" elsewhere), "torch" (the sort-based reference), "chunked"
-    (the eager CPU path, bit-identical to "torch"), "triton".
+    impl: "auto" (Triton on CUDA; on CPU "cpp" where the C++ kernels build, else "chunked"), "torch"
+    (the sort-based reference), "chunked" (eager CPU torch ops, bit-identical to "torch"), "cpp" (the
+    AVX-512 C++ kernel: the reference's tokens, log-probs within a few ulps), "triton".
     """
     rows = sampling_rows("sample_tokens", logits, temperature, top_k, top_p, seeds, step, validate)
     chosen = resolve_impl(impl, logits.device, "sample_tokens")
@@ -91,6 +100,18 @@ def sample_tokens(
         if thresholds is not None:
             raise ValueError("sample_tokens: thresholds= is for the torch and chunked impls; Triton finds its own")
         tokens, logprobs, _ = _triton_sampling.sample(logits, rows)
+    elif chosen == "cpp":
+        from alignflow.kernels import _cpu_extension
+
+        flags = flags or batch_flags(rows, logits.shape[1])
+        if thresholds is None and (flags.any_top_k or flags.any_top_p):
+            inv_t, _, k, p = normalised_rows(rows, logits.shape[1])
+            x = logits.to(torch.float32)
+            thresholds = kept_thresholds(ordered_keys32(x), x * inv_t[:, None], k, p, flags)
+        tokens, logprobs = _cpu_extension.extension().sample_tokens(
+            logits.to(torch.float32).contiguous(), rows.temperature.contiguous(), rows.seeds.contiguous(),
+            rows.steps.contiguous(),
+            thresholds.to(torch.int64).contiguous() if thresholds is not None else _NO_THRESHOLDS)
     elif chosen == "chunked":
         from alignflow.kernels import _chunked_sampling
 

@@ -20,10 +20,14 @@ def _run(script: str, *args: str) -> str:
     return done.stdout
 
 
-def test_sampler_bench_reports_both_impls():
+def test_sampler_bench_reports_every_impl():
+    from alignflow.kernels._triton_dispatch import cpp_available
+
     rows = json.loads(_run("sampler_bench.py", "--batch-sizes", "3", "--vocabs", "1000", "--repeats", "1", "--json"))
     assert {r["mode"] for r in rows} == {"plain", "top_p 0.9", "top_k 50", "top_k 50, top_p 0.9"}
     assert all(r["torch_ms"] > 0 and r["chunked_ms"] > 0 for r in rows)
+    assert all((r.get("cpp_ms", 0) > 0) == cpp_available() for r in rows)
+    assert [r["compiled_ms"] > 0 for r in rows if r["mode"] == "plain"] == [True]
     # Truncating modes also time the thresholds by sort and by prefix (the script checks they agree).
     assert all(r["sort_thresholds_ms"] > 0 and r["prefix_thresholds_ms"] > 0 for r in rows if r["mode"] != "plain")
 

@@ -4,8 +4,12 @@
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_features);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor mask,
                                double scale);
+std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits, torch::Tensor temperature,
+                                                           torch::Tensor seeds, torch::Tensor steps,
+                                                           torch::Tensor thresholds);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x @ W^T in float32, W blocked as [ceil(N/16), K, 16]");
   m.def("decode_attention", &decode_attention, "one decode step's attention in float32 over the KV cache");
+  m.def("sample_tokens", &sample_tokens_cpu, "one sampled token and its log-prob per row of float32 logits");
 }

@@ -7,6 +7,10 @@ import pytest
 import torch
 
 from alignflow.kernels import SampleOutput, rng, sample_tokens, sampling
+from alignflow.kernels._triton_dispatch import cpp_available
+
+# The C++ kernel's parameter: skipped where the extension does not build (no AVX-512, no compiler).
+CPP = pytest.param("cpp", marks=pytest.mark.skipif(not cpp_available(), reason="C++ CPU kernels unavailable"))
 
 
 def _logits(batch, vocab, seed=0, scale=2.0, dtype=torch.float32):
@@ -106,7 +110,7 @@ def test_uniforms_are_uniform_and_distinct_within_a_row():
 # Behaviour of the torch reference (and the kernel where cheap)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", CPP])
 def test_greedy_rows_take_the_argmax_with_temperature_one_logprob(impl, tol):
     logits = _logits(5, 300, seed=1)
     out = sample_tokens(logits, 0.0, 7, 0.5, torch.arange(5), 3, impl=impl)
@@ -116,7 +120,7 @@ def test_greedy_rows_take_the_argmax_with_temperature_one_logprob(impl, tol):
     torch.testing.assert_close(out.logprobs, want, **tol("sample_logprob"))
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", CPP])
 def test_ties_go_to_the_lowest_index_even_across_vocab_blocks(impl):
     # 9000 is in a later Triton block (4096 wide in the interpreter, 1024 on GPU) than 100.
     logits = torch.zeros(2, 10_000)
@@ -125,7 +129,7 @@ def test_ties_go_to_the_lowest_index_even_across_vocab_blocks(impl):
     assert out.tokens.tolist() == [100, 100]
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", CPP])
 def test_logprobs_are_over_the_full_vocabulary_not_the_kept_set(impl, tol):
     logits = _logits(4, 500, seed=2)
     temperature = torch.tensor([1.0, 0.6, 1.4, 0.9])
@@ -320,7 +324,7 @@ def test_chi_square_check_rejects_a_wrong_temperature():
     assert chi2 > _chi_square_bound(len(kept) - 1)
 
 
-@pytest.mark.parametrize("impl", ["torch", "chunked", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "chunked", "triton", CPP])
 def test_same_seed_gives_same_token_in_any_batch_position_or_company(impl):
     logits = _logits(6, 257, seed=9)
     temperature = torch.tensor([1.0, 0.8, 1.2, 0.5, 1.0, 0.9])
@@ -402,10 +406,20 @@ def test_batch_flags_from_values_match_uniform_flags_and_leave_results_unchanged
         assert torch.equal(with_flags.tokens, without.tokens)
 
 
-def test_auto_picks_the_chunked_sampler_on_cpu_and_rejects_it_for_other_ops():
+def test_auto_picks_the_cpp_or_chunked_sampler_on_cpu_and_rejects_them_for_other_ops(monkeypatch):
+    from alignflow.kernels import _triton_dispatch
     from alignflow.kernels._triton_dispatch import resolve_impl
 
+    want = "cpp" if cpp_available() else "chunked"
+    assert resolve_impl("auto", torch.device("cpu"), "sample_tokens") == want
+    monkeypatch.setattr(_triton_dispatch, "cpp_available", lambda: False)
     assert resolve_impl("auto", torch.device("cpu"), "sample_tokens") == "chunked"
+    with pytest.raises(RuntimeError, match="impl='cpp' is not available here .*use impl='chunked' or 'auto'"):
+        resolve_impl("cpp", torch.device("cpu"), "sample_tokens")
+    with pytest.raises(RuntimeError, match="impl='cpp' runs on CPU tensors only"):
+        resolve_impl("cpp", torch.device("cuda"), "sample_tokens")
+    with pytest.raises(ValueError, match=r"impl='cpp' is not one of \('auto', 'torch', 'triton'\)"):
+        resolve_impl("cpp", torch.device("cpu"), "selective_log_softmax")
     with pytest.raises(ValueError, match=r"impl='chunked' is not one of \('auto', 'torch', 'triton'\)"):
         resolve_impl("chunked", torch.device("cpu"), "selective_log_softmax")
 
@@ -501,3 +515,84 @@ def test_validate_false_skips_only_the_value_checks():
     assert out.tokens.shape == (3,)
     with pytest.raises(ValueError, match=r"seeds must have shape \[3\]"):
         sample_tokens(logits, 1.0, 0, 1.0, torch.arange(2), 0, impl="torch", validate=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# C++ CPU kernel vs torch reference: the same tokens, log-probs within a few ulps
+
+needs_cpp = pytest.mark.skipif(not cpp_available(), reason="C++ CPU kernels unavailable")
+
+
+@needs_cpp
+def test_cpp_sampler_uses_the_hash_constants_of_rng():
+    import re
+    from pathlib import Path
+
+    source = (Path(sampling.__file__).parent / "csrc" / "sampling.cpp").read_text()
+    for name, cpp_name in (("FMIX_M1", "kFmixM1"), ("FMIX_M2", "kFmixM2"), ("GOLDEN", "kGolden"),
+                           ("SEED_SALT", "kSeedSalt"), ("STEP_SALT", "kStepSalt")):
+        value = re.search(rf"constexpr uint32_t {cpp_name} = (0x[0-9A-F]+)u;", source).group(1)
+        assert int(value, 16) == getattr(rng, name), name
+
+
+@needs_cpp
+@pytest.mark.parametrize(
+    ("batch", "vocab", "dtype"),
+    [(1, 1, torch.float32), (3, 17, torch.float32), (7, 1000, torch.bfloat16), (9, 32_001, torch.float32),
+     (70, 5003, torch.float32)],
+)
+def test_cpp_sampler_gives_the_reference_tokens_and_close_logprobs(batch, vocab, dtype, tol):
+    gen = torch.Generator().manual_seed(batch + vocab)
+    logits = _logits(batch, vocab, seed=vocab + 2, scale=2.5, dtype=dtype)
+    mixed = _mixed_rows(batch, gen)
+    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
+    plain = (torch.full((batch,), 0.9), torch.zeros(batch, dtype=torch.long), torch.ones(batch))
+    greedy = (torch.zeros(batch), torch.zeros(batch, dtype=torch.long), torch.ones(batch))
+    top_p_only = (mixed[0], torch.zeros(batch, dtype=torch.long), mixed[2])
+    for temperature, top_k, top_p in (mixed, plain, greedy, top_p_only):
+        for step in (0, 3, 2**40):
+            want = sample_tokens(logits, temperature, top_k, top_p, seeds, step, impl="torch")
+            got = sample_tokens(logits, temperature, top_k, top_p, seeds, step, impl="cpp")
+            assert torch.equal(got.tokens, want.tokens), f"step {step}"
+            torch.testing.assert_close(got.logprobs, want.logprobs, **tol("sample_logprob"))
+
+
+@needs_cpp
+def test_cpp_sampler_draws_the_reference_tokens_over_many_seeds_at_a_real_vocabulary():
+    """The noise is the reference's bit for bit (same hash, same SLEEF log), so not one draw differs."""
+    logits = _logits(64, 32_000, seed=5, scale=1.0)
+    for step in range(0, 40, 4):
+        seeds = torch.randint(0, 2**40, (64,), generator=torch.Generator().manual_seed(step))
+        want = sample_tokens(logits, 1.0, 0, 1.0, seeds, step, impl="torch").tokens
+        assert torch.equal(sample_tokens(logits, 1.0, 0, 1.0, seeds, step, impl="cpp").tokens, want)
+
+
+@needs_cpp
+def test_cpp_sampler_handles_non_finite_logits_like_the_reference():
+    logits = _logits(4, 300, seed=6)
+    logits[0, 7] = logits[0, 250] = float("nan")  # argmax takes the first NaN
+    logits[1] = float("-inf")  # nothing to pick: index 0, log-prob NaN
+    logits[2, 123] = float("inf")
+    logits[3, :299] = float("-inf")  # one finite token, last in the row (a ragged 16-lane tail)
+    for temperature in (0.0, 1.0):
+        want = sample_tokens(logits, temperature, 0, 1.0, torch.arange(4), 1, impl="torch")
+        got = sample_tokens(logits, temperature, 0, 1.0, torch.arange(4), 1, impl="cpp")
+        assert got.tokens.tolist() == want.tokens.tolist() == [7, 0, 123, 299]
+        torch.testing.assert_close(got.logprobs, want.logprobs, equal_nan=True)
+
+
+@needs_cpp
+def test_cpp_sampler_rejects_malformed_arguments_by_name():
+    from alignflow.kernels import _cpu_extension
+
+    module = _cpu_extension.extension()
+    logits, rows = torch.randn(2, 8), (torch.ones(2), torch.arange(2), torch.zeros(2, dtype=torch.long))
+    none = torch.empty(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"logits must be a contiguous float32 CPU \[B, V\]"):
+        module.sample_tokens(logits.double(), *rows, none)
+    with pytest.raises(RuntimeError, match=r"temperature must be a contiguous Float CPU tensor of shape \[2\]"):
+        module.sample_tokens(logits, torch.ones(3), *rows[1:], none)
+    with pytest.raises(RuntimeError, match=r"seeds must be a contiguous Long CPU tensor"):
+        module.sample_tokens(logits, rows[0], rows[1].int(), rows[2], none)
+    with pytest.raises(RuntimeError, match=r"thresholds must be a contiguous Long CPU tensor of shape \[2\]"):
+        module.sample_tokens(logits, *rows, torch.zeros(5, dtype=torch.long))

@@ -31,6 +31,7 @@ import torch
 from alignflow.config import EngineConfig
 from alignflow.kernels import decode_attention as cpu_decode_attention
 from alignflow.kernels import sample_tokens, skinny_linear
+from alignflow.kernels._triton_dispatch import cpp_available
 from alignflow.kernels.sampling import kept_set_thresholds, uniform_flags
 from alignflow.stages.generation.base import (
     ENGINE_CONFIG_FILE,
@@ -133,15 +134,21 @@ class NativeEngine(Engine):
         # (heads, head_dim, hidden, vocab) stay constants the C++ code is specialised for. Against
         # dynamic=True (every size symbolic) that made the decode step's attention 13.3 vs 14.2 ms at
         # batch 64 and 1.25 vs 1.56 ms at batch 8 (12 layers of the ~100M model, bf16, 57 cached keys).
-        # The compiled sampler is the torch reference (impl="torch"): ~40 small integer/float ops over
-        # [B, V] that inductor fuses into one loop. Eager engines take impl="auto": the chunked CPU
-        # sampler (same tokens, 3-6x faster than the eager reference) or the Triton kernel on CUDA.
-        if engine_config.compile:
-            self._step = torch.compile(self.model.forward, dynamic=None)
+        # Sampler: on CPU with the C++ kernels (engine.cpu_kernels, AVX-512) both engines call the
+        # AVX-512 kernel eagerly (the reference's tokens; at [64, 32000] 3.98 ms against 8.70 for the
+        # compiled reference and 17.2 chunked, benchmarks/sampler_bench.py). Otherwise a compiled engine
+        # compiles the torch reference (impl="torch": ~40 small integer/float ops over [B, V] that
+        # inductor fuses into one loop) and an eager one takes the chunked CPU sampler (same tokens,
+        # 3-6x faster than the eager reference), or on CUDA impl="auto": the Triton kernel.
+        cpp_sampler = device.type == "cpu" and engine_config.cpu_kernels and cpp_available()
+        self._step = torch.compile(self.model.forward, dynamic=None) if engine_config.compile else self.model.forward
+        if cpp_sampler:
+            self._sample, self._sample_impl = sample_tokens, "cpp"
+        elif engine_config.compile:
             self._sample = torch.compile(sample_tokens, dynamic=None)
             self._sample_impl = "torch" if device.type == "cpu" else "auto"
         else:
-            self._step, self._sample, self._sample_impl = self.model.forward, sample_tokens, "auto"
+            self._sample, self._sample_impl = sample_tokens, "chunked" if device.type == "cpu" else "auto"
         NativeEngine.builds += 1
 
     def execution_paths(self) -> dict[str, Any]:
@@ -167,10 +174,8 @@ class NativeEngine(Engine):
             attention = "torch (one query per row, KV groups folded)"
             if cpu and self.dtype == torch.float32 and config.cpu_kernels and skinny_linear.available():
                 attention += f"; the C++ kernel takes head_dim a multiple of 16 up to 256, not {self.spec.head_dim}"
-        if self._sample_impl == "torch":
-            sampler = "torch reference, compiled"
-        else:
-            sampler = "triton" if self.device.type == "cuda" else "chunked torch"
+        sampler = {"cpp": "sample_tokens (AVX-512 C++)", "torch": "torch reference, compiled",
+                   "chunked": "chunked torch"}.get(self._sample_impl, "triton where it imports, else torch")
         paths: dict[str, Any] = {"backend": self.backend, "device": str(self.device),
                                  "dtype": str(self.dtype).removeprefix("torch."), "decode_step": step,
                                  "linear": linear, "decode_attention": attention, "prefill_attention": "sdpa",

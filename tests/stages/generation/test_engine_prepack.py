@@ -140,7 +140,10 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
     delta = _delta(before)
     assert delta["fallback"] == 0 and delta["packed"] > 0
     paths = engine.execution_paths()
-    assert (paths["decode_step"], paths["sampler"]) == ("torch.compile", "torch reference, compiled")
+    from alignflow.kernels._triton_dispatch import cpp_available
+
+    sampler = "sample_tokens (AVX-512 C++)" if cpp_available() else "torch reference, compiled"
+    assert (paths["decode_step"], paths["sampler"]) == ("torch.compile", sampler)
 
 
 def test_cpu_kernels_switch_selects_the_cpp_kernels_or_torch_and_onednn(tiny_checkpoints):
@@ -175,10 +178,10 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     assert fast == {"backend": "native", "device": "cpu", "dtype": "float32", "decode_step": "eager",
                     "linear": "skinny_linear (AVX-512 C++) up to 128 rows, F.linear above",
                     "decode_attention": "decode_attention (AVX-512 C++)", "prefill_attention": "sdpa",
-                    "sampler": "chunked torch"}
+                    "sampler": "sample_tokens (AVX-512 C++)"}
     off = NativeEngine.build(path, engine_config(cpu_kernels=False)).execution_paths()
     assert off["linear"] == "oneDNN prepacked" and off["decode_attention"].startswith("torch")
-    assert off["cpu_kernels"] == "off (engine.cpu_kernels: false)"
+    assert off["cpu_kernels"] == "off (engine.cpu_kernels: false)" and off["sampler"] == "chunked torch"
     plain = NativeEngine.build(path, engine_config(cpu_prepack=False)).execution_paths()
     assert plain["linear"] == "F.linear" and plain["cpu_prepack"] == "off (engine.cpu_prepack: false)"
     assert plain["decode_attention"] == fast["decode_attention"]  # attention does not need the prepack
@@ -198,5 +201,6 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     finally:
         _cpu_extension.reset()  # the next caller loads the cached build again
     assert failed["linear"] == "oneDNN prepacked" and failed["decode_attention"].startswith("torch")
+    assert failed["sampler"] == "chunked torch"
     assert failed["cpu_kernels"].startswith("unavailable: building ")
     assert "error: command 'c++' failed" in failed["cpu_kernels"]
