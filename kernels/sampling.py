@@ -105,9 +105,7 @@ def sample_tokens(
 
         flags = flags or batch_flags(rows, logits.shape[1])
         if thresholds is None and (flags.any_top_k or flags.any_top_p):
-            inv_t, _, k, p = normalised_rows(rows, logits.shape[1])
-            x = logits.to(torch.float32)
-            thresholds = kept_thresholds(ordered_keys32(x), x * inv_t[:, None], k, p, flags)
+            thresholds = kept_set_thresholds(logits, rows.temperature, rows.top_k, rows.top_p, flags)
         tokens, logprobs = _cpu_extension.extension().sample_tokens(
             logits.to(torch.float32).contiguous(), rows.temperature.contiguous(), rows.seeds.contiguous(),
             rows.steps.contiguous(),
