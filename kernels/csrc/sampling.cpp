@@ -89,9 +89,11 @@ RowResult sample_row(const float* x, int64_t V, float inv_t, bool noisy, uint32_
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i threshold = _mm512_set1_epi32(tau);
   // Per lane: the best score so far and its index (strictly greater wins: the first index on ties;
-  // a NaN beats any number, as in torch.argmax), and the running max of z.
+  // a NaN beats any number, as in torch.argmax), and the running max of z. Lane l starts at index l
+  // with -inf, so a row whose kept scores are all -inf gives index 0, as torch.argmax does; lanes at
+  // or past V (a row shorter than 16) are skipped in the final reduction.
   __m512 best = _mm512_set1_ps(neg_inf);
-  __m512i best_index = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
+  __m512i best_index = lane;
   __m512 z_max = _mm512_set1_ps(neg_inf);
   for (int64_t j = 0; j < V; j += kLanes) {
     const int64_t left = V - j;
@@ -107,17 +109,11 @@ RowResult sample_row(const float* x, int64_t V, float inv_t, bool noisy, uint32_
     score = _mm512_mask_blend_ps(candidates, _mm512_set1_ps(neg_inf), score);
     const __mmask16 score_nan = _mm512_cmp_ps_mask(score, score, _CMP_UNORD_Q);
     const __mmask16 best_nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
-    // Lanes past the row's end never take over: their index stays above every real one.
+    // Lanes past the row's end never take over.
     const __mmask16 better =
         in_row & (_mm512_cmp_ps_mask(score, best, _CMP_GT_OQ) | (score_nan & static_cast<__mmask16>(~best_nan)));
     best = _mm512_mask_blend_ps(better, best, score);
     best_index = _mm512_mask_blend_epi32(better, best_index, index);
-    // A row whose kept scores are all -inf: torch.argmax gives the first index, so index 0 of the
-    // first block enters as the initial candidate for lanes that have seen nothing better.
-    if (j == 0) {
-      const __mmask16 unset = in_row & _mm512_cmp_epi32_mask(best_index, _mm512_set1_epi32(std::numeric_limits<int32_t>::max()), _MM_CMPINT_EQ);
-      best_index = _mm512_mask_blend_epi32(unset, best_index, index);
-    }
   }
   alignas(64) float best_values[kLanes];
   alignas(64) int32_t best_indices[kLanes];
