@@ -257,6 +257,11 @@ class Engine(ABC):
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
 
+# sample_tokens impl -> what execution_paths() reports for it (backends resolve "auto" first).
+SAMPLER_PATHS = {"cpp": "sample_tokens (AVX-512 C++)", "chunked": "sample_tokens (chunked torch)",
+                 "torch": "sample_tokens (torch reference)", "triton": "sample_tokens (Triton)"}
+
+
 # Backend name -> "module:Class" (imported lazily so `base` stays torch-free). None: planned, not built yet.
 ENGINE_BACKENDS: dict[str, str | None] = {
     "native": "alignflow.stages.generation.native.engine:NativeEngine",

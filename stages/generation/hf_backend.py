@@ -24,6 +24,7 @@ from alignflow.stages.generation.base import (
     ENGINE_CONFIG_FILE,
     ENGINE_FORMAT,
     ENGINE_LAYOUT_VERSION,
+    SAMPLER_PATHS,
     Engine,
     EngineError,
     FinishReason,
@@ -124,6 +125,15 @@ class HFEngine(Engine):
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
+
+    def execution_paths(self) -> dict[str, Any]:
+        """transformers generate with the model's attention implementation, sampling through sample_tokens."""
+        from alignflow.kernels._triton_dispatch import resolve_impl
+
+        return {"backend": self.backend, "device": str(self.device),
+                "dtype": str(self.model.dtype).removeprefix("torch."), "decode_step": "transformers generate",
+                "attention": self.model.config._attn_implementation,
+                "sampler": SAMPLER_PATHS[resolve_impl("auto", self.device, "sample_tokens")]}
 
     @property
     def loaded(self) -> bool:

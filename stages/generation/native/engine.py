@@ -31,12 +31,13 @@ import torch
 from alignflow.config import EngineConfig
 from alignflow.kernels import decode_attention as cpu_decode_attention
 from alignflow.kernels import sample_tokens, skinny_linear
-from alignflow.kernels._triton_dispatch import cpp_available
+from alignflow.kernels._triton_dispatch import cpp_available, resolve_impl
 from alignflow.kernels.sampling import kept_set_thresholds, uniform_flags
 from alignflow.stages.generation.base import (
     ENGINE_CONFIG_FILE,
     ENGINE_FORMAT,
     ENGINE_LAYOUT_VERSION,
+    SAMPLER_PATHS,
     Engine,
     EngineError,
     FinishReason,
@@ -174,8 +175,9 @@ class NativeEngine(Engine):
             attention = "torch (one query per row, KV groups folded)"
             if cpu and self.dtype == torch.float32 and config.cpu_kernels and skinny_linear.available():
                 attention += f"; the C++ kernel takes head_dim a multiple of 16 up to 256, not {self.spec.head_dim}"
-        sampler = {"cpp": "sample_tokens (AVX-512 C++)", "torch": "torch reference, compiled",
-                   "chunked": "chunked torch"}.get(self._sample_impl, "triton where it imports, else torch")
+        sampler = SAMPLER_PATHS[resolve_impl(self._sample_impl, self.device, "sample_tokens")]
+        if self._sample is not sample_tokens:
+            sampler += ", compiled"
         paths: dict[str, Any] = {"backend": self.backend, "device": str(self.device),
                                  "dtype": str(self.dtype).removeprefix("torch."), "decode_step": step,
                                  "linear": linear, "decode_attention": attention, "prefill_attention": "sdpa",

@@ -9,7 +9,7 @@ import torch
 from engine_test_models import TOLERANCES, engine_config, perturbed_checkpoint, random_prompts
 
 from alignflow.kernels import skinny_linear as skinny
-from alignflow.stages.generation import SamplingParams
+from alignflow.stages.generation import SamplingParams, build_engine
 from alignflow.stages.generation.native import NativeEngine, prepack
 from alignflow.stages.generation.native.weights import checkpoint_tensors
 
@@ -142,7 +142,7 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
     paths = engine.execution_paths()
     from alignflow.kernels._triton_dispatch import cpp_available
 
-    sampler = "sample_tokens (AVX-512 C++)" if cpp_available() else "torch reference, compiled"
+    sampler = "sample_tokens (AVX-512 C++)" if cpp_available() else "sample_tokens (torch reference), compiled"
     assert (paths["decode_step"], paths["sampler"]) == ("torch.compile", sampler)
 
 
@@ -181,10 +181,13 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
                     "sampler": "sample_tokens (AVX-512 C++)"}
     off = NativeEngine.build(path, engine_config(cpu_kernels=False)).execution_paths()
     assert off["linear"] == "oneDNN prepacked" and off["decode_attention"].startswith("torch")
-    assert off["cpu_kernels"] == "off (engine.cpu_kernels: false)" and off["sampler"] == "chunked torch"
+    assert off["cpu_kernels"] == "off (engine.cpu_kernels: false)" and off["sampler"] == "sample_tokens (chunked torch)"
     plain = NativeEngine.build(path, engine_config(cpu_prepack=False)).execution_paths()
     assert plain["linear"] == "F.linear" and plain["cpu_prepack"] == "off (engine.cpu_prepack: false)"
     assert plain["decode_attention"] == fast["decode_attention"]  # attention does not need the prepack
+    hf = build_engine(path, engine_config(backend="hf")).execution_paths()
+    assert hf == {"backend": "hf", "device": "cpu", "dtype": "float32", "decode_step": "transformers generate",
+                  "attention": "sdpa", "sampler": "sample_tokens (AVX-512 C++)"}
     odd_head = save_tiny_model(tmp_path / "head24", "llama_mha_untied", head_dim=24)
     odd = NativeEngine.build(odd_head, engine_config()).execution_paths()
     assert odd["linear"] == fast["linear"]
@@ -201,6 +204,6 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     finally:
         _cpu_extension.reset()  # the next caller loads the cached build again
     assert failed["linear"] == "oneDNN prepacked" and failed["decode_attention"].startswith("torch")
-    assert failed["sampler"] == "chunked torch"
+    assert failed["sampler"] == "sample_tokens (chunked torch)"
     assert failed["cpu_kernels"].startswith("unavailable: building ")
     assert "error: command 'c++' failed" in failed["cpu_kernels"]
