@@ -232,6 +232,20 @@ class PPOConfig(Section):
     )
     reward_function_weights: list[float] = Field(default_factory=list)
     checkpoint_every: int = Field(5, ge=1, description="Publish a resumable checkpoint every K iterations.")
+    old_logprobs: Literal["auto", "engine", "recompute"] = Field(
+        "auto", description="Old log-probs of the PPO ratio. engine: the engine's rollout log-probs (exact when the "
+        "engine computes in the trainer's precision: the policy has not moved since the rollout); recompute: an "
+        "actor forward before training; auto: engine, checked on the first minibatch's forward (free) and "
+        "recomputed from then on, with a warning, when they differ by more than old_logprobs_tolerance.")
+    old_logprobs_tolerance: float = Field(
+        1e-4, gt=0, description="Largest |engine - actor| log-prob (nats per token) `auto` accepts; fp32 engines "
+        "measure ~2e-6 on the demo model.")
+    kl_metric: bool = Field(
+        False, description="Run the reference forward and log kl/* even when kl_coef is 0 (it is skipped then).")
+    autocast: Literal["auto", "bf16", "off"] = Field(
+        "auto", description="Training forwards in bfloat16 autocast (fp32 weights and optimizer). auto: on CUDA "
+        "with bf16 and on CPUs with bf16 arithmetic (AVX512-BF16 or AMX), when model.dtype is float32; off "
+        "elsewhere. The choice is printed and logged as perf/autocast_bf16.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0)
     grad_clip: float = Field(1.0, gt=0)
     seed: int = Field(0)

@@ -44,6 +44,7 @@ from alignflow.stages.training.deepspeed_setup import (
     initialize,
     stream_weights,
 )
+from alignflow.stages.training.precision import Precision, resolve_precision
 from alignflow.storage import join_uri, open_store, remove_unfinished_writes
 
 CHECKPOINT_DIR = re.compile(r"/checkpoints/iter_(\d{5})/manifest\.json$")
@@ -73,11 +74,14 @@ class RLState:
         self.score_stats = rl.RunningMeanStd()
         self.history: list[dict[str, float]] = []  # per-iteration metrics, for metrics.jsonl
         self.mlflow_run_id: str | None = None
+        # Set when the engine's log-probs were found to differ from the actor's (ppo.old_logprobs: auto):
+        # every later iteration recomputes them.
+        self.old_logprobs_fallback = False
 
     def to_json(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "kl_controller": self.kl_controller.state_dict(),
                 "score_stats": self.score_stats.state_dict(), "history": self.history,
-                "mlflow_run_id": self.mlflow_run_id}
+                "mlflow_run_id": self.mlflow_run_id, "old_logprobs_fallback": self.old_logprobs_fallback}
 
     def load_json(self, data: dict[str, Any]) -> None:
         self.iteration = int(data["iteration"])
@@ -85,6 +89,7 @@ class RLState:
         self.score_stats.load_state_dict(data["score_stats"])
         self.history = list(data["history"])
         self.mlflow_run_id = data.get("mlflow_run_id")
+        self.old_logprobs_fallback = bool(data.get("old_logprobs_fallback", False))
 
 
 def latest_checkpoint(spec: StageSpec) -> tuple[int, str] | None:
@@ -156,7 +161,10 @@ def compute_scores(reward_models, reward_fns, prompts: list[str], completions: l
                    response_ids: list[list[int]], finish_reasons: list[str], pad_id: int, cfg: PPOConfig
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(B,) combined raw score and each component (B,): weighted, z-scored reward models plus reward functions."""
-    components, total = score_with_reward_models(reward_models, sequences, pad_id)
+    if reward_models:
+        components, total = score_with_reward_models(reward_models, sequences, pad_id)
+    else:  # GRPO on reward functions alone
+        components, total = {}, torch.zeros(len(sequences))
     weights = cfg.reward_function_weights or [1.0] * len(reward_fns)
     for (name, fn), weight in zip(reward_fns, weights, strict=True):
         values = torch.tensor(call_reward_function(name, fn, prompts, completions, completion_ids=response_ids,
@@ -174,6 +182,16 @@ def shape_scores(raw: torch.Tensor, finished_with_eos: torch.Tensor, state: RLSt
     return rl.clip_scores(scores, cfg.reward_clip)
 
 
+def _advantages(exp: Experience, cfg: PPOConfig, kl_coef: float, with_reference: bool, iteration: int) -> None:
+    """KL to the reference (zero when the reference is skipped), then advantages; both checked for NaN."""
+    estimator = "k3" if cfg.algorithm == "grpo" else cfg.kl_estimator
+    if with_reference:
+        exp.kl = rl.kl_penalty(exp.old_logprobs, exp.ref_logprobs, estimator, exp.response_mask)
+        check_finite("the KL to the reference", exp.kl, iteration)
+    advantages_for(exp, cfg, kl_coef)
+    check_finite("the advantages", exp.advantages, iteration)
+
+
 def advantages_for(exp: Experience, cfg: PPOConfig, kl_coef: float) -> None:
     """Fill token_rewards, advantages and returns: GAE for PPO, group-relative for GRPO."""
     mask = exp.response_mask
@@ -189,33 +207,71 @@ def advantages_for(exp: Experience, cfg: PPOConfig, kl_coef: float) -> None:
     exp.returns = returns
 
 
-def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int) -> dict[str, float]:
-    """PPO epochs over shuffled minibatches; returns the mean of each loss metric."""
+class StaleOldLogprobs(Exception):
+    """The engine's log-probs differ from the actor's by more than ppo.old_logprobs_tolerance (raised before
+    any optimizer step, so the caller can recompute them and train again from the same weights)."""
+
+    def __init__(self, measured: float):
+        super().__init__(f"engine vs actor log-probs differ by up to {measured:.3g} nats")
+        self.measured = measured
+
+
+def needs_reference(cfg: PPOConfig) -> bool:
+    """The reference forward is skipped when the KL can play no part: coefficient 0, not adaptive, no metric asked."""
+    return cfg.kl_coef > 0 or cfg.adaptive_kl or cfg.kl_metric
+
+
+def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState) -> str:
+    """'engine' or 'recompute': where this iteration's old log-probs come from (see ppo.old_logprobs)."""
+    if cfg.old_logprobs == "recompute" or (cfg.old_logprobs == "auto" and state.old_logprobs_fallback):
+        return "recompute"
+    if cfg.old_logprobs == "auto" and precision.autocast_dtype is not None:
+        return "recompute"  # the actor trains in autocast, the engine samples in its own dtype: not equal
+    return "engine"
+
+
+def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int, precision: Precision,
+             check_old_tolerance: float | None = None) -> dict[str, float]:
+    """PPO epochs over shuffled minibatches; returns the mean of each loss metric.
+
+    check_old_tolerance: compare the first minibatch's log-probs (taken before any optimizer step, so at
+    the policy the old log-probs claim to be) with `exp.old_logprobs`; raise StaleOldLogprobs past it.
+    The measured value is returned as rollout/logprob_engine_vs_actor_max.
+    """
     sums: dict[str, float] = {}
     count = 0
+    measured: float | None = None
     rows = exp.scores.shape[0]
     generator = torch.Generator().manual_seed(cfg.seed * 100_003 + iteration)
+    entropy_mode = "loss" if cfg.entropy_coef > 0 else "metric"
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(rows, generator=generator)
         for start in range(0, rows, cfg.minibatch_size):
-            mb = exp.select(order[start:start + cfg.minibatch_size])
-            logp, entropy = policy_logprobs(actor, mb, cfg.temperature, with_entropy=True)
+            mb = exp.select(order[start:start + cfg.minibatch_size]).trimmed()
+            with precision.forward():
+                logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode)
+            if check_old_tolerance is not None and measured is None:
+                measured = float(((logp.detach() - mb.old_logprobs).abs() * mb.response_mask).max())
+                if not measured <= check_old_tolerance:
+                    raise StaleOldLogprobs(measured)
+            coef = cfg.entropy_coef if entropy_mode == "loss" else 0.0
             if cfg.algorithm == "grpo":
                 loss, metrics = rl.policy_loss_grpo(
                     logp, mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
                     kl_coef=kl_coef, kl_estimator="k3", dual_clip=cfg.dual_clip, entropy=entropy,
-                    entropy_coef=cfg.entropy_coef)
+                    entropy_coef=coef)
             else:
                 in_loss = not cfg.kl_in_reward
                 loss, metrics = rl.policy_loss_ppo(
                     logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range, dual_clip=cfg.dual_clip,
-                    entropy=entropy, entropy_coef=cfg.entropy_coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
+                    entropy=entropy, entropy_coef=coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
                     kl_coef=kl_coef if in_loss else 0.0, kl_estimator=cfg.kl_estimator)
             check_finite("the policy loss", loss, iteration)
             actor.backward(loss)
             actor.step()
             if critic is not None:
-                values = token_values(critic, mb)
+                with precision.forward():
+                    values = token_values(critic, mb)
                 value_loss, value_metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
                                                                   cfg.value_clip_range)
                 check_finite("the value loss", value_loss, iteration)
@@ -225,7 +281,10 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             count += 1
-    return {key: value / count for key, value in sums.items()}
+    out = {key: value / count for key, value in sums.items()}
+    if measured is not None:
+        out["rollout/logprob_engine_vs_actor_max"] = measured
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,7 +326,7 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         demo_task = json.loads((data_dir / "stats.json").read_text())["sources"]["sft"].startswith("demo://")
         prompt_texts = [render_prompt(p.prompt, tokenizer) for p in prompts]
         prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
-        reward_models = load_reward_models(ctx)
+        reward_models = load_reward_models(ctx) if any(k.startswith("reward_") for k in spec.inputs) else []
         reference = load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False)
         actor_model = load_causal_lm(sft_dir, dtype=model_cfg.dtype)
         steps = cfg.iterations * cfg.ppo_epochs * math.ceil(cfg.prompts_per_iteration * cfg.group_size
@@ -281,6 +340,10 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
             critic, _, _ = initialize(load_sequence_classifier(critic_dir, dtype=model_cfg.dtype),
                                       OptimSettings(lr=cfg.critic_lr, **common))
+        precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device)
+        print(f"{cfg.algorithm}: training forwards in {precision.label} ({precision.reason}); reference forward "
+              f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}",
+              file=sys.stderr, flush=True)
     with profiler.phase("engine_load"):
         engine = load_engine(ctx.input("engine"))  # built once by the engine stage; refit from here on
     if resume is not None:
@@ -308,12 +371,13 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             iteration = state.iteration + 1
             metrics = _iteration(iteration, cfg, state, engine, actor, critic, reference, reward_models, reward_fns,
                                  tokenizer, pad_id, prompts, prompt_texts, prompt_ids, demo_task, profiler, out,
-                                 rollout_store, spec)
+                                 rollout_store, spec, precision)
             state.iteration = iteration
             state.history.append(metrics)
             gold = f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics else ""
+            kl = f" kl {metrics['kl/mean']:.3f}" if "kl/mean" in metrics else ""
             print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score {metrics['rollout/score_mean']:+.3f}"
-                  f"{gold} kl {metrics['kl/mean']:.3f} len {metrics['rollout/response_length_mean']:.1f} "
+                  f"{gold}{kl} len {metrics['rollout/response_length_mean']:.1f} "
                   f"({metrics['timing/iteration']:.1f} s)", file=sys.stderr, flush=True)
             pending.append(metrics)
             if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
@@ -328,8 +392,10 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         _write_final(out, state, actor, critic, tokenizer, cfg)
         summary = profiler.summary()
         final = state.history[-1]
-        metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"], "kl/mean": final["kl/mean"],
+        metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"],
                    "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")}}
+        if "kl/mean" in final:
+            metrics["kl/mean"] = final["kl/mean"]
         if "rollout/gold_score_mean" in final:
             metrics["rollout/gold_score_mean"] = final["rollout/gold_score_mean"]
         if ctx.tracker is not None:
@@ -341,7 +407,7 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
 
 def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, critic, reference, reward_models,
                reward_fns, tokenizer, pad_id: int, prompts, prompt_texts, prompt_ids, demo_task: bool,
-               profiler, out: Path, rollout_store, spec: StageSpec) -> dict[str, float]:
+               profiler, out: Path, rollout_store, spec: StageSpec, precision: Precision) -> dict[str, float]:
     """One RL iteration; returns its metrics (namespaced) with 'iteration'."""
     started = time.perf_counter()
     # Prompts of this iteration: a seeded draw, so a resumed run draws the same ones.
@@ -374,29 +440,30 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
 
     exp = Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
-                     old_logprobs=torch.zeros_like(mask), ref_logprobs=torch.zeros_like(mask), values=None,
+                     old_logprobs=rollout_logprobs * mask, ref_logprobs=torch.zeros_like(mask), values=None,
                      scores=scores, token_rewards=torch.zeros_like(mask), kl=torch.zeros_like(mask),
                      advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p)
-    with torch.no_grad():
-        with profiler.phase("reference"):
-            exp.ref_logprobs = policy_logprobs(reference, exp, cfg.temperature)[0]
-            exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature)[0]
+    with_reference = needs_reference(cfg)
+    source = old_logprob_source(cfg, precision, state)
+    with torch.no_grad(), precision.forward():
+        if with_reference:
+            with profiler.phase("reference"):
+                exp.ref_logprobs = policy_logprobs(reference, exp, cfg.temperature)[0]
+        if source == "recompute":
+            with profiler.phase("old_logprobs"):
+                exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature)[0]
         if critic is not None:
             with profiler.phase("values"):
                 exp.values = token_values(critic.module, exp)
     kl_coef = state.kl_controller.value
     with profiler.phase("advantages"):
-        estimator = "k3" if cfg.algorithm == "grpo" else cfg.kl_estimator
-        exp.kl = rl.kl_penalty(exp.old_logprobs, exp.ref_logprobs, estimator, mask)
-        check_finite("the KL to the reference", exp.kl, iteration)
-        advantages_for(exp, cfg, kl_coef)
-        check_finite("the advantages", exp.advantages, iteration)
+        _advantages(exp, cfg, kl_coef, with_reference, iteration)
     seq_kl = rl.sequence_kl(exp.kl, mask)
 
     with profiler.phase("io"):
         path = out / "rollouts" / f"iter_{iteration:05d}.parquet"
         write_rollouts(_rollout_rows(iteration, state.iteration, chosen, rows, prompts, texts, completions,
-                                     batch_prompt_ids, generation, exp, components, seq_kl), path)
+                                     batch_prompt_ids, generation, exp, components, seq_kl, with_reference), path)
         if rollout_store.local_path(spec.output_uri) is None:
             rollout_store.put_file(path, join_uri(spec.output_uri, "rollouts", path.name))
 
@@ -404,7 +471,21 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
         actor.train()
         if critic is not None:
             critic.train()
-        loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration)
+        check = cfg.old_logprobs_tolerance if source == "engine" and cfg.old_logprobs == "auto" else None
+        try:
+            loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision, check)
+        except StaleOldLogprobs as stale:
+            # No optimizer step ran: recompute at the same weights and train again; later iterations recompute.
+            print(f"{cfg.algorithm}: iteration {iteration}: {stale} (more than ppo.old_logprobs_tolerance = "
+                  f"{cfg.old_logprobs_tolerance:g}); recomputing old log-probs with the actor from now on",
+                  file=sys.stderr, flush=True)
+            state.old_logprobs_fallback, source = True, "recompute"
+            with torch.no_grad(), precision.forward():
+                exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature)[0]
+            _advantages(exp, cfg, kl_coef, with_reference, iteration)
+            seq_kl = rl.sequence_kl(exp.kl, mask)
+            loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)
+            loss_metrics["rollout/logprob_engine_vs_actor_max"] = stale.measured
     with profiler.phase("refit"):
         refit = engine.refit(stream_weights(actor))
     state.kl_controller.update(float(seq_kl.mean()), n_steps=len(rows))
@@ -416,8 +497,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
         "rollout/reward_total_mean": float(scores.mean()),
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/eos_fraction": float(finished.float().mean()),
-        "rollout/logprob_engine_vs_actor_max": float(((exp.rollout_logprobs - exp.old_logprobs).abs() * mask).max()),
-        "kl/mean": float(seq_kl.mean()),
+        "rollout/old_logprobs_recomputed": float(source == "recompute"),
         "kl/coef": float(kl_coef),
         "kl/coef_next": float(state.kl_controller.value),
         "refit/bytes": float(refit.bytes),
@@ -426,6 +506,11 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
         **profiler.iteration_metrics(),
         "timing/iteration": time.perf_counter() - started,
     }
+    if with_reference:
+        metrics["kl/mean"] = float(seq_kl.mean())
+    if source == "recompute" and "rollout/logprob_engine_vs_actor_max" not in metrics:
+        metrics["rollout/logprob_engine_vs_actor_max"] = float(((exp.rollout_logprobs - exp.old_logprobs).abs()
+                                                                * mask).max())
     if exp.values is not None:
         metrics["losses/explained_variance"] = float(rl.explained_variance(exp.values, exp.returns, mask))
     if gold is not None:
@@ -434,7 +519,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
 
 
 def _rollout_rows(iteration, policy_version, chosen, rows, prompts, texts, completions, prompt_ids, generation,
-                  exp: Experience, components, seq_kl) -> list[dict[str, Any]]:
+                  exp: Experience, components, seq_kl, with_reference: bool) -> list[dict[str, Any]]:
     out = []
     for b, prompt_index in enumerate(rows):
         n = len(generation.response_token_ids[b])
@@ -444,7 +529,7 @@ def _rollout_rows(iteration, policy_version, chosen, rows, prompts, texts, compl
             "prompt_id": str(getattr(record, "id", None) or prompt_index), "prompt": texts[b],
             "response": completions[b], "prompt_token_ids": prompt_ids[b],
             "response_token_ids": generation.response_token_ids[b],
-            "logprobs": exp.rollout_logprobs[b, :n].tolist(), "ref_logprobs": exp.ref_logprobs[b, :n].tolist(),
+            "logprobs": exp.rollout_logprobs[b, :n].tolist(), "ref_logprobs": exp.ref_logprobs[b, :n].tolist() if with_reference else None,
             "values": exp.values[b, :n].tolist() if exp.values is not None else None,
             "token_rewards": exp.token_rewards[b, :n].tolist(), "advantages": exp.advantages[b, :n].tolist(),
             "returns": exp.returns[b, :n].tolist() if exp.returns is not None else None,

@@ -61,7 +61,8 @@ ROLLOUT_SCHEMA: pa.Schema = pa.schema(
             _float_list(),
             "Per-token log-prob of each sampled token under the rollout policy (the old policy of the PPO ratio).",
         ),
-        _field("ref_logprobs", _float_list(), "Per-token log-prob under the frozen reference policy."),
+        _field("ref_logprobs", _float_list(), "Per-token log-prob under the frozen reference policy; null when the "
+               "reference forward was skipped (KL coefficient 0, ppo.kl_metric false).", nullable=True),
         _field(
             "values",
             _float_list(),
@@ -95,7 +96,7 @@ ROLLOUT_SCHEMA: pa.Schema = pa.schema(
             "The sequence score trained on: weighted sum of `rewards` plus any missing-EOS penalty, after "
             "normalisation and clipping.",
         ),
-        _field("kl", pa.float32(), "KL(policy || reference) of the response in nats: the per-token sum."),
+        _field("kl", pa.float32(), "KL(policy || reference) of the response in nats: the per-token sum; 0 when the reference forward was skipped."),
         _field("length", pa.int32(), "Number of response tokens: the length of every per-token column."),
         _field(
             "finish_reason",

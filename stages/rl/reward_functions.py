@@ -51,3 +51,12 @@ def ends_with_eos(prompts: list[str], completions: list[str], finish_reasons: li
     """1.0 for a completion that ended with EOS, else 0.0."""
     reasons = finish_reasons or ["eos"] * len(completions)
     return [1.0 if r == "eos" else 0.0 for r in reasons]
+
+
+def letter_share(prompts: list[str], completions: list[str], letter: str = "e", **kwargs) -> list[float]:
+    """The share of `letter` among a completion's characters (0.0 for an empty one).
+
+    A rule-based reward that costs microseconds: the RL-speed benchmarks score with it, so that they
+    time the RL loop and not a reward model (benchmarks/rl_ladder.py, and TRL's side of it).
+    """
+    return [c.count(letter) / len(c) if c else 0.0 for c in completions]

@@ -1,0 +1,62 @@
+"""Which precision the RL trainer's forwards run in: bfloat16 autocast where the hardware has bf16 arithmetic.
+
+Autocast keeps fp32 master weights and the fp32 optimizer; only the matmuls (and what autocast lists
+with them) run in bf16. On this project's AMD EPYC (AVX512-BF16, 2 cores) the actor's forward and
+backward of the 4.7M-parameter benchmark model over 16 x 52 tokens took 127 ms in autocast against
+180 ms in fp32; on an Ice Lake without bf16 arithmetic oneDNN emulates bf16 through fp32 and is
+several times slower, so `auto` stays in fp32 there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+def has_bf16_arithmetic(device: torch.device) -> bool:
+    """True on CUDA devices with bf16 support and on CPUs with AVX512-BF16 or AMX."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return False
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The resolved choice: `autocast_dtype` None means the model's own dtype; `reason` says why, for the log."""
+
+    autocast_dtype: torch.dtype | None
+    device_type: str
+    reason: str
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Context for a training or log-prob forward."""
+        if self.autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=self.autocast_dtype):
+            yield
+
+    @property
+    def label(self) -> str:
+        return "bf16 autocast" if self.autocast_dtype is not None else "model dtype"
+
+
+def resolve_precision(setting: str, model_dtype: str, device: torch.device) -> Precision:
+    """`setting` is ppo.autocast ('auto' | 'bf16' | 'off'); `model_dtype` is model.dtype."""
+    if setting not in ("auto", "bf16", "off"):
+        raise ValueError(f"autocast setting '{setting}' is not one of auto, bf16, off")
+    if setting == "off":
+        return Precision(None, device.type, "autocast off (ppo.autocast: off)")
+    if model_dtype != "float32":
+        return Precision(None, device.type, f"model.dtype is {model_dtype}: weights already in low precision")
+    if setting == "bf16":
+        return Precision(torch.bfloat16, device.type, "ppo.autocast: bf16")
+    if has_bf16_arithmetic(device):
+        return Precision(torch.bfloat16, device.type, f"auto: {device.type} has bf16 arithmetic")
+    return Precision(None, device.type, f"auto: {device.type} has no bf16 arithmetic (bf16 would be emulated)")
