@@ -35,6 +35,7 @@ from alignflow.stages.rl import algorithms as rl
 from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
 from alignflow.stages.rl.kl_control import make_kl_controller
 from alignflow.stages.rl.reward_functions import call_reward_function, load_reward_function
+from alignflow.stages.rl.rollout_client import Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.rollouts import write_rollouts
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_prompt, pad_token_id
@@ -221,23 +222,37 @@ def needs_reference(cfg: PPOConfig) -> bool:
     return cfg.kl_coef > 0 or cfg.adaptive_kl or cfg.kl_metric
 
 
-def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState) -> str:
-    """'engine' or 'recompute': where this iteration's old log-probs come from (see ppo.old_logprobs)."""
-    if cfg.old_logprobs == "recompute" or (cfg.old_logprobs == "auto" and state.old_logprobs_fallback):
-        return "recompute"
-    if cfg.old_logprobs == "auto" and precision.autocast_dtype is not None:
-        return "recompute"  # the actor trains in autocast, the engine samples in its own dtype: not equal
-    return "engine"
+def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, rows: int) -> str:
+    """Where this iteration's old log-probs come from (see ppo.old_logprobs):
+
+    'engine': the rollout log-probs; 'recompute': a no-grad actor forward before training; 'first_forward':
+    the first minibatch's own forward, taken before any optimizer step. That last one is the recomputation
+    for free, and exact, when one minibatch holds every row and nothing needs the old log-probs before
+    training (no reference: the KL is what would use them).
+    """
+    if cfg.old_logprobs == "engine":
+        return "engine"
+    stale = state.old_logprobs_fallback or precision.autocast_dtype is not None  # autocast != the engine's dtype
+    if cfg.old_logprobs == "auto" and not stale:
+        return "engine"
+    if cfg.minibatch_size >= rows and not needs_reference(cfg):
+        return "first_forward"
+    return "recompute"
 
 
 def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int, precision: Precision,
-             check_old_tolerance: float | None = None) -> dict[str, float]:
+             check_old_tolerance: float | None = None, old_from_first_forward: bool = False) -> dict[str, float]:
     """PPO epochs over shuffled minibatches; returns the mean of each loss metric.
 
     check_old_tolerance: compare the first minibatch's log-probs (taken before any optimizer step, so at
     the policy the old log-probs claim to be) with `exp.old_logprobs`; raise StaleOldLogprobs past it.
     The measured value is returned as rollout/logprob_engine_vs_actor_max.
+    old_from_first_forward: fill `exp.old_logprobs` from the first minibatch's forward, which must hold
+    every row (old_logprob_source's 'first_forward').
     """
+    take_old = old_from_first_forward
+    if take_old and cfg.minibatch_size < exp.scores.shape[0]:
+        raise ValueError("old log-probs from the first forward need one minibatch holding every row")
     sums: dict[str, float] = {}
     count = 0
     measured: float | None = None
@@ -250,7 +265,13 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
             mb = exp.select(order[start:start + cfg.minibatch_size]).trimmed()
             with precision.forward():
                 logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode)
-            if check_old_tolerance is not None and measured is None:
+            if take_old:  # the one minibatch of epoch 1, before any step: its log-probs are the old ones
+                measured = float(((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max())
+                mb.old_logprobs = logp.detach()
+                exp.old_logprobs = torch.zeros_like(exp.response_mask)
+                exp.old_logprobs[order, : logp.shape[1]] = mb.old_logprobs
+                take_old = False
+            elif check_old_tolerance is not None and measured is None:
                 measured = float(((logp.detach() - mb.old_logprobs).abs() * mb.response_mask).max())
                 if not measured <= check_old_tolerance:
                     raise StaleOldLogprobs(measured)
@@ -366,12 +387,23 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                 logged_through = step
         pending.clear()
 
+    # With ppo.async_rollouts the next iteration is generated while this one trains (one-step off-policy).
+    rollouts = RolloutClient(engine, overlap=cfg.async_rollouts, weights_version=state.iteration)
+    in_flight = None
     try:
         while state.iteration < cfg.iterations:
             iteration = state.iteration + 1
-            metrics = _iteration(iteration, cfg, state, engine, actor, critic, reference, reward_models, reward_fns,
-                                 tokenizer, pad_id, prompts, prompt_texts, prompt_ids, demo_task, profiler, out,
-                                 rollout_store, spec, precision)
+            started = time.perf_counter()
+            with profiler.phase("generate"):
+                if in_flight is None:
+                    in_flight = rollouts.submit(rollout_request(cfg, iteration, prompt_ids))
+                rollout = rollouts.result(in_flight)
+            in_flight = None
+            if cfg.async_rollouts and iteration < cfg.iterations:
+                in_flight = rollouts.submit(rollout_request(cfg, iteration + 1, prompt_ids))
+            metrics = _iteration(iteration, cfg, state, rollout, rollouts, actor, critic, reference, reward_models,
+                                 reward_fns, tokenizer, pad_id, prompts, prompt_texts, demo_task, profiler, out,
+                                 rollout_store, spec, precision, started)
             state.iteration = iteration
             state.history.append(metrics)
             gold = f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics else ""
@@ -385,9 +417,11 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                 with profiler.phase("checkpoint"):
                     last_checkpoint = save_checkpoint(ctx, out, state, actor, critic)
     except NonFiniteError as exc:
+        rollouts.close()
         flush_metrics()
         where = _publish_last_good(ctx, out, state, actor, critic, last_checkpoint, exc)
         raise NonFiniteError(f"{exc}; stopped. Last good checkpoint: {where}") from None
+    rollouts.close()
     with profiler.phase("publish"):
         _write_final(out, state, actor, critic, tokenizer, cfg)
         summary = profiler.summary()
@@ -405,22 +439,28 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                       message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
 
 
-def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, critic, reference, reward_models,
-               reward_fns, tokenizer, pad_id: int, prompts, prompt_texts, prompt_ids, demo_task: bool,
-               profiler, out: Path, rollout_store, spec: StageSpec, precision: Precision) -> dict[str, float]:
-    """One RL iteration; returns its metrics (namespaced) with 'iteration'."""
-    started = time.perf_counter()
-    # Prompts of this iteration: a seeded draw, so a resumed run draws the same ones.
-    chosen = random.Random(cfg.seed * 1_000_003 + iteration).sample(range(len(prompts)),
-                                                                   min(cfg.prompts_per_iteration, len(prompts)))
+def rollout_request(cfg: PPOConfig, iteration: int, prompt_ids: list[list[int]]) -> RolloutRequest:
+    """The prompts and sampling of `iteration`: a seeded draw, so a resumed run draws the same ones."""
+    chosen = random.Random(cfg.seed * 1_000_003 + iteration).sample(range(len(prompt_ids)),
+                                                                   min(cfg.prompts_per_iteration, len(prompt_ids)))
     rows = [i for i in chosen for _ in range(cfg.group_size)]  # group-contiguous for GRPO
-    batch_prompt_ids = [prompt_ids[i] for i in rows]
+    seeds = [(cfg.seed * 1_000_003 + iteration) * 4096 + k for k in range(len(rows))]
+    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                              max_new_tokens=cfg.max_new_tokens, seeds=seeds)
+    return RolloutRequest(iteration, rows, chosen, [prompt_ids[i] for i in rows], sampling)
 
-    with profiler.phase("generate"):
-        seeds = [(cfg.seed * 1_000_003 + iteration) * 4096 + k for k in range(len(rows))]
-        generation = engine.generate(batch_prompt_ids, SamplingParams(
-            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-            seeds=seeds))
+
+def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout, rollouts: RolloutClient, actor,
+               critic, reference, reward_models, reward_fns, tokenizer, pad_id: int, prompts, prompt_texts,
+               demo_task: bool, profiler, out: Path, rollout_store, spec: StageSpec, precision: Precision,
+               started: float) -> dict[str, float]:
+    """One RL iteration on a finished rollout (`started`: when the loop asked for it); returns its metrics
+    (namespaced) with 'iteration'."""
+    generation, chosen, rows = rollout.generation, rollout.request.chosen, rollout.request.prompt_indices
+    batch_prompt_ids = rollout.request.prompt_ids
+    # Generated by an older policy than the one about to train (async rollouts): the engine's log-probs are
+    # the behaviour policy's, and the PPO ratio is taken against them.
+    off_policy = rollout.weights_version < state.iteration
     profiler.count(tokens=sum(generation.lengths), samples=len(rows))
     completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.response_token_ids]
     texts = [prompt_texts[i] for i in rows]
@@ -444,7 +484,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
                      scores=scores, token_rewards=torch.zeros_like(mask), kl=torch.zeros_like(mask),
                      advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p)
     with_reference = needs_reference(cfg)
-    source = old_logprob_source(cfg, precision, state)
+    source = "engine" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
     with torch.no_grad(), precision.forward():
         if with_reference:
             with profiler.phase("reference"):
@@ -462,7 +502,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
 
     with profiler.phase("io"):
         path = out / "rollouts" / f"iter_{iteration:05d}.parquet"
-        write_rollouts(_rollout_rows(iteration, state.iteration, chosen, rows, prompts, texts, completions,
+        write_rollouts(_rollout_rows(iteration, rollout.weights_version, chosen, rows, prompts, texts, completions,
                                      batch_prompt_ids, generation, exp, components, seq_kl, with_reference), path)
         if rollout_store.local_path(spec.output_uri) is None:
             rollout_store.put_file(path, join_uri(spec.output_uri, "rollouts", path.name))
@@ -471,9 +511,11 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
         actor.train()
         if critic is not None:
             critic.train()
-        check = cfg.old_logprobs_tolerance if source == "engine" and cfg.old_logprobs == "auto" else None
+        check = (cfg.old_logprobs_tolerance if source == "engine" and cfg.old_logprobs == "auto" and not off_policy
+                 else None)
         try:
-            loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision, check)
+            loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision, check,
+                                    old_from_first_forward=source == "first_forward")
         except StaleOldLogprobs as stale:
             # No optimizer step ran: recompute at the same weights and train again; later iterations recompute.
             print(f"{cfg.algorithm}: iteration {iteration}: {stale} (more than ppo.old_logprobs_tolerance = "
@@ -486,8 +528,10 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
             seq_kl = rl.sequence_kl(exp.kl, mask)
             loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)
             loss_metrics["rollout/logprob_engine_vs_actor_max"] = stale.measured
+    with profiler.phase("generate"):
+        rollouts.wait_idle()  # async: the next iteration's rollout, still generating on the old weights
     with profiler.phase("refit"):
-        refit = engine.refit(stream_weights(actor))
+        refit = rollouts.refit(stream_weights(actor))
     state.kl_controller.update(float(seq_kl.mean()), n_steps=len(rows))
 
     lengths = mask.sum(-1)
@@ -497,10 +541,12 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, engine, actor, cr
         "rollout/reward_total_mean": float(scores.mean()),
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/eos_fraction": float(finished.float().mean()),
-        "rollout/old_logprobs_recomputed": float(source == "recompute"),
+        "rollout/old_logprobs_recomputed": float(source != "engine"),
         "kl/coef": float(kl_coef),
         "kl/coef_next": float(state.kl_controller.value),
         "refit/bytes": float(refit.bytes),
+        "rollout/policy_lag": float(state.iteration - rollout.weights_version),
+        "timing/generate_engine": rollout.seconds,
         **{f"rollout/reward_{name}_mean": float(v.mean()) for name, v in components.items()},
         **{k if "/" in k else f"losses/{k}": v for k, v in loss_metrics.items()},
         **profiler.iteration_metrics(),
