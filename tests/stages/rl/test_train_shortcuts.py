@@ -1,0 +1,218 @@
+"""The RL trainer's shortcuts are exact where they claim to be: engine log-probs as old log-probs, old
+log-probs from the first forward, minibatches trimmed of padding, the LM head on response columns only.
+
+Each test runs the shortcut and the plain computation side by side on a tiny random Llama and
+compares losses and gradients (or final weights) with tolerances stated next to them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from alignflow.config import PPOConfig
+from alignflow.stages.generation.base import SamplingParams, build_engine
+from alignflow.stages.models.loading import load_causal_lm
+from alignflow.stages.ppo import RLState, StaleOldLogprobs, old_logprob_source, train_on
+from alignflow.stages.rl import algorithms as rl
+from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs
+from alignflow.stages.training.precision import resolve_precision
+from tests.stages.generation.engine_test_models import engine_config, random_prompts, save_tiny_model
+
+PAD = 0
+FP32 = resolve_precision("off", "float32", torch.device("cpu"))
+
+
+class PlainTrainEngine:
+    """The two calls train_on makes of a DeepSpeed engine, on a plain torch model and AdamW."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-3):
+        self.module = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("shortcuts") / "llama", "llama_mha_untied")
+
+
+@pytest.fixture(scope="module")
+def rollout(checkpoint):
+    """An Experience of 6 sampled responses of different lengths from the native engine (fp32)."""
+    engine = build_engine(checkpoint, engine_config(backend="native"), dtype="float32")
+    prompts = random_prompts(6, seed=3)
+    generation = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seeds=list(range(6))))
+    engine.unload()
+    input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(
+        prompts, generation.response_token_ids, PAD)
+    engine_logprobs = generation.padded(PAD)[1][:, : response_ids.shape[1]] * mask
+    zeros = torch.zeros_like(mask)
+    advantages = torch.linspace(-1.0, 1.0, mask.numel()).reshape(mask.shape) * mask
+    return Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      response_ids=response_ids, response_mask=mask, rollout_logprobs=engine_logprobs,
+                      old_logprobs=engine_logprobs.clone(), ref_logprobs=zeros, values=None,
+                      scores=torch.zeros(len(prompts)), token_rewards=zeros, kl=zeros, advantages=advantages,
+                      returns=None, prompt_width=width_p)
+
+
+def loss_and_grads(model, exp: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logp, _ = policy_logprobs(model, exp, temperature=1.0)
+    loss, _ = rl.policy_loss_ppo(logp, exp.old_logprobs, exp.advantages, exp.response_mask, clip_range=0.2)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
+    assert a.keys() == b.keys()
+    scale = max(float(g.abs().max()) for g in a.values())
+    worst = max(float((a[n] - b[n]).abs().max()) for n in a)
+    assert worst <= rtol * scale, f"largest gradient difference {worst:.3g} vs largest gradient {scale:.3g}"
+
+
+def test_engine_logprobs_as_old_give_the_recomputed_loss_and_gradients(checkpoint, rollout):
+    """The engine samples from the same fp32 weights the actor has: its log-probs are the recomputation's.
+
+    Tolerance: the engine's fused GEMMs and cached keys move the last fp32 bits of the log-probs (<= 1e-4,
+    the engine parity table; ~3e-6 measured), so the ratio is 1 within ~1e-5 and the loss and every
+    gradient agree to 1e-4 relative; a wrong column or token would move the ratio by far more than that.
+    """
+    model = load_causal_lm(checkpoint)
+    with torch.no_grad():
+        recomputed = policy_logprobs(model, rollout, temperature=1.0)[0]
+    mask = rollout.response_mask
+    assert float(((recomputed - rollout.rollout_logprobs).abs() * mask).max()) <= 1e-4
+    engine_exp = copy.copy(rollout)
+    recompute_exp = copy.copy(rollout)
+    recompute_exp.old_logprobs = recomputed
+    loss_engine, grads_engine = loss_and_grads(model, engine_exp)
+    loss_recomputed, grads_recomputed = loss_and_grads(model, recompute_exp)
+    assert math.isclose(float(loss_engine), float(loss_recomputed), rel_tol=1e-4, abs_tol=1e-7)
+    assert_grads_close(grads_engine, grads_recomputed, rtol=1e-4)
+
+
+def test_trimmed_minibatch_gives_the_padded_loss_and_gradients(checkpoint, rollout):
+    """Columns that are padding in every row of a minibatch change nothing but float summation order."""
+    model = load_causal_lm(checkpoint)
+    lengths = rollout.response_mask.sum(-1)
+    prompt_lengths = rollout.attention_mask[:, : rollout.prompt_width].sum(-1)
+    # The rows with the shortest prompts and responses: their minibatch has padding columns at both ends.
+    rows = torch.argsort(lengths + prompt_lengths)[:3]
+    padded = rollout.select(rows)
+    trimmed = padded.trimmed()
+    assert trimmed.input_ids.shape[1] < padded.input_ids.shape[1]
+    assert trimmed.prompt_width < padded.prompt_width or trimmed.response_ids.shape[1] < padded.response_ids.shape[1]
+    assert int(trimmed.response_mask.sum()) == int(padded.response_mask.sum())
+    loss_padded, grads_padded = loss_and_grads(model, padded)
+    loss_trimmed, grads_trimmed = loss_and_grads(model, trimmed)
+    # fp32 sums over different widths: measured ~1e-7 relative; 1e-5 still catches a shifted column (~1e-1).
+    assert math.isclose(float(loss_padded), float(loss_trimmed), rel_tol=1e-5, abs_tol=1e-7)
+    assert_grads_close(grads_padded, grads_trimmed, rtol=1e-5)
+
+
+def test_trimmed_drops_only_all_padding_columns(rollout):
+    trimmed = rollout.trimmed()
+    left = rollout.prompt_width - trimmed.prompt_width
+    assert not rollout.attention_mask[:, :left].any()
+    width_r = trimmed.response_ids.shape[1]
+    assert not rollout.response_mask[:, width_r:].any()
+    assert torch.equal(trimmed.input_ids, rollout.input_ids[:, left: rollout.prompt_width + width_r])
+    assert torch.equal(trimmed.old_logprobs, rollout.old_logprobs[:, :width_r])
+
+
+def test_lm_head_on_response_columns_equals_the_full_forward(checkpoint, rollout):
+    model = load_causal_lm(checkpoint)
+    with torch.no_grad():
+        full = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
+                     position_ids=rollout.position_ids).logits[:, rollout.prompt_width - 1:-1]
+        logp_full = torch.log_softmax(full, -1).gather(-1, rollout.response_ids[..., None])[..., 0]
+        logp = policy_logprobs(model, rollout, temperature=1.0)[0]
+    assert torch.allclose(logp, logp_full * rollout.response_mask, atol=1e-5)
+
+
+def ppo_config(**overrides) -> PPOConfig:
+    values = dict(algorithm="grpo", group_size=2, prompts_per_iteration=3, minibatch_size=6, ppo_epochs=2,
+                  kl_coef=0.0, clip_range=0.2, seed=0)
+    values.update(overrides)
+    return PPOConfig(**values)
+
+
+def test_old_logprobs_from_the_first_forward_train_exactly_like_the_recomputation(checkpoint, rollout):
+    """One minibatch holding every row: its first forward is taken at the weights a recomputation would
+    use, so two epochs of training end at the same weights (to float determinism: bit-equal here)."""
+    cfg = ppo_config()
+    recompute_actor = PlainTrainEngine(load_causal_lm(checkpoint))
+    first_forward_actor = PlainTrainEngine(load_causal_lm(checkpoint))
+    recompute_exp, first_exp = copy.copy(rollout), copy.copy(rollout)
+    with torch.no_grad():
+        recompute_exp.old_logprobs = policy_logprobs(recompute_actor.module, rollout, temperature=1.0)[0]
+    first_exp.old_logprobs = torch.full_like(rollout.old_logprobs, float("nan"))  # must be overwritten
+    metrics_a = train_on(recompute_exp, recompute_actor, None, cfg, 0.0, 1, FP32)
+    metrics_b = train_on(first_exp, first_forward_actor, None, cfg, 0.0, 1, FP32, old_from_first_forward=True)
+    assert torch.allclose(first_exp.old_logprobs, recompute_exp.old_logprobs, atol=1e-6)
+    for key in ("losses/policy_loss", "losses/approx_kl", "losses/clipfrac"):
+        assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-5, abs=1e-8)
+    for (name, a), (_, b) in zip(recompute_actor.module.named_parameters(),
+                                 first_forward_actor.module.named_parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
+
+
+def test_first_forward_needs_one_minibatch_of_every_row(checkpoint, rollout):
+    actor = PlainTrainEngine(load_causal_lm(checkpoint))
+    with pytest.raises(ValueError, match="one minibatch holding every row"):
+        train_on(copy.copy(rollout), actor, None, ppo_config(minibatch_size=2), 0.0, 1, FP32,
+                 old_from_first_forward=True)
+
+
+def test_engine_logprobs_off_by_more_than_the_tolerance_stop_before_any_step(checkpoint, rollout):
+    """`auto`'s check: a 1e-2 disagreement (a bf16 engine, say) raises before the optimizer moves anything."""
+    actor = PlainTrainEngine(load_causal_lm(checkpoint))
+    before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
+    stale = copy.copy(rollout)
+    stale.old_logprobs = rollout.rollout_logprobs + 1e-2 * rollout.response_mask
+    with pytest.raises(StaleOldLogprobs) as caught:
+        train_on(stale, actor, None, ppo_config(), 0.0, 1, FP32, check_old_tolerance=1e-4)
+    assert caught.value.measured == pytest.approx(1e-2, rel=0.05)
+    for name, param in actor.module.named_parameters():
+        assert torch.equal(param, before[name]), f"{name} moved before the check"
+    metrics = train_on(copy.copy(rollout), PlainTrainEngine(load_causal_lm(checkpoint)), None, ppo_config(), 0.0,
+                       1, FP32, check_old_tolerance=1e-4)
+    assert metrics["rollout/logprob_engine_vs_actor_max"] <= 1e-4
+
+
+@pytest.mark.parametrize(("overrides", "autocast", "fallback", "expected"), [
+    ({"old_logprobs": "auto"}, False, False, "engine"),
+    ({"old_logprobs": "auto"}, False, True, "first_forward"),          # fell back once: recompute, here for free
+    ({"old_logprobs": "auto", "kl_coef": 0.1}, False, True, "recompute"),  # the KL needs them before training
+    ({"old_logprobs": "auto"}, True, False, "first_forward"),           # autocast is not the engine's dtype
+    ({"old_logprobs": "auto", "minibatch_size": 2}, True, False, "recompute"),
+    ({"old_logprobs": "engine"}, True, True, "engine"),
+    ({"old_logprobs": "recompute"}, False, False, "first_forward"),
+])
+def test_old_logprob_source(overrides, autocast, fallback, expected):
+    cfg = ppo_config(**overrides)
+    state = RLState(cfg)
+    state.old_logprobs_fallback = fallback
+    precision = resolve_precision("bf16" if autocast else "off", "float32", torch.device("cpu"))
+    assert old_logprob_source(cfg, precision, state, rows=6) == expected
