@@ -156,10 +156,6 @@ class RewardConfig(Section):
     micro_batch_size: int = Field(32, ge=1)
     max_length: int = Field(128, ge=8)
     eval_every: int = Field(50, ge=1)
-    async_rollouts: bool = Field(
-        False, description="Generate iteration k+1 while training on iteration k (one-step off-policy: the PPO "
-        "ratio is taken against the rollout policy's log-probs). Faster where generation and training leave each "
-        "other idle cores; resuming is not bit-identical to an uninterrupted run.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0)
     grad_clip: float = Field(1.0, gt=0)
 
@@ -250,6 +246,10 @@ class PPOConfig(Section):
         "auto", description="Training forwards in bfloat16 autocast (fp32 weights and optimizer). auto: on CUDA "
         "with bf16 and on CPUs with bf16 arithmetic (AVX512-BF16 or AMX), when model.dtype is float32; off "
         "elsewhere. The choice is printed and logged as perf/autocast_bf16.")
+    fast_train_step: bool = Field(
+        True, description="Minibatches trimmed of all-padding columns, the LM head on response columns only, the "
+        "entropy differentiated only when entropy_coef > 0. false: the plain step on the padded batch, the "
+        "reference the fast one is tested and benchmarked against (same loss and gradients).")
     async_rollouts: bool = Field(
         False, description="Generate iteration k+1 while training on iteration k (one-step off-policy: the PPO "
         "ratio is taken against the rollout policy's log-probs). Faster where generation and training leave each "

@@ -258,13 +258,16 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
     measured: float | None = None
     rows = exp.scores.shape[0]
     generator = torch.Generator().manual_seed(cfg.seed * 100_003 + iteration)
-    entropy_mode = "loss" if cfg.entropy_coef > 0 else "metric"
+    fast = cfg.fast_train_step
+    entropy_mode = "loss" if cfg.entropy_coef > 0 or not fast else "metric"
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(rows, generator=generator)
         for start in range(0, rows, cfg.minibatch_size):
-            mb = exp.select(order[start:start + cfg.minibatch_size]).trimmed()
+            mb = exp.select(order[start:start + cfg.minibatch_size])
+            mb = mb.trimmed() if fast else mb
             with precision.forward():
-                logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode)
+                logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode,
+                                                head_on_response_only=fast)
             if take_old:  # the one minibatch of epoch 1, before any step: its log-probs are the old ones
                 measured = float(((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max())
                 mb.old_logprobs = logp.detach()
@@ -275,17 +278,16 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 measured = float(((logp.detach() - mb.old_logprobs).abs() * mb.response_mask).max())
                 if not measured <= check_old_tolerance:
                     raise StaleOldLogprobs(measured)
-            coef = cfg.entropy_coef if entropy_mode == "loss" else 0.0
             if cfg.algorithm == "grpo":
                 loss, metrics = rl.policy_loss_grpo(
                     logp, mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
                     kl_coef=kl_coef, kl_estimator="k3", dual_clip=cfg.dual_clip, entropy=entropy,
-                    entropy_coef=coef)
+                    entropy_coef=cfg.entropy_coef)
             else:
                 in_loss = not cfg.kl_in_reward
                 loss, metrics = rl.policy_loss_ppo(
                     logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range, dual_clip=cfg.dual_clip,
-                    entropy=entropy, entropy_coef=coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
+                    entropy=entropy, entropy_coef=cfg.entropy_coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
                     kl_coef=kl_coef if in_loss else 0.0, kl_estimator=cfg.kl_estimator)
             check_finite("the policy loss", loss, iteration)
             actor.backward(loss)
@@ -365,6 +367,8 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         print(f"{cfg.algorithm}: training forwards in {precision.label} ({precision.reason}); reference forward "
               f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}",
               file=sys.stderr, flush=True)
+        if ctx.tracker is not None:
+            ctx.tracker.log_metrics({"perf/autocast_bf16": float(precision.autocast_dtype is not None)})
     with profiler.phase("engine_load"):
         engine = load_engine(ctx.input("engine"))  # built once by the engine stage; refit from here on
     if resume is not None:

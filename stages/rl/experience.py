@@ -89,12 +89,17 @@ def assemble(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id:
     return input_ids, attention_mask, position_ids, response, response_mask, width_p
 
 
-def _response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, width_p: int) -> Tensor:
+def _response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, width_p: int,
+                     head_on_response_only: bool = True) -> Tensor:
     """(B, R, V) logits at the columns that predict the response tokens.
 
-    Only the last R+1 positions go through the LM head (`logits_to_keep`): the prompt's columns would
-    be computed and thrown away (2048 x 256 head of the benchmark model: ~11% of its flops).
+    head_on_response_only: only the last R+1 positions go through the LM head (`logits_to_keep`); the
+    prompt's columns would be computed and thrown away (the 2048 x 256 head of the RL benchmark model is
+    ~11% of its flops). False: the whole sequence, the plain reference.
     """
+    if not head_on_response_only:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+                     ).logits[:, width_p - 1:-1]
     keep = input_ids.shape[1] - width_p + 1
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=keep).logits
@@ -104,8 +109,8 @@ def _response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_
 ENTROPY_MODES = ("none", "loss", "metric")
 
 
-def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "none"
-                    ) -> tuple[Tensor, Tensor | None]:
+def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "none",
+                    head_on_response_only: bool = True) -> tuple[Tensor, Tensor | None]:
     """log pi(response token) under logits / temperature, (B, R); and the entropy (B, R) if asked.
 
     entropy: "none"; "loss" (differentiable: the entropy bonus needs it); "metric" (no grad: for
@@ -114,7 +119,8 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
     """
     if entropy not in ENTROPY_MODES:
         raise ValueError(f"entropy mode '{entropy}' is not one of {', '.join(ENTROPY_MODES)}")
-    logits = _response_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids, exp.prompt_width)
+    logits = _response_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids, exp.prompt_width,
+                              head_on_response_only)
     if entropy == "loss":
         logp, ent = logprobs_and_entropy(logits, exp.response_ids, temperature=temperature)
         return logp * exp.response_mask, ent * exp.response_mask

@@ -46,7 +46,7 @@ def test_schema_is_declared_with_docs():
     for field in ROLLOUT_SCHEMA:
         assert field.metadata and field.metadata[b"description"], f"{field.name} has no description"
     nullable = {f.name for f in ROLLOUT_SCHEMA if f.nullable}
-    assert nullable == {"values", "returns"}
+    assert nullable == {"values", "returns", "ref_logprobs"}  # ref_logprobs: null when the reference is skipped
     rewards = ROLLOUT_SCHEMA.field("rewards").type
     assert (rewards.key_type, rewards.item_type) == (pa.string(), pa.float32())
     assert ROLLOUT_SCHEMA.field("logprobs").type.value_type == pa.float32()
@@ -148,7 +148,7 @@ def _with(i: int, **changes) -> list[dict]:
         (_with(2, kl=float("inf")), "rollouts: column 'kl' row 2: non-finite value inf"),
         (_with(1, rewards={"rm": float("-inf")}), "rollouts: column 'rewards' row 1: non-finite value -inf"),
         (_with(1, prompt_id=None), "rollouts: column 'prompt_id' row 1: null in a required column"),
-        (_with(2, ref_logprobs=None), "rollouts: column 'ref_logprobs' row 2: null in a required column"),
+        (_with(2, response=None), "rollouts: column 'response' row 2: null in a required column"),
         (_with(0, logprobs=[-0.5, None, -0.5]), "rollouts: column 'logprobs' row 0: null inside the list"),
         (
             _with(1, finish_reason="timeout"),

@@ -1,0 +1,233 @@
+"""The RL optimisation ladder: GRPO and PPO iteration time from the baseline to every optimisation, against TRL.
+
+    .venv/bin/python benchmarks/rl_ladder.py [--rounds 3] [--iterations 10] [--shapes grpo,ppo]
+        [--levels baseline,...] [--trl-python PY] [--trl-ppo-python PY] [--workdir DIR] [--json]
+
+Model: the 4.72M-parameter benchmark Llama of benchmarks/rl_setup.py (`model.base` points at the
+checkpoint it builds; SFT, reward model and engines come from the pipeline's own stages, cached).
+Shapes (the RL-speed issue's): GRPO 4 prompts x 4 completions, 32 new tokens, 1 epoch, KL 0, scored
+by a reward function (`letter_share`); PPO 16 prompts x 1, 32 new tokens, 4 epochs, one minibatch of
+16, critic and reward model. fp32 weights, learning rate 1e-5, temperature 1.
+
+Each level adds to the one before:
+  baseline        hf engine, old and reference log-probs recomputed, plain training step, fp32
+  native          the native engine (eager)
+  compiled        compiled decode step + C++ CPU kernels
+  no_redundant    engine log-probs as old log-probs, no reference forward at KL 0
+  fast_step       trimmed minibatches, LM head on response columns, entropy not differentiated,
+                  bf16 autocast where the CPU has bf16 arithmetic
+  async           generation of iteration k+1 overlapped with training on k (one-step off-policy)
+
+A round runs every level of every shape, each as the PPO stage's own process, and TRL's trainer on
+the same model and shape (benchmarks/trl_baseline.py) in between, so drifts of a shared box hit
+both. Iteration time is the median of iterations 2..N of a run; the ratio to TRL is taken per round
+and its median reported. The bottleneck column is the profiler's sentence for the iterations' phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import rl_setup  # noqa: E402
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "grpo": dict(algorithm="grpo", prompts_per_iteration=4, group_size=4, max_new_tokens=32, ppo_epochs=1,
+                 minibatch_size=16, kl_coef=0.0, actor_lr=1e-5, temperature=1.0,
+                 reward_functions=["alignflow.stages.rl.reward_functions:letter_share"]),
+    "ppo": dict(algorithm="ppo", prompts_per_iteration=16, group_size=1, max_new_tokens=32, ppo_epochs=4,
+                minibatch_size=16, actor_lr=1e-5, temperature=1.0),
+}
+WITH_REWARD_MODEL = {"grpo": False, "ppo": True}
+
+# level -> (engine variant, PPO-section overrides); each level keeps the ones before it.
+LEVELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "baseline": ("hf", dict(old_logprobs="recompute", kl_metric=True, fast_train_step=False, autocast="off",
+                            async_rollouts=False)),
+    "native": ("native", {}),
+    "compiled": ("native_compiled", {}),
+    "no_redundant": ("native_compiled", dict(old_logprobs="auto", kl_metric=False)),
+    "fast_step": ("native_compiled", dict(fast_train_step=True, autocast="auto")),
+    "async": ("native_compiled", dict(async_rollouts=True)),
+}
+
+
+def level_config(level: str) -> tuple[str, dict[str, Any]]:
+    """(engine variant, cumulative PPO overrides) of `level`."""
+    overrides: dict[str, Any] = {}
+    engine = ""
+    for name, (variant, extra) in LEVELS.items():
+        engine = variant
+        overrides.update(extra)
+        if name == level:
+            return engine, overrides
+    raise ValueError(f"unknown level '{level}'; levels: {', '.join(LEVELS)}")
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def bottleneck(iterations: list[dict[str, float]]) -> str:
+    """The profiler's first finding for the summed phases of these iterations."""
+    from alignflow.stages.profiler import ProfileSnapshot, bottleneck_rules
+
+    phases: dict[str, float] = {}
+    for m in iterations:
+        for key, value in m.items():
+            if key.startswith("timing/") and key not in ("timing/iteration", "timing/generate_engine"):
+                phases[key.removeprefix("timing/")] = phases.get(key.removeprefix("timing/"), 0.0) + value
+    wall = sum(m["timing/iteration"] for m in iterations)
+    found = bottleneck_rules(ProfileSnapshot(phase_totals=phases, wall_s=wall))
+    return found[0] if found else ""
+
+
+def run_level(up: rl_setup.Upstream, shape: str, level: str, iterations: int, threads: int, scratch: Path
+              ) -> dict[str, Any]:
+    engine, overrides = level_config(level)
+    ppo = {**SHAPES[shape], **overrides, "iterations": iterations, "checkpoint_every": iterations}
+    spec = rl_setup.ppo_spec(up, engine, ppo, WITH_REWARD_MODEL[shape], scratch / f"spec-{shape}-{level}.json")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "alignflow.stages.ppo", "--spec", str(spec)], capture_output=True,
+                          text=True, env=env, cwd=up.workdir)
+    total = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{shape}/{level} failed:\n{done.stderr[-3000:]}")
+    metrics = rl_setup.read_metrics(spec)[1:]  # iteration 1 is warm-up (first compiled calls, allocator)
+    seconds = statistics.median(m["timing/iteration"] for m in metrics)
+    completions = SHAPES[shape]["prompts_per_iteration"] * SHAPES[shape]["group_size"]
+    phases = sorted({k for m in metrics for k in m if k.startswith("timing/") and k != "timing/iteration"})
+    return {"shape": shape, "level": level, "iteration_s": seconds, "completions_per_s": completions / seconds,
+            "stage_wall_s": total, "bottleneck": bottleneck(metrics),
+            "phases_s": {k.removeprefix("timing/"): statistics.median(m.get(k, 0.0) for m in metrics)
+                         for k in phases}}
+
+
+def run_trl(python: str, up: rl_setup.Upstream, shape: str, iterations: int, threads: int) -> dict[str, Any] | None:
+    """TRL's figure for `shape`, or None (with the reason on stderr) when that interpreter has no usable TRL."""
+    prompts = Path(up.data[0].removeprefix("file://")) / "prompts.jsonl"
+    sft_dir = Path(up.sft[0].removeprefix("file://"))
+    command = [python, str(Path(__file__).with_name("trl_baseline.py")), "--model-dir", str(sft_dir), "--shape",
+               shape, "--iterations", str(iterations), "--threads", str(threads), "--prompts-file", str(prompts),
+               "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if done.returncode != 0:
+        print(f"TRL {shape}: skipped ({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode})",
+              file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarise(rounds: list[dict[str, Any]], shapes: list[str], levels: list[str]) -> list[dict[str, Any]]:
+    """One row per (shape, level): medians over rounds, speed-up over the baseline, ratio to TRL per round."""
+    rows = []
+    for shape in shapes:
+        base = [r["levels"][(shape, levels[0])]["completions_per_s"] for r in rounds]
+        for level in levels:
+            runs = [r["levels"][(shape, level)] for r in rounds]
+            trl = [r["trl"].get(shape) for r in rounds]
+            ratios = [run["completions_per_s"] / t["completions_per_s"] for run, t in zip(runs, trl, strict=True) if t]
+            rows.append({
+                "shape": shape, "level": level,
+                "iteration_s": statistics.median(x["iteration_s"] for x in runs),
+                "completions_per_s": statistics.median(x["completions_per_s"] for x in runs),
+                "speedup_vs_baseline": statistics.median(x["completions_per_s"] / b for x, b in zip(runs, base, strict=True)),
+                "vs_trl": statistics.median(ratios) if ratios else None,
+                "vs_trl_rounds": ratios,
+                "bottleneck": runs[-1]["bottleneck"],
+                "phases_s": runs[-1]["phases_s"],
+            })
+        trl_runs = [r["trl"][shape] for r in rounds if r["trl"].get(shape)]
+        if trl_runs:
+            rows.append({"shape": shape, "level": f"TRL {trl_runs[0].get('trl_version', '')}",
+                         "iteration_s": statistics.median(t["median_s"] for t in trl_runs),
+                         "completions_per_s": statistics.median(t["completions_per_s"] for t in trl_runs),
+                         "speedup_vs_baseline": statistics.median(t["completions_per_s"] / b
+                                                                  for t, b in zip(trl_runs, base, strict=False)),
+                         "vs_trl": 1.0, "vs_trl_rounds": [], "bottleneck": "", "phases_s": {}})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=10, help="per run; the first is left out (warm-up)")
+    parser.add_argument("--shapes", default="grpo,ppo")
+    parser.add_argument("--levels", default=",".join(LEVELS))
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every run (OMP_NUM_THREADS)")
+    parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl for the GRPO shape")
+    parser.add_argument("--trl-ppo-python", default=None,
+                        help="interpreter with a trl that still has PPO (1.12; dropped in 1.16); default --trl-python")
+    parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--workdir", type=Path, default=None, help="reuse a workdir (keeps the upstream cache)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    levels = [lv for lv in args.levels.split(",") if lv]
+    for name in shapes:
+        if name not in SHAPES:
+            parser.error(f"--shapes: unknown shape '{name}'; shapes: {', '.join(SHAPES)}")
+    for level in levels:
+        if level not in LEVELS:
+            parser.error(f"--levels: unknown level '{level}'; levels: {', '.join(LEVELS)}")
+    if args.iterations < 2:
+        parser.error("--iterations must be >= 2: the first iteration is warm-up and left out")
+    from alignflow.offline import set_offline_defaults
+
+    set_offline_defaults()
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="rl-ladder-"))).resolve()
+    up = rl_setup.prepare(workdir)
+    scratch = workdir / "ladder"
+    scratch.mkdir(exist_ok=True)
+    trl_python = {"grpo": args.trl_python, "ppo": args.trl_ppo_python or args.trl_python}
+    rounds = []
+    for index in range(args.rounds):
+        record: dict[str, Any] = {"levels": {}, "trl": {}}
+        for shape in shapes:
+            if not args.no_trl:
+                record["trl"][shape] = run_trl(trl_python[shape], up, shape, args.iterations, args.threads)
+            for level in levels:
+                result = run_level(up, shape, level, args.iterations, args.threads, scratch)
+                record["levels"][(shape, level)] = result
+                print(f"round {index + 1}: {shape:4s} {level:13s} {result['iteration_s']:.3f} s/iteration "
+                      f"{result['completions_per_s']:6.1f} completions/s", file=sys.stderr, flush=True)
+        rounds.append(record)
+    rows = summarise(rounds, shapes, levels)
+    machine = {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": args.threads}
+    if args.json:
+        print(json.dumps({"machine": machine, "rounds": args.rounds, "iterations": args.iterations, "rows": rows},
+                         indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"RL ladder: median of {args.rounds} rounds, iterations 2-{args.iterations}, "
+                        f"{args.threads} threads, {machine['cpu']}")
+    for column in ("shape", "level", "s/iteration", "completions/s", "x baseline", "x TRL", "bottleneck"):
+        table.add_column(column, justify="left" if column in ("shape", "level", "bottleneck") else "right")
+    for r in rows:
+        table.add_row(r["shape"], r["level"], f"{r['iteration_s']:.3f}", f"{r['completions_per_s']:.1f}",
+                      f"{r['speedup_vs_baseline']:.2f}", f"{r['vs_trl']:.2f}" if r["vs_trl"] else "-",
+                      r["bottleneck"][:90])
+    Console(file=sys.stdout, width=220).print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
