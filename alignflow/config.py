@@ -250,6 +250,11 @@ class PPOConfig(Section):
         True, description="Minibatches trimmed of all-padding columns, the LM head on response columns only, the "
         "entropy differentiated only when entropy_coef > 0. false: the plain step on the padded batch, the "
         "reference the fast one is tested and benchmarked against (same loss and gradients).")
+    train_backend: Literal["auto", "torch", "deepspeed"] = Field(
+        "auto", description="Who steps the actor and critic. deepspeed: DeepSpeed engines (ZeRO, several ranks, "
+        "offload); torch: plain torch AdamW in this process, one rank without ZeRO (saves DeepSpeed's ~2.4 s of "
+        "import and initialisation); auto: torch for one rank at zero_stage 0, else deepspeed. Checkpoints "
+        "resume only with the backend that wrote them.")
     async_rollouts: bool = Field(
         False, description="Generate iteration k+1 while training on iteration k (one-step off-policy: the PPO "
         "ratio is taken against the rollout policy's log-probs). Faster where generation and training leave each "

@@ -39,13 +39,9 @@ from alignflow.stages.rl.rollout_client import Rollout, RolloutClient, RolloutRe
 from alignflow.stages.rollouts import write_rollouts
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_prompt, pad_token_id
-from alignflow.stages.training.deepspeed_setup import (
-    OptimSettings,
-    full_state_dict,
-    initialize,
-    stream_weights,
-)
+from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, stream_weights
 from alignflow.stages.training.precision import Precision, resolve_precision
+from alignflow.stages.training.torch_engine import initialize_trainer, resolve_train_backend
 from alignflow.storage import join_uri, open_store, remove_unfinished_writes
 
 CHECKPOINT_DIR = re.compile(r"/checkpoints/iter_(\d{5})/manifest\.json$")
@@ -357,14 +353,18 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         common = dict(weight_decay=0.0, warmup_steps=0, total_steps=steps, micro_batch_size=cfg.minibatch_size,
                       grad_accum=1, zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=model_cfg.dtype,
                       schedule="constant")
-        actor, _, _ = initialize(actor_model, OptimSettings(lr=cfg.actor_lr, **common))
+        try:
+            backend = resolve_train_backend(cfg.train_backend, cfg.zero_stage)
+        except ValueError as exc:
+            raise StageInputError(str(exc)) from None
+        actor = initialize_trainer(actor_model, OptimSettings(lr=cfg.actor_lr, **common), backend)
         critic = None
         if cfg.algorithm == "ppo":
             critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
-            critic, _, _ = initialize(load_sequence_classifier(critic_dir, dtype=model_cfg.dtype),
-                                      OptimSettings(lr=cfg.critic_lr, **common))
+            critic = initialize_trainer(load_sequence_classifier(critic_dir, dtype=model_cfg.dtype),
+                                        OptimSettings(lr=cfg.critic_lr, **common), backend)
         precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device)
-        print(f"{cfg.algorithm}: training forwards in {precision.label} ({precision.reason}); reference forward "
+        print(f"{cfg.algorithm}: {backend} trainer, forwards in {precision.label} ({precision.reason}); reference forward "
               f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}",
               file=sys.stderr, flush=True)
         if ctx.tracker is not None:
