@@ -250,6 +250,10 @@ class PPOConfig(Section):
         True, description="Minibatches trimmed of all-padding columns, the LM head on response columns only, the "
         "entropy differentiated only when entropy_coef > 0. false: the plain step on the padded batch, the "
         "reference the fast one is tested and benchmarked against (same loss and gradients).")
+    compile_train: bool = Field(
+        False, description="torch.compile the actor's and critic's backbones (dynamic shapes) for the training "
+        "forwards and backwards: 78 vs 100 ms per bf16 step of the 4.7M benchmark model on 2 cores, after a "
+        "~50 s compile in the first iteration (cached on disk for later runs): pays on long runs.")
     train_backend: Literal["auto", "torch", "deepspeed"] = Field(
         "auto", description="Who steps the actor and critic. deepspeed: DeepSpeed engines (ZeRO, several ranks, "
         "offload); torch: plain torch AdamW in this process, one rank without ZeRO (saves DeepSpeed's ~2.4 s of "

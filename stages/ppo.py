@@ -363,6 +363,11 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
             critic = initialize_trainer(load_sequence_classifier(critic_dir, dtype=model_cfg.dtype),
                                         OptimSettings(lr=cfg.critic_lr, **common), backend)
+        if cfg.compile_train:
+            # In place (nn.Module.compile): parameter names, checkpoints and refit streams keep their keys.
+            for trained in (actor, critic):
+                if trained is not None:
+                    trained.module.base_model.compile(dynamic=True)
         precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device)
         print(f"{cfg.algorithm}: {backend} trainer, forwards in {precision.label} ({precision.reason}); reference forward "
               f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}",

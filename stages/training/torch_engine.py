@@ -39,6 +39,12 @@ class TorchTrainEngine:
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def __getattr__(self, name: str):
+        # Attributes of the model (critic.base_model, critic.score), as DeepSpeed's engine forwards them.
+        if name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
     def train(self, mode: bool = True) -> TorchTrainEngine:
         self.module.train(mode)
         return self

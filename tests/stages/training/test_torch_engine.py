@@ -84,3 +84,8 @@ def test_settings_it_cannot_honour_are_errors():
         initialize_trainer(tiny_model(), OptimSettings(**{**SETTINGS.__dict__, "grad_accum": 2}), "torch")
     with pytest.raises(ValueError, match="no learning-rate schedule"):
         initialize_trainer(tiny_model(), OptimSettings(**{**SETTINGS.__dict__, "schedule": "cosine"}), "torch")
+
+
+def test_model_attributes_reach_through_like_deepspeed():
+    engine = TorchTrainEngine(tiny_model(), SETTINGS)
+    assert engine.model is engine.module.model and engine.config.hidden_size == 32
