@@ -40,7 +40,7 @@ from alignflow.stages.rollouts import write_rollouts
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_prompt, pad_token_id
 from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, stream_weights
-from alignflow.stages.training.precision import Precision, resolve_precision
+from alignflow.stages.training.precision import Precision, resolve_precision, training_attention
 from alignflow.stages.training.torch_engine import initialize_trainer, resolve_train_backend
 from alignflow.storage import join_uri, open_store, remove_unfinished_writes
 
@@ -313,7 +313,7 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
 def run(spec: StageSpec) -> StageResult:
     cfg: PPOConfig = section(spec, PPOConfig, "ppo")
     model_cfg: ModelConfig = section(spec, ModelConfig, "model")
-    section(spec, EngineConfig, "engine")
+    engine_cfg: EngineConfig = section(spec, EngineConfig, "engine")
     reward_inputs = sorted(k for k in spec.inputs if k.startswith("reward_"))
     if not reward_inputs and not cfg.reward_functions:
         raise StageInputError("ppo needs at least one reward model input (reward_<name>) or ppo.reward_functions")
@@ -331,11 +331,11 @@ def run(spec: StageSpec) -> StageResult:
         resume_run_id = json.loads(materialize(resume[1], ctx.cache_dir, spec.storage)[0]
                                    .joinpath("state.json").read_text()).get("mlflow_run_id")
     with tracked(ctx, resume_run_id=resume_run_id):
-        return _train(ctx, spec, cfg, model_cfg, reward_fns, out, state, resume)
+        return _train(ctx, spec, cfg, model_cfg, engine_cfg, reward_fns, out, state, resume)
 
 
-def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelConfig, reward_fns, out: Path,
-           state: RLState, resume: tuple[int, str] | None) -> StageResult:
+def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,
+           reward_fns, out: Path, state: RLState, resume: tuple[int, str] | None) -> StageResult:
     profiler = ctx.profiler
     with profiler.phase("setup"):
         sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
@@ -363,13 +363,19 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
             critic = initialize_trainer(load_sequence_classifier(critic_dir, dtype=model_cfg.dtype),
                                         OptimSettings(lr=cfg.critic_lr, **common), backend)
+        # Every sequence fits the engine's cache (prompt + response <= engine.max_seq_len).
+        attention = training_attention(engine_cfg.max_seq_len) if cfg.fast_train_step else "sdpa"
+        for model in (reference, actor.module, critic.module if critic is not None else None, *(rm.model for rm in reward_models)):
+            if model is not None:
+                model.set_attn_implementation(attention)
         if cfg.compile_train:
             # In place (nn.Module.compile): parameter names, checkpoints and refit streams keep their keys.
             for trained in (actor, critic):
                 if trained is not None:
                     trained.module.base_model.compile(dynamic=True)
         precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device)
-        print(f"{cfg.algorithm}: {backend} trainer, forwards in {precision.label} ({precision.reason}); reference forward "
+        print(f"{cfg.algorithm}: {backend} trainer, {attention} attention, forwards in {precision.label} "
+              f"({precision.reason}); reference forward "
               f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}",
               file=sys.stderr, flush=True)
         if ctx.tracker is not None:
