@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from alignflow.config import ConfigError, PipelineConfig, load_config
+from alignflow.contract import RUN_STARTED_AT_VAR
 from alignflow.offline import set_offline_defaults
 
 
@@ -39,8 +41,26 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _process_started_at() -> float:
+    """Wall-clock time this process started (interpreter start included), or now where psutil cannot say."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # psutil missing or the platform does not report it
+        return time.time()
+
+
 def _cmd_run(args) -> int:
+    # Stages report their start-up against this (startup/since_run; the RL stage prints it).
+    os.environ.setdefault(RUN_STARTED_AT_VAR, f"{_process_started_at():.6f}")
     config = _load(args)
+    from alignflow.flows.launch import WARM
+
+    # A stage process starts importing torch now, while this process imports Prefect and starts its server.
+    workdir = Path(config.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    WARM.start(workdir)
     from alignflow.flows.pipeline import alignflow_pipeline
     from alignflow.flows.report import print_summary
 
@@ -50,6 +70,8 @@ def _cmd_run(args) -> int:
     except Exception as exc:  # the flow already logged the stage's output; say it in one line
         print(f"error: pipeline failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        WARM.close()
     print_summary(config, rows, time.perf_counter() - started)
     return 0
 

@@ -16,6 +16,10 @@ from alignflow.config import StorageConfig
 from alignflow.manifest import Manifest
 
 REUSED_MESSAGE = "output already published with a matching manifest; reused"
+# Environment variables with wall-clock times (time.time()) that let a stage say where its start-up went:
+# when the flow launched the stage process, and when `alignflow run` started.
+LAUNCHED_AT_VAR = "ALIGNFLOW_LAUNCHED_AT"
+RUN_STARTED_AT_VAR = "ALIGNFLOW_RUN_STARTED_AT"
 
 
 class TrackingSpec(BaseModel):

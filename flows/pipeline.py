@@ -22,7 +22,7 @@ from prefect.context import FlowRunContext
 from alignflow import tracking
 from alignflow.config import PipelineConfig, config_digest
 from alignflow.contract import REUSED_MESSAGE, StageResult, StageSpec, TrackingSpec
-from alignflow.flows.launch import launch_local
+from alignflow.flows.launch import WARM, launch_local
 from alignflow.flows.plan import StageCall, plan
 from alignflow.flows.registry import champion_output, decision_markdown, register_and_gate
 from alignflow.flows.report import evaluation_markdown, summary_markdown
@@ -138,6 +138,7 @@ def alignflow_pipeline(config: PipelineConfig) -> list[dict[str, Any]]:
     logger = get_run_logger()
     workdir = Path(config.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    WARM.start(workdir)  # the first stage to run takes it (a no-op when `alignflow run` started one already)
     tracking_uri = tracking.resolve_tracking_uri(config.tracking, workdir)
     config = resolve_inputs(config, tracking_uri if config.tracking.enabled else None)
     root = normalize_root(config.storage.root, workdir)
@@ -181,6 +182,7 @@ def alignflow_pipeline(config: PipelineConfig) -> list[dict[str, Any]]:
         status = "FAILED"
         raise
     finally:
+        WARM.close()
         if parent_run_id is not None and tracking_spec is not None:
             tracking.end_run(tracking_spec.uri, parent_run_id, status)
     for row in rows:

@@ -20,6 +20,25 @@ def key_metric_text(row: dict[str, Any]) -> str:
     return f"{name}={value:.4g}" if value is not None else "-"
 
 
+def startup_sentence(rows: list[dict[str, Any]]) -> str | None:
+    """Where the time before the RL stage's first iteration went (from its startup/* metrics), or None."""
+    for row in rows:
+        m = row.get("metrics") or {}
+        if row.get("status") != "ok" or "startup/stage" not in m:
+            continue
+        parts = []
+        if "startup/since_run" in m and "startup/to_first_iteration" in m:
+            parts.append(f"orchestration {m['startup/since_run'] - m['startup/to_first_iteration']:.1f} s "
+                         "(Prefect, planning, earlier stages' cache checks)")
+        if "startup/process" in m:
+            parts.append(f"process start and imports {m['startup/process']:.1f} s")
+        parts.append(f"stage setup {m['startup/stage']:.1f} s (inputs, models, trainer, engine load; see its "
+                     "profile.md)")
+        total = m.get("startup/since_run", m.get("startup/to_first_iteration", m["startup/stage"]))
+        return f"Start-up: {row['key']}'s first iteration began {total:.1f} s in: " + ", ".join(parts) + "."
+    return None
+
+
 def print_summary(config: PipelineConfig, rows: list[dict[str, Any]], wall_s: float) -> None:
     console = Console(file=sys.stdout, width=200)
     table = Table(title=f"alignflow pipeline '{config.name}' finished in {wall_s:.1f} s")
@@ -29,6 +48,9 @@ def print_summary(config: PipelineConfig, rows: list[dict[str, Any]], wall_s: fl
         table.add_row(row["key"], row["status"], f"{row['duration_s']:.1f} s", key_metric_text(row),
                       row.get("output_uri") or "-", row.get("mlflow_run_id") or "-")
     console.print(table)
+    startup = startup_sentence(rows)
+    if startup:
+        console.print(startup)
     workdir = Path(config.workdir).resolve()
     uri = resolve_tracking_uri(config.tracking, workdir)
     console.print(f"Outputs: {normalize_root(config.storage.root, workdir)} (each folder has a manifest.json)")

@@ -348,6 +348,19 @@ class Profiler:
             self._calls[name] = self._calls.get(name, 0) + 1
             self._window[name] = self._window.get(name, 0.0) + elapsed
 
+    def record_before_start(self, name: str, seconds: float) -> None:
+        """Add phase `name` that ran before the wall clock started (e.g. the process start and imports before
+        the stage could time anything): the wall clock is moved back by `seconds`."""
+        if seconds < 0:
+            raise ValueError(f"record_before_start() takes non-negative seconds, got {seconds}")
+        if self._t0 is None:
+            self._t0 = self._window_start = time.perf_counter()
+        self._t0 -= seconds
+        self._window_start = min(self._window_start if self._window_start is not None else self._t0, self._t0)
+        self._totals[name] = self._totals.get(name, 0.0) + seconds
+        self._calls[name] = self._calls.get(name, 0) + 1
+        self._window[name] = self._window.get(name, 0.0) + seconds
+
     def count(self, tokens: int = 0, samples: int = 0) -> None:
         """Add to the throughput counters (generated or trained tokens, and sequences)."""
         if tokens < 0 or samples < 0:

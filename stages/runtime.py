@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from alignflow.config import ConfigError
-from alignflow.contract import REUSED_MESSAGE, StageResult, StageSpec
+from alignflow.contract import LAUNCHED_AT_VAR, REUSED_MESSAGE, StageResult, StageSpec
 from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
 from alignflow.offline import set_offline_defaults
 from alignflow.stages.data.formats import DataError
@@ -50,6 +51,14 @@ def load_spec(path_or_uri: str) -> StageSpec:
         raise StageInputError(f"spec '{path_or_uri}' is invalid: {exc}") from None
 
 
+def seconds_since(variable: str) -> float | None:
+    """Seconds since the wall-clock time in environment variable `variable` (None when unset or unreadable)."""
+    try:
+        return max(time.time() - float(os.environ[variable]), 0.0)
+    except (KeyError, ValueError):
+        return None
+
+
 class StageContext:
     """One stage run: verified local inputs, a scratch output folder, tracking, and publishing."""
 
@@ -63,6 +72,11 @@ class StageContext:
         # Every stage is profiled: stages time their phases with `ctx.profiler.phase(name)`;
         # publish_output adds profile.md to the output and the totals to MLflow.
         self.profiler = Profiler(spec.stage).start()
+        # Interpreter start and imports, from the flow's launch to here (0 in a warm process that had them
+        # done already); None when the stage was not launched by the flow.
+        self.process_start_s = seconds_since(LAUNCHED_AT_VAR)
+        if self.process_start_s is not None:
+            self.profiler.record_before_start("process_start", self.process_start_s)
 
     def input(self, name: str) -> Path:
         """A verified local folder of input `name` (downloaded once for s3://, in place for file://)."""

@@ -210,3 +210,17 @@ def test_a_phase_after_stop_extends_the_wall_clock():
         time.sleep(0.03)
     assert prof.wall_s >= sum(prof.phase_totals.values())
     assert prof.summary()["timing/untimed_total"] < 0.03  # publish is inside the wall time, not outside it
+
+
+def test_a_phase_recorded_before_start_moves_the_wall_clock_back():
+    prof = Profiler("test").start()
+    prof.record_before_start("process_start", 2.0)
+    with prof.phase("setup"):
+        time.sleep(0.02)
+    prof.stop()
+    assert prof.phase_totals["process_start"] == 2.0
+    assert 2.02 <= prof.wall_s <= 2.02 + SLACK_S
+    assert prof.iteration_metrics()["timing/process_start"] == 2.0
+    assert "| process_start | 1 | 2.000 |" in prof.report_markdown()
+    with pytest.raises(ValueError, match="non-negative"):
+        prof.record_before_start("x", -1.0)

@@ -1,0 +1,63 @@
+"""`python -m alignflow.stages.warm`: a stage process that imports the ML stack first and is told later which stage to run.
+
+What it is for: start-up. A stage process spends ~4-5 s of a 2-core box importing torch,
+transformers and the stage's modules before it reads its spec; the flow starts this process while it
+is still importing Prefect and starting Prefect's server, so that time is spent in parallel. When a
+stage is launched, the flow writes one JSON line to its stdin, `{"stage": name, "argv": [...]}`,
+and the process runs `alignflow.stages.<name>.main(argv)` exactly as
+`python -m alignflow.stages.<name>` would: same stdout, stderr, exit code. What it is not: a
+long-lived server; it runs one stage and exits, and if its environment differs from the one the
+flow launches with, the flow starts a cold process instead (flows/launch.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+from alignflow.contract import LAUNCHED_AT_VAR
+
+# The heavy imports every ML stage makes; the stage modules themselves import lazily below.
+WARM_IMPORTS = ("torch", "transformers", "safetensors.torch", "alignflow.stages.runtime",
+                "alignflow.stages.models.loading", "alignflow.stages.generation.base")
+STAGES = ("data", "base", "sft", "reward", "engine", "ppo", "evaluate")
+
+
+def warm_up() -> None:
+    for name in WARM_IMPORTS:
+        importlib.import_module(name)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: F401  (lazy in transformers)
+
+
+def run_request(line: str) -> int:
+    """Run the stage a request line names; returns its exit code."""
+    try:
+        request = json.loads(line)
+        stage, argv = request["stage"], list(request["argv"])
+        launched_at = request.get("launched_at")
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"error: warm stage process: bad request {line[:200]!r} ({exc})", file=sys.stderr, flush=True)
+        return 2
+    if stage not in STAGES:
+        print(f"error: warm stage process: unknown stage '{stage}'; stages: {', '.join(STAGES)}", file=sys.stderr,
+              flush=True)
+        return 2
+    if launched_at is not None:
+        os.environ[LAUNCHED_AT_VAR] = str(launched_at)
+    module = importlib.import_module(f"alignflow.stages.{stage}" + (".stage" if stage == "data" else ""))
+    sys.argv = [f"alignflow.stages.{stage}", *argv]
+    return int(module.main(argv) or 0)
+
+
+def main() -> int:
+    warm_up()
+    line = sys.stdin.readline()
+    if not line.strip():  # the flow ended without using this process
+        return 0
+    return run_request(line)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
