@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from alignflow.config import EngineConfig, ModelConfig, PPOConfig
-from alignflow.contract import StageResult, StageSpec
+from alignflow.contract import RUN_STARTED_AT_VAR, StageResult, StageSpec
 from alignflow.manifest import find_published, materialize, publish
 from alignflow.stages.data.demo_task import gold_score
 from alignflow.stages.data.formats import load_prompts, render_prompt
@@ -37,7 +37,15 @@ from alignflow.stages.rl.kl_control import make_kl_controller
 from alignflow.stages.rl.reward_functions import call_reward_function, load_reward_function
 from alignflow.stages.rl.rollout_client import Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.rollouts import write_rollouts
-from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
+from alignflow.stages.runtime import (
+    StageContext,
+    StageInputError,
+    dump_json,
+    seconds_since,
+    section,
+    stage_main,
+    tracked,
+)
 from alignflow.stages.tokenization import encode_prompt, pad_token_id
 from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, stream_weights
 from alignflow.stages.training.precision import Precision, resolve_precision, training_attention
@@ -345,9 +353,17 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         demo_task = json.loads((data_dir / "stats.json").read_text())["sources"]["sft"].startswith("demo://")
         prompt_texts = [render_prompt(p.prompt, tokenizer) for p in prompts]
         prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
+    with profiler.phase("load_models"):
         reward_models = load_reward_models(ctx) if any(k.startswith("reward_") for k in spec.inputs) else []
-        reference = load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False)
+        reference = None  # not even loaded when the KL plays no part (kl_coef 0)
+        if needs_reference(cfg):
+            reference = load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False)
         actor_model = load_causal_lm(sft_dir, dtype=model_cfg.dtype)
+        critic_model = None
+        if cfg.algorithm == "ppo":
+            critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
+            critic_model = load_sequence_classifier(critic_dir, dtype=model_cfg.dtype)
+    with profiler.phase("trainer_init"):
         steps = cfg.iterations * cfg.ppo_epochs * math.ceil(cfg.prompts_per_iteration * cfg.group_size
                                                             / cfg.minibatch_size)
         common = dict(weight_decay=0.0, warmup_steps=0, total_steps=steps, micro_batch_size=cfg.minibatch_size,
@@ -359,10 +375,8 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             raise StageInputError(str(exc)) from None
         actor = initialize_trainer(actor_model, OptimSettings(lr=cfg.actor_lr, **common), backend)
         critic = None
-        if cfg.algorithm == "ppo":
-            critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
-            critic = initialize_trainer(load_sequence_classifier(critic_dir, dtype=model_cfg.dtype),
-                                        OptimSettings(lr=cfg.critic_lr, **common), backend)
+        if critic_model is not None:
+            critic = initialize_trainer(critic_model, OptimSettings(lr=cfg.critic_lr, **common), backend)
         # Every sequence fits the engine's cache (prompt + response <= engine.max_seq_len).
         attention = training_attention(engine_cfg.max_seq_len) if cfg.fast_train_step else "sdpa"
         for model in (reference, actor.module, critic.module if critic is not None else None, *(rm.model for rm in reward_models)):
@@ -405,6 +419,9 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
     # With ppo.async_rollouts the next iteration is generated while this one trains (one-step off-policy).
     rollouts = RolloutClient(engine, overlap=cfg.async_rollouts, weights_version=state.iteration)
     in_flight = None
+    startup = startup_metrics(ctx)
+    print(f"{cfg.algorithm}: start-up " + ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s"
+                                                   for k, v in startup.items()), file=sys.stderr, flush=True)
     try:
         while state.iteration < cfg.iterations:
             iteration = state.iteration + 1
@@ -442,7 +459,8 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         summary = profiler.summary()
         final = state.history[-1]
         metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"],
-                   "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")}}
+                   "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")},
+                   **startup}
         if "kl/mean" in final:
             metrics["kl/mean"] = final["kl/mean"]
         if "rollout/gold_score_mean" in final:
@@ -452,6 +470,22 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "rollout/reward_total_mean"})
     return ctx.result(manifest, metrics, "rollout/reward_total_mean",
                       message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
+
+
+def startup_metrics(ctx: StageContext) -> dict[str, float]:
+    """Where the time before the first iteration went, in seconds: 'startup/process' (interpreter start and
+    imports, from the flow's launch), 'startup/stage' (spec, inputs, model loads, trainer init, engine load),
+    'startup/to_first_iteration' (their sum) and, under `alignflow run`, 'startup/since_run' (from the
+    command's start: the difference is orchestration, i.e. Prefect, planning and the earlier stages' cache checks)."""
+    stage = time.perf_counter() - ctx.started
+    out = {"startup/stage": stage}
+    if ctx.process_start_s is not None:
+        out["startup/process"] = ctx.process_start_s
+        out["startup/to_first_iteration"] = ctx.process_start_s + stage
+    since_run = seconds_since(RUN_STARTED_AT_VAR)
+    if since_run is not None:
+        out["startup/since_run"] = since_run
+    return out
 
 
 def rollout_request(cfg: PPOConfig, iteration: int, prompt_ids: list[list[int]]) -> RolloutRequest:
