@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -21,4 +22,17 @@ def fail_once_on_third_call(prompts: list[str], completions: list[str], **kwargs
     counter.write_text(str(calls))
     if calls == 3:
         raise RuntimeError("injected failure at iteration 3")
+    return [0.0 for _ in completions]
+
+
+_calls_in_this_process = 0
+
+
+def stall_from_third_call_when_asked(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+    """0.0 for every completion; with ALIGNFLOW_TEST_STALL set, sleeps from the third call (iteration 3) on, so a
+    test can kill the stage after its iteration-2 checkpoint however fast the iterations are."""
+    global _calls_in_this_process
+    _calls_in_this_process += 1
+    if os.environ.get("ALIGNFLOW_TEST_STALL") and _calls_in_this_process >= 3:
+        time.sleep(600)
     return [0.0 for _ in completions]

@@ -84,9 +84,13 @@ def test_rl_raises_held_out_gold_score_above_sft(upstream, algorithm):
 
 def test_resume_after_sigkill_is_continuous(upstream):
     workdir, _, _ = upstream
-    spec = ppo_spec(upstream, "resume", tracking=True)
+    # The reward function adds 0 and, in the first run only, stalls in iteration 3: the kill lands after the
+    # iteration-2 checkpoint however fast the iterations are (without it, iterations 3 and 4 finished within the
+    # 0.2 s poll on 2 cores).
+    spec = ppo_spec(upstream, "resume", tracking=True,
+                    reward_functions=["tests.stages.reward_fixtures:stall_from_third_call_when_asked"])
     first_checkpoint = local(spec.output_uri) / "checkpoints" / "iter_00002" / "manifest.json"
-    proc = start_stage(spec, workdir)
+    proc = start_stage(spec, workdir, env={"ALIGNFLOW_TEST_STALL": "1"})
     deadline = time.time() + 600
     while not first_checkpoint.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
