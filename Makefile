@@ -28,8 +28,9 @@ $(VENV)/.installed-dev: $(VENV)/.installed-runtime
 demo: $(VENV)/.installed-runtime
 	$(BIN)/alignflow run $(CONFIG)
 
+# Unbuffered, so a CI log that is cut off still shows the last test that ran; the slowest tests are listed last.
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

@@ -1,6 +1,8 @@
 """Does RL align the policy? PPO and GRPO vs SFT on the demo task's held-out gold score, over seeds.
 
-    .venv/bin/python benchmarks/alignment_seeds.py [--seeds 0 1 2] [--json] [--workdir DIR]
+    .venv/bin/python benchmarks/alignment_seeds.py [--seeds 0 1 2] [--set KEY=VALUE ...] [--json] [--workdir DIR]
+
+`--set` overrides the config of every RL run (e.g. `--set ppo.async_rollouts=true`).
 
 Runs configs/tiny.yaml once up to the engine stage (data, base, SFT, reward model and engine are
 shared), then PPO and GRPO (group size 4, 16 prompts x 4 completions per iteration) with each
@@ -29,9 +31,9 @@ ALGORITHMS = {"ppo": [], "grpo": ["ppo.algorithm=grpo", "ppo.group_size=4", "ppo
                                   "ppo.minibatch_size=32"]}
 
 
-def run(workdir: Path, algorithm: str, seed: int) -> dict[str, float]:
+def run(workdir: Path, algorithm: str, seed: int, overrides: list[str]) -> dict[str, float]:
     config = load_config(REPO / "configs/tiny.yaml", [f"workdir={workdir}", "tracking.enabled=false",
-                                                      f"ppo.seed={seed}", *ALGORITHMS[algorithm]])
+                                                      f"ppo.seed={seed}", *ALGORITHMS[algorithm], *overrides])
     rows = {row["key"]: row for row in alignflow_pipeline(config)}
     report = json.loads((Path(rows["evaluate"]["output_uri"].removeprefix("file://")) / "eval.json").read_text())
     return {"algorithm": algorithm, "seed": seed, "gold_delta": report["gold_delta"],
@@ -44,14 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override of every RL run (repeatable)")
     args = parser.parse_args(argv)
     set_offline_defaults()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="align-bench-"))
-    results = [run(workdir, algorithm, seed) for algorithm in ALGORITHMS for seed in args.seeds]
+    results = [run(workdir, algorithm, seed, args.set) for algorithm in ALGORITHMS for seed in args.seeds]
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    table = Table(title="Held-out gold score of the RL policy minus SFT (configs/tiny.yaml, 128 prompts, T=1)")
+    table = Table(title="Held-out gold score of the RL policy minus SFT (configs/tiny.yaml, 128 prompts, T=1"
+                        + (", " + ", ".join(args.set) if args.set else "") + ")")
     for column in ("algorithm", "seed", "gold delta ± s.e.", "RM delta (z)", "win rate (gold)", "KL to ref (nats)"):
         table.add_column(column, justify="right")
     for r in results:
