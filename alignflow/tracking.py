@@ -41,6 +41,12 @@ def resolve_tracking_uri(config: TrackingConfig, workdir: str | Path) -> str:
     return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
 
 
+def preload() -> None:
+    """Import MLflow's SQL tracking store now (0.9 s on the 2-core box), which MLflow otherwise imports on a
+    client's first call: a warm stage process (alignflow.stages.warm) does it before it has a stage to run."""
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+
+
 def _mlflow(uri: str):
     set_offline_defaults()
     mlflow.set_tracking_uri(uri)

@@ -6,20 +6,26 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from alignflow.contract import LAUNCHED_AT_VAR, StageResult, StageSpec
 
+# Environment variables read when used, not at import: a warm process that started without the flow's
+# current value (the flow sets MLFLOW_TRACKING_URI after it starts, for example) is given it with the request.
+# Any other difference (OMP_NUM_THREADS, PYTHONPATH, CUDA_VISIBLE_DEVICES, ...) means a cold process.
+RUNTIME_ENV_PREFIXES = ("MLFLOW_", "PREFECT_", "AWS_", "ALIGNFLOW_")
+
 
 class WarmStages:
     """At most one spare stage process (`python -m alignflow.stages.warm`) that is importing the ML stack.
 
-    `start(workdir)` spawns it (a no-op when one is there); `take(workdir, env)` hands it to a launch when it
-    was started in the same folder with the same environment (else None: the launch starts a cold process,
-    since variables such as OMP_NUM_THREADS are read at import); `close()` lets a spare one exit. On the
-    2-core box, taking the RL stage from a warm process moved its first iteration ~4 s earlier: the imports
-    ran while the CLI imported Prefect and started Prefect's server.
+    `start(workdir)` spawns it (a no-op when one is there); `take(workdir, env)` hands it to a launch, with
+    the environment changes to apply, when it was started in the same folder and its environment differs
+    only in variables read at run time (RUNTIME_ENV_PREFIXES); else None, and the launch starts a cold
+    process. `close()` stops a spare one. Measured on the 2-core box: the RL stage's imports (torch,
+    transformers' loaders, MLflow; ~4.5 s) run while the CLI imports Prefect and starts Prefect's server.
     """
 
     def __init__(self) -> None:
@@ -33,15 +39,19 @@ class WarmStages:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=workdir, env=env)
         self._spare = (proc, Path(workdir).resolve(), env)
 
-    def take(self, workdir: Path, env: dict[str, str]) -> subprocess.Popen | None:
+    def take(self, workdir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, dict[str, str | None]] | None:
+        """(process, {variable: new value, or None to unset}) or None."""
         if self._spare is None:
             return None
         proc, where, spawned_env = self._spare
         self._spare = None
-        if proc.poll() is not None or where != Path(workdir).resolve() or spawned_env != env:
+        changes: dict[str, str | None] = {k: env.get(k) for k in spawned_env.keys() | env.keys()
+                                          if spawned_env.get(k) != env.get(k)}
+        import_time = [k for k in changes if not k.startswith(RUNTIME_ENV_PREFIXES)]
+        if proc.poll() is not None or where != Path(workdir).resolve() or import_time:
             _dismiss(proc)
             return None
-        return proc
+        return proc, changes
 
     def close(self) -> None:
         if self._spare is not None:
@@ -63,6 +73,41 @@ def _dismiss(proc: subprocess.Popen) -> None:
 WARM = WarmStages()
 
 
+class PrefectServerStart:
+    """Starts Prefect's ephemeral API server on a background thread, so that its ~5 s start (3 s of them in its
+    own process, measured on the 2-core box) runs while the CLI imports the flow, instead of after it.
+
+    Only when no API is configured (PREFECT_API_URL unset) and the ephemeral server is allowed, as Prefect
+    itself would start it; `wait()` must return before the flow runs (Prefect's client takes the running
+    server, and one still starting would be handed out before it answers). A failure here is dropped: the
+    flow then starts the server the usual way and reports its error.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="prefect-server-start", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _run() -> None:
+        try:
+            from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+            if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+                return
+            from prefect.server.api.server import SubprocessASGIServer
+
+            SubprocessASGIServer().start()
+        except Exception:  # the flow's own start reports it
+            return
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
 def stage_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -82,11 +127,13 @@ def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) ->
     started = time.perf_counter()
     lines: list[str] = []
     env = stage_env()
-    proc = WARM.take(workdir, env)
+    warm = WARM.take(workdir, env)
     launched_at = f"{time.time():.6f}"  # the stage times its own start-up from here (profile.md: process_start)
-    if proc is not None:
+    if warm is not None:
+        proc, changes = warm
         assert proc.stdin is not None
-        proc.stdin.write(json.dumps({"stage": spec.stage, "argv": argv, "launched_at": launched_at}) + "\n")
+        proc.stdin.write(json.dumps({"stage": spec.stage, "argv": argv, "env": changes,
+                                     "launched_at": launched_at}) + "\n")
         proc.stdin.close()
     else:
         proc = subprocess.Popen([sys.executable, "-m", f"alignflow.stages.{spec.stage}", *argv],

@@ -40,7 +40,7 @@ def test_warm_launch_publishes_the_same_output_as_a_cold_launch(tmp_path, monkey
         assert (warm_dir / "store" / "data" / name).read_bytes() == (cold_dir / "store" / "data" / name).read_bytes()
 
 
-def test_warm_process_is_not_taken_for_another_folder_or_environment(tmp_path, monkeypatch):
+def test_warm_process_is_not_taken_for_another_folder_or_an_import_time_variable(tmp_path, monkeypatch):
     warm_stages = WarmStages()
     warm_stages.start(tmp_path)
     spare = warm_stages._spare[0]
@@ -58,6 +58,40 @@ def test_warm_process_is_not_taken_for_another_folder_or_environment(tmp_path, m
     warm_stages.start(tmp_path)
     assert warm_stages._spare is None
     warm_stages.close()
+
+
+def test_warm_process_is_given_the_variables_read_at_run_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_PROFILE", "gone-later")
+    warm_stages = WarmStages()
+    warm_stages.start(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///x.db")  # the flow sets it after the spawn
+    monkeypatch.delenv("AWS_PROFILE")
+    taken = warm_stages.take(tmp_path, stage_env())
+    assert taken is not None
+    proc, changes = taken
+    assert changes == {"MLFLOW_TRACKING_URI": "sqlite:///x.db", "AWS_PROFILE": None}
+    proc.kill()
+    proc.wait()
+    proc.stdin.close()
+    proc.stdout.close()
+
+
+def test_warm_process_applies_the_environment_changes_before_the_stage_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AWS_PROFILE", "before")
+    seen = {}
+
+    def fake_main(argv):
+        seen.update(argv=argv, uri=os.environ.get("MLFLOW_TRACKING_URI"), profile=os.environ.get("AWS_PROFILE"),
+                    launched=os.environ.get("ALIGNFLOW_LAUNCHED_AT"))
+        return 0
+
+    monkeypatch.setattr("alignflow.stages.data.stage.main", fake_main)
+    request = {"stage": "data", "argv": ["--spec", "s.json"], "env": {"MLFLOW_TRACKING_URI": "sqlite:///y.db",
+                                                                      "AWS_PROFILE": None}, "launched_at": "12.5"}
+    assert warm.run_request(json.dumps(request)) == 0
+    assert seen == {"argv": ["--spec", "s.json"], "uri": "sqlite:///y.db", "profile": None, "launched": "12.5"}
+    for name in ("MLFLOW_TRACKING_URI", "ALIGNFLOW_LAUNCHED_AT"):
+        os.environ.pop(name, None)
 
 
 def test_warm_process_reports_bad_requests_with_exit_code_2(capsys):
