@@ -14,6 +14,7 @@ from alignflow.config import (
     load_config,
     validate_config,
 )
+from alignflow.flows.plan import plan
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
@@ -75,6 +76,25 @@ def test_unknown_top_level_section():
 def test_stage_dependencies_checked():
     with pytest.raises(ConfigError, match="stage 'ppo' needs 'engine'"):
         validate_config({"stages": ["data", "base", "sft", "reward", "ppo"]})
+
+
+def test_grpo_on_reward_functions_alone_needs_no_reward_stage():
+    grpo = {"algorithm": "grpo", "group_size": 4, "reward_functions": ["alignflow.stages.rl.reward_functions:letter_share"]}
+    config = validate_config({"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": grpo})
+    assert [call.key for call in plan(config)] == ["data", "base", "sft", "engine", "ppo"]
+    assert plan(config)[-1].inputs == {"engine": "engine", "sft": "sft", "data": "data"}
+    with pytest.raises(ConfigError, match="stage 'ppo' needs 'reward'"):  # PPO's critic starts from a reward model
+        validate_config({"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": {**grpo, "algorithm": "ppo"}})
+    with pytest.raises(ConfigError, match="stage 'ppo' needs 'reward'"):  # GRPO with nothing to score it
+        validate_config({"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": {"algorithm": "grpo", "group_size": 4}})
+    with pytest.raises(ConfigError, match="the evaluate stage scores with them"):
+        validate_config({"stages": ["data", "base", "sft", "engine", "ppo", "evaluate"], "ppo": grpo})
+
+
+def test_unquoted_yaml_off_means_autocast_off():
+    assert load_config(REPO / "configs/tiny.yaml", ["ppo.autocast=off"]).ppo.autocast == "off"  # YAML: false
+    with pytest.raises(ConfigError, match=r"ppo.autocast: Input should be 'auto', 'bf16' or 'off' \(got true\)"):
+        load_config(REPO / "configs/tiny.yaml", ["ppo.autocast=on"])
 
 
 def test_override_into_value_is_rejected():
