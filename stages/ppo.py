@@ -387,7 +387,8 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             for trained in (actor, critic):
                 if trained is not None:
                     trained.module.base_model.compile(dynamic=True)
-        precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device)
+        precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device,
+                                      getattr(actor.module.config, "hidden_size", None))
         print(f"{cfg.algorithm}: {backend} trainer, {attention} attention, forwards in {precision.label} "
               f"({precision.reason}); reference forward "
               f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}",

@@ -25,6 +25,14 @@ def test_autocast_choice(monkeypatch, setting, model_dtype, hardware_bf16, expec
     assert chosen.reason  # printed at stage start
 
 
+def test_auto_keeps_small_models_in_fp32(monkeypatch):
+    monkeypatch.setattr(precision_module, "has_bf16_arithmetic", lambda device: True)
+    small = resolve_precision("auto", "float32", CPU, hidden_size=64)
+    assert small.autocast_dtype is None and "hidden size 64 < 256" in small.reason
+    assert resolve_precision("auto", "float32", CPU, hidden_size=256).autocast_dtype == torch.bfloat16
+    assert resolve_precision("bf16", "float32", CPU, hidden_size=64).autocast_dtype == torch.bfloat16
+
+
 def test_forward_context_runs_matmuls_in_the_chosen_dtype():
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     with resolve_precision("bf16", "float32", CPU).forward():
