@@ -10,12 +10,13 @@ by a reward function (`letter_share`); PPO 16 prompts x 1, 32 new tokens, 4 epoc
 16, critic and reward model. fp32 weights, learning rate 1e-5, temperature 1.
 
 Each level adds to the one before:
-  baseline        hf engine, old and reference log-probs recomputed, plain training step, fp32
+  baseline        hf engine, old and reference log-probs recomputed, plain training step on DeepSpeed, fp32
   native          the native engine (eager)
   compiled        compiled decode step + C++ CPU kernels
   no_redundant    engine log-probs as old log-probs, no reference forward at KL 0
-  fast_step       trimmed minibatches, LM head on response columns, entropy not differentiated,
-                  bf16 autocast where the CPU has bf16 arithmetic
+  fast_step       trimmed minibatches, LM head on response columns, entropy not differentiated, eager
+                  attention, plain torch AdamW instead of DeepSpeed (one rank), bf16 autocast where
+                  the CPU has bf16 arithmetic
   async           generation of iteration k+1 overlapped with training on k (one-step off-policy)
 
 A round runs every level of every shape, each as the PPO stage's own process, and TRL's trainer on
@@ -54,11 +55,11 @@ WITH_REWARD_MODEL = {"grpo": False, "ppo": True}
 # level -> (engine variant, PPO-section overrides); each level keeps the ones before it.
 LEVELS: dict[str, tuple[str, dict[str, Any]]] = {
     "baseline": ("hf", dict(old_logprobs="recompute", kl_metric=True, fast_train_step=False, autocast="off",
-                            async_rollouts=False)),
+                            train_backend="deepspeed", async_rollouts=False)),
     "native": ("native", {}),
     "compiled": ("native_compiled", {}),
     "no_redundant": ("native_compiled", dict(old_logprobs="auto", kl_metric=False)),
-    "fast_step": ("native_compiled", dict(fast_train_step=True, autocast="auto")),
+    "fast_step": ("native_compiled", dict(fast_train_step=True, autocast="auto", train_backend="auto")),
     "async": ("native_compiled", dict(async_rollouts=True)),
 }
 
@@ -201,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         record: dict[str, Any] = {"levels": {}, "trl": {}}
         for shape in shapes:
             if not args.no_trl:
-                record["trl"][shape] = run_trl(trl_python[shape], up, shape, args.iterations, args.threads)
+                trl = record["trl"][shape] = run_trl(trl_python[shape], up, shape, args.iterations, args.threads)
+                if trl:
+                    print(f"round {index + 1}: {shape:4s} {'TRL ' + trl.get('trl_version', ''):13s} "
+                          f"{trl['median_s']:.3f} s/iteration {trl['completions_per_s']:6.1f} completions/s",
+                          file=sys.stderr, flush=True)
             for level in levels:
                 result = run_level(up, shape, level, args.iterations, args.threads, scratch)
                 record["levels"][(shape, level)] = result

@@ -26,11 +26,11 @@ PPO_TEST = {"iterations": 4, "prompts_per_iteration": 8, "minibatch_size": 8, "m
             "checkpoint_every": 2}
 
 
-def ppo_spec(upstream, name: str, tracking: bool = False, **ppo) -> StageSpec:
+def ppo_spec(upstream, name: str, tracking: bool = False, reward_model: bool = True, **ppo) -> StageSpec:
     workdir, config, rows = upstream
     section = {"ppo": {**config.ppo.model_dump(mode="json"), **PPO_TEST, **ppo},
                "model": config.model.model_dump(mode="json"), "engine": config.engine.model_dump(mode="json")}
-    inputs = {"engine": "engine", "sft": "sft", "data": "data", "reward_rm": "reward-rm"}
+    inputs = {"engine": "engine", "sft": "sft", "data": "data", **({"reward_rm": "reward-rm"} if reward_model else {})}
     tracking_spec = None
     if tracking:
         tracking_spec = TrackingSpec(uri=f"sqlite:///{workdir / 'mlflow.db'}", experiment="test")
@@ -141,6 +141,21 @@ def test_nan_reward_stops_with_iteration_and_last_good_checkpoint(upstream, tmp_
                               f"stopped. Last good checkpoint: {checkpoint} (iteration 1)")
     assert find_published(checkpoint) is not None
     assert find_published(spec.output_uri) is None
+
+
+def test_grpo_on_a_reward_function_alone_runs_without_reward_models_or_reference(upstream):
+    workdir, _, _ = upstream
+    spec = ppo_spec(upstream, "functions-only", reward_model=False, algorithm="grpo", group_size=4,
+                    prompts_per_iteration=4, minibatch_size=16, iterations=2, checkpoint_every=2, kl_coef=0.0,
+                    reward_functions=["alignflow.stages.rl.reward_functions:letter_share"])
+    code, result, stderr = finish(start_stage(spec, workdir))
+    assert code == 0, stderr[-3000:]
+    assert "reference forward skipped (kl_coef 0)" in stderr
+    frame = pd.read_parquet(local(result.output_uri) / "rollouts" / "iter_00002.parquet")
+    assert all(set(rewards) == {"alignflow.stages.rl.reward_functions:letter_share"}
+               for rewards in frame["rewards"].map(dict))
+    assert frame["ref_logprobs"].isna().all() and frame["values"].isna().all()
+    assert not any(key.startswith("kl/") for key in result.metrics)
 
 
 def test_rollouts_read_back_and_engine_refit_every_iteration(upstream):

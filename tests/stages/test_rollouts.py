@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -301,3 +302,9 @@ def test_os_replace_is_used_for_atomicity(tmp_path, rows, monkeypatch):
     monkeypatch.setattr(ro.os, "replace", spy)
     write_rollouts(rows, tmp_path / "r.parquet")
     assert len(calls) == 1 and calls[0][1] == "r.parquet" and calls[0][0].startswith(".r.parquet.")
+
+
+def test_readme_shows_the_schema_as_declared():
+    """The README's rollout table is schema_markdown()'s: a column or description changed in one place only fails."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert ro.schema_markdown().strip() in readme
