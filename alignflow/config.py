@@ -261,9 +261,15 @@ class PPOConfig(Section):
         "import and initialisation); auto: torch for one rank at zero_stage 0, else deepspeed. Checkpoints "
         "resume only with the backend that wrote them.")
     async_rollouts: bool = Field(
-        False, description="Generate iteration k+1 while training on iteration k (one-step off-policy: the PPO "
-        "ratio is taken against the rollout policy's log-probs). Faster where generation and training leave each "
+        False, description="Generate iteration k+1 while training on iteration k (one-step off-policy, trained "
+        "with the decoupled PPO objective: ratio clipped against the actor before the update, tokens weighted "
+        "by pi_prox / pi_behaviour, see async_weight_cap). Faster where generation and training leave each "
         "other idle cores; resuming is not bit-identical to an uninterrupted run.")
+    async_weight_cap: float = Field(
+        2.0, gt=1, description="async_rollouts: truncation of the per-token importance weight pi_prox / "
+        "pi_behaviour of the decoupled objective (the ratio is clipped against the actor before the update, the "
+        "proximal policy, and weighted by how much more likely it makes each sampled token than the policy "
+        "that sampled it).")
     zero_stage: Literal[0, 1, 2, 3] = Field(0)
     grad_clip: float = Field(1.0, gt=0)
     seed: int = Field(0)

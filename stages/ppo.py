@@ -286,13 +286,14 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 loss, metrics = rl.policy_loss_grpo(
                     logp, mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
                     kl_coef=kl_coef, kl_estimator="k3", dual_clip=cfg.dual_clip, entropy=entropy,
-                    entropy_coef=cfg.entropy_coef)
+                    entropy_coef=cfg.entropy_coef, token_weights=mb.behaviour_weights)
             else:
                 in_loss = not cfg.kl_in_reward
                 loss, metrics = rl.policy_loss_ppo(
                     logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range, dual_clip=cfg.dual_clip,
                     entropy=entropy, entropy_coef=cfg.entropy_coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
-                    kl_coef=kl_coef if in_loss else 0.0, kl_estimator=cfg.kl_estimator)
+                    kl_coef=kl_coef if in_loss else 0.0, kl_estimator=cfg.kl_estimator,
+                    token_weights=mb.behaviour_weights)
             check_finite("the policy loss", loss, iteration)
             actor.backward(loss)
             actor.step()
@@ -534,7 +535,9 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                      scores=scores, token_rewards=torch.zeros_like(mask), kl=torch.zeros_like(mask),
                      advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p)
     with_reference = needs_reference(cfg)
-    source = "engine" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
+    # Off-policy (async): the old log-probs are the proximal policy's (the actor now, before this update),
+    # and the engine's, the behaviour policy's, weight each token (the decoupled objective).
+    source = "recompute" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
     with torch.no_grad(), precision.forward():
         if with_reference:
             with profiler.phase("reference"):
@@ -545,6 +548,9 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         if critic is not None:
             with profiler.phase("values"):
                 exp.values = token_values(critic.module, exp)
+    if off_policy:
+        exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
+                                                     cfg.async_weight_cap)
     kl_coef = state.kl_controller.value
     with profiler.phase("advantages"):
         _advantages(exp, cfg, kl_coef, with_reference, iteration)

@@ -576,6 +576,7 @@ def policy_loss_ppo(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO actor loss: clipped surrogate, minus an entropy bonus, plus (optionally) KL in the loss.
 
@@ -596,6 +597,9 @@ def policy_loss_ppo(
         ref_logprobs: [B, T] reference log-probs, needed when kl_coef > 0 (KL in the loss).
         kl_coef: weight of the KL term (0 = KL lives in the reward instead).
         kl_estimator: a KL_ESTIMATORS name; "k3" by default since it is non-negative and unbiased.
+        token_weights: optional [B, T] importance weights (no grad) multiplying each token's surrogate: the
+            decoupled objective of off-policy batches, pi_prox / pi_behaviour with `old_logprobs` the
+            proximal policy's (see behaviour_weights).
 
     Returns:
         (loss 0-dim, metrics): losses/actor_loss, losses/policy_loss, losses/approx_kl (k3 between old
@@ -612,6 +616,9 @@ def policy_loss_ppo(
     surrogate, ratio, clipped, dual_clipped = clipped_surrogate(
         logprobs, old_logprobs, advantages, clip_range, dual_clip
     )
+    if token_weights is not None:
+        _check_same_shape(token_weights=token_weights, mask=mask)
+        surrogate = surrogate * _fill_padding(token_weights.detach().to(surrogate.dtype), mask, 0.0)
     policy_loss = aggregate_loss(surrogate, mask, aggregation, counts)
     loss = policy_loss
     with torch.no_grad():
@@ -635,8 +642,26 @@ def policy_loss_ppo(
         kl = kl_penalty(logprobs, ref_logprobs, kl_estimator, mask)
         loss = loss + kl_coef * aggregate_loss(kl, mask, aggregation, counts)
         metrics["losses/kl_ref"] = masked_mean(kl.detach(), mask)
+    if token_weights is not None:
+        metrics["losses/behaviour_weight_mean"] = masked_mean(token_weights.detach(), mask)
     metrics["losses/actor_loss"] = loss.detach()
     return loss, metrics
+
+
+def behaviour_weights(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Per-token pi_prox / pi_behaviour, truncated at `cap`, zero on padding: the weights of the decoupled PPO
+    objective (Hilton et al. 2021) for a batch sampled by an older policy than the one it is clipped against.
+
+    With one-step off-policy rollouts the behaviour policy is one update behind; clipping the ratio against
+    it (the plain objective) clips the tokens that update already moved, and the policy learns less per
+    iteration. The decoupled objective clips against the proximal policy (the actor before this update) and
+    corrects for the sampling policy with these weights. Truncation bounds the variance of rare tokens.
+    """
+    if cap <= 1.0:
+        raise ValueError(f"the behaviour weight cap must be > 1, got {cap}")
+    _check_same_shape(proximal_logprobs=proximal_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask)
+    log_weight = (proximal_logprobs - behaviour_logprobs).clamp(-_MAX_LOG_RATIO, math.log(cap))
+    return torch.exp(log_weight) * mask
 
 
 def policy_loss_grpo(
@@ -653,6 +678,7 @@ def policy_loss_grpo(
     counts: TokenCounts | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO actor loss: PPO's clipped surrogate on group-relative advantages, KL to the reference in
     the loss (k3 by default, as in DeepSeekMath), no critic.
@@ -678,6 +704,7 @@ def policy_loss_grpo(
         ref_logprobs=ref_logprobs,
         kl_coef=kl_coef,
         kl_estimator=kl_estimator,
+        token_weights=token_weights,
     )
 
 

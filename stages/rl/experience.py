@@ -38,6 +38,8 @@ class Experience:
     advantages: Tensor         # (B, R)
     returns: Tensor | None     # (B, R) PPO only
     prompt_width: int = 0      # P
+    # (B, R) pi_prox / pi_behaviour of an off-policy batch (algorithms.behaviour_weights); None on-policy
+    behaviour_weights: Tensor | None = None
 
     def select(self, index: Tensor) -> Experience:
         """The rows `index` (a minibatch); tensors are indexed along dim 0."""

@@ -158,6 +158,22 @@ def test_grpo_on_a_reward_function_alone_runs_without_reward_models_or_reference
     assert not any(key.startswith("kl/") for key in result.metrics)
 
 
+def test_async_rollouts_are_one_step_off_policy_and_trained_with_behaviour_weights(upstream):
+    workdir, _, _ = upstream
+    spec = ppo_spec(upstream, "async", algorithm="grpo", group_size=4, prompts_per_iteration=4, minibatch_size=16,
+                    iterations=3, checkpoint_every=3, async_rollouts=True)
+    code, result, stderr = finish(start_stage(spec, workdir))
+    assert code == 0, stderr[-3000:]
+    out = local(result.output_uri)
+    versions = [set(pd.read_parquet(out / "rollouts" / f"iter_{i:05d}.parquet")["policy_version"]) for i in (1, 2, 3)]
+    assert versions == [{0}, {0}, {1}]  # iteration k+1 was generated while iteration k trained
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/policy_lag"] for m in history] == [0, 1, 1]
+    assert "losses/behaviour_weight_mean" not in history[0]  # on-policy: no weights
+    for m in history[1:]:
+        assert 0 < m["losses/behaviour_weight_mean"] <= 2.0  # pi_prox / pi_behaviour, capped at async_weight_cap
+
+
 def test_rollouts_read_back_and_engine_refit_every_iteration(upstream):
     workdir, _, _ = upstream
     # fp32 training: the check below compares the engine with the actor, which bf16 autocast would blur (~5e-3).

@@ -454,6 +454,34 @@ def test_policy_loss_grpo_matches_loop(batch):
     assert metrics["losses/kl_ref"].item() == pytest.approx(loop_masked_mean(k3, m), rel=RTOL)
 
 
+@pytest.mark.parametrize("mode", list(alg.LOSS_AGGREGATIONS))
+def test_decoupled_objective_weights_each_token_surrogate(batch, mode):
+    """Off-policy batches: the surrogate clipped against the proximal policy, times pi_prox / pi_behaviour."""
+    mask = batch["mask"]
+    behaviour = batch["old_logprobs"] + 0.3 * torch.randn_like(batch["old_logprobs"])
+    weights = alg.behaviour_weights(batch["old_logprobs"], behaviour, mask, cap=2.0)
+    m, w = mask.tolist(), weights.tolist()
+    loop_weights = [[min(math.exp(p - q), 2.0) * m[b][t] for t, (p, q) in enumerate(zip(rp, rq, strict=True))]
+                    for b, (rp, rq) in enumerate(zip(batch["old_logprobs"].tolist(), behaviour.tolist(),
+                                                     strict=True))]
+    close(weights, loop_weights)
+    assert max(max(row) for row in w) <= 2.0 and min(max(row) for row in w) < 2.0  # the cap bites on some only
+    loss, metrics = alg.policy_loss_ppo(batch["logprobs"], batch["old_logprobs"], batch["advantages"], mask, 0.2,
+                                        aggregation=mode, token_weights=weights)
+    per_token, *_ = loop_ppo_per_token(batch["logprobs"].tolist(), batch["old_logprobs"].tolist(),
+                                       batch["advantages"].tolist(), 0.2, None)
+    weighted = [[s * wt for s, wt in zip(rs, rw, strict=True)] for rs, rw in zip(per_token, w, strict=True)]
+    assert loss.item() == pytest.approx(loop_aggregate(weighted, m, mode), rel=RTOL)
+    assert metrics["losses/behaviour_weight_mean"].item() == pytest.approx(loop_masked_mean(w, m), rel=RTOL)
+    unweighted, _ = alg.policy_loss_ppo(batch["logprobs"], batch["old_logprobs"], batch["advantages"], mask, 0.2,
+                                        aggregation=mode, token_weights=torch.ones_like(mask, dtype=torch.float32))
+    plain, _ = alg.policy_loss_ppo(batch["logprobs"], batch["old_logprobs"], batch["advantages"], mask, 0.2,
+                                   aggregation=mode)
+    assert unweighted.item() == pytest.approx(plain.item(), rel=RTOL)
+    with pytest.raises(ValueError, match="cap must be > 1"):
+        alg.behaviour_weights(batch["old_logprobs"], behaviour, mask, cap=1.0)
+
+
 def test_dual_clip_must_exceed_one(batch):
     with pytest.raises(ValueError, match=r"dual_clip must be > 1 \(e.g. 3.0\) or None, got 0.5"):
         alg.policy_loss_ppo(
