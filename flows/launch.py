@@ -132,8 +132,8 @@ def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) ->
     if warm is not None:
         proc, changes = warm
         assert proc.stdin is not None
-        proc.stdin.write(json.dumps({"stage": spec.stage, "argv": argv, "env": changes,
-                                     "launched_at": launched_at}) + "\n")
+        proc.stdin.write(json.dumps({"stage": spec.stage, "argv": argv,
+                                     "env": {**changes, LAUNCHED_AT_VAR: launched_at}}) + "\n")
         proc.stdin.close()
     else:
         proc = subprocess.Popen([sys.executable, "-m", f"alignflow.stages.{spec.stage}", *argv],

@@ -344,9 +344,12 @@ class Profiler:
             elapsed = end - start
             if self._t_end is not None:  # a phase after stop() (e.g. publishing) extends the wall clock
                 self._t_end = max(self._t_end, end)
-            self._totals[name] = self._totals.get(name, 0.0) + elapsed
-            self._calls[name] = self._calls.get(name, 0) + 1
-            self._window[name] = self._window.get(name, 0.0) + elapsed
+            self._add(name, elapsed)
+
+    def _add(self, name: str, seconds: float) -> None:
+        self._totals[name] = self._totals.get(name, 0.0) + seconds
+        self._calls[name] = self._calls.get(name, 0) + 1
+        self._window[name] = self._window.get(name, 0.0) + seconds
 
     def record_before_start(self, name: str, seconds: float) -> None:
         """Add phase `name` that ran before the wall clock started (e.g. the process start and imports before
@@ -356,10 +359,8 @@ class Profiler:
         if self._t0 is None:
             self._t0 = self._window_start = time.perf_counter()
         self._t0 -= seconds
-        self._window_start = min(self._window_start if self._window_start is not None else self._t0, self._t0)
-        self._totals[name] = self._totals.get(name, 0.0) + seconds
-        self._calls[name] = self._calls.get(name, 0) + 1
-        self._window[name] = self._window.get(name, 0.0) + seconds
+        self._window_start = min(self._window_start, self._t0)
+        self._add(name, seconds)
 
     def count(self, tokens: int = 0, samples: int = 0) -> None:
         """Add to the throughput counters (generated or trained tokens, and sequences)."""

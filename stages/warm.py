@@ -4,7 +4,8 @@ What it is for: start-up. A stage process spends ~4-5 s of a 2-core box importin
 transformers and the stage's modules before it reads its spec; the flow starts this process while it
 is still importing Prefect and starting Prefect's server, so that time is spent in parallel. When a
 stage is launched, the flow writes one JSON line to its stdin, `{"stage": name, "argv": [...], "env":
-{...}, "launched_at": t}` (env: variables to set, or unset when null, before the stage runs),
+{...}}` (variables to set, or unset when null, before the stage runs: those the flow set after this
+process started, and ALIGNFLOW_LAUNCHED_AT),
 and the process runs `alignflow.stages.<name>.main(argv)` exactly as
 `python -m alignflow.stages.<name>` would: same stdout, stderr, exit code. What it is not: a
 long-lived server; it runs one stage and exits, and if its environment differs from the one the
@@ -17,8 +18,6 @@ import importlib
 import json
 import os
 import sys
-
-from alignflow.contract import LAUNCHED_AT_VAR
 
 # The heavy imports every ML stage makes, in the order they come. Measured with `python -X importtime` on
 # the 2-core box after torch and transformers: transformers' weight-loading machinery 0.6 s, MLflow and its
@@ -53,7 +52,6 @@ def run_request(line: str) -> int:
     try:
         request = json.loads(line)
         stage, argv = request["stage"], list(request["argv"])
-        launched_at = request.get("launched_at")
         env_changes = dict(request.get("env") or {})
     except (ValueError, KeyError, TypeError) as exc:
         print(f"error: warm stage process: bad request {line[:200]!r} ({exc})", file=sys.stderr, flush=True)
@@ -67,8 +65,6 @@ def run_request(line: str) -> int:
             os.environ.pop(name, None)
         else:
             os.environ[name] = str(value)
-    if launched_at is not None:
-        os.environ[LAUNCHED_AT_VAR] = str(launched_at)
     module = importlib.import_module(stage_module(stage))
     sys.argv = [f"alignflow.stages.{stage}", *argv]
     return int(module.main(argv) or 0)

@@ -86,8 +86,8 @@ def test_warm_process_applies_the_environment_changes_before_the_stage_runs(tmp_
         return 0
 
     monkeypatch.setattr("alignflow.stages.data.stage.main", fake_main)
-    request = {"stage": "data", "argv": ["--spec", "s.json"], "env": {"MLFLOW_TRACKING_URI": "sqlite:///y.db",
-                                                                      "AWS_PROFILE": None}, "launched_at": "12.5"}
+    request = {"stage": "data", "argv": ["--spec", "s.json"],
+               "env": {"MLFLOW_TRACKING_URI": "sqlite:///y.db", "AWS_PROFILE": None, "ALIGNFLOW_LAUNCHED_AT": "12.5"}}
     assert warm.run_request(json.dumps(request)) == 0
     assert seen == {"argv": ["--spec", "s.json"], "uri": "sqlite:///y.db", "profile": None, "launched": "12.5"}
     for name in ("MLFLOW_TRACKING_URI", "ALIGNFLOW_LAUNCHED_AT"):
