@@ -119,6 +119,27 @@ class DataConfig(Section):
         return self
 
 
+class LoRAConfig(Section):
+    """Low-rank adapters (peft) on the linear layers of a trained model; rank 0 trains every weight.
+
+    Only the adapters (and a classifier or value head, trained whole) reach the optimiser. Published
+    checkpoints are merged: a plain HF model with W + (alpha / rank) * B @ A in place of W, plus the
+    adapter files under adapter/, so every reader still loads an ordinary checkpoint.
+    """
+
+    rank: int = Field(0, ge=0, description="Adapter rank r; 0 disables LoRA (full fine-tuning).")
+    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="Module names (last path component) that get adapters; every name must match a "
+        "linear layer of the model. Default: every linear layer of a Llama block.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class SFTConfig(Section):
     """Supervised fine-tuning (loss on completion tokens only), trained through DeepSpeed."""
 
@@ -133,6 +154,7 @@ class SFTConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
     grad_clip: float = Field(1.0, gt=0)
     seed: int = Field(0)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters instead of full weights.")
 
 
 class RewardModelSpec(Section):
@@ -158,6 +180,8 @@ class RewardConfig(Section):
     eval_every: int = Field(50, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = Field(0)
     grad_clip: float = Field(1.0, gt=0)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters on the backbone; the "
+                             "scalar head is trained whole.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> RewardConfig:
@@ -273,6 +297,9 @@ class PPOConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0)
     grad_clip: float = Field(1.0, gt=0)
     seed: int = Field(0)
+    lora: LoRAConfig = Field(
+        default_factory=LoRAConfig, description="Low-rank adapters on the actor and the critic (its value head is "
+        "trained whole); the engine's refit then sends only the merged weights of adapted modules.")
 
     @field_validator("autocast", mode="before")
     @classmethod
@@ -286,6 +313,41 @@ class PPOConfig(Section):
             raise ValueError("ppo.group_size must be >= 2 when ppo.algorithm is 'grpo'")
         if self.reward_function_weights and len(self.reward_function_weights) != len(self.reward_functions):
             raise ValueError("ppo.reward_function_weights must have one weight per entry of ppo.reward_functions")
+        return self
+
+
+class DPOConfig(Section):
+    """Direct preference optimisation on the preference pairs: the SFT policy trained against a frozen copy of itself.
+
+    The loss is a pure function of the policy's and the reference's log-probs of chosen and rejected
+    responses (stages/preference/dpo_losses.py); the reference's are computed once before training.
+    """
+
+    loss: Literal["sigmoid", "ipo", "cdpo"] = Field(
+        "sigmoid", description="sigmoid: DPO's -log sigmoid(beta * margin); ipo: (margin - 1 / (2 beta))^2; cdpo: "
+        "conservative DPO, sigmoid with labels flipped with probability label_smoothing.")
+    beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward beta * log(pi / ref); "
+                        "higher stays closer to the reference.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cdpo: assumed share of flipped preference labels.")
+    lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    epochs: float = Field(1.0, gt=0)
+    batch_size: int = Field(32, ge=1, description="Preference pairs per optimizer step.")
+    micro_batch_size: int = Field(32, ge=1)
+    max_length: int = Field(128, ge=8, description="Prompt+response tokens; longer pairs are cut on the right.")
+    eval_every: int = Field(50, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = Field(0)
+    grad_clip: float = Field(1.0, gt=0)
+    seed: int = Field(0)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters instead of full weights.")
+
+    @model_validator(mode="after")
+    def _smoothing_with_cdpo(self) -> DPOConfig:
+        if self.loss == "cdpo" and self.label_smoothing == 0:
+            raise ValueError("dpo.label_smoothing must be > 0 when dpo.loss is 'cdpo' (at 0 it is the sigmoid loss)")
+        if self.loss != "cdpo" and self.label_smoothing > 0:
+            raise ValueError(f"dpo.label_smoothing is used by dpo.loss 'cdpo' only (dpo.loss is '{self.loss}')")
         return self
 
 
@@ -348,7 +410,10 @@ class RegistryConfig(Section):
     min_improvement: float = Field(0.0, description="Held-out reward gain over the champion required to promote.")
 
 
-STAGE_ORDER: tuple[str, ...] = ("data", "base", "sft", "reward", "engine", "ppo", "evaluate")
+STAGE_ORDER: tuple[str, ...] = ("data", "base", "sft", "reward", "engine", "ppo", "dpo", "evaluate")
+DEFAULT_STAGES: tuple[str, ...] = ("data", "base", "sft", "reward", "engine", "ppo", "evaluate")
+POLICY_STAGES: tuple[str, ...] = ("ppo", "dpo")  # the stages whose output the evaluate stage evaluates
+StageName = Literal["data", "base", "sft", "reward", "engine", "ppo", "dpo", "evaluate"]
 
 
 class PipelineConfig(Section):
@@ -356,9 +421,10 @@ class PipelineConfig(Section):
 
     name: str = Field("alignflow", pattern=r"^[A-Za-z0-9_.\-]+$", description="Pipeline name (MLflow run names).")
     workdir: str = Field(".", description="Working directory: relative file:// roots and the MLflow DB live here.")
-    stages: list[Literal["data", "base", "sft", "reward", "engine", "ppo", "evaluate"]] = Field(
-        default_factory=lambda: list(STAGE_ORDER), description="Stages to run, a prefix-closed subset in order."
-    )
+    stages: list[StageName] = Field(
+        default_factory=lambda: list(DEFAULT_STAGES), description="Stages to run, in order, each with the stages "
+        "it reads from. The policy comes from ppo (PPO/GRPO on the engine) or dpo (preference pairs, no reward "
+        "model or engine needed): data, base, sft, dpo, evaluate is a whole DPO pipeline.")
     storage: StorageConfig = Field(default_factory=StorageConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -367,22 +433,29 @@ class PipelineConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
 
     @model_validator(mode="after")
     def _stage_dependencies(self) -> PipelineConfig:
-        # GRPO scored by reward functions alone needs no reward model; PPO's critic starts from one, and the
-        # evaluate stage scores held-out answers with them.
+        # GRPO scored by reward functions alone needs no reward model; PPO's critic starts from one. The
+        # evaluate stage scores with reward models when there are any (a DPO pipeline has none).
         functions_only = self.ppo.algorithm == "grpo" and bool(self.ppo.reward_functions)
         needs = {"base": ["data"], "sft": ["base"], "reward": ["sft"], "engine": ["sft"],
-                 "ppo": ["engine"] if functions_only else ["engine", "reward"], "evaluate": ["ppo", "reward"]}
+                 "ppo": ["engine"] if functions_only else ["engine", "reward"], "dpo": ["sft"]}
         chosen = set(self.stages)
         problems = [f"stage '{s}' needs '{d}'" for s in self.stages for d in needs.get(s, []) if d not in chosen]
-        if functions_only and "evaluate" in chosen and "reward" not in chosen:
-            problems.append("(GRPO on ppo.reward_functions alone runs without reward models, but the evaluate "
-                            "stage scores with them: add 'reward' or leave out 'evaluate')")
+        policies = [s for s in POLICY_STAGES if s in chosen]
+        if "evaluate" in chosen and not policies:
+            problems.append("stage 'evaluate' needs a policy stage: 'ppo' or 'dpo'")
+        if len(policies) > 1 and "evaluate" in chosen:
+            problems.append("'ppo' and 'dpo' both train the policy and 'evaluate' evaluates one: run them in two "
+                            "pipelines (same storage root: the shared stages are reused)")
+        order = [s for s in STAGE_ORDER if s in chosen]
+        if list(self.stages) != order:
+            problems.append(f"list them in pipeline order: {', '.join(order)}")
         if problems:
             raise ValueError("stages: " + "; ".join(problems))
         return self

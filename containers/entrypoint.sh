@@ -10,7 +10,7 @@
 # container: work pools replace CMD, never ENTRYPOINT.
 set -eu
 
-STAGES="data base sft reward engine ppo evaluate"
+STAGES="data base sft reward engine ppo dpo evaluate"
 
 usage() {
     cat <<EOF

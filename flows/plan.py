@@ -49,8 +49,12 @@ def plan(config: PipelineConfig) -> list[StageCall]:
     if "ppo" in chosen:
         calls.append(StageCall("ppo", "ppo", {"ppo": dump["ppo"], "model": model, "engine": dump["engine"]},
                                {"engine": "engine", "sft": "sft", "data": "data", **rewards}))
+    if "dpo" in chosen:
+        calls.append(StageCall("dpo", "dpo", {"dpo": dump["dpo"], "model": model}, {"sft": "sft", "data": "data"}))
     if "evaluate" in chosen:
+        # The policy input is named after the stage that trained it (the config allows exactly one).
+        policy = "ppo" if "ppo" in chosen else "dpo"
         calls.append(StageCall("evaluate", "evaluate",
                                {"evaluate": dump["evaluate"], "model": model, "engine": dump["engine"]},
-                               {"ppo": "ppo", "sft": "sft", "data": "data", **rewards}))
+                               {policy: policy, "sft": "sft", "data": "data", **rewards}))
     return calls

@@ -28,7 +28,7 @@ WARM_IMPORTS = ("torch", "transformers", "safetensors.torch", "alignflow.stages.
                 "transformers.models.llama.modeling_llama",
                 "transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers",
                 "alignflow.tracking")
-STAGES = ("data", "base", "sft", "reward", "engine", "ppo", "evaluate")
+STAGES = ("data", "base", "sft", "reward", "engine", "ppo", "dpo", "evaluate")
 
 
 def stage_module(stage: str) -> str:

@@ -87,8 +87,34 @@ def test_grpo_on_reward_functions_alone_needs_no_reward_stage():
         validate_config({"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": {**grpo, "algorithm": "ppo"}})
     with pytest.raises(ConfigError, match="stage 'ppo' needs 'reward'"):  # GRPO with nothing to score it
         validate_config({"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": {"algorithm": "grpo", "group_size": 4}})
-    with pytest.raises(ConfigError, match="the evaluate stage scores with them"):
-        validate_config({"stages": ["data", "base", "sft", "engine", "ppo", "evaluate"], "ppo": grpo})
+    # The evaluate stage scores with reward models where there are some, with the gold scorer and KL always.
+    config = validate_config({"stages": ["data", "base", "sft", "engine", "ppo", "evaluate"], "ppo": grpo})
+    assert plan(config)[-1].inputs == {"ppo": "ppo", "sft": "sft", "data": "data"}
+
+
+def test_dpo_pipeline_needs_no_reward_model_or_engine():
+    config = validate_config({"stages": ["data", "base", "sft", "dpo", "evaluate"]})
+    assert [call.key for call in plan(config)] == ["data", "base", "sft", "dpo", "evaluate"]
+    assert plan(config)[-2].inputs == {"sft": "sft", "data": "data"}
+    assert plan(config)[-1].inputs == {"dpo": "dpo", "sft": "sft", "data": "data"}
+    with pytest.raises(ConfigError, match="'ppo' and 'dpo' both train the policy"):
+        validate_config({"stages": ["data", "base", "sft", "reward", "engine", "ppo", "dpo", "evaluate"]})
+    with pytest.raises(ConfigError, match="stage 'evaluate' needs a policy stage: 'ppo' or 'dpo'"):
+        validate_config({"stages": ["data", "base", "sft", "evaluate"]})
+    with pytest.raises(ConfigError, match="list them in pipeline order: data, base, sft, dpo"):
+        validate_config({"stages": ["data", "base", "dpo", "sft"]})
+
+
+def test_bad_dpo_and_lora_settings_name_the_key():
+    with pytest.raises(ConfigError, match=r"dpo.beta: Input should be greater than 0 \(got 0\)"):
+        validate_config({"dpo": {"beta": 0}})
+    with pytest.raises(ConfigError, match="dpo.label_smoothing must be > 0 when dpo.loss is 'cdpo'"):
+        validate_config({"dpo": {"loss": "cdpo"}})
+    with pytest.raises(ConfigError, match=r"dpo.loss: Input should be 'sigmoid', 'ipo' or 'cdpo'"):
+        validate_config({"dpo": {"loss": "kto"}})
+    with pytest.raises(ConfigError, match=r"sft.lora.rank: Input should be greater than or equal to 0"):
+        validate_config({"sft": {"lora": {"rank": -1}}})
+    assert validate_config({"ppo": {"lora": {"rank": 8}}}).ppo.lora.enabled
 
 
 def test_unquoted_yaml_off_means_autocast_off():

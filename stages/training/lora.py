@@ -1,0 +1,111 @@
+"""LoRA for every trainable stage: peft adapters from a `LoRAConfig`, and the merged weights that leave the trainer.
+
+What it does: checks the config against the model (each target name must be a linear layer; errors
+name the config key), wraps the model with peft (the optimiser then sees only `requires_grad`
+parameters: the adapters, and a classifier/value head trained whole), and turns the trained
+model back into plain HF tensors: `merged_state_dict` (every weight, the adapted ones as
+W + (alpha / r) * B @ A) for checkpoints, `merged_adapted_weights` (only the adapted modules) for
+an engine's refit. What it is not: a trainer, or a place that knows which stage calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from alignflow.config import LoRAConfig
+
+ADAPTER_DIR = "adapter"  # the adapter files (adapter_config.json, adapter_model.safetensors) inside a checkpoint
+_PEFT_WRAPPER_PREFIX = "base_model.model."
+
+
+class LoRAConfigError(ValueError):
+    """A LoRA setting that does not fit the model; the message names the config key."""
+
+
+def linear_layer_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last path components of the model's nn.Linear modules (what target_modules may name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and name})
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, key: str, classifier: bool = False) -> torch.nn.Module:
+    """`model` with adapters on `cfg.target_modules` (or `model` itself when LoRA is off).
+
+    classifier: a sequence classifier (reward model, critic): its `score` head is trained whole.
+    Raises LoRAConfigError naming `<key>.target_modules` for a name that matches no linear layer.
+    """
+    if not cfg.enabled:
+        return model
+    import peft
+
+    linear = linear_layer_names(model)
+    missing = [name for name in cfg.target_modules if name not in linear]
+    if missing:
+        raise LoRAConfigError(f"{key}.target_modules: {', '.join(repr(m) for m in missing)} matches no linear layer "
+                              f"of the model ({type(model).__name__}); its linear layers are: {', '.join(linear)}")
+    head = ["score"] if classifier else []
+    if any(name in head for name in cfg.target_modules):
+        raise LoRAConfigError(f"{key}.target_modules: 'score' is the scalar head, trained whole; leave it out")
+    peft_cfg = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                               target_modules=list(cfg.target_modules), modules_to_save=head or None, bias="none")
+    return peft.get_peft_model(model, peft_cfg)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    import peft
+
+    return isinstance(model, peft.PeftModel)
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters; with LoRA, total counts the frozen base once and the adapters."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def _lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(HF module name, peft LoRA layer) of every adapted module of a PeftModel."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and name.startswith(_PEFT_WRAPPER_PREFIX):
+            yield name.removeprefix(_PEFT_WRAPPER_PREFIX), module
+
+
+@torch.no_grad()
+def merged_adapted_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, W + delta) for each adapted module only, one at a time: what a refit must send.
+
+    The model is not modified (no merge/unmerge round trip that would drift the base weights in fp32).
+    """
+    for name, layer in _lora_layers(model):
+        base = layer.get_base_layer().weight
+        delta = sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
+        yield f"{name}.weight", (base + delta.to(base.dtype)).detach()
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain HF state dict of a PeftModel with its adapters merged (CPU copies); any other model's own."""
+    if not is_lora(model):
+        return {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        key = key.removeprefix(_PEFT_WRAPPER_PREFIX)
+        if "lora_" in key or ".original_module." in key:
+            continue  # adapters are merged below; a trained head's frozen original is superseded
+        key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        state[key] = value.detach().to("cpu").clone()
+    for name, weight in merged_adapted_weights(model):
+        state[name] = weight.to("cpu").clone()
+    return state
+
+
+def save_merged(model: torch.nn.Module, out: Path) -> None:
+    """An HF checkpoint in `out` with the adapters of PeftModel `model` merged, plus the adapter files under
+    `out/adapter/` (adapter_config.json, adapter_model.safetensors: base + adapter loads with peft)."""
+    model.get_base_model().save_pretrained(out, state_dict=merged_state_dict(model), safe_serialization=True)
+    model.save_pretrained(out / ADAPTER_DIR, safe_serialization=True)
