@@ -320,7 +320,7 @@ class DPOConfig(Section):
     """Direct preference optimisation on the preference pairs: the SFT policy trained against a frozen copy of itself.
 
     The loss is a pure function of the policy's and the reference's log-probs of chosen and rejected
-    responses (stages/preference/dpo_losses.py); the reference's are computed once before training.
+    responses (stages/preference/losses.py); the reference's are computed once before training.
     """
 
     loss: Literal["sigmoid", "ipo", "cdpo"] = Field(
