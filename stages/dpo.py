@@ -28,9 +28,9 @@ from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.preference.losses import LENGTH_NORMALISED, preference_loss
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
-from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, initialize
+from alignflow.stages.training.deepspeed_setup import OptimSettings, initialize
 from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
-from alignflow.stages.training.lora import LoRAConfigError, apply_lora, is_lora, parameter_counts, save_merged
+from alignflow.stages.training.lora import apply_lora, check_zero_stage, parameter_counts, save_trained
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,7 @@ def run(spec: StageSpec) -> StageResult:
     if cfg.batch_size % cfg.micro_batch_size:
         raise StageInputError(f"dpo.batch_size={cfg.batch_size} must be a multiple of "
                               f"dpo.micro_batch_size={cfg.micro_batch_size}")
-    if cfg.lora.enabled and cfg.zero_stage == 3:
-        raise StageInputError("dpo.lora with dpo.zero_stage 3: merging the adapters needs whole weights; use "
-                              "zero_stage 2 (LoRA's optimizer state is small anyway)")
+    check_zero_stage(cfg.lora, cfg.zero_stage, "dpo")
     torch.manual_seed(cfg.seed)
     ctx = StageContext(spec)
     with tracked(ctx):
@@ -137,10 +135,7 @@ def run(spec: StageSpec) -> StageResult:
                                             data_manifest.file(f"{name}.jsonl").sha256,
                                             "training" if name.endswith("train") else "evaluation", count)
         model = load_causal_lm(sft_dir, dtype=model_cfg.dtype)
-        try:
-            model = apply_lora(model, cfg.lora, "dpo.lora")
-        except LoRAConfigError as exc:
-            raise StageInputError(str(exc)) from None
+        model = apply_lora(model, cfg.lora, "dpo.lora")
         trainable, total = parameter_counts(model)
         mean = cfg.loss in LENGTH_NORMALISED
         with ctx.profiler.phase("reference"):
@@ -204,11 +199,7 @@ def run(spec: StageSpec) -> StageResult:
             with ctx.profiler.phase("save"):
                 policy_dir = out / "policy"
                 policy_dir.mkdir()
-                if is_lora(engine.module):
-                    save_merged(engine.module, policy_dir)
-                else:
-                    engine.module.save_pretrained(policy_dir, state_dict=full_state_dict(engine),
-                                                  safe_serialization=True)
+                save_trained(engine, policy_dir)
                 tokenizer.save_pretrained(policy_dir)
                 dump_json({"stage": "dpo", "loss": cfg.loss, "beta": cfg.beta, "steps": steps, "pairs": len(train),
                            "dropped_pairs": dropped, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,

@@ -22,8 +22,9 @@ from alignflow.stages.data.formats import load_preferences, render_prompt
 from alignflow.stages.models.loading import load_sequence_classifier, load_tokenizer
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
-from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, initialize
+from alignflow.stages.training.deepspeed_setup import OptimSettings, initialize
 from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
+from alignflow.stages.training.lora import apply_lora, check_zero_stage, parameter_counts, save_trained
 
 
 def encode_pair(tokenizer, record, max_length: int) -> tuple[list[int], list[int]]:
@@ -72,13 +73,16 @@ def run(spec: StageSpec) -> StageResult:
     if cfg.batch_size % cfg.micro_batch_size:
         raise StageInputError(f"reward.batch_size={cfg.batch_size} must be a multiple of "
                               f"reward.micro_batch_size={cfg.micro_batch_size}")
+    check_zero_stage(cfg.lora, cfg.zero_stage, "reward")
     torch.manual_seed(rm.seed)
     ctx = StageContext(spec)
     with tracked(ctx, run_name=f"reward-{rm.name}"):
         sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
         tokenizer = load_tokenizer(sft_dir)
         pad_id = pad_token_id(tokenizer)
-        model = load_sequence_classifier(sft_dir, dtype=model_cfg.dtype, seed=rm.seed)
+        model = apply_lora(load_sequence_classifier(sft_dir, dtype=model_cfg.dtype, seed=rm.seed), cfg.lora,
+                           "reward.lora", classifier=True)
+        trainable, total = parameter_counts(model)
         train_records = load_preferences(data_dir / "preferences_train.jsonl")
         eval_records = load_preferences(data_dir / "preferences_eval.jsonl")
         if rm.data_fraction < 1.0:
@@ -131,13 +135,14 @@ def run(spec: StageSpec) -> StageResult:
         with ctx.profiler.phase("eval"):
             final = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)
         metrics = {**final, "eval/accuracy_initial": initial["eval/accuracy"], "train/steps": float(steps),
+                   "perf/trainable_parameters": float(trainable), "perf/trainable_share": trainable / total,
                    "timing/train_s": time.perf_counter() - started}
         log({"timing/train_s": metrics["timing/train_s"]}, step=steps)
         with ctx.output_dir() as out:
             with ctx.profiler.phase("save"):
-                model.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
+                save_trained(engine, out)
                 tokenizer.save_pretrained(out)
-                dump_json({"stage": "reward", "name": rm.name, "weight": rm.weight, "steps": steps,
+                dump_json({"stage": "reward", "name": rm.name, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None, "weight": rm.weight, "steps": steps,
                            "pairs": len(train), "score_mean": final["eval/score_mean"],
                            "score_std": final["eval/score_std"], "metrics": metrics, "inputs": spec.inputs},
                           out / "alignflow_checkpoint.json")

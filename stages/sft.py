@@ -19,8 +19,9 @@ from alignflow.stages.data.formats import load_sft, render_prompt
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import IGNORE_INDEX, Encoded, collate_lm, encode_example, pad_token_id
-from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, initialize
+from alignflow.stages.training.deepspeed_setup import OptimSettings, initialize
 from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
+from alignflow.stages.training.lora import apply_lora, check_zero_stage, parameter_counts, save_trained
 
 
 def completion_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -54,12 +55,14 @@ def run(spec: StageSpec) -> StageResult:
     if cfg.batch_size % cfg.micro_batch_size:
         raise StageInputError(f"sft.batch_size={cfg.batch_size} must be a multiple of "
                               f"sft.micro_batch_size={cfg.micro_batch_size}")
+    check_zero_stage(cfg.lora, cfg.zero_stage, "sft")
     torch.manual_seed(cfg.seed)
     ctx = StageContext(spec)
     with tracked(ctx):
         base_dir, data_dir = ctx.input("base"), ctx.input("data")
         tokenizer = load_tokenizer(base_dir)
-        model = load_causal_lm(base_dir, dtype=model_cfg.dtype)
+        model = apply_lora(load_causal_lm(base_dir, dtype=model_cfg.dtype), cfg.lora, "sft.lora")
+        trainable, total = parameter_counts(model)
         pad_id = pad_token_id(tokenizer)
         train_records = load_sft(data_dir / "sft_train.jsonl")
         eval_records = load_sft(data_dir / "sft_eval.jsonl")
@@ -88,7 +91,8 @@ def run(spec: StageSpec) -> StageResult:
             initial_loss = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)
         log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
         log({"eval/loss": initial_loss}, step=0)
-        metrics = {"eval/loss_initial": initial_loss}
+        metrics = {"eval/loss_initial": initial_loss, "perf/trainable_parameters": float(trainable),
+                   "perf/trainable_share": trainable / total}
         tokens_seen, started = 0, time.perf_counter()
         train_loss = float("nan")
         with progress_bar("sft", steps) as advance:
@@ -123,9 +127,9 @@ def run(spec: StageSpec) -> StageResult:
         log({"eval/loss_final": final_loss, "timing/train_s": metrics["timing/train_s"]}, step=steps)
         with ctx.output_dir() as out:
             with ctx.profiler.phase("save"):
-                model.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
+                save_trained(engine, out)
                 tokenizer.save_pretrained(out)
-                dump_json({"stage": "sft", "steps": steps, "examples": len(train), "truncated_examples": truncated,
+                dump_json({"stage": "sft", "steps": steps, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None, "examples": len(train), "truncated_examples": truncated,
                            "metrics": metrics, "inputs": spec.inputs, "input_digests": spec.input_digests},
                           out / "alignflow_checkpoint.json")
             manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "eval/loss"})

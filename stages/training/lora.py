@@ -16,13 +16,22 @@ from pathlib import Path
 import torch
 
 from alignflow.config import LoRAConfig
+from alignflow.stages.runtime import StageInputError
+from alignflow.stages.training.deepspeed_setup import full_state_dict
 
 ADAPTER_DIR = "adapter"  # the adapter files (adapter_config.json, adapter_model.safetensors) inside a checkpoint
 _PEFT_WRAPPER_PREFIX = "base_model.model."
 
 
-class LoRAConfigError(ValueError):
-    """A LoRA setting that does not fit the model; the message names the config key."""
+class LoRAConfigError(StageInputError):
+    """A LoRA setting that does not fit the model; the message names the config key (bad input: exit code 2)."""
+
+
+def check_zero_stage(cfg: LoRAConfig, zero_stage: int, section: str) -> None:
+    """LoRA under ZeRO-3 is refused: merging the adapters needs each whole weight on one rank."""
+    if cfg.enabled and zero_stage == 3:
+        raise LoRAConfigError(f"{section}.lora with {section}.zero_stage 3: merging the adapters needs whole weights; "
+                              "use zero_stage 2 (LoRA's optimizer state is small anyway)")
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
@@ -102,6 +111,15 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, weight in merged_adapted_weights(model):
         state[name] = weight.to("cpu").clone()
     return state
+
+
+def save_trained(engine, out: Path) -> None:
+    """Save a training engine's model as an HF checkpoint in `out`: merged (plus adapter/) with LoRA, else the
+    full state dict (ZeRO-3 partitions gathered)."""
+    if is_lora(engine.module):
+        save_merged(engine.module, out)
+    else:
+        engine.module.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
 
 
 def save_merged(model: torch.nn.Module, out: Path) -> None:
