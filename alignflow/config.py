@@ -329,6 +329,9 @@ class DPOConfig(Section):
     beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward beta * log(pi / ref); "
                         "higher stays closer to the reference.")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cdpo: assumed share of flipped preference labels.")
+    nll_coef: float = Field(
+        0.0, ge=0, description="RPO: adds nll_coef x the chosen response's per-token NLL to each pair's loss, so the "
+        "margin cannot grow by making both responses unlikely (the failure of DPO on off-policy pairs).")
     lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(10, ge=0)

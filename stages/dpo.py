@@ -79,6 +79,13 @@ def sequence_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool) 
     return per_sequence[: len(pairs)], per_sequence[len(pairs):]
 
 
+def chosen_nll(chosen_logprobs: torch.Tensor, pairs: list[EncodedPair], mean: bool) -> torch.Tensor:
+    """[N] per-token mean NLL of the chosen responses, from their log-probs (sums, or already means)."""
+    if mean:
+        return -chosen_logprobs
+    return -chosen_logprobs / torch.tensor([len(p.chosen) for p in pairs], dtype=chosen_logprobs.dtype)
+
+
 @torch.no_grad()
 def reference_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool, batch_size: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +101,10 @@ def reference_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool,
 def evaluate_pairs(model, pairs: list[EncodedPair], reference: tuple[torch.Tensor, torch.Tensor], cfg: DPOConfig,
                    pad_id: int) -> dict[str, float]:
     """Held-out DPO loss and implicit-reward metrics (eval/loss, eval/rewards_{chosen,rejected,margin,accuracy})."""
-    chosen, rejected = reference_logprobs(model, pairs, pad_id, cfg.loss in LENGTH_NORMALISED, cfg.micro_batch_size)
-    out = preference_loss(cfg.loss, chosen, rejected, *reference, cfg.beta, cfg.label_smoothing)
+    mean = cfg.loss in LENGTH_NORMALISED
+    chosen, rejected = reference_logprobs(model, pairs, pad_id, mean, cfg.micro_batch_size)
+    out = preference_loss(cfg.loss, chosen, rejected, *reference, cfg.beta, cfg.label_smoothing,
+                          chosen_nll=chosen_nll(chosen, pairs, mean), nll_coef=cfg.nll_coef)
     return {"eval/loss": float(out.losses.mean()),
             **{k.replace("rewards/", "eval/rewards_"): v for k, v in out.metrics().items()}}
 
@@ -162,10 +171,13 @@ def run(spec: StageSpec) -> StageResult:
                 step_losses, chosen_rewards, rejected_rewards = [], [], []
                 with ctx.profiler.phase("train"):
                     for part in split_micro(indices, cfg.micro_batch_size):
-                        chosen, rejected = sequence_logprobs(engine, [train[i] for i in part], pad_id, mean)
+                        pairs = [train[i] for i in part]
+                        chosen, rejected = sequence_logprobs(engine, pairs, pad_id, mean)
                         rows = torch.tensor(part)
                         out = preference_loss(cfg.loss, chosen.float(), rejected.float(), ref_train[0][rows],
-                                              ref_train[1][rows], cfg.beta, cfg.label_smoothing)
+                                              ref_train[1][rows], cfg.beta, cfg.label_smoothing,
+                                              chosen_nll=chosen_nll(chosen.float(), pairs, mean),
+                                              nll_coef=cfg.nll_coef)
                         # Mean over the step's pairs; DeepSpeed divides by grad_accum in backward.
                         engine.backward(out.losses.sum() / len(indices) * grad_accum)
                         engine.step()

@@ -71,10 +71,21 @@ class PreferenceLoss:
 
 
 def preference_loss(name: str, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-                    ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> PreferenceLoss:
-    """Loss `name` ('sigmoid' | 'ipo' | 'cdpo') of N pairs and their implicit rewards; inputs [N] each."""
+                    ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
+                    chosen_nll: torch.Tensor | None = None, nll_coef: float = 0.0) -> PreferenceLoss:
+    """Loss `name` ('sigmoid' | 'ipo' | 'cdpo') of N pairs and their implicit rewards; inputs [N] each.
+
+    nll_coef > 0 adds nll_coef * chosen_nll ([N], the chosen response's per-token mean negative log-likelihood
+    under the policy) to each pair's loss: RPO (Pang et al. 2024). The preference loss alone can raise the
+    margin by lowering both responses' likelihood; the NLL term keeps the chosen ones likely.
+    """
     loss_fn = get_loss(name)
     margin = log_ratio_margin(policy_chosen, policy_rejected, ref_chosen, ref_rejected)
-    return PreferenceLoss(losses=loss_fn(margin, beta, label_smoothing),
+    losses = loss_fn(margin, beta, label_smoothing)
+    if nll_coef:
+        if chosen_nll is None:
+            raise ValueError("nll_coef > 0 needs chosen_nll, the chosen responses' per-token mean NLL")
+        losses = losses + nll_coef * chosen_nll
+    return PreferenceLoss(losses=losses,
                           chosen_rewards=(beta * (policy_chosen - ref_chosen)).detach(),
                           rejected_rewards=(beta * (policy_rejected - ref_rejected)).detach())

@@ -72,3 +72,12 @@ def test_gradients_push_the_chosen_response_up():
 def test_unknown_loss_lists_the_valid_ones():
     with pytest.raises(ValueError, match="unknown DPO loss 'kto'; valid losses: sigmoid, ipo, cdpo"):
         get_loss("kto")
+
+
+def test_rpo_adds_the_weighted_chosen_nll_to_each_pair():
+    one = [torch.tensor([v], dtype=torch.float64) for v in (-10.0, -20.0, -12.0, -21.0)]
+    nll = torch.tensor([2.5], dtype=torch.float64)  # e.g. -10 nats over 4 chosen tokens
+    out = preference_loss("sigmoid", *one, beta=0.1, chosen_nll=nll, nll_coef=0.4)
+    assert float(out.losses) == pytest.approx(0.6443966600735709 + 0.4 * 2.5, rel=1e-12)
+    with pytest.raises(ValueError, match="nll_coef > 0 needs chosen_nll"):
+        preference_loss("sigmoid", *one, beta=0.1, nll_coef=0.4)
