@@ -14,6 +14,14 @@ CPU speed (engine.cpu_prepack, on by default): every linear weight also has a pa
 bf16), repacked at the end of each refit; the copies double the weight memory and make the decode
 GEMMs 1.2-3x faster than F.linear. With engine.compile the decode step and sampler are compiled
 during build/load (warmup), so "built" means ready to decode at full speed.
+
+Tensor parallel (engine.tensor_parallel_size = k > 1, tensor_parallel.py): one engine per rank of a
+torch.distributed group of k processes (the world group unless `process_group` is passed), each
+holding its shard of the weights and of the KV cache; every rank makes the same calls with the same
+arguments and returns the same tokens. Refit takes the same stream of full HF tensors on every
+rank, and each rank copies only its slice. TP engines decode eagerly: engine.compile and CUDA graphs
+apply to k = 1 only (a collective inside a compiled or captured step is not supported here yet), and
+save() is refused (build each rank from the checkpoint). k = 1 runs no collective at all.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from alignflow.stages.generation.base import (
 from alignflow.stages.generation.native import prepack
 from alignflow.stages.generation.native.model import DecodeMasks, KVCache, LlamaFamilyModel, prefill_masks
 from alignflow.stages.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
+from alignflow.stages.generation.native.tensor_parallel import TensorParallel, check_tensor_parallel
 from alignflow.stages.generation.native.weights import InferenceWeights, checkpoint_tensors
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -99,36 +108,43 @@ class NativeEngine(Engine):
         eos_token_ids: tuple[int, ...],
         tokenizer_source: Path | None,
         source_checkpoint: str | None,
+        process_group: Any = None,
     ):
-        if engine_config.tensor_parallel_size != 1:
-            raise NotImplementedError(
-                f"engine.tensor_parallel_size={engine_config.tensor_parallel_size}: the native engine runs on "
-                "one device for now; set engine.tensor_parallel_size: 1"
-            )
         self.hf_config = hf_config
         self.engine_config = engine_config
         self.spec: LlamaFamilySpec = spec_from_hf_config(hf_config, engine_config.max_seq_len)
+        # Tensor parallel: this rank's shard and collectives (None for one device: no collective anywhere).
+        tp_size = engine_config.tensor_parallel_size
+        self.tp = TensorParallel(self.spec, tp_size, process_group) if tp_size > 1 else None
         warn_if_cpu_emulates(dtype, device)
         self.dtype = dtype
         self.device = device
         self._eos = eos_token_ids
         self.tokenizer_source = tokenizer_source
         self.source_checkpoint = source_checkpoint
-        self.weights = InferenceWeights(self.spec, dtype, device)
+        self.weights = InferenceWeights(self.spec, dtype, device, self.tp)
+        # The shapes this process holds: the whole model, or this rank's shard.
+        self.local_spec: LlamaFamilySpec = self.weights.local_spec
         cos, sin = rope_tables(hf_config, self.spec, engine_config.max_seq_len)
         layout = prepack.layout_for(device, dtype, engine_config.cpu_kernels) if engine_config.cpu_prepack else None
         self._prepacked = prepack.Prepacked(self.weights, engine_config.max_batch_size, layout) if layout else None
         self.model = LlamaFamilyModel(
-            self.spec, self.weights, cos.to(device, dtype), sin.to(device, dtype),
+            self.local_spec, self.weights, cos.to(device, dtype), sin.to(device, dtype),
             linear=prepack.linear if self._prepacked else torch.nn.functional.linear,
             cpu_attention=engine_config.cpu_kernels and cpu_decode_attention.supports(device, dtype, self.spec.head_dim),
+            tp=self.tp,
         )
         self.cache: KVCache | None = self._new_cache()
         self._weights_valid = False  # set once a full weight stream has been copied in
         self._busy = False
         self._graphs: dict[int, _GraphedStep] = {}
         self._graph_pool = None
-        self._use_graphs = engine_config.cuda_graphs and device.type == "cuda"
+        # Tensor parallel decodes eagerly (module docstring): compile and CUDA graphs for one device only.
+        self._compile = engine_config.compile and self.tp is None
+        if engine_config.compile and self.tp is not None:
+            warnings.warn(f"engine.compile ignored with engine.tensor_parallel_size={tp_size}: tensor-parallel "
+                          "engines decode eagerly", RuntimeWarning, stacklevel=2)
+        self._use_graphs = engine_config.cuda_graphs and device.type == "cuda" and self.tp is None
         # engine.compile: the decode step and the sampler are compiled with automatic dynamic shapes
         # (dynamic=None): a size becomes symbolic once it is seen to change, so after warmup() one
         # graph serves every step (slot, kv length) and batch size, while the model's own sizes
@@ -142,10 +158,10 @@ class NativeEngine(Engine):
         # inductor fuses into one loop) and an eager one takes the chunked CPU sampler (same tokens,
         # 3-6x faster than the eager reference), or on CUDA impl="auto": the Triton kernel.
         cpp_sampler = device.type == "cpu" and engine_config.cpu_kernels and cpp_available()
-        self._step = torch.compile(self.model.forward, dynamic=None) if engine_config.compile else self.model.forward
+        self._step = torch.compile(self.model.forward, dynamic=None) if self._compile else self.model.forward
         if cpp_sampler:
             self._sample, self._sample_impl = sample_tokens, "cpp"
-        elif engine_config.compile:
+        elif self._compile:
             self._sample = torch.compile(sample_tokens, dynamic=None)
             self._sample_impl = "torch" if device.type == "cpu" else "auto"
         else:
@@ -162,7 +178,7 @@ class NativeEngine(Engine):
         if self._use_graphs:
             step = "CUDA graph per batch bucket"
         else:
-            step = "torch.compile" if config.compile else "eager"
+            step = "torch.compile" if self._compile else "eager"
         layout = self._prepacked.layout if self._prepacked is not None else None
         linear = {
             "blocked": f"skinny_linear (AVX-512 C++) up to {skinny_linear.MAX_ROWS} rows, F.linear above",
@@ -182,6 +198,11 @@ class NativeEngine(Engine):
                                  "dtype": str(self.dtype).removeprefix("torch."), "decode_step": step,
                                  "linear": linear, "decode_attention": attention, "prefill_attention": "sdpa",
                                  "sampler": sampler}
+        if self.tp is not None:
+            paths["tensor_parallel"] = (
+                f"rank {self.tp.rank} of {self.tp.size} ({self.tp.backend}): column-parallel QKV and gate/up, "
+                "row-parallel o_proj and down (all_reduce), vocab-parallel embedding and LM head (all_gather); "
+                "eager decode (no compile, no CUDA graphs)")
         if cpu and self.dtype == torch.float32:
             if not config.cpu_kernels:
                 paths["cpu_kernels"] = "off (engine.cpu_kernels: false)"
@@ -192,25 +213,32 @@ class NativeEngine(Engine):
         return paths
 
     def _new_cache(self) -> KVCache:
-        return KVCache(self.spec, self.engine_config.max_batch_size, self.engine_config.max_seq_len, self.dtype,
+        # local_spec: a tensor-parallel rank caches its own KV heads only.
+        return KVCache(self.local_spec, self.engine_config.max_batch_size, self.engine_config.max_seq_len, self.dtype,
                        self.device)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def build(cls, checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str = "float32",
-              device: str | None = None) -> NativeEngine:
-        """Read config.json, allocate buffers, stream the safetensors shards into them (one tensor at a time)."""
+              device: str | None = None, process_group: Any = None) -> NativeEngine:
+        """Read config.json, allocate buffers, stream the safetensors shards into them (one tensor at a time).
+
+        With engine.tensor_parallel_size = k > 1 every rank of `process_group` (default: the world
+        group, which must then have k ranks) calls build; each reads the checkpoint and keeps its slice.
+        """
         from transformers import AutoConfig
 
         checkpoint_dir = Path(checkpoint_dir)
         if not (checkpoint_dir / "config.json").is_file():
             raise FileNotFoundError(f"{checkpoint_dir}: no config.json; expected a Hugging Face causal-LM directory")
         hf_config = AutoConfig.from_pretrained(checkpoint_dir)
-        spec_from_hf_config(hf_config, engine_config.max_seq_len)  # fail on the architecture before allocating
+        # Fail on the architecture (and its split over tensor-parallel ranks) before allocating.
+        check_tensor_parallel(spec_from_hf_config(hf_config, engine_config.max_seq_len),
+                              engine_config.tensor_parallel_size)
         engine = cls(
             hf_config, engine_config, dtype=resolve_dtype(dtype), device=resolve_device(device),
             eos_token_ids=eos_ids_of(checkpoint_dir, hf_config), tokenizer_source=checkpoint_dir,
-            source_checkpoint=str(checkpoint_dir),
+            source_checkpoint=str(checkpoint_dir), process_group=process_group,
         )
         engine.weights.copy_stream(checkpoint_tensors(checkpoint_dir), partial=False)
         engine._weights_written()
@@ -230,7 +258,7 @@ class NativeEngine(Engine):
         graph valid only while batch == 2 and the first real generate recompiled (4.8 s on the demo
         model). Size 1 is avoided too (it is specialised).
         """
-        if not self.engine_config.compile or self.cache is None:
+        if not self._compile or self.cache is None:
             return 0.0
         spec, config = self.spec, self.engine_config
         taken = {0, 1, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size,
@@ -345,7 +373,7 @@ class NativeEngine(Engine):
         self._mark_dynamic(temperature, top_k, top_p, seed_t)  # once: they live for the whole batch
         # The compiled torch sampler would sort every row for top-k/top-p (at [64, 32000]: a 72 ms
         # sampler against 8 ms without truncation); eagerly its thresholds come from sorted prefixes.
-        eager_thresholds = self.engine_config.compile and self._sample_impl == "torch" and (
+        eager_thresholds = self._compile and self._sample_impl == "torch" and (
             flags.any_top_k or flags.any_top_p
         )
         for t in range(new):
@@ -418,7 +446,7 @@ class NativeEngine(Engine):
         marks on the batch dim alone, 7 graphs in 221 s with none). "maybe": a batch of 1 is
         still specialised rather than rejected.
         """
-        if self.engine_config.compile:
+        if self._compile:
             for tensor in tensors:
                 for dim in dims:
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
@@ -561,6 +589,12 @@ class NativeEngine(Engine):
         """Write engine_config.json, config.json, weights.safetensors (inference layout) and tokenizer/."""
         from safetensors.torch import save_file
 
+        if self.tp is not None:
+            raise EngineError(
+                f"save() of a tensor-parallel engine (engine.tensor_parallel_size={self.tp.size}): each rank holds "
+                "a shard only; build every rank from the Hugging Face checkpoint instead, or save a "
+                "tensor_parallel_size 1 engine"
+            )
         if not self._weights_valid:
             raise EngineError("cannot save an engine without valid weights; refit it first")
         path = Path(path)

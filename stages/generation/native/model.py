@@ -5,6 +5,11 @@ not sample, stop sequences or know about requests (that is `engine.py`). Arithme
 transformers' Llama/Qwen2/Mistral op for op (RMSNorm in float32, rotate-half RoPE, SDPA with the
 same scale), so fp32 logits agree with an HF forward to ~1e-6.
 
+Tensor parallel (tensor_parallel.py): the same code over one rank's shard (spec = the rank's spec:
+heads, KV heads and intermediate / k), plus the collectives: an all_reduce after the vocab-parallel
+embedding and after each row-parallel o_proj and down_proj (2 L + 1 per forward), and an all_gather
+of the vocab-parallel LM head's logits. With tp=None (one device) none of them is called.
+
 Cache layout: k[l], v[l] [B_max, kv_heads, S_max, head_dim], one tensor per layer. Prompts are
 left-padded to a common width S, so cache slot s of every row is "the s-th column of the padded batch"; slot S + t holds
 decode step t. Row b's real tokens start at slot pad[b] and have positions 0, 1, 2, ...
@@ -13,6 +18,7 @@ decode step t. Row b's real tokens start at slot pad[b] and have positions 0, 1,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +26,9 @@ import torch.nn.functional as F
 from alignflow.kernels import decode_attention as cpu_decode_attention
 from alignflow.stages.generation.native.spec import LlamaFamilySpec
 from alignflow.stages.generation.native.weights import InferenceWeights
+
+if TYPE_CHECKING:
+    from alignflow.stages.generation.native.tensor_parallel import TensorParallel
 
 
 class KVCache:
@@ -129,12 +138,17 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 class LlamaFamilyModel:
-    """Forward passes of one Llama-family model over its inference weights and KV cache."""
+    """Forward passes of one Llama-family model over its inference weights and KV cache.
+
+    spec: the shapes this process holds (the rank's shard under tensor parallelism: weights.local_spec).
+    tp: the tensor-parallel group, or None on one device (no collectives at all).
+    """
 
     def __init__(self, spec: LlamaFamilySpec, weights: InferenceWeights, cos: torch.Tensor, sin: torch.Tensor,
                  linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
-                 cpu_attention: bool = False):
+                 cpu_attention: bool = False, tp: TensorParallel | None = None):
         self.spec = spec
+        self.tp = tp
         # x @ w.T without bias: F.linear, or prepack.linear (packed weight copies on CPU).
         self.linear = linear
         # Decode attention through alignflow::decode_attention (kernels/decode_attention.py: fp32, AVX-512).
@@ -192,14 +206,15 @@ class LlamaFamilyModel:
         gqa = self.gqa
         eps = spec.rms_norm_eps
         linear = self.linear
+        tp = self.tp
 
         real = None
         if pad is not None and T > 1 and bool((pad > 0).any()):
             # Flat indices (b * T + t) of the real tokens, in order: row b's last real token is slot T - 1.
             real = (torch.arange(T, device=tokens.device)[None, :] >= pad[:, None]).reshape(-1).nonzero().squeeze(1)
-            x = F.embedding(tokens.reshape(-1)[real], w["embed"])  # [N, H]
+            x = self._embed(tokens.reshape(-1)[real])  # [N, H]
         else:
-            x = F.embedding(tokens, w["embed"])  # [B, T, H]
+            x = self._embed(tokens)  # [B, T, H]
         for layer in range(spec.num_layers):
             h = rms_norm(x, ln_attn[layer], eps)
             qkv = linear(h, qkv_w[layer])  # [B, T, Q + 2K], or [N, Q + 2K] packed
@@ -238,10 +253,13 @@ class LlamaFamilyModel:
                 if real is not None:
                     attn = attn.reshape(B * T, q_size).index_select(0, real)
             out = linear(attn, o_w[layer])
+            if tp is not None:  # row-parallel: sum the ranks' partial products, then the bias once
+                out = tp.all_reduce(out)
             x = x + (out if o_b is None else out + o_b[layer])
             h = rms_norm(x, ln_mlp[layer], eps)
             gate, up = linear(h, gate_up_w[layer]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, down_w[layer])
+            down = linear(F.silu(gate) * up, down_w[layer])
+            x = x + (down if tp is None else tp.all_reduce(down))
         if real is not None and logits_for == "last":
             x = x.index_select(0, torch.cumsum(T - pad, 0) - 1)  # each row's last real token
         elif real is not None:
@@ -249,4 +267,13 @@ class LlamaFamilyModel:
         elif logits_for == "last":
             x = x[:, -1]
         x = rms_norm(x, w["norm"], eps)
-        return linear(x, w["lm_head"]).float()
+        logits = linear(x, w["lm_head"])
+        if tp is not None:  # this rank's vocab rows -> the full vocabulary on every rank
+            logits = tp.gather_logits(logits)
+        return logits.float()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of token ids [...] -> [..., H] (vocab-parallel under tensor parallelism)."""
+        if self.tp is None:
+            return F.embedding(ids, self.weights["embed"])
+        return self.tp.embed(ids, self.weights["embed"])

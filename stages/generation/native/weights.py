@@ -15,6 +15,10 @@ Layout (L layers, H hidden, I intermediate, V vocab, Q = heads*head_dim, K = kv_
 
 Every HF parameter name maps to one slice of one buffer; a refit copies each incoming tensor into
 its slice as it arrives (no second model copy, no re-allocation). This module does no arithmetic.
+
+Tensor parallel (k ranks, see tensor_parallel.py): the same layout with the shapes of the rank's
+shard (heads, KV heads, I / k; V -> ceil(V / k) vocab rows), and each incoming full tensor is cut
+to the rank's slice (a view) before the copy, so a rank copies its slice only and keeps no full tensor.
 """
 
 from __future__ import annotations
@@ -23,13 +27,18 @@ import json
 import re
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from alignflow.stages.generation.base import RefitError, RefitStats
 from alignflow.stages.generation.native.spec import LlamaFamilySpec
+from alignflow.stages.generation.native.tensor_parallel import hf_parameter_shape
+
+if TYPE_CHECKING:
+    from alignflow.stages.generation.native.tensor_parallel import TensorParallel
 
 # Per-layer HF suffix -> (buffer, which part of the fused rows).
 _LAYER_PARTS: dict[str, tuple[str, str | None]] = {
@@ -83,6 +92,7 @@ class Destination:
     layer: int | None
     start: int | None
     stop: int | None
+    param: str = field(default="", compare=False)  # the HF parameter: per-layer suffix or top-level name
 
     @property
     def key(self) -> tuple[str, int | None, int | None]:
@@ -90,16 +100,21 @@ class Destination:
 
 
 class InferenceWeights:
-    """The engine's own weight buffers, allocated once; refit copies into them in place."""
+    """The engine's own weight buffers, allocated once; refit copies into them in place.
 
-    def __init__(self, spec: LlamaFamilySpec, dtype: torch.dtype, device: torch.device | str):
+    spec: the whole model. tp: this rank's place in a tensor-parallel engine (None: the whole model
+    on one device); the buffers then have the shapes of `local_spec`, the rank's shard.
+    """
+
+    def __init__(self, spec: LlamaFamilySpec, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel | None = None):
         self.spec = spec
+        self.tp = tp
+        self.local_spec = tp.local_spec if tp is not None else spec
         self.dtype = dtype
         self.device = torch.device(device)
-        self.buffers: dict[str, torch.Tensor] = {
-            name: torch.empty(shape, dtype=dtype, device=self.device) for name, shape in buffer_shapes(spec).items()
-        }
-        q, k, i = spec.q_size, spec.kv_size, spec.intermediate_size
+        self.buffers: dict[str, torch.Tensor] = self._new_buffers()
+        q, k, i = self.local_spec.q_size, self.local_spec.kv_size, self.local_spec.intermediate_size
         self._row_ranges = {"q": (0, q), "k": (q, q + k), "v": (q + k, q + 2 * k), "gate": (0, i), "up": (i, 2 * i)}
         self.expected: set[tuple[str, int | None, int | None]] = {d.key for d in self._all_destinations()}
 
@@ -126,12 +141,12 @@ class InferenceWeights:
         if hf_name.endswith(_IGNORED_SUFFIXES):
             return None
         if hf_name == "model.embed_tokens.weight":
-            return Destination("embed", None, None, None)
+            return Destination("embed", None, None, None, hf_name)
         if hf_name == "model.norm.weight":
-            return Destination("norm", None, None, None)
+            return Destination("norm", None, None, None, hf_name)
         if hf_name == "lm_head.weight":
             # Tied: the trainer may or may not send lm_head; it is the embedding either way.
-            return Destination("embed" if self.spec.tie_word_embeddings else "lm_head", None, None, None)
+            return Destination("embed" if self.spec.tie_word_embeddings else "lm_head", None, None, None, hf_name)
         match = _LAYER_NAME.match(hf_name)
         if match and match.group(2) in _LAYER_PARTS:
             layer = int(match.group(1))
@@ -144,23 +159,23 @@ class InferenceWeights:
                     f"(qkv_bias={self.spec.qkv_bias}, o_bias={self.spec.o_bias})"
                 )
             start, stop = self._row_ranges[part] if part else (None, None)
-            return Destination(buffer, layer, start, stop)
+            return Destination(buffer, layer, start, stop, match.group(2))
         raise RefitError(
             f"unknown parameter name {hf_name!r} for a {self.spec.model_type} model; expected Hugging Face "
             "names such as 'model.layers.0.self_attn.q_proj.weight' (strip wrapper prefixes like 'module.')"
         )
 
     def _all_destinations(self) -> Iterator[Destination]:
-        yield Destination("embed", None, None, None)
-        yield Destination("norm", None, None, None)
+        yield Destination("embed", None, None, None, "model.embed_tokens.weight")
+        yield Destination("norm", None, None, None, "model.norm.weight")
         if not self.spec.tie_word_embeddings:
-            yield Destination("lm_head", None, None, None)
+            yield Destination("lm_head", None, None, None, "lm_head.weight")
         for layer in range(self.spec.num_layers):
             for suffix in _LAYER_PARTS:
                 buffer, part = _LAYER_PARTS[suffix]
                 if buffer in self.buffers:
                     start, stop = self._row_ranges[part] if part else (None, None)
-                    yield Destination(buffer, layer, start, stop)
+                    yield Destination(buffer, layer, start, stop, suffix)
 
     def view(self, dest: Destination) -> torch.Tensor:
         target = self.buffers[dest.buffer]
@@ -181,16 +196,25 @@ class InferenceWeights:
             if dest is None:
                 continue
             target = self.view(dest)
-            if tuple(tensor.shape) != tuple(target.shape):
+            expected = tuple(target.shape) if self.tp is None else hf_parameter_shape(dest.param, self.spec)
+            if tuple(tensor.shape) != expected:
                 raise RefitError(
-                    f"{name!r}: shape {tuple(tensor.shape)} but the engine expects {tuple(target.shape)}; "
+                    f"{name!r}: shape {tuple(tensor.shape)} but the engine expects {expected}; "
                     "was the engine built from a checkpoint of a different architecture?"
                 )
+            source = tensor.detach()
+            if self.tp is not None:
+                # This rank's slice, a view: the copy below reads the slice only.
+                source = self.tp.cut(dest.param, source)
+                target = target[: source.shape[0]]  # a padded last vocab shard holds fewer real rows
             # copy_ casts dtype and moves device in one pass; a pinned CPU source copies asynchronously.
-            target.copy_(tensor.detach(), non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
+            target.copy_(source, non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
             covered.add(dest.key)
             count += 1
-            nbytes += tensor.numel() * tensor.element_size()
+            nbytes += source.numel() * source.element_size()
+            # Drop the full tensor before asking the stream for the next one, so the caller can free it
+            # while producing the next: at most one incoming tensor is alive at a time.
+            del tensor, source
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         missing = self.expected - covered
@@ -233,10 +257,14 @@ class InferenceWeights:
     def allocate(self, device: torch.device | str) -> None:
         """(Re)allocate uninitialised buffers on `device` (after discard)."""
         self.device = torch.device(device)
-        self.buffers = {
-            name: torch.empty(shape, dtype=self.dtype, device=self.device)
-            for name, shape in buffer_shapes(self.spec).items()
-        }
+        self.buffers = self._new_buffers()
+
+    def _new_buffers(self) -> dict[str, torch.Tensor]:
+        """Uninitialised buffers of the held shapes on self.device (zeroed when tensor parallel: a padded
+        last vocab shard has rows no refit writes, and their logits, cut off after the gather, stay finite)."""
+        new = torch.empty if self.tp is None else torch.zeros
+        return {name: new(shape, dtype=self.dtype, device=self.device)
+                for name, shape in buffer_shapes(self.local_spec).items()}
 
 
 def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import torch
@@ -51,12 +52,21 @@ def tiny_config(name: str, **overrides):
     return cls(**kwargs)
 
 
-def save_tiny_model(path: Path, name: str, seed: int = 0, **overrides) -> Path:
-    """Random-init a tiny causal LM of variant `name` and save_pretrained it (safetensors) into `path`."""
+def save_tiny_model(path: Path, name: str, seed: int = 0, bias_std: float = 0.0, **overrides) -> Path:
+    """Random-init a tiny causal LM of variant `name` and save_pretrained it (safetensors) into `path`.
+
+    transformers initialises linear biases to zero, so a wrong bias (added twice, to the wrong
+    columns) changes nothing; bias_std > 0 draws them from N(0, bias_std^2) instead.
+    """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name, **overrides), attn_implementation="sdpa")
+    if bias_std:
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith(".bias"):
+                    param.normal_(0.0, bias_std)
     model.save_pretrained(path)
     return path
 
@@ -71,7 +81,29 @@ TOLERANCES = {
     # Same prompt in another batch position / batch size: GEMM blocking differs with the batch
     # size, which changes fp32 rounding; the tokens must still be identical.
     "logprobs_across_batches_fp32": 1e-5,
+    # Tensor parallel (2 gloo ranks) against one device: the row-parallel o_proj and down_proj sum two
+    # half-width products (another fp32 summation order), and the halves run other GEMM shapes; the
+    # embedding and the gathered LM head are exact. Measured max |diff| 2.4e-6 (test_tensor_parallel).
+    "tp_logits_fp32": 1e-4,
+    "tp_logprobs_fp32": 1e-4,
 }
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_in_use() -> int | None:
+    """Bytes malloc has handed out right now (torch's CPU allocator uses malloc), or None off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def random_prompts(batch: int, seed: int = 0, vocab: int = 256, lengths: tuple[int, int] = (1, 14)) -> list[list[int]]:

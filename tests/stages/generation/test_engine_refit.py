@@ -2,36 +2,24 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from engine_test_models import engine_config, perturbed_checkpoint, random_prompts, save_tiny_model
+from engine_test_models import (
+    engine_config,
+    heap_in_use,
+    perturbed_checkpoint,
+    random_prompts,
+    save_tiny_model,
+)
 
 from alignflow.stages.generation import EngineError, RefitError, SamplingParams, build_engine
 from alignflow.stages.generation.native import NativeEngine
 from alignflow.stages.generation.native.weights import checkpoint_tensors
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-def _heap_in_use() -> int | None:
-    """Bytes malloc has handed out right now (torch's CPU allocator uses malloc), or None off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-    except (OSError, AttributeError):
-        return None
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +39,14 @@ def test_refit_equals_fresh_build_streams_and_does_not_rebuild(medium_pair):
     pointers, builds = engine.weights.data_ptrs(), NativeEngine.builds
     model_bytes = engine.weights.nbytes()
 
-    baseline = _heap_in_use()
+    baseline = heap_in_use()
     peak = [0]
 
     def measured(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for item in stream:
             yield item
             # Back here, the engine has copied the tensor and may still hold anything it kept.
-            now = _heap_in_use()
+            now = heap_in_use()
             if now is not None and baseline is not None:
                 peak[0] = max(peak[0], now - baseline)
 
@@ -76,9 +64,9 @@ def test_refit_equals_fresh_build_streams_and_does_not_rebuild(medium_pair):
     # safetensors hands out memory-mapped tensors, so the probe counts what the engine itself
     # allocates while streaming: ~0.1 MiB measured for a 13 MiB model. An engine that kept a copy of
     # each tensor (or fused by torch.cat) would show >= 100%; the probe does see such memory:
-    probe_start = _heap_in_use()
+    probe_start = heap_in_use()
     second_copy = torch.empty(model_bytes // 4)
-    assert _heap_in_use() - probe_start >= model_bytes
+    assert heap_in_use() - probe_start >= model_bytes
     del second_copy
     assert peak[0] < 0.05 * model_bytes, f"refit peak extra memory {peak[0] / 2**20:.2f} MiB of " \
                                          f"{model_bytes / 2**20:.1f} MiB model"
