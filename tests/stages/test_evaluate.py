@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import struct
 
 import pytest
@@ -113,12 +114,12 @@ def pipeline(tmp_path_factory):
             "policy": ppo / "policy"}
 
 
-def _spec(pipeline, name: str, **evaluate_cfg) -> StageSpec:
+def _spec(pipeline, name: str, inputs: dict[str, str] | None = None, **evaluate_cfg) -> StageSpec:
     config = {"evaluate": {"n_prompts": N_PROMPTS, "max_new_tokens": NEW_TOKENS, "temperature": 0.0,
                            "n_samples_shown": 3, **evaluate_cfg},
               "model": {"dtype": "float32"},
               "engine": {"backend": BACKEND, "max_batch_size": 8, "max_seq_len": 96, "cuda_graphs": False}}
-    return StageSpec(stage="evaluate", config=config, inputs=pipeline["inputs"],
+    return StageSpec(stage="evaluate", config=config, inputs=inputs or pipeline["inputs"],
                      output_uri=f"file://{pipeline['store']}/{name}", workdir=str(pipeline["root"]))
 
 
@@ -184,6 +185,7 @@ def test_stage_publishes_numbers_in_range(pipeline, evaluated):
 
 def test_stage_writes_plots_samples_report_and_profile(pipeline, evaluated):
     _, out = evaluated
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["kl.png", "length.png", "reward.png"]  # no DPO ones
     for name in ("reward", "kl", "length"):
         png = (out / "plots" / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -205,6 +207,68 @@ def test_stage_writes_plots_samples_report_and_profile(pipeline, evaluated):
     profile = (out / "profile.md").read_text()
     for phase in ("generate", "score", "kl"):
         assert f"| {phase} | 1 |" in profile
+
+
+DPO_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def evaluated_dpo(pipeline):
+    """The same fake policy in the DPO stage's layout (metrics rows per step), evaluated with no reward model."""
+    dpo = pipeline["root"] / "dpo"
+    shutil.copytree(pipeline["policy"], dpo / "policy")
+    history = [{"step": s, "train/loss": 0.7 - 0.05 * s, "rewards/chosen": 0.02 * s, "rewards/rejected": -0.01 * s,
+                "rewards/margin": 0.03 * s, "rewards/accuracy": 0.5 + 0.05 * s,
+                **({"eval/loss": 0.7 - 0.04 * s, "eval/rewards_margin": 0.02 * s, "eval/rewards_accuracy": 0.6}
+                   if s % 3 == 0 else {})} for s in range(1, DPO_STEPS + 1)]
+    (dpo / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    (dpo / "alignflow_run.json").write_text(json.dumps({"algorithm": "dpo", "loss": "sigmoid", "beta": 0.1,
+                                                        "steps": DPO_STEPS, "final": history[-1]}))
+    inputs = {"dpo": _publish(dpo, pipeline["store"], "dpo"), "sft": pipeline["inputs"]["sft"],
+              "data": pipeline["inputs"]["data"]}
+    result = evaluate.run(_spec(pipeline, "evaluate-dpo", inputs=inputs))
+    return result, pipeline["store"] / "evaluate-dpo"
+
+
+def test_a_dpo_policy_without_reward_models_is_scored_as_a_ppo_policy(evaluated, evaluated_dpo):
+    (ppo_result, ppo_out), (result, out) = evaluated, evaluated_dpo
+    assert result.status == "ok" and result.key_metric == "eval/gold_delta"
+    numbers = json.loads((out / "eval.json").read_text())
+    ppo_numbers = json.loads((ppo_out / "eval.json").read_text())
+    # The same weights, prompts and seeds as the PPO-layout policy: the same gold, KL, lengths and win rate.
+    for key in ("gold_delta", "win_rate_gold", "kl_to_ref", "n_prompts"):
+        assert numbers[key] == pytest.approx(ppo_numbers[key], rel=1e-6), key
+    for side in ("policy", "sft"):
+        for key in ("gold_score", "length", "eos_fraction"):
+            assert numbers[side][key] == pytest.approx(ppo_numbers[side][key], rel=1e-6), (side, key)
+    assert numbers["gold_delta"] > 0 and numbers["kl_to_ref"] > 5.0  # see test_stage_publishes_numbers_in_range
+    # Reward-model numbers are absent (null), not zero, and the reward-hacking check did not run.
+    assert numbers["reward_models"] == [] and numbers["rm_available"] is False
+    assert numbers["rm_delta"] is None and numbers["win_rate_rm"] is None and numbers["policy"]["rm_score"] is None
+    assert numbers["reward_hacking"] is None
+    assert numbers["training"] == {"algorithm": "dpo", "loss": "sigmoid", "beta": 0.1, "steps": DPO_STEPS}
+    assert not [k for k in result.metrics if "rm" in k]
+    assert {k: result.metrics[k] for k in ("eval/gold_delta", "eval/kl_to_ref")} == pytest.approx(
+        {k: ppo_result.metrics[k] for k in ("eval/gold_delta", "eval/kl_to_ref")}, rel=1e-6)
+    assert result.message == (f"policy vs SFT on {N_PROMPTS} prompts: gold {numbers['gold_delta']:+.3f} (win rate "
+                              f"{numbers['win_rate_gold']:.0%}), KL {numbers['kl_to_ref']:.2f} nats")
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(s["policy_response"] == POLICY_ANSWER for s in samples)
+    assert not [k for k in samples[0] if "_rm" in k]
+
+
+def test_a_dpo_report_speaks_of_steps_and_draws_the_dpo_curves(evaluated_dpo):
+    _, out = evaluated_dpo
+    report = (out / "eval_report.md").read_text()
+    assert f"dpo policy after {DPO_STEPS} steps" in report and "reward models: none given." in report
+    assert "reward-model score (z)" not in report and "No reward model was given" in report
+    assert "| # | prompt | SFT response | gold | policy response | gold |" in report
+    drawn = sorted(p.name for p in (out / "plots").iterdir())
+    assert drawn == ["accuracy.png", "implicit_rewards.png", "loss.png"]  # no empty RL plots
+    for name in drawn:
+        png = (out / "plots" / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+        assert f"(plots/{name})" in report
 
 
 def test_max_new_tokens_that_overflow_the_engine_are_refused(pipeline):
