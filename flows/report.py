@@ -70,7 +70,13 @@ def summary_markdown(config: PipelineConfig, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The evaluation report's sections left out of the Prefect artifact: plots are files next to the report (their
+# relative links do not resolve there) and the sample table is long.
+REPORT_TAIL_HEADINGS = ("\n## Training curves", "\n## Sample responses")
+
+
 def evaluation_markdown(report: str, max_lines: int = 40) -> str:
-    """The head of the evaluation report (summary table, win rates, warnings), without the sample table."""
-    head = report.split("\n## Samples", 1)[0].splitlines()
-    return "\n".join(head[:max_lines]) + "\n"
+    """The head of the evaluation report (summary table, win rates, findings), without plots and sample table."""
+    for heading in REPORT_TAIL_HEADINGS:
+        report = report.split(heading, 1)[0]
+    return "\n".join(report.splitlines()[:max_lines]) + "\n"
