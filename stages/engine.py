@@ -59,6 +59,12 @@ def run(spec: StageSpec) -> StageResult:
         dtype = cfg.dtype or model_cfg.dtype
         rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
+        if cfg.tensor_parallel_size > 1:
+            # The native engine shards over a torch.distributed group (stages/generation/native/tensor_parallel.py),
+            # but no stage launches engine ranks yet: the RL stage's rollout workers will (scale-out work).
+            raise StageInputError(f"engine.tensor_parallel_size={cfg.tensor_parallel_size}: the engine stage builds "
+                                  "a one-process engine; tensor-parallel engine ranks are not launched by any stage "
+                                  "yet: set engine.tensor_parallel_size: 1")
         try:
             engine = build_engine(sft_dir, cfg, dtype=dtype)
         except UnsupportedArchitectureError as exc:
