@@ -121,8 +121,11 @@ def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) ->
     state = workdir / ".alignflow"
     (state / "specs").mkdir(parents=True, exist_ok=True)
     (state / "logs").mkdir(parents=True, exist_ok=True)
-    spec_path = spec.dump(state / "specs" / f"{key}.json")
-    log_path = state / "logs" / f"{key}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    # Named by the output's digest too: two runs in one workdir (two configs sharing a storage root) must not
+    # overwrite each other's spec between writing it and the stage reading it.
+    digest = spec.output_uri.rstrip("/").rsplit("/", 1)[-1]
+    spec_path = spec.dump(state / "specs" / f"{key}-{digest}.json")
+    log_path = state / "logs" / f"{key}-{digest}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     argv = ["--spec", str(spec_path)]
     started = time.perf_counter()
     lines: list[str] = []

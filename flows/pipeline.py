@@ -133,7 +133,7 @@ def _flow_run_tags() -> dict[str, str]:
 
 @flow(name="alignflow-pipeline", log_prints=True)
 def alignflow_pipeline(config: PipelineConfig) -> list[dict[str, Any]]:
-    """Run SFT -> reward model(s) -> engine build -> PPO/GRPO -> evaluation for one pipeline config."""
+    """Run SFT -> reward model(s) -> engine build -> PPO/GRPO (or SFT -> DPO) -> evaluation for one pipeline config."""
     set_offline_defaults()
     logger = get_run_logger()
     workdir = Path(config.workdir).resolve()
