@@ -18,6 +18,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,17 @@ from alignflow.stages.runtime import (
     tracked,
 )
 from alignflow.stages.tokenization import encode_prompt, pad_token_id
-from alignflow.stages.training.deepspeed_setup import OptimSettings, full_state_dict, stream_weights
+from alignflow.stages.training.deepspeed_setup import OptimSettings, stream_weights
+from alignflow.stages.training.lora import (
+    AdaptersDisabled,
+    apply_lora,
+    check_zero_stage,
+    is_lora,
+    merged_adapted_weights,
+    parameter_counts,
+    save_trained,
+    unwrap_lora,
+)
 from alignflow.stages.training.precision import Precision, resolve_precision, training_attention
 from alignflow.stages.training.torch_engine import initialize_trainer, resolve_train_backend
 from alignflow.storage import join_uri, open_store, remove_unfinished_writes
@@ -328,6 +339,7 @@ def run(spec: StageSpec) -> StageResult:
         raise StageInputError("ppo needs at least one reward model input (reward_<name>) or ppo.reward_functions")
     if cfg.algorithm == "ppo" and not reward_inputs:
         raise StageInputError("ppo.algorithm 'ppo' initialises its critic from a reward model: add one, or use grpo")
+    check_zero_stage(cfg.lora, cfg.zero_stage, "ppo")
     reward_fns = [(path, load_reward_function(path)) for path in cfg.reward_functions]
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -356,14 +368,18 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
     with profiler.phase("load_models"):
         reward_models = load_reward_models(ctx) if any(k.startswith("reward_") for k in spec.inputs) else []
+        actor_model = apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "ppo.lora")
         reference = None  # not even loaded when the KL plays no part (kl_coef 0)
         if needs_reference(cfg):
-            reference = load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False)
-        actor_model = load_causal_lm(sft_dir, dtype=model_cfg.dtype)
+            # With LoRA the reference is the actor with its adapters off: the frozen base is the SFT model.
+            reference = (AdaptersDisabled(actor_model) if cfg.lora.enabled
+                         else load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False))
         critic_model = None
         if cfg.algorithm == "ppo":
             critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
-            critic_model = load_sequence_classifier(critic_dir, dtype=model_cfg.dtype)
+            critic_model = apply_lora(load_sequence_classifier(critic_dir, dtype=model_cfg.dtype), cfg.lora,
+                                      "ppo.lora", classifier=True)
+        trainable, total = parameter_counts(actor_model)
     with profiler.phase("trainer_init"):
         steps = cfg.iterations * cfg.ppo_epochs * math.ceil(cfg.prompts_per_iteration * cfg.group_size
                                                             / cfg.minibatch_size)
@@ -380,28 +396,33 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             critic = initialize_trainer(critic_model, OptimSettings(lr=cfg.critic_lr, **common), backend)
         # Every sequence fits the engine's cache (prompt + response <= engine.max_seq_len).
         attention = training_attention(engine_cfg.max_seq_len) if cfg.fast_train_step else "sdpa"
-        for model in (reference, actor.module, critic.module if critic is not None else None, *(rm.model for rm in reward_models)):
+        for model in (None if cfg.lora.enabled else reference, unwrap_lora(actor.module),
+                      unwrap_lora(critic.module) if critic is not None else None, *(rm.model for rm in reward_models)):
             if model is not None:
                 model.set_attn_implementation(attention)
         if cfg.compile_train:
             # In place (nn.Module.compile): parameter names, checkpoints and refit streams keep their keys.
             for trained in (actor, critic):
                 if trained is not None:
-                    trained.module.base_model.compile(dynamic=True)
+                    unwrap_lora(trained.module).base_model.compile(dynamic=True)
         precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device,
                                       getattr(actor.module.config, "hidden_size", None))
         print(f"{cfg.algorithm}: {backend} trainer, {attention} attention, forwards in {precision.label} "
               f"({precision.reason}); reference forward "
-              f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}",
-              file=sys.stderr, flush=True)
+              f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}; trains "
+              f"{trainable:,} of {total:,} actor parameters"
+              + (f" (LoRA rank {cfg.lora.rank}: the refit sends the adapted modules' merged weights only)"
+                 if cfg.lora.enabled else ""), file=sys.stderr, flush=True)
         if ctx.tracker is not None:
-            ctx.tracker.log_metrics({"perf/autocast_bf16": float(precision.autocast_dtype is not None)})
+            ctx.tracker.log_metrics({"perf/autocast_bf16": float(precision.autocast_dtype is not None),
+                                     "perf/trainable_parameters": float(trainable),
+                                     "perf/trainable_share": trainable / total})
     with profiler.phase("engine_load"):
         engine = load_engine(ctx.input("engine"))  # built once by the engine stage; refit from here on
     if resume is not None:
         load_checkpoint(ctx, resume[1], state, actor, critic)
         with profiler.phase("refit"):
-            engine.refit(stream_weights(actor))
+            refit_engine(engine, actor)
     state.mlflow_run_id = ctx.tracker.run_id if ctx.tracker else None
     logged_through = _logged_through(ctx)
     pending: list[dict[str, float]] = []
@@ -472,6 +493,22 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "rollout/reward_total_mean"})
     return ctx.result(manifest, metrics, "rollout/reward_total_mean",
                       message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
+
+
+def refit_stream(actor) -> tuple[Iterator[tuple[str, torch.Tensor]], bool]:
+    """(the weights the engine needs after an update, whether they are a partial set).
+
+    With LoRA only the adapted modules changed: their merged weights W + (alpha / r) * B @ A are all that is
+    sent (the frozen rest is already in the engine); otherwise every parameter (ZeRO-3 gathered one at a time).
+    """
+    if is_lora(actor.module):
+        return merged_adapted_weights(actor.module), True
+    return stream_weights(actor), False
+
+
+def refit_engine(engine, actor) -> None:
+    named_tensors, partial = refit_stream(actor)
+    engine.refit(named_tensors, partial=partial)
 
 
 def startup_metrics(ctx: StageContext) -> dict[str, float]:
@@ -587,7 +624,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     with profiler.phase("generate"):
         rollouts.wait_idle()  # async: the next iteration's rollout, still generating on the old weights
     with profiler.phase("refit"):
-        refit = rollouts.refit(stream_weights(actor))
+        refit = rollouts.refit(*refit_stream(actor))
     state.kl_controller.update(float(seq_kl.mean()), n_steps=len(rows))
 
     lengths = mask.sum(-1)
@@ -664,12 +701,12 @@ def _publish_last_good(ctx, out, state: RLState, actor, critic, last_checkpoint:
 def _write_final(out: Path, state: RLState, actor, critic, tokenizer, cfg: PPOConfig) -> None:
     policy_dir = out / "policy"
     policy_dir.mkdir(parents=True, exist_ok=True)
-    actor.module.save_pretrained(policy_dir, state_dict=full_state_dict(actor), safe_serialization=True)
+    save_trained(actor, policy_dir)  # merged, plus the adapter files, with LoRA
     tokenizer.save_pretrained(policy_dir)
     if critic is not None:
         critic_dir = out / "critic"
         critic_dir.mkdir(parents=True, exist_ok=True)
-        critic.module.save_pretrained(critic_dir, state_dict=full_state_dict(critic), safe_serialization=True)
+        save_trained(critic, critic_dir)
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in state.history))
     dump_json({"algorithm": cfg.algorithm, "iterations": state.iteration, "kl_coef_final": state.kl_controller.value,
                "final": state.history[-1]}, out / "alignflow_run.json")

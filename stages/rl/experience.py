@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from alignflow.kernels import entropy_from_logits, logprobs_and_entropy, selective_log_softmax
+from alignflow.stages.training.lora import unwrap_lora
 
 
 @dataclass
@@ -139,8 +140,8 @@ def token_values(critic, exp: Experience) -> Tensor:
     The critic is a separate model initialised from a reward model: its backbone's hidden states go
     through its scalar `score` head at every position, not only the last.
     """
-    backbone = critic.base_model
-    hidden = backbone(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
-                      position_ids=exp.position_ids).last_hidden_state
-    values = critic.score(hidden).squeeze(-1).float()
+    model = unwrap_lora(getattr(critic, "module", critic))  # under a training engine, then under LoRA adapters
+    hidden = model.base_model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
+                              position_ids=exp.position_ids).last_hidden_state
+    values = model.score(hidden).squeeze(-1).float()
     return values[:, exp.prompt_width - 1:-1] * exp.response_mask

@@ -82,10 +82,11 @@ class RolloutClient:
         if self._in_flight is not None:
             self._in_flight.exception()
 
-    def refit(self, named_tensors) -> Any:
-        """Load new weights into the engine once it is idle; bumps the weights version."""
+    def refit(self, named_tensors, partial: bool = False) -> Any:
+        """Load new weights into the engine once it is idle (`partial`: only some parameters changed, e.g. the
+        LoRA-adapted modules); bumps the weights version."""
         self.wait_idle()
-        report = self.engine.refit(named_tensors)
+        report = self.engine.refit(named_tensors, partial=partial)
         self.weights_version += 1
         return report
 

@@ -10,6 +10,7 @@ an engine's refit. What it is not: a trainer, or a place that knows which stage 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,9 +65,32 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, key: str, classifier: bo
 
 
 def is_lora(model: torch.nn.Module) -> bool:
-    import peft
+    """Whether `model` is a peft model (no peft import when nothing imported it: then nothing can be one)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
-    return isinstance(model, peft.PeftModel)
+
+def unwrap_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a PeftModel's wrapper (with the adapters injected in its layers); `model` otherwise."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+class AdaptersDisabled(torch.nn.Module):
+    """The frozen base of a PeftModel as a model of its own: its forward runs with the adapters disabled.
+
+    LoRA never changes the base weights, so this is the model training started from (the RL reference)
+    without a second copy of it in memory. Not a registered submodule of anything: it holds the peft model in
+    a list so `parameters()` is empty and nothing trains or saves it twice.
+    """
+
+    def __init__(self, peft_model: torch.nn.Module):
+        super().__init__()
+        self._peft = [peft_model]
+        self.config = peft_model.config
+
+    def forward(self, *args, **kwargs):
+        with self._peft[0].disable_adapter():
+            return self._peft[0](*args, **kwargs)
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:

@@ -49,7 +49,7 @@ class SlowEngine:
             self.events.append("generate-end")
         return "generation"
 
-    def refit(self, named_tensors):
+    def refit(self, named_tensors, partial: bool = False):
         with self.lock:
             self.events.append("refit")
         return "report"

@@ -86,3 +86,20 @@ def test_merged_weights_equal_base_plus_adapter(classifier, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(with_adapter(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_disabled_is_the_frozen_base_without_a_copy():
+    from alignflow.stages.training.lora import AdaptersDisabled
+
+    torch.manual_seed(2)
+    base = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
+    reference = LlamaForCausalLM(base.config).eval()
+    reference.load_state_dict(base.state_dict())
+    lora = apply_lora(base, LoRAConfig(rank=4, target_modules=["q_proj", "v_proj"]), "ppo.lora")
+    _trained_adapter(lora)
+    frozen = AdaptersDisabled(lora)
+    ids = torch.randint(1, 300, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(frozen(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
+        assert (lora(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max() > 1e-3  # adapters back on
+    assert list(frozen.parameters()) == []
