@@ -483,6 +483,7 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         final = state.history[-1]
         metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"],
                    "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")},
+                   "perf/trainable_parameters": float(trainable), "perf/trainable_share": trainable / total,
                    **startup}
         if "kl/mean" in final:
             metrics["kl/mean"] = final["kl/mean"]
