@@ -1,6 +1,6 @@
 # alignflow training image: torch + transformers + DeepSpeed + the alignflow stages.
 #
-# Runs every ML stage (data, base, sft, reward; engine/ppo/evaluate with the native or hf engine):
+# Runs every ML stage (data, base, sft, reward, dpo; engine/ppo/evaluate with the native or hf engine):
 #   docker run --gpus all IMAGE sft --spec s3://bucket/prefix/specs/sft.json
 # Build from the repo root (containers/README.md has the CPU and podman variants):
 #   docker build -f containers/training.Dockerfile -t alignflow-training:$(git rev-parse --short=12 HEAD) \
