@@ -28,9 +28,16 @@ from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.preference.losses import LENGTH_NORMALISED, preference_loss
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
-from alignflow.stages.training.deepspeed_setup import OptimSettings, initialize
-from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
-from alignflow.stages.training.lora import apply_lora, check_zero_stage, parameter_counts, save_trained
+from alignflow.stages.training.deepspeed_setup import initialize
+from alignflow.stages.training.loop import (
+    batch_indices,
+    check_training_section,
+    optim_settings,
+    progress_bar,
+    split_micro,
+    total_steps,
+)
+from alignflow.stages.training.lora import apply_lora, parameter_counts, save_trained
 
 
 @dataclass(frozen=True)
@@ -112,10 +119,7 @@ def evaluate_pairs(model, pairs: list[EncodedPair], reference: tuple[torch.Tenso
 def run(spec: StageSpec) -> StageResult:
     cfg: DPOConfig = section(spec, DPOConfig, "dpo")
     model_cfg: ModelConfig = section(spec, ModelConfig, "model")
-    if cfg.batch_size % cfg.micro_batch_size:
-        raise StageInputError(f"dpo.batch_size={cfg.batch_size} must be a multiple of "
-                              f"dpo.micro_batch_size={cfg.micro_batch_size}")
-    check_zero_stage(cfg.lora, cfg.zero_stage, "dpo")
+    check_training_section(cfg, "dpo")
     torch.manual_seed(cfg.seed)
     ctx = StageContext(spec)
     with tracked(ctx):
@@ -153,10 +157,7 @@ def run(spec: StageSpec) -> StageResult:
             ref_eval = reference_logprobs(model, held_out, pad_id, mean, cfg.micro_batch_size) if held_out else None
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
         grad_accum = cfg.batch_size // cfg.micro_batch_size
-        engine, _, scheduler = initialize(model, OptimSettings(
-            lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
-            micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, zero_stage=cfg.zero_stage,
-            grad_clip=cfg.grad_clip, dtype=model_cfg.dtype))
+        engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
         engine.train()
         print(f"dpo: {cfg.loss} loss, beta {cfg.beta:g}, {len(train)} pairs, {steps} steps; trains {trainable:,} of "
               f"{total:,} parameters" + (f" (LoRA rank {cfg.lora.rank})" if cfg.lora.enabled else ""),

@@ -20,11 +20,18 @@ from alignflow.config import ModelConfig, RewardConfig, RewardModelSpec
 from alignflow.contract import StageResult, StageSpec
 from alignflow.stages.data.formats import load_preferences, render_prompt
 from alignflow.stages.models.loading import load_sequence_classifier, load_tokenizer
-from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
+from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
-from alignflow.stages.training.deepspeed_setup import OptimSettings, initialize
-from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
-from alignflow.stages.training.lora import apply_lora, check_zero_stage, parameter_counts, save_trained
+from alignflow.stages.training.deepspeed_setup import initialize
+from alignflow.stages.training.loop import (
+    batch_indices,
+    check_training_section,
+    optim_settings,
+    progress_bar,
+    split_micro,
+    total_steps,
+)
+from alignflow.stages.training.lora import apply_lora, parameter_counts, save_trained
 
 
 def encode_pair(tokenizer, record, max_length: int) -> tuple[list[int], list[int]]:
@@ -70,10 +77,7 @@ def run(spec: StageSpec) -> StageResult:
     cfg: RewardConfig = section(spec, RewardConfig, "reward")
     rm: RewardModelSpec = section(spec, RewardModelSpec, "reward_model")
     model_cfg: ModelConfig = section(spec, ModelConfig, "model")
-    if cfg.batch_size % cfg.micro_batch_size:
-        raise StageInputError(f"reward.batch_size={cfg.batch_size} must be a multiple of "
-                              f"reward.micro_batch_size={cfg.micro_batch_size}")
-    check_zero_stage(cfg.lora, cfg.zero_stage, "reward")
+    check_training_section(cfg, "reward")
     torch.manual_seed(rm.seed)
     ctx = StageContext(spec)
     with tracked(ctx, run_name=f"reward-{rm.name}"):
@@ -98,10 +102,7 @@ def run(spec: StageSpec) -> StageResult:
         held_out = [encode_pair(tokenizer, r, cfg.max_length) for r in eval_records]
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
         grad_accum = cfg.batch_size // cfg.micro_batch_size
-        engine, _, scheduler = initialize(model, OptimSettings(
-            lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
-            micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, zero_stage=cfg.zero_stage,
-            grad_clip=cfg.grad_clip, dtype=model_cfg.dtype))
+        engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
         engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
         log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
         with ctx.profiler.phase("eval"):

@@ -17,11 +17,18 @@ from alignflow.contract import StageResult, StageSpec
 from alignflow.kernels import selective_log_softmax
 from alignflow.stages.data.formats import load_sft, render_prompt
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
-from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
+from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import IGNORE_INDEX, Encoded, collate_lm, encode_example, pad_token_id
-from alignflow.stages.training.deepspeed_setup import OptimSettings, initialize
-from alignflow.stages.training.loop import batch_indices, progress_bar, split_micro, total_steps
-from alignflow.stages.training.lora import apply_lora, check_zero_stage, parameter_counts, save_trained
+from alignflow.stages.training.deepspeed_setup import initialize
+from alignflow.stages.training.loop import (
+    batch_indices,
+    check_training_section,
+    optim_settings,
+    progress_bar,
+    split_micro,
+    total_steps,
+)
+from alignflow.stages.training.lora import apply_lora, parameter_counts, save_trained
 
 
 def completion_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -52,10 +59,7 @@ def eval_loss(model, examples: list[Encoded], pad_id: int, batch_size: int) -> f
 def run(spec: StageSpec) -> StageResult:
     cfg: SFTConfig = section(spec, SFTConfig, "sft")
     model_cfg: ModelConfig = section(spec, ModelConfig, "model")
-    if cfg.batch_size % cfg.micro_batch_size:
-        raise StageInputError(f"sft.batch_size={cfg.batch_size} must be a multiple of "
-                              f"sft.micro_batch_size={cfg.micro_batch_size}")
-    check_zero_stage(cfg.lora, cfg.zero_stage, "sft")
+    check_training_section(cfg, "sft")
     torch.manual_seed(cfg.seed)
     ctx = StageContext(spec)
     with tracked(ctx):
@@ -81,10 +85,7 @@ def run(spec: StageSpec) -> StageResult:
         truncated = sum(e.truncated for e in train)
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
         grad_accum = cfg.batch_size // cfg.micro_batch_size
-        engine, _, scheduler = initialize(model, OptimSettings(
-            lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
-            micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, zero_stage=cfg.zero_stage,
-            grad_clip=cfg.grad_clip, dtype=model_cfg.dtype))
+        engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
         engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
 
         with ctx.profiler.phase("eval"):

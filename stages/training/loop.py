@@ -1,4 +1,4 @@
-"""Step arithmetic, shuffled batching and progress display shared by the supervised training stages."""
+"""Step arithmetic, shuffled batching, section checks and progress display shared by the supervised training stages."""
 
 from __future__ import annotations
 
@@ -12,6 +12,26 @@ from collections.abc import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from alignflow.stages.runtime import StageInputError
+from alignflow.stages.training.deepspeed_setup import OptimSettings
+from alignflow.stages.training.lora import check_zero_stage
+
+
+def check_training_section(cfg, section: str) -> None:
+    """What a supervised stage's config section (sft, reward, dpo) must satisfy before anything loads: whole
+    micro-batches per optimizer step, and no LoRA under ZeRO-3."""
+    if cfg.batch_size % cfg.micro_batch_size:
+        raise StageInputError(f"{section}.batch_size={cfg.batch_size} must be a multiple of "
+                              f"{section}.micro_batch_size={cfg.micro_batch_size}")
+    check_zero_stage(cfg.lora, cfg.zero_stage, section)
+
+
+def optim_settings(cfg, steps: int, dtype: str) -> OptimSettings:
+    """The optimiser settings of a supervised stage's section (lr, warm-up then cosine decay over `steps`)."""
+    return OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
+                         micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.batch_size // cfg.micro_batch_size,
+                         zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=dtype)
 
 
 def total_steps(n_examples: int, epochs: float, batch_size: int) -> int:
