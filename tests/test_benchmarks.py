@@ -135,3 +135,22 @@ def test_cpu_kernels_bench_times_every_implementation_and_checks_them():
     assert all(r[f"{k}_ms"] > 0 for r in result["linears"] for k in ("skinny", "onednn", "F.linear"))
     assert [r["rows"] for r in result["attention"]] == [2, 5]
     assert all(r[f"{k}_ms"] > 0 for r in result["attention"] for k in ("kernel", "torch", "compiled"))
+
+
+@pytest.mark.slow
+def test_lora_vs_full_reports_both_stages_and_both_variants(tmp_path):
+    """On the test-size model (2 PPO iterations): LoRA trains a small share and refits fewer bytes."""
+    small = ["model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=1",
+             "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1", "model.tiny.vocab_size=320",
+             "data.demo.n_sft=64", "data.demo.n_preferences=64", "data.demo.n_prompts=16",
+             "data.demo.n_eval_prompts=8", "sft.batch_size=16", "sft.micro_batch_size=16", "ppo.iterations=2",
+             "ppo.checkpoint_every=2", "ppo.prompts_per_iteration=8", "ppo.minibatch_size=8", "ppo.max_new_tokens=8",
+             "engine.cpu_kernels=false"]  # no C++ build (minutes on a fresh box): the table, not the engine
+    result = json.loads(_run("lora_vs_full.py", "--rank", "2", "--workdir", str(tmp_path), "--json",
+                             *(arg for override in small for arg in ("--set", override))))
+    rows = {(r["stage"], r["variant"]): r for r in result["rows"]}
+    assert set(rows) == {(s, v) for s in ("sft", "ppo") for v in ("full", "lora")}
+    for stage in ("sft", "ppo"):
+        assert rows[stage, "full"]["trainable_share"] == 1.0 and 0 < rows[stage, "lora"]["trainable_share"] < 0.2
+        assert all(rows[stage, v]["peak_rss_mib"] > 100 and rows[stage, v]["seconds"] > 0 for v in ("full", "lora"))
+    assert 0 < rows["ppo", "lora"]["refit_bytes"] < rows["ppo", "full"]["refit_bytes"] / 2
