@@ -21,6 +21,7 @@ the whole generate call (prefill included).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -284,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                               "threads": args.threads, "repeats": args.repeats,
                               "torch": torch.__version__, "machine": machine(), "load_before": os.getloadavg()[0],
                               "throughput": [], "refit": []}
-    with tempfile.TemporaryDirectory() as tmp:
+    # stdout carries only the result: libraries log there (save_pretrained imports DeepSpeed through accelerate,
+    # whose logger writes "Setting accelerator to CPU" to stdout), so the run's stdout goes to stderr.
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
         for name in args.models:
             part = bench_model(name, Path(tmp), args, log)
             log(json.dumps(part))  # partial results survive an interrupted run
