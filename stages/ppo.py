@@ -402,6 +402,9 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                 model.set_attn_implementation(attention)
         if cfg.compile_train:
             # In place (nn.Module.compile): parameter names, checkpoints and refit streams keep their keys.
+            # With LoRA: the HF backbone under peft's wrapper, its LoRA layers inside the graph; the reference
+            # forward (adapters disabled) flips a flag dynamo guards on, so a second graph is compiled once
+            # (tests/stages/test_ppo_lora.py checks loss, gradients and reference against eager).
             for trained in (actor, critic):
                 if trained is not None:
                     unwrap_lora(trained.module).base_model.compile(dynamic=True)
