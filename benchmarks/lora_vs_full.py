@@ -9,7 +9,7 @@ critic and a KL reference, from the full SFT checkpoint) as its own process, and
 Peak memory is the stage process's own peak RSS (VmHWM, Linux), which includes ~0.5 GiB of
 interpreter, torch and library imports common to every row, and in the RL rows the engine, the
 reward model and (full fine-tuning only) the separate reference model. LoRA adapts every linear layer
-of a block (q, k, v, o, gate, up, down). Time is seconds per optimizer step for SFT and the median
+of a block (q, k, v, o, gate, up, down), and in a third variant q_proj and v_proj only. Time is seconds per optimizer step for SFT and the median
 seconds per iteration (generate, score, forwards, train, refit; the first iteration left out) for PPO.
 """
 
@@ -94,7 +94,7 @@ def stage_spec(stage: str, config, rows: dict, inputs: dict[str, str], variant: 
 
 
 def measure(cfg, rows: dict, variant: str, workdir: Path) -> list[dict[str, Any]]:
-    """The SFT row and the PPO row of one variant ('full' or 'lora'), each stage in its own process."""
+    """The SFT row and the PPO row of one variant, each stage in its own process."""
     sft, sft_peak = run_stage(stage_spec("sft", cfg, rows, {"base": "base", "data": "data"}, variant, workdir),
                               workdir)
     ppo, ppo_peak = run_stage(stage_spec("ppo", cfg, rows, {"engine": "engine", "sft": "sft", "data": "data",
@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = {row["key"]: row for row in alignflow_pipeline(config)}
     lora = [f"sft.lora.rank={args.rank}", f"sft.lora.alpha={2 * args.rank}", f"ppo.lora.rank={args.rank}",
             f"ppo.lora.alpha={2 * args.rank}"]
-    results = [row for variant, overrides in (("full", []), ("lora", lora))
+    # Every linear layer (the default) vs attention's q and v only: the refit sends the adapted modules' merged
+    # weights, so how much it saves depends on target_modules, not on the rank.
+    qv = [*lora, "sft.lora.target_modules=[q_proj,v_proj]", "ppo.lora.target_modules=[q_proj,v_proj]"]
+    results = [row for variant, overrides in (("full", []), ("lora", lora), ("lora q,v", qv))
                for row in measure(load_config(REPO / "configs/tiny.yaml", [*base, *overrides]), rows, variant,
                                   workdir)]
     results.sort(key=lambda r: r["stage"] == "ppo")  # SFT rows first, then PPO
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"rank": args.rank, "parameters": rows["base"]["metrics"]["model/parameters"],
                           "rows": results}, indent=2))
         return 0
-    table = Table(title=f"LoRA (rank {args.rank}, every linear layer of a block) vs full fine-tuning; "
+    table = Table(title=f"LoRA (rank {args.rank}; lora: every linear layer of a block, lora q,v: q_proj and "
+                        "v_proj) vs full fine-tuning; "
                         f"{rows['base']['metrics']['model/parameters'] / 1e6:.1f}M-parameter Llama, "
                         f"{os.cpu_count()} CPU threads")
     for column in ("stage", "variant", "trainable parameters", "share", "peak RSS (MiB)", "seconds",

@@ -149,8 +149,12 @@ def test_lora_vs_full_reports_both_stages_and_both_variants(tmp_path):
     result = json.loads(_run("lora_vs_full.py", "--rank", "2", "--workdir", str(tmp_path), "--json",
                              *(arg for override in small for arg in ("--set", override))))
     rows = {(r["stage"], r["variant"]): r for r in result["rows"]}
-    assert set(rows) == {(s, v) for s in ("sft", "ppo") for v in ("full", "lora")}
+    variants = ("full", "lora", "lora q,v")
+    assert set(rows) == {(s, v) for s in ("sft", "ppo") for v in variants}
     for stage in ("sft", "ppo"):
-        assert rows[stage, "full"]["trainable_share"] == 1.0 and 0 < rows[stage, "lora"]["trainable_share"] < 0.2
-        assert all(rows[stage, v]["peak_rss_mib"] > 100 and rows[stage, v]["seconds"] > 0 for v in ("full", "lora"))
-    assert 0 < rows["ppo", "lora"]["refit_bytes"] < rows["ppo", "full"]["refit_bytes"] / 2
+        assert rows[stage, "full"]["trainable_share"] == 1.0
+        assert 0 < rows[stage, "lora q,v"]["trainable_share"] < rows[stage, "lora"]["trainable_share"] < 0.2
+        assert all(rows[stage, v]["peak_rss_mib"] > 100 and rows[stage, v]["seconds"] > 0 for v in variants)
+    # q (32x32) and v (16x32) of the one layer in fp32: the refit sends exactly the adapted modules.
+    assert rows["ppo", "lora q,v"]["refit_bytes"] == (32 * 32 + 16 * 32) * 4
+    assert rows["ppo", "lora q,v"]["refit_bytes"] < rows["ppo", "lora"]["refit_bytes"] < rows["ppo", "full"]["refit_bytes"]
