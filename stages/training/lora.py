@@ -122,9 +122,10 @@ def merged_adapted_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.
 
 @torch.no_grad()
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The plain HF state dict of a PeftModel with its adapters merged (CPU copies); any other model's own."""
-    if not is_lora(model):
-        return {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+    """The plain HF state dict of a PeftModel with its adapters merged (CPU copies).
+
+    A model without adapters goes through `save_trained`'s full_state_dict (which also gathers ZeRO-3 partitions).
+    """
     state: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         key = key.removeprefix(_PEFT_WRAPPER_PREFIX)
