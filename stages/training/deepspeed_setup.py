@@ -1,7 +1,7 @@
 """DeepSpeed set-up for one model: process-group init, the DeepSpeed config from a stage section, initialize.
 
-On a CPU box DeepSpeed picks its CPU accelerator and the gloo backend; a single process still needs
-MASTER_ADDR/PORT, RANK, WORLD_SIZE and LOCAL_RANK, which `init_distributed` fills in when unset. The
+On a CPU box DeepSpeed picks its CPU accelerator and the gloo backend; a single process gets a
+one-rank group on an in-memory store (no port), a launched rank the env:// rendezvous. The
 first `deepspeed.initialize` on a fresh machine JIT-compiles a shared-memory comm op (1.5-3 min on
 2 cores); it is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) so later
 initialisations take seconds.
@@ -10,7 +10,6 @@ initialisations take seconds.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,24 +17,22 @@ from typing import Any
 import torch
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_distributed() -> None:
-    """Initialise torch.distributed once (env:// rendezvous; single-process defaults when unset)."""
+    """Initialise torch.distributed once: env:// under a launcher, an in-memory store for one process.
+
+    One process needs no rendezvous, so it gets a HashStore instead of a TCP port: picking a free port
+    and listening on it later races with every other socket on the box (CI once lost that race,
+    EADDRINUSE, while a Prefect client took the port as its ephemeral source port).
+    """
     import deepspeed
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "WORLD_SIZE" not in os.environ:  # not started by torchrun or another launcher
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ[name] = value  # DeepSpeed reads these even when the group already exists
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 

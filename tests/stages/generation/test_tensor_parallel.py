@@ -9,7 +9,6 @@ TP=2 build of it. The sharding rules themselves are checked as pure functions.
 
 from __future__ import annotations
 
-import socket
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -100,10 +99,10 @@ def _refit_memory(base: Path, perturbed: Path) -> dict:
             "copied_bytes": stats.bytes, "shapes": {k: tuple(t.shape) for k, t in engine.weights.buffers.items()}}
 
 
-def _worker(rank: int, port: int, jobs: dict, out_dir: str) -> None:
+def _worker(rank: int, jobs: dict, out_dir: str) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     results: dict = {}
     try:
@@ -164,12 +163,6 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tp_models")
@@ -187,7 +180,7 @@ def checkpoints(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def ranks(checkpoints, tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("tp_ranks")
-    mp.spawn(_worker, args=(_free_port(), checkpoints, str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(checkpoints, str(out_dir)), nprocs=WORLD, join=True)
     results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for rank, result in enumerate(results):
         assert "traceback" not in result, f"rank {rank} failed:\n{result['traceback']}"

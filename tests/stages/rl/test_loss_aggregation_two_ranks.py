@@ -8,7 +8,6 @@ over ranks" must not (so the test can fail).
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -77,11 +76,11 @@ def _loss(weight: torch.Tensor, data: dict[str, torch.Tensor], rows: list[int] |
     return loss
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{out_dir}/rendezvous",
         rank=rank,
         world_size=WORLD_SIZE,
         timeout=timedelta(seconds=60),
@@ -125,16 +124,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("two_ranks")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(str(out_dir),), nprocs=WORLD_SIZE, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 
