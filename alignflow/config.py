@@ -216,6 +216,20 @@ class EngineConfig(Section):
     parity_prompts: int = Field(8, ge=1, description="Prompts of the build-time greedy parity check against hf.")
     parity_new_tokens: int = Field(16, ge=1)
     tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor-parallel ranks.")
+    rollout_workers: int = Field(
+        0, ge=0, description="RL stage: engine replicas in their own processes, fed by a work queue and refit over "
+        "a gloo group (stages/rl/rollout_workers.py); 0 = the engine inside the trainer's process.")
+    queue_chunk: int = Field(
+        8, ge=1, description="Sequences per work-queue chunk with rollout_workers >= 1: a free worker takes the "
+        "next chunk. About max_batch_size keeps every decode batch full; smaller balances skewed lengths better.")
+    rollout_worker_threads: int = Field(
+        0, ge=0, description="Torch threads per rollout worker; 0 = the machine's cores / rollout_workers (>= 1).")
+    rollout_timeout_s: float = Field(
+        120.0, gt=0, description="Timeout of every refit collective with rollout workers (a hung peer fails the "
+        "stage after this; a dead one within ~0.1 s).")
+    unload_during_training: bool = Field(
+        False, description="RL stage: the engine frees its KV cache after each rollout and reloads it before the "
+        "next (not with ppo.async_rollouts, where it is always generating); freed bytes and reload time are logged.")
 
 
 class PPOConfig(Section):

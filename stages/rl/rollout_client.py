@@ -12,8 +12,9 @@ torch releases the GIL inside its ops. It pays where generation and training do 
 same cores (a GPU engine beside CPU-side work, or spare cores); on 2 CPU cores they do: torch's
 intra-op thread count is one setting per process, so both phases run 2-thread OpenMP teams on 2
 cores and the GRPO benchmark's generation went from 0.10 to 0.39 s and its training step from 0.16
-to 0.41 s when overlapped (benchmarks/rl_ladder.py measures it). What it is not (yet): rollout
-workers in their own processes or on other devices; those take the same three calls.
+to 0.41 s when overlapped (benchmarks/rl_ladder.py measures it). Engines in their own processes,
+fed by a work queue and refit over a torch.distributed group, are `rollout_workers.RolloutWorkers`,
+which takes the same calls (engine.rollout_workers >= 1 picks it).
 """
 
 from __future__ import annotations
@@ -50,10 +51,13 @@ class Rollout:
 class RolloutClient:
     """Requests to one engine: `submit` -> `result`, and `refit` between them."""
 
-    def __init__(self, engine: Any, overlap: bool = False, weights_version: int = 0):
+    def __init__(self, engine: Any, overlap: bool = False, weights_version: int = 0,
+                 unload_during_training: bool = False):
         self.engine = engine
         self.overlap = overlap
         self.weights_version = weights_version
+        # engine.unload_during_training: the loop calls unload() after each rollout and reload() before the refit.
+        self.unload_during_training = unload_during_training
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if overlap else None
         self._in_flight: Future | None = None
 
@@ -90,7 +94,51 @@ class RolloutClient:
         self.weights_version += 1
         return report
 
+    def unload(self, keep_weights: bool = True) -> dict[str, float]:
+        """Free the engine's memory while the trainer trains (KV cache; weights too unless keep_weights);
+        returns 'engine/unload_seconds' and, where measurable, 'engine/unload_freed_bytes'."""
+        self.wait_idle()
+        return timed_memory_change("unload", lambda: self.engine.unload(keep_weights=keep_weights))
+
+    def reload(self) -> dict[str, float]:
+        """Undo `unload` before the next rollout; returns 'engine/reload_seconds'."""
+        return {"engine/reload_seconds": timed_memory_change("reload", self.engine.reload)["engine/reload_seconds"]}
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+def heap_bytes() -> int | None:
+    """Bytes the process's allocator holds now: CUDA's once CUDA is in use, else glibc malloc's (torch's CPU
+    allocator uses malloc); None where neither can be read."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.memory_allocated()
+    try:
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        info = libc.mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+    except (OSError, AttributeError):
+        return None
+
+
+def timed_memory_change(what: str, call) -> dict[str, float]:
+    """Run `call` (an engine's unload or reload); '{engine/what}_seconds' and, where the allocator can be read,
+    'engine/{what}_freed_bytes' (negative: bytes taken)."""
+    before, started = heap_bytes(), time.perf_counter()
+    call()
+    out = {f"engine/{what}_seconds": time.perf_counter() - started}
+    after = heap_bytes()
+    if before is not None and after is not None:
+        out[f"engine/{what}_freed_bytes"] = float(before - after)
+    return out

@@ -1,0 +1,606 @@
+"""Rollout workers: R engine replicas in their own processes, fed by one work queue and refit over a gloo group.
+
+What it is: the RL trainer's client for generation outside its own process, with the calls of
+`RolloutClient` (submit -> result, refit, wait_idle, unload/reload, close), so the PPO stage uses
+either. Each worker is a `spawn`ed process that loads the engine stage's output with `load_engine`
+and sets its own torch thread count (2 workers x 1 thread on a 2-core box: the trainer waits while
+they generate).
+
+- Work queue (NeMo-Aligner's design): a request's sequences are cut into chunks of `chunk_size` and
+  put on one task queue all workers read; a worker takes the next chunk when it is free, so a worker
+  that drew long responses does not hold the others up. Each chunk carries the per-sequence seeds of
+  its sequences (`SamplingParams.sequence_seeds`), so a sequence's sample does not depend on which
+  worker or chunk took it; the chunks' Generations are put back together in request order.
+- Refit: the trainer (rank 0) and the R workers form their own gloo group on a TCPStore the trainer
+  binds to port 0 (no free-port guess, no race) and whose port it hands to the workers; the default
+  process group (DeepSpeed's) is never touched. Per tensor of the trainer's weight stream, rank 0
+  broadcasts a 1 KiB header (name, shape, dtype) and then the tensor's bytes; every worker hands a
+  generator over what it receives to `engine.refit(..., partial=...)`, which copies each tensor into
+  place as it arrives: one incoming tensor alive at a time, no files, no second model.
+- Failure: every collective carries a timeout, no queue is waited on without watching the workers'
+  processes, and a worker that dies makes the next call raise `RolloutWorkerError` naming its index,
+  pid and exit code or signal within ~0.1 s (the poll interval). An exception inside a worker (bad
+  sampling settings, a refit that does not fit) is re-raised in the trainer with the worker's message
+  (and its traceback as a note). `close()` stops the workers, and is safe after a failure.
+
+What it is not (yet): tensor-parallel replicas (each worker holds a whole engine), workers on other
+hosts (the store and gloo bind to 127.0.0.1 here) or pinned to their own GPUs (each loads on the
+default device), or NCCL refits (gloo sends host tensors; a GPU trainer copies each one to the host).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from alignflow.stages.generation.base import Generation, RefitError, RefitStats, SamplingParams, load_engine
+from alignflow.stages.rl.rollout_client import Rollout, RolloutRequest, timed_memory_change
+
+# Header of one refit tensor: its JSON (name, shape, dtype) zero-padded to a fixed size, so every
+# rank knows how many bytes the header broadcast carries. Llama parameter names are < 80 characters.
+HEADER_BYTES = 1024
+# How often a waiting trainer looks at the workers' processes (and a waiting worker at its parent):
+# a SIGKILLed worker is reported within this (plus the time the OS takes to reap it).
+POLL_S = 0.1
+# After a collective fails, how long to wait for the peer's process to be reaped before deciding it is alive.
+REAP_WAIT_S = 3.0
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker died or raised; the message names it (index, pid, exit code or signal) and what it did."""
+
+    def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None,
+                 remote_type: str | None = None):
+        super().__init__(message)
+        self.worker, self.pid, self.remote_type = worker, pid, remote_type
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker process needs to start (pickled into the spawned process)."""
+
+    index: int
+    engine_dir: str
+    threads: int
+    store_host: str
+    store_port: int
+    world_size: int          # R workers + the trainer
+    timeout_s: float         # every collective, and the store connection
+    device: str | None = None
+
+
+@dataclass
+class GroupRefitStats(RefitStats):
+    """One refit of every worker: `tensors` and `bytes` the trainer broadcast (each worker received `bytes`,
+    so `bytes_sent` = R x bytes), `seconds` the trainer's wall time, and each worker's own RefitStats."""
+
+    bytes_sent: int = 0
+    workers: list[RefitStats] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    """A submitted request: its chunks as they come back, and what the workers spent on it."""
+
+    request: RolloutRequest
+    version: int
+    started: float
+    chunks: int
+    parts: dict[int, Generation] = field(default_factory=dict)
+    busy: dict[int, float] = field(default_factory=dict)        # worker -> seconds generating this request
+    taken_by: dict[int, int] = field(default_factory=dict)      # chunk -> worker
+    error: RolloutWorkerError | None = None
+    arrived: int = 0                                            # chunks back, results or errors
+    finished: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.arrived == self.chunks
+
+
+@dataclass(frozen=True)
+class RolloutTicket:
+    """The handle `submit` returns; pass it to `result`."""
+
+    request_id: int
+    iteration: int
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'killed by signal SIGKILL' / 'exit code 1' / 'still running'."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def default_threads(workers: int) -> int:
+    """Torch threads per worker: the cores shared out (2 cores, 2 workers: 1 each), at least 1."""
+    return max(1, (os.cpu_count() or 1) // max(workers, 1))
+
+
+def cut_chunks(n: int, chunk_size: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of `n` sequences in chunks of `chunk_size` (the last may be shorter)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+
+
+def merge_generations(parts: list[Generation], wall_seconds: float, busy: dict[int, float], workers: int) -> Generation:
+    """The chunks' Generations as one, in order. Additive metrics are summed over chunks (timing/generate_s is
+    then worker-seconds); perf/gen_tokens_per_s is over the request's wall time; perf/rollout_imbalance is the
+    busiest worker's generate time over the mean of all R workers' (1.0 = perfectly balanced)."""
+    metrics: dict[str, float] = {}
+    for key in ("timing/prefill_s", "timing/generate_s", "perf/decode_steps", "perf/generated_tokens"):
+        if any(key in p.metrics for p in parts):
+            metrics[key] = sum(p.metrics.get(key, 0.0) for p in parts)
+    tokens = sum(len(r) for p in parts for r in p.response_token_ids)
+    metrics["perf/gen_tokens_per_s"] = tokens / max(wall_seconds, 1e-9)
+    per_worker = [busy.get(w, 0.0) for w in range(workers)]
+    mean = sum(per_worker) / workers
+    metrics["perf/rollout_workers"] = float(workers)
+    metrics["perf/rollout_chunks"] = float(len(parts))
+    metrics["perf/rollout_imbalance"] = max(per_worker) / mean if mean > 0 else 1.0
+    metrics["timing/rollout_busy_max"] = max(per_worker)
+    logits = None if parts[0].logits is None else [x for p in parts for x in (p.logits or [])]
+    return Generation(
+        response_token_ids=[r for p in parts for r in p.response_token_ids],
+        logprobs=[lp for p in parts for lp in p.logprobs],
+        finish_reasons=[f for p in parts for f in p.finish_reasons],
+        logits=logits,
+        metrics=metrics,
+    )
+
+
+# The group
+# ----------------------------------------------------------------------------------------------
+
+def _join_group(store: dist.Store, rank: int, size: int, timeout_s: float, host: str) -> dist.ProcessGroup:
+    """A standalone gloo group of the trainer and the workers: it never becomes (or touches) the default group."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(dist.PrefixStore("alignflow-rollout", store), rank, size, options)
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timedelta(seconds=timeout_s)
+    group.broadcast([tensor], opts).wait()
+
+
+def _barrier(group: dist.ProcessGroup, timeout_s: float) -> None:
+    opts = dist.BarrierOptions()
+    opts.timeout = timedelta(seconds=timeout_s)
+    group.barrier(opts).wait()
+
+
+def _encode_header(header: dict[str, Any]) -> torch.Tensor:
+    """The header as HEADER_BYTES uint8s (JSON, zero-padded)."""
+    raw = json.dumps(header).encode()
+    if len(raw) > HEADER_BYTES:
+        raise RefitError(f"refit header of {header.get('name', '?')!r} is {len(raw)} bytes; at most {HEADER_BYTES} fit")
+    buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf
+
+
+def _send_header(group: dist.ProcessGroup, header: dict[str, Any], timeout_s: float) -> None:
+    _broadcast(group, _encode_header(header), timeout_s)
+
+
+def _receive_stream(group: dist.ProcessGroup, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs as rank 0 broadcasts them, until its end marker; each buffer is fresh, so the
+    engine's copy of one may be freed before the next arrives."""
+    header_buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    while True:
+        _broadcast(group, header_buf, timeout_s)
+        header = json.loads(bytes(header_buf.tolist()).rstrip(b"\0"))
+        if "end" in header:
+            return
+        if "abort" in header:
+            raise RefitError(f"the trainer's weight stream failed mid-refit ({header['abort']}); the engine holds a "
+                             "mix of old and new weights until the next full refit")
+        dtype = getattr(torch, header["dtype"])
+        shape = tuple(header["shape"])
+        numel = math.prod(shape)
+        buf = torch.empty(numel * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8)
+        _broadcast(group, buf, timeout_s)
+        yield header["name"], buf.view(dtype).reshape(shape)
+
+
+# The worker process
+# ----------------------------------------------------------------------------------------------
+
+def worker_main(settings: WorkerSettings, tasks: Any, results: Any) -> None:
+    """A rollout worker's whole life: load the engine, join the group, then serve tasks until told to stop.
+
+    Tasks (from the shared queue): ("chunk", request_id, chunk, prompt_ids, sampling_json),
+    ("refit", partial), ("unload", keep_weights), ("reload",), ("stop",). A control task is put once
+    per worker and every one ends in a collective of the whole group, so no worker can take two.
+    """
+    index = settings.index
+    torch.set_num_threads(settings.threads)
+    try:
+        started = time.perf_counter()
+        engine = load_engine(settings.engine_dir, device=settings.device)
+        load_s = time.perf_counter() - started
+        store = dist.TCPStore(settings.store_host, settings.store_port, settings.world_size, False,
+                              timedelta(seconds=settings.timeout_s))
+    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
+        results.put(("failed", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        raise SystemExit(1) from None
+    results.put(("ready", index, os.getpid(), {"load_s": load_s, "threads": torch.get_num_threads(),
+                                               "backend": engine.backend}))
+    group = _join_group(store, index + 1, settings.world_size, settings.timeout_s, settings.store_host)
+    parent = mp.parent_process()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return  # the trainer is gone (SIGKILL): nobody will ever send "stop"
+            continue
+        kind = task[0]
+        if kind == "stop":
+            return
+        try:
+            if kind == "chunk":
+                _, request_id, chunk, prompt_ids, sampling_json = task
+                results.put(("took", index, request_id, chunk))  # so a death names the chunk it took with it
+                began = time.perf_counter()
+                generation = engine.generate(prompt_ids, SamplingParams.model_validate_json(sampling_json))
+                results.put(("chunk", index, request_id, chunk, generation, time.perf_counter() - began))
+            elif kind == "refit":
+                stream = _receive_stream(group, settings.timeout_s)
+                try:
+                    stats = engine.refit(stream, partial=task[1])
+                finally:
+                    # The engine may stop reading early (a shape that does not fit): keep taking the
+                    # broadcasts to the end marker, or the trainer and the other workers would wait on us.
+                    for _ in stream:
+                        pass
+                results.put(("ack", index, "refit", stats))
+            elif kind in ("unload", "reload"):
+                try:
+                    call = functools.partial(engine.unload, keep_weights=task[1]) if kind == "unload" else engine.reload
+                    report = timed_memory_change(kind, call)
+                finally:
+                    _barrier(group, settings.timeout_s)  # even after an error: the others wait in it
+                results.put(("ack", index, kind, report))
+            else:
+                raise ValueError(f"unknown task {kind!r}")
+        except Exception as exc:  # noqa: BLE001 - re-raised in the trainer with this message
+            request = task[1] if kind == "chunk" else None
+            results.put(("error", index, kind, request, task[2] if kind == "chunk" else None,
+                         f"{type(exc).__name__}: {exc}", type(exc).__name__, traceback.format_exc()))
+
+
+# The trainer's side
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class _Worker:
+    index: int
+    process: Any
+    pid: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutWorkers:
+    """R rollout worker processes behind RolloutClient's calls: `submit` -> `result`, `refit`, `close`."""
+
+    def __init__(self, engine_dir: str | os.PathLike, workers: int, *, chunk_size: int = 8, threads: int = 0,
+                 timeout_s: float = 120.0, start_timeout_s: float = 900.0, weights_version: int = 0,
+                 unload_during_training: bool = False, device: str | None = None):
+        if workers < 1:
+            raise ValueError(f"rollout workers must be >= 1, got {workers} (0 means the engine in the trainer: "
+                             "use RolloutClient)")
+        cut_chunks(1, chunk_size)  # validates chunk_size
+        self.chunk_size = chunk_size
+        self.timeout_s = timeout_s
+        self.weights_version = weights_version
+        self.unload_during_training = unload_during_training  # the loop calls unload() / reload() when set
+        self.threads = threads or default_threads(workers)
+        self._ctx = mp.get_context("spawn")
+        self._tasks = self._ctx.Queue()
+        self._results = self._ctx.Queue()
+        self._requests: dict[int, _Pending] = {}
+        self._next_request = 0
+        self._acks: list[tuple[int, str, Any]] = []
+        self.last_chunks: list[int] = []  # the worker that generated each chunk of the last result
+        self._control_errors: list[RolloutWorkerError] = []
+        self._broken: RolloutWorkerError | None = None
+        self._closed = False
+        self._group = None
+        self.workers: list[_Worker] = []
+        host = "127.0.0.1"
+        # Port 0: the OS picks a free port as the store binds it, and the workers are told which one.
+        self._store = dist.TCPStore(host, 0, workers + 1, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        try:
+            for i in range(workers):
+                settings = WorkerSettings(i, str(engine_dir), self.threads, host, self._store.port, workers + 1,
+                                          timeout_s, device)
+                process = self._ctx.Process(target=worker_main, args=(settings, self._tasks, self._results),
+                                            name=f"rollout-worker-{i}", daemon=True)
+                process.start()
+                self.workers.append(_Worker(i, process, process.pid))
+            deadline = time.monotonic() + start_timeout_s
+            while any(not w.info for w in self.workers):
+                if time.monotonic() > deadline:
+                    slow = [w.index for w in self.workers if not w.info]
+                    raise RolloutWorkerError(f"rollout worker(s) {slow} did not load the engine within "
+                                             f"{start_timeout_s:.0f} s")
+                self._pump("loading the engine")
+            self._group = _join_group(self._store, 0, workers + 1, timeout_s, host)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the three calls of RolloutClient ---------------------------------------------------------
+    def submit(self, request: RolloutRequest) -> RolloutTicket:
+        """Put `request`'s chunks on the queue (each with its sequences' seeds) and return at once."""
+        self._check_usable(f"submitting iteration {request.iteration}")
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise ValueError(f"iteration {request.iteration}: the rollout request has no prompts")
+        seeds = request.sampling.sequence_seeds(n)
+        request_id = self._next_request
+        self._next_request += 1
+        ranges = cut_chunks(n, self.chunk_size)
+        self._requests[request_id] = _Pending(request, self.weights_version, time.perf_counter(), len(ranges))
+        for chunk, (start, end) in enumerate(ranges):
+            sampling = request.sampling.model_copy(update={"seeds": seeds[start:end]})
+            self._tasks.put(("chunk", request_id, chunk, request.prompt_ids[start:end], sampling.model_dump_json()))
+        return RolloutTicket(request_id, request.iteration)
+
+    def result(self, ticket: RolloutTicket) -> Rollout:
+        """The finished rollout of `submit`, its sequences in request order; raises a worker's error or death."""
+        pending = self._requests.get(ticket.request_id)
+        if pending is None:
+            raise KeyError(f"no request {ticket.request_id} in flight (already taken?)")
+        while not pending.done:
+            self._check_usable(f"generating iteration {ticket.iteration}")
+            self._pump(f"generating iteration {ticket.iteration}")
+        del self._requests[ticket.request_id]
+        if pending.error is not None:
+            raise pending.error
+        self.last_chunks = [pending.taken_by[c] for c in range(pending.chunks)]
+        wall = pending.finished - pending.started
+        generation = merge_generations([pending.parts[c] for c in range(pending.chunks)], wall, pending.busy,
+                                       len(self.workers))
+        return Rollout(pending.request, generation, wall, pending.version)
+
+    def wait_idle(self) -> None:
+        """Wait until every chunk put on the queue has come back (errors surface at `result`)."""
+        while any(not p.done for p in self._requests.values()):
+            self._check_usable("generating")
+            self._pump("generating")
+
+    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> GroupRefitStats:
+        """Broadcast the weight stream to every worker once all are idle; each refits its engine as tensors
+        arrive (`partial`: only some parameters changed). Bumps the weights version."""
+        self.wait_idle()
+        self._check_usable("refitting")
+        started = time.perf_counter()
+        for _ in self.workers:
+            self._tasks.put(("refit", partial))
+        count = nbytes = 0
+        stream = iter(named_tensors)
+        while True:
+            try:
+                name, tensor = next(stream)
+                # gloo moves host memory: a GPU trainer's tensor is copied to the host, one at a time.
+                flat = tensor.detach().to("cpu").contiguous()
+                del tensor
+                header = _encode_header({"name": name, "shape": list(flat.shape),
+                                         "dtype": str(flat.dtype).removeprefix("torch.")})
+            except StopIteration:
+                break
+            except BaseException as exc:
+                self._abort_refit(exc)  # the trainer's own stream failed (e.g. a ZeRO-3 gather)
+                raise
+            self._collective("refitting", _broadcast, header)
+            self._collective("refitting", _broadcast, flat.reshape(-1).view(torch.uint8))
+            count, nbytes = count + 1, nbytes + flat.numel() * flat.element_size()
+            del flat
+        self._collective("refitting", _send_header, {"end": True})
+        reports = self._collect("refit")
+        self.weights_version += 1
+        return GroupRefitStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - started,
+                               bytes_sent=nbytes * len(self.workers), workers=[reports[w.index] for w in self.workers])
+
+    def unload(self, keep_weights: bool = True) -> dict[str, float]:
+        """Every worker frees its engine's memory (KV cache; weights too unless keep_weights) while the trainer
+        trains; returns 'engine/unload_seconds' (slowest worker) and 'engine/unload_freed_bytes' (sum)."""
+        self.wait_idle()
+        reports = list(self._control("unload", keep_weights).values())
+        freed = [r["engine/unload_freed_bytes"] for r in reports if "engine/unload_freed_bytes" in r]
+        return {"engine/unload_seconds": max(r["engine/unload_seconds"] for r in reports),
+                **({"engine/unload_freed_bytes": sum(freed)} if freed else {})}
+
+    def reload(self) -> dict[str, float]:
+        """Undo `unload` before the next rollout; returns 'engine/reload_seconds' (slowest worker)."""
+        reports = self._control("reload").values()
+        return {"engine/reload_seconds": max(r["engine/reload_seconds"] for r in reports)}
+
+    def close(self) -> None:
+        """Stop the workers (a polite "stop", then terminate, then kill); safe to call twice or after a failure."""
+        if self._closed:
+            return
+        self._closed = True
+        alive = [w for w in self.workers if w.process.exitcode is None]
+        for _ in alive:
+            self._tasks.put(("stop",))
+        deadline = time.monotonic() + 5.0
+        for w in alive:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+        for w in self.workers:
+            if w.process.exitcode is None:
+                w.process.terminate()  # e.g. blocked on a queue lock a killed peer held
+                w.process.join(2.0)
+            if w.process.exitcode is None:
+                w.process.kill()
+                w.process.join(2.0)
+        for q in (self._tasks, self._results):
+            q.cancel_join_thread()  # nothing left to read what is still buffered: do not wait at exit
+            q.close()
+        self._group = None
+        self._store = None
+
+    def __enter__(self) -> RolloutWorkers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _check_usable(self, doing: str = "idle") -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._closed:
+            raise RolloutWorkerError("the rollout workers are closed")
+        if self._dead():
+            raise self._death_error(self._dead(), doing)
+
+    def _worker_name(self, index: int) -> str:
+        w = self.workers[index]
+        return f"rollout worker {index} (pid {w.pid})"
+
+    def _dead(self) -> list[_Worker]:
+        return [w for w in self.workers if w.process.exitcode is not None]
+
+    def _death_error(self, dead: list[_Worker], doing: str) -> RolloutWorkerError:
+        names = "; ".join(f"{self._worker_name(w.index)} died ({describe_exit(w.process.exitcode)})" for w in dead)
+        lost = sorted({(p.request.iteration, c) for p in self._requests.values() for c, who in p.taken_by.items()
+                       if any(who == w.index for w in dead) and c not in p.parts})
+        error = RolloutWorkerError(f"{names} while {doing}; the stage cannot go on without it (a re-run resumes "
+                                   "from the last checkpoint)" + (f"; chunks lost: {lost}" if lost else ""),
+                                   worker=dead[0].index, pid=dead[0].pid)
+        self._broken = error
+        return error
+
+    def _lost(self, doing: str, exc: BaseException) -> RolloutWorkerError:
+        """A collective failed: name the worker whose death broke it (waiting briefly for it to be reaped)."""
+        deadline = time.monotonic() + REAP_WAIT_S
+        while not self._dead() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if self._dead():
+            return self._death_error(self._dead(), doing)
+        self._broken = RolloutWorkerError(f"the rollout workers' group failed while {doing} (no worker exited; "
+                                          f"a peer hung past engine.rollout_timeout_s = {self.timeout_s:g} s?): {exc}")
+        return self._broken
+
+    def _pump(self, doing: str) -> None:
+        """Take one message from the workers (waiting at most POLL_S), then check that they are all alive."""
+        try:
+            message = self._results.get(timeout=POLL_S)
+        except queue.Empty:
+            message = None
+        if message is not None:
+            self._handle(message)
+        elif self._dead():
+            raise self._death_error(self._dead(), doing)
+
+    def _handle(self, message: tuple) -> None:
+        kind, index = message[0], message[1]
+        if kind == "ready":
+            self.workers[index].pid, self.workers[index].info = message[2], message[3]
+        elif kind == "failed":
+            error = RolloutWorkerError(f"{self._worker_name(index)} could not start: {message[2]}", worker=index,
+                                       pid=self.workers[index].pid)
+            error.add_note(f"worker traceback:\n{message[3]}")
+            self._broken = error
+            raise error
+        elif kind == "took":
+            pending = self._requests.get(message[2])
+            if pending is not None:
+                pending.taken_by[message[3]] = index
+        elif kind == "chunk":
+            _, _, request_id, chunk, generation, busy = message
+            pending = self._requests.get(request_id)
+            if pending is None:
+                return
+            pending.parts[chunk] = generation
+            pending.busy[index] = pending.busy.get(index, 0.0) + busy
+            self._arrive(pending)
+        elif kind == "error":
+            _, _, what, request_id, chunk, text, remote_type, trace = message
+            doing = {"chunk": "generating", "refit": "refitting"}.get(what, what)
+            pending = self._requests.get(request_id) if request_id is not None else None
+            where = f" iteration {pending.request.iteration}, chunk {chunk}" if pending is not None else ""
+            error = RolloutWorkerError(f"{self._worker_name(index)} failed {doing}{where}: {text}", worker=index,
+                                       pid=self.workers[index].pid, remote_type=remote_type)
+            error.add_note(f"worker traceback:\n{trace}")
+            if pending is not None:
+                pending.error = pending.error or error
+                self._arrive(pending)
+            else:
+                self._control_errors.append(error)
+                self._acks.append((index, what, None))
+        elif kind == "ack":
+            self._acks.append((index, message[2], message[3]))
+
+    @staticmethod
+    def _arrive(pending: _Pending) -> None:
+        pending.arrived += 1
+        if pending.done:
+            pending.finished = time.perf_counter()
+
+    def _collect(self, what: str) -> dict[int, Any]:
+        """Every worker's answer to control task `what`; raises the first worker's error among them."""
+        got: dict[int, Any] = {}
+        doing = {"refit": "refitting"}.get(what, what + "ing")
+        while len(got) < len(self.workers):
+            while self._acks:
+                index, kind, payload = self._acks.pop(0)
+                if kind == what:
+                    got[index] = payload
+            if len(got) < len(self.workers):
+                self._check_usable(doing)
+                self._pump(doing)
+        if self._control_errors:
+            error, self._control_errors = self._control_errors[0], []
+            raise error
+        return got
+
+    def _control(self, what: str, *args: Any) -> dict[int, Any]:
+        """One control task per worker; all of them and the trainer meet in a barrier so no worker takes two."""
+        self._check_usable(what + "ing")
+        for _ in self.workers:
+            self._tasks.put((what, *args))
+        self._collective(what + "ing", _barrier)
+        return self._collect(what)
+
+    def _collective(self, doing: str, call: Any, *args: Any) -> None:
+        """Run one collective of the group (rank 0's side); a failure names the worker that broke it."""
+        try:
+            call(self._group, *args, self.timeout_s)
+        except RuntimeError as exc:
+            raise self._lost(doing, exc) from exc
+
+    def _abort_refit(self, exc: BaseException) -> None:
+        """The trainer's stream raised: tell the workers, so they neither wait for the rest nor keep the mix silently."""
+        try:
+            _send_header(self._group, {"abort": f"{type(exc).__name__}: {exc}"[:800]}, self.timeout_s)
+            self._collect("refit")
+        except RolloutWorkerError:
+            pass  # the workers report the abort as an error; the trainer's own error is the one to raise

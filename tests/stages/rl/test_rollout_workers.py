@@ -1,0 +1,223 @@
+"""Rollout workers in their own processes: the in-process engine's tokens from any chunking, refit over the gloo
+group equal to a fresh engine, a worker's error re-raised with its message, a SIGKILLed worker named in seconds.
+
+Each RolloutWorkers start spawns 2 processes that import torch and load the engine (~12 s on 2 cores), so
+one pair serves the parity, refit and error tests (each sets the weights it needs first), and each death
+test, which breaks its pair, starts its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from alignflow.stages.generation.base import RefitError, SamplingParams, build_engine
+from alignflow.stages.generation.native.weights import checkpoint_tensors
+from alignflow.stages.rl.rollout_client import RolloutRequest
+from alignflow.stages.rl.rollout_workers import RolloutWorkerError, RolloutWorkers, cut_chunks, describe_exit
+from tests.stages.generation.engine_test_models import (
+    TOLERANCES,
+    engine_config,
+    perturbed_checkpoint,
+    random_prompts,
+    save_tiny_model,
+)
+
+WORKERS = 2
+PROMPTS = random_prompts(11, seed=4)  # 11 = chunks of 3, 3, 3, 2: a short last chunk
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+SAMPLED = (SamplingParams(temperature=1.0, top_k=40, top_p=0.9, max_new_tokens=12, seed=3),
+           SamplingParams(temperature=0.8, max_new_tokens=12, seeds=[1000 + 7 * i for i in range(len(PROMPTS))]))
+# Sampled sequences are generated in other batches than in one in-process call (other sizes, other
+# neighbours): GEMM blocking changes fp32 rounding (measured ~1.4e-6 here); the per-sequence seeds make
+# the tokens identical. The same bound as the engine's batch-position test (engine_test_models).
+LOGPROB_TOL = TOLERANCES["logprobs_across_batches_fp32"]
+
+
+def request(prompts: list[list[int]], sampling: SamplingParams, iteration: int = 1) -> RolloutRequest:
+    return RolloutRequest(iteration, list(range(len(prompts))), list(range(len(prompts))), prompts, sampling)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(base checkpoint, perturbed checkpoint, saved engine dir of the base)."""
+    root = tmp_path_factory.mktemp("rollout_workers")
+    base = save_tiny_model(root / "base", "llama_mha_untied")
+    moved = perturbed_checkpoint(base, root / "moved")
+    engine = build_engine(base, engine_config(backend="native"))
+    engine.save(root / "engine")
+    return base, moved, root / "engine"
+
+
+@pytest.fixture(scope="module")
+def workers(checkpoints):
+    with RolloutWorkers(checkpoints[2], WORKERS, chunk_size=3, threads=1, timeout_s=30) as client:
+        yield client
+
+
+def in_process(checkpoint):
+    torch.set_num_threads(1)
+    return build_engine(checkpoint, engine_config(backend="native"))
+
+
+def assert_same(got, want, tol: float) -> None:
+    assert got.response_token_ids == want.response_token_ids
+    assert got.finish_reasons == want.finish_reasons
+    worst = max(abs(a - b) for x, y in zip(got.logprobs, want.logprobs, strict=True)
+                for a, b in zip(x, y, strict=True))
+    assert worst <= tol, worst
+
+
+def test_chunks_cover_every_sequence_once():
+    assert cut_chunks(11, 3) == [(0, 3), (3, 6), (6, 9), (9, 11)]
+    assert cut_chunks(2, 8) == [(0, 2)]
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        cut_chunks(4, 0)
+    assert describe_exit(-9) == "killed by signal SIGKILL" and describe_exit(3) == "exit code 3"
+
+
+def test_workers_generate_the_in_process_engines_tokens_from_any_chunking(workers, checkpoints):
+    base, _, _ = checkpoints
+    workers.refit(checkpoint_tensors(base))
+    reference = in_process(base)
+    for chunk_size in (3, 1, len(PROMPTS)):
+        workers.chunk_size = chunk_size
+        greedy = workers.result(workers.submit(request(PROMPTS, GREEDY))).generation
+        assert_same(greedy, reference.generate(PROMPTS, GREEDY), LOGPROB_TOL)
+        for sampling in SAMPLED:
+            got = workers.result(workers.submit(request(PROMPTS, sampling)))
+            assert_same(got.generation, reference.generate(PROMPTS, sampling), LOGPROB_TOL)
+        if chunk_size == 1:  # 11 one-sequence chunks: both workers took some
+            assert set(workers.last_chunks) == {0, 1}
+    workers.chunk_size = 3
+    metrics = got.generation.metrics
+    assert metrics["perf/rollout_chunks"] == 1 and metrics["perf/rollout_workers"] == WORKERS
+    assert metrics["perf/rollout_imbalance"] == pytest.approx(2.0)  # one chunk: one worker did it all
+
+
+def test_two_requests_in_flight_come_back_each_in_order(workers, checkpoints):
+    base, _, _ = checkpoints
+    workers.refit(checkpoint_tensors(base))
+    reference = in_process(base)
+    first = workers.submit(request(PROMPTS[:5], SAMPLED[0], iteration=1))
+    second = workers.submit(request(PROMPTS[5:], SAMPLED[0], iteration=2))
+    b, a = workers.result(second), workers.result(first)
+    assert_same(a.generation, reference.generate(PROMPTS[:5], SAMPLED[0]), LOGPROB_TOL)
+    assert_same(b.generation, reference.generate(PROMPTS[5:], SAMPLED[0]), LOGPROB_TOL)
+
+
+def test_refit_over_the_group_equals_a_fresh_engine_of_the_new_weights(workers, checkpoints):
+    base, moved, _ = checkpoints
+    workers.refit(checkpoint_tensors(base))
+    version = workers.weights_version
+    stats = workers.refit(checkpoint_tensors(moved))
+    assert workers.weights_version == version + 1
+    expected = [(name, t) for name, t in checkpoint_tensors(moved)]
+    assert stats.tensors == len(expected)
+    assert stats.bytes == sum(t.numel() * t.element_size() for _, t in expected)
+    assert stats.bytes_sent == WORKERS * stats.bytes
+    assert [w.bytes for w in stats.workers] == [stats.bytes] * WORKERS
+    fresh = in_process(moved)
+    for sampling in (GREEDY, *SAMPLED):
+        got = workers.result(workers.submit(request(PROMPTS, sampling)))
+        assert got.weights_version == version + 1
+        assert_same(got.generation, fresh.generate(PROMPTS, sampling), LOGPROB_TOL)
+
+    # Partial: two matrices of the base model into the moved engine, in the workers and in process alike.
+    subset = [(n, t) for n, t in checkpoint_tensors(base)
+              if n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight")]
+    stats = workers.refit(iter(subset), partial=True)
+    assert stats.tensors == 2
+    fresh.refit(iter(subset), partial=True)
+    got = workers.result(workers.submit(request(PROMPTS, SAMPLED[0]))).generation
+    assert_same(got, fresh.generate(PROMPTS, SAMPLED[0]), LOGPROB_TOL)
+    assert got.response_token_ids != in_process(moved).generate(PROMPTS, SAMPLED[0]).response_token_ids
+
+
+def test_a_refit_that_does_not_fit_is_reraised_and_the_group_survives(workers, checkpoints):
+    base, _, _ = checkpoints
+    tensors = list(checkpoint_tensors(base))
+    with pytest.raises(RolloutWorkerError, match=r"rollout worker \d \(pid \d+\) failed refitting: RefitError: "
+                                                 r"refit did not cover 1 of"):
+        workers.refit(iter(tensors[1:]))  # not partial, one parameter missing
+    wrong = [("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3)), *tensors]
+    with pytest.raises(RolloutWorkerError, match=r"RefitError: 'model.layers.0.mlp.up_proj.weight': shape \(3, 3\)"):
+        workers.refit(iter(wrong))  # the engine stops at the first tensor; the worker drains the rest
+
+    def failing():
+        yield tensors[0]
+        raise OSError("gather failed")
+
+    with pytest.raises(OSError, match="gather failed"):
+        workers.refit(failing())  # the trainer's own stream: its error, and the workers told to stop waiting
+    workers.refit(iter(tensors))  # every collective above ended cleanly: the group still works
+    got = workers.result(workers.submit(request(PROMPTS, GREEDY))).generation
+    assert_same(got, in_process(base).generate(PROMPTS, GREEDY), LOGPROB_TOL)
+
+
+def test_an_error_in_a_worker_is_reraised_with_its_message(workers, checkpoints):
+    workers.refit(checkpoint_tensors(checkpoints[0]))
+    too_long = SamplingParams(temperature=0.0, max_new_tokens=60)  # + a 13-token prompt > max_seq_len 64
+    with pytest.raises(RolloutWorkerError, match=r"rollout worker \d \(pid \d+\) failed generating iteration 1, "
+                                                 r"chunk \d: ValueError: longest prompt .* exceeds the engine's "
+                                                 r"max_seq_len=64") as caught:
+        workers.result(workers.submit(request(PROMPTS, too_long)))
+    assert caught.value.remote_type == "ValueError"
+    assert any("Traceback" in note for note in caught.value.__notes__)
+    with pytest.raises(RolloutWorkerError, match=r"outside the vocabulary \[0, 256\)"):
+        workers.result(workers.submit(request([[5, 999]], GREEDY)))
+    assert len(workers.result(workers.submit(request(PROMPTS, GREEDY))).generation) == len(PROMPTS)  # still serving
+
+
+def _assert_all_gone(client: RolloutWorkers) -> None:
+    assert all(w.process.exitcode is not None for w in client.workers)
+    for w in client.workers:
+        assert not os.path.exists(f"/proc/{w.pid}") or "zombie" in open(f"/proc/{w.pid}/status").read().lower()
+
+
+def test_a_sigkilled_worker_fails_result_within_seconds_naming_it(checkpoints):
+    client = RolloutWorkers(checkpoints[2], WORKERS, chunk_size=2, threads=1, timeout_s=30)
+    try:
+        long = SamplingParams(temperature=1.0, max_new_tokens=48, seed=1)
+        ticket = client.submit(request(random_prompts(32, seed=1), long))
+        time.sleep(0.3)  # both workers are generating
+        victim = client.workers[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(RolloutWorkerError, match=rf"rollout worker 1 \(pid {victim.pid}\) died \(killed by signal "
+                                                     r"SIGKILL\) while generating iteration 1") as caught:
+            client.result(ticket)
+        assert time.monotonic() - killed < 5.0
+        assert caught.value.worker == 1 and caught.value.pid == victim.pid
+        with pytest.raises(RolloutWorkerError, match=r"rollout worker 1 .* died"):
+            client.refit(checkpoint_tensors(checkpoints[0]))  # broken for good, and says why at once
+    finally:
+        client.close()
+    client.close()  # twice is fine
+    _assert_all_gone(client)
+
+
+def test_a_worker_killed_mid_refit_fails_the_refit_within_seconds_naming_it(checkpoints):
+    client = RolloutWorkers(checkpoints[2], WORKERS, chunk_size=4, threads=1, timeout_s=30)
+    try:
+        victim = client.workers[0]
+        killed: list[float] = []
+
+        def stream():
+            for i, item in enumerate(checkpoint_tensors(checkpoints[1])):
+                if i == 3:  # a worker dies between two broadcasts of the weight stream
+                    os.kill(victim.pid, signal.SIGKILL)
+                    killed.append(time.monotonic())
+                yield item
+
+        with pytest.raises(RolloutWorkerError, match=rf"rollout worker 0 \(pid {victim.pid}\) died \(killed by "
+                                                     r"signal SIGKILL\) while refitting"):
+            client.refit(stream())
+        assert time.monotonic() - killed[0] < 5.0
+    finally:
+        client.close()
+    _assert_all_gone(client)
