@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs
 from alignflow.stages.rl.kl_control import make_kl_controller
 from alignflow.stages.rl.reward_functions import call_reward_function, load_reward_function
 from alignflow.stages.rl.rollout_client import Rollout, RolloutClient, RolloutRequest
+from alignflow.stages.rl.rollout_workers import RolloutWorkers
 from alignflow.stages.rollouts import write_rollouts
 from alignflow.stages.runtime import (
     StageContext,
@@ -340,6 +342,9 @@ def run(spec: StageSpec) -> StageResult:
     if cfg.algorithm == "ppo" and not reward_inputs:
         raise StageInputError("ppo.algorithm 'ppo' initialises its critic from a reward model: add one, or use grpo")
     check_zero_stage(cfg.lora, cfg.zero_stage, "ppo")
+    if engine_cfg.unload_during_training and cfg.async_rollouts:
+        raise StageInputError("engine.unload_during_training with ppo.async_rollouts: the engine is generating the "
+                              "next rollout while the trainer trains, so there is nothing to unload; turn one off")
     reward_fns = [(path, load_reward_function(path)) for path in cfg.reward_functions]
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -421,82 +426,97 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                                      "perf/trainable_parameters": float(trainable),
                                      "perf/trainable_share": trainable / total})
     with profiler.phase("engine_load"):
-        engine = load_engine(ctx.input("engine"))  # built once by the engine stage; refit from here on
-    if resume is not None:
-        load_checkpoint(ctx, resume[1], state, actor, critic)
-        with profiler.phase("refit"):
-            refit_engine(engine, actor)
-    state.mlflow_run_id = ctx.tracker.run_id if ctx.tracker else None
-    logged_through = _logged_through(ctx)
-    pending: list[dict[str, float]] = []
-    last_checkpoint = resume[1] if resume else None
-    rollout_store = open_store(spec.output_uri, spec.storage)
+        # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.
+        rollouts = open_rollouts(ctx, cfg, engine_cfg)
+    with closing(rollouts):  # every exit path closes it: no rollout worker process outlives the stage
+        if resume is not None:
+            load_checkpoint(ctx, resume[1], state, actor, critic)
+            with profiler.phase("refit"):
+                rollouts.refit(*refit_stream(actor))
+        rollouts.weights_version = state.iteration
+        state.mlflow_run_id = ctx.tracker.run_id if ctx.tracker else None
+        logged_through = _logged_through(ctx)
+        pending: list[dict[str, float]] = []
+        last_checkpoint = resume[1] if resume else None
+        rollout_store = open_store(spec.output_uri, spec.storage)
 
-    def flush_metrics() -> None:
-        """Send buffered per-iteration metrics to MLflow, skipping iterations a killed attempt logged already."""
-        nonlocal logged_through
-        for metrics in pending:
-            step = int(metrics["iteration"])
-            if ctx.tracker is not None and step > logged_through:
-                ctx.tracker.log_metrics({k: v for k, v in metrics.items() if k != "iteration"}, step=step)
-                logged_through = step
-        pending.clear()
+        def flush_metrics() -> None:
+            """Send buffered per-iteration metrics to MLflow, skipping iterations a killed attempt logged already."""
+            nonlocal logged_through
+            for metrics in pending:
+                step = int(metrics["iteration"])
+                if ctx.tracker is not None and step > logged_through:
+                    ctx.tracker.log_metrics({k: v for k, v in metrics.items() if k != "iteration"}, step=step)
+                    logged_through = step
+            pending.clear()
 
+        in_flight = None
+        startup = startup_metrics(ctx)
+        print(f"{cfg.algorithm}: start-up " + ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s"
+                                                       for k, v in startup.items()), file=sys.stderr, flush=True)
+        try:
+            while state.iteration < cfg.iterations:
+                iteration = state.iteration + 1
+                started = time.perf_counter()
+                with profiler.phase("generate"):
+                    if in_flight is None:
+                        in_flight = rollouts.submit(rollout_request(cfg, iteration, prompt_ids))
+                    rollout = rollouts.result(in_flight)
+                in_flight = None
+                if cfg.async_rollouts and iteration < cfg.iterations:
+                    in_flight = rollouts.submit(rollout_request(cfg, iteration + 1, prompt_ids))
+                metrics = _iteration(iteration, cfg, state, rollout, rollouts, actor, critic, reference, reward_models,
+                                     reward_fns, tokenizer, pad_id, prompts, prompt_texts, demo_task, profiler, out,
+                                     rollout_store, spec, precision, started)
+                state.iteration = iteration
+                state.history.append(metrics)
+                gold = f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics else ""
+                kl = f" kl {metrics['kl/mean']:.3f}" if "kl/mean" in metrics else ""
+                print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score {metrics['rollout/score_mean']:+.3f}"
+                      f"{gold}{kl} len {metrics['rollout/response_length_mean']:.1f} "
+                      f"({metrics['timing/iteration']:.1f} s)", file=sys.stderr, flush=True)
+                pending.append(metrics)
+                if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
+                    flush_metrics()
+                    with profiler.phase("checkpoint"):
+                        last_checkpoint = save_checkpoint(ctx, out, state, actor, critic)
+        except NonFiniteError as exc:
+            flush_metrics()
+            where = _publish_last_good(ctx, out, state, actor, critic, last_checkpoint, exc)
+            raise NonFiniteError(f"{exc}; stopped. Last good checkpoint: {where}") from None
+        with profiler.phase("publish"):
+            _write_final(out, state, actor, critic, tokenizer, cfg)
+            summary = profiler.summary()
+            final = state.history[-1]
+            metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"],
+                       "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")},
+                       "perf/trainable_parameters": float(trainable), "perf/trainable_share": trainable / total,
+                       **startup}
+            if "kl/mean" in final:
+                metrics["kl/mean"] = final["kl/mean"]
+            if "rollout/gold_score_mean" in final:
+                metrics["rollout/gold_score_mean"] = final["rollout/gold_score_mean"]
+            if ctx.tracker is not None:
+                ctx.tracker.log_artifact(out / "metrics.jsonl", "reports")
+            manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "rollout/reward_total_mean"})
+        return ctx.result(manifest, metrics, "rollout/reward_total_mean",
+                          message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
+
+
+def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig) -> RolloutClient | RolloutWorkers:
+    """The engine stage's output behind the rollout client: in this process (engine.rollout_workers = 0), or as
+    engine.rollout_workers replicas in their own processes fed by a work queue."""
+    if engine_cfg.rollout_workers >= 1:
+        workers = RolloutWorkers(ctx.input("engine"), engine_cfg.rollout_workers, chunk_size=engine_cfg.queue_chunk,
+                                 threads=engine_cfg.rollout_worker_threads, timeout_s=engine_cfg.rollout_timeout_s,
+                                 unload_during_training=engine_cfg.unload_during_training)
+        print(f"{cfg.algorithm}: {engine_cfg.rollout_workers} rollout worker processes (pids "
+              f"{', '.join(str(w.pid) for w in workers.workers)}; {workers.threads} torch thread(s) each), chunks of "
+              f"{engine_cfg.queue_chunk} sequences", file=sys.stderr, flush=True)
+        return workers
     # With ppo.async_rollouts the next iteration is generated while this one trains (one-step off-policy).
-    rollouts = RolloutClient(engine, overlap=cfg.async_rollouts, weights_version=state.iteration)
-    in_flight = None
-    startup = startup_metrics(ctx)
-    print(f"{cfg.algorithm}: start-up " + ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s"
-                                                   for k, v in startup.items()), file=sys.stderr, flush=True)
-    try:
-        while state.iteration < cfg.iterations:
-            iteration = state.iteration + 1
-            started = time.perf_counter()
-            with profiler.phase("generate"):
-                if in_flight is None:
-                    in_flight = rollouts.submit(rollout_request(cfg, iteration, prompt_ids))
-                rollout = rollouts.result(in_flight)
-            in_flight = None
-            if cfg.async_rollouts and iteration < cfg.iterations:
-                in_flight = rollouts.submit(rollout_request(cfg, iteration + 1, prompt_ids))
-            metrics = _iteration(iteration, cfg, state, rollout, rollouts, actor, critic, reference, reward_models,
-                                 reward_fns, tokenizer, pad_id, prompts, prompt_texts, demo_task, profiler, out,
-                                 rollout_store, spec, precision, started)
-            state.iteration = iteration
-            state.history.append(metrics)
-            gold = f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics else ""
-            kl = f" kl {metrics['kl/mean']:.3f}" if "kl/mean" in metrics else ""
-            print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score {metrics['rollout/score_mean']:+.3f}"
-                  f"{gold}{kl} len {metrics['rollout/response_length_mean']:.1f} "
-                  f"({metrics['timing/iteration']:.1f} s)", file=sys.stderr, flush=True)
-            pending.append(metrics)
-            if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
-                flush_metrics()
-                with profiler.phase("checkpoint"):
-                    last_checkpoint = save_checkpoint(ctx, out, state, actor, critic)
-    except NonFiniteError as exc:
-        rollouts.close()
-        flush_metrics()
-        where = _publish_last_good(ctx, out, state, actor, critic, last_checkpoint, exc)
-        raise NonFiniteError(f"{exc}; stopped. Last good checkpoint: {where}") from None
-    rollouts.close()
-    with profiler.phase("publish"):
-        _write_final(out, state, actor, critic, tokenizer, cfg)
-        summary = profiler.summary()
-        final = state.history[-1]
-        metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"],
-                   "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")},
-                   "perf/trainable_parameters": float(trainable), "perf/trainable_share": trainable / total,
-                   **startup}
-        if "kl/mean" in final:
-            metrics["kl/mean"] = final["kl/mean"]
-        if "rollout/gold_score_mean" in final:
-            metrics["rollout/gold_score_mean"] = final["rollout/gold_score_mean"]
-        if ctx.tracker is not None:
-            ctx.tracker.log_artifact(out / "metrics.jsonl", "reports")
-        manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "rollout/reward_total_mean"})
-    return ctx.result(manifest, metrics, "rollout/reward_total_mean",
-                      message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
+    return RolloutClient(load_engine(ctx.input("engine")), overlap=cfg.async_rollouts,
+                         unload_during_training=engine_cfg.unload_during_training)
 
 
 def refit_stream(actor) -> tuple[Iterator[tuple[str, torch.Tensor]], bool]:
@@ -508,11 +528,6 @@ def refit_stream(actor) -> tuple[Iterator[tuple[str, torch.Tensor]], bool]:
     if is_lora(actor.module):
         return merged_adapted_weights(actor.module), True
     return stream_weights(actor), False
-
-
-def refit_engine(engine, actor) -> None:
-    named_tensors, partial = refit_stream(actor)
-    engine.refit(named_tensors, partial=partial)
 
 
 def startup_metrics(ctx: StageContext) -> dict[str, float]:
@@ -542,7 +557,8 @@ def rollout_request(cfg: PPOConfig, iteration: int, prompt_ids: list[list[int]])
     return RolloutRequest(iteration, rows, chosen, [prompt_ids[i] for i in rows], sampling)
 
 
-def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout, rollouts: RolloutClient, actor,
+def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
+               rollouts: RolloutClient | RolloutWorkers, actor,
                critic, reference, reward_models, reward_fns, tokenizer, pad_id: int, prompts, prompt_texts,
                demo_task: bool, profiler, out: Path, rollout_store, spec: StageSpec, precision: Precision,
                started: float) -> dict[str, float]:
@@ -553,6 +569,10 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     # Generated by an older policy than the one about to train (async rollouts): the engine's log-probs are
     # the behaviour policy's, and the PPO ratio is taken against them.
     off_policy = rollout.weights_version < state.iteration
+    memory: dict[str, float] = {}
+    if rollouts.unload_during_training:  # the engine's KV cache is freed while the trainer trains
+        with profiler.phase("unload"):
+            memory = rollouts.unload()
     profiler.count(tokens=sum(generation.lengths), samples=len(rows))
     completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.response_token_ids]
     texts = [prompt_texts[i] for i in rows]
@@ -627,6 +647,9 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
             loss_metrics["rollout/logprob_engine_vs_actor_max"] = stale.measured
     with profiler.phase("generate"):
         rollouts.wait_idle()  # async: the next iteration's rollout, still generating on the old weights
+    if rollouts.unload_during_training:
+        with profiler.phase("reload"):
+            memory |= rollouts.reload()
     with profiler.phase("refit"):
         refit = rollouts.refit(*refit_stream(actor))
     state.kl_controller.update(float(seq_kl.mean()), n_steps=len(rows))
@@ -642,6 +665,10 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         "kl/coef": float(kl_coef),
         "kl/coef_next": float(state.kl_controller.value),
         "refit/bytes": float(refit.bytes),
+        # Rollout workers: bytes the trainer broadcast (R x refit/bytes) and how evenly the queue spread the work.
+        **({"refit/bytes_sent": float(refit.bytes_sent)} if hasattr(refit, "bytes_sent") else {}),
+        **{k: v for k, v in generation.metrics.items() if k.startswith("perf/rollout_")},
+        **memory,
         "rollout/policy_lag": float(state.iteration - rollout.weights_version),
         "timing/generate_engine": rollout.seconds,
         **{f"rollout/reward_{name}_mean": float(v.mean()) for name, v in components.items()},

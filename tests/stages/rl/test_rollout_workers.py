@@ -9,13 +9,14 @@ test, which breaks its pair, starts its own.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
 import pytest
 import torch
 
-from alignflow.stages.generation.base import RefitError, SamplingParams, build_engine
+from alignflow.stages.generation.base import SamplingParams, build_engine
 from alignflow.stages.generation.native.weights import checkpoint_tensors
 from alignflow.stages.rl.rollout_client import RolloutRequest
 from alignflow.stages.rl.rollout_workers import RolloutWorkerError, RolloutWorkers, cut_chunks, describe_exit
@@ -221,3 +222,65 @@ def test_a_worker_killed_mid_refit_fails_the_refit_within_seconds_naming_it(chec
     finally:
         client.close()
     _assert_all_gone(client)
+
+
+def _worker_pids(stage_pid: int) -> list[int]:
+    """The rollout worker processes a stage spawned (its multiprocessing children, not the resource tracker)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmdline = open(f"/proc/{entry}/cmdline").read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == stage_pid and "spawn_main" in cmdline:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+@pytest.mark.slow
+def test_rl_stage_on_two_workers_fails_in_seconds_when_one_is_killed_and_the_rerun_resumes(upstream):
+    """Acceptance: the RL stage with engine.rollout_workers=2 (and unload_during_training); SIGKILL of a worker
+    after the iteration-1 checkpoint fails the stage within seconds naming the worker; the re-run resumes and
+    keeps engine == actor (fp32, autocast off: the check compares the workers' log-probs with the actor's)."""
+    import json
+    from pathlib import Path
+
+    from tests.stages.test_ppo import finish, local, ppo_spec, start_stage
+
+    workdir, _, _ = upstream
+    spec = ppo_spec(upstream, "workers", algorithm="grpo", group_size=4, prompts_per_iteration=4, minibatch_size=16,
+                    iterations=3, checkpoint_every=1, autocast="off")
+    spec = spec.model_copy(update={"config": {**spec.config, "engine": {
+        **spec.config["engine"], "rollout_workers": 2, "queue_chunk": 4, "unload_during_training": True}}})
+    first_checkpoint = local(spec.output_uri) / "checkpoints" / "iter_00001" / "manifest.json"
+    proc = start_stage(spec, workdir)
+    deadline = time.time() + 600
+    while not first_checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert first_checkpoint.exists(), proc.communicate()[1][-3000:] if proc.poll() is not None else "timed out"
+    pids = _worker_pids(proc.pid)
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    code, result, stderr = finish(proc)
+    assert time.monotonic() - killed < 15, "the stage noticed the dead worker within seconds"
+    assert code != 0
+    assert re.search(rf"rollout worker \d \(pid {pids[1]}\) died \(killed by signal SIGKILL\) while", result.message), \
+        result.message
+    assert all(not Path(f"/proc/{pid}").exists() for pid in pids), "no worker outlives the stage"
+
+    code, result, stderr = finish(start_stage(spec, workdir))
+    assert code == 0, stderr[-3000:]
+    assert "2 rollout worker processes" in stderr
+    assert result.metrics["iterations"] == 3
+    history = [json.loads(line) for line in (local(result.output_uri) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in history] == [1, 2, 3]
+    resumed = history[-1]
+    assert resumed["refit/bytes_sent"] == 2 * resumed["refit/bytes"] > 0
+    assert resumed["perf/rollout_workers"] == 2 and resumed["perf/rollout_chunks"] == 4
+    assert resumed["perf/rollout_imbalance"] >= 1.0
+    assert resumed["engine/reload_seconds"] >= 0 and "engine/unload_seconds" in resumed
+    assert resumed["rollout/logprob_engine_vs_actor_max"] < 1e-4, "the resumed run refit the workers to the actor"
