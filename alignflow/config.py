@@ -140,6 +140,31 @@ class LoRAConfig(Section):
         return self.rank > 0
 
 
+class ResourcesConfig(Section):
+    """The processes a training stage runs on: torchrun's elastic launcher starts them, rank 0 publishes.
+
+    Data is sharded by rank (each rank takes its share of every global batch, so `batch_size` stays the
+    global batch) and DeepSpeed averages the gradients; 1 x 1 (the default) runs in the stage's own process.
+    """
+
+    nproc_per_node: int = Field(1, ge=1, description="Ranks on each node (CPU: gloo ranks; GPU: one per device).")
+    nnodes: int = Field(1, ge=1, description="Nodes; more than 1 needs rdzv_endpoint.")
+    rdzv_endpoint: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.\-]+:[0-9]+$",
+        description="host:port of the rendezvous (torchrun's c10d store) every node reaches; None on one node.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _rendezvous_for_many_nodes(self) -> ResourcesConfig:
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(f"resources.nnodes={self.nnodes} needs resources.rdzv_endpoint (host:port that every "
+                             "node reaches, e.g. the first node's service name)")
+        return self
+
+
 class SFTConfig(Section):
     """Supervised fine-tuning (loss on completion tokens only), trained through DeepSpeed."""
 
@@ -155,6 +180,7 @@ class SFTConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     seed: int = Field(0)
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters instead of full weights.")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ranks (torchrun).")
 
 
 class RewardModelSpec(Section):
@@ -182,6 +208,7 @@ class RewardConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters on the backbone; the "
                              "scalar head is trained whole.")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ranks (torchrun).")
 
     @model_validator(mode="after")
     def _unique_names(self) -> RewardConfig:
@@ -358,6 +385,7 @@ class DPOConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     seed: int = Field(0)
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters instead of full weights.")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ranks (torchrun).")
 
     @model_validator(mode="after")
     def _smoothing_with_cdpo(self) -> DPOConfig:

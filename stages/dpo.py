@@ -26,6 +26,7 @@ from alignflow.kernels import selective_log_softmax
 from alignflow.stages.data.formats import load_preferences, render_prompt
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.preference.losses import LENGTH_NORMALISED, preference_loss
+from alignflow.stages.ranks import is_main, local_share, sum_over_ranks, world_size
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
 from alignflow.stages.training.deepspeed_setup import initialize
@@ -156,7 +157,7 @@ def run(spec: StageSpec) -> StageResult:
             ref_train = reference_logprobs(model, train, pad_id, mean, cfg.micro_batch_size)
             ref_eval = reference_logprobs(model, held_out, pad_id, mean, cfg.micro_batch_size) if held_out else None
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
-        grad_accum = cfg.batch_size // cfg.micro_batch_size
+        grad_accum = cfg.batch_size // (cfg.micro_batch_size * world_size())
         engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
         engine.train()
         print(f"dpo: {cfg.loss} loss, beta {cfg.beta:g}, {len(train)} pairs, {steps} steps; trains {trainable:,} of "
@@ -170,8 +171,9 @@ def run(spec: StageSpec) -> StageResult:
         with progress_bar("dpo", steps) as advance:
             for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, cfg.seed), start=1):
                 step_losses, chosen_rewards, rejected_rewards = [], [], []
+                share = local_share(indices)  # every rank draws the same global batch and trains on its share
                 with ctx.profiler.phase("train"):
-                    for part in split_micro(indices, cfg.micro_batch_size):
+                    for part in split_micro(share, cfg.micro_batch_size):
                         pairs = [train[i] for i in part]
                         chosen, rejected = sequence_logprobs(engine, pairs, pad_id, mean)
                         rows = torch.tensor(part)
@@ -179,22 +181,27 @@ def run(spec: StageSpec) -> StageResult:
                                               ref_train[1][rows], cfg.beta, cfg.label_smoothing,
                                               chosen_nll=chosen_nll(chosen.float(), pairs, mean),
                                               nll_coef=cfg.nll_coef)
-                        # Mean over the step's pairs; DeepSpeed divides by grad_accum in backward.
-                        engine.backward(out.losses.sum() / len(indices) * grad_accum)
+                        # Mean over the global step's pairs: DeepSpeed divides by grad_accum in backward and
+                        # averages gradients over ranks, so scale back up.
+                        engine.backward(out.losses.sum() / len(indices) * grad_accum * world_size())
                         engine.step()
                         step_losses.append(out.losses.detach())
                         chosen_rewards.append(out.chosen_rewards)
                         rejected_rewards.append(out.rejected_rewards)
                 ctx.profiler.count(tokens=sum(2 * len(train[i].prompt) + len(train[i].chosen) + len(train[i].rejected)
-                                              for i in indices), samples=len(indices))
+                                              for i in share), samples=len(share))
                 losses, chosen_r, rejected_r = (torch.cat(x) for x in (step_losses, chosen_rewards, rejected_rewards))
-                train_loss = float(losses.mean())
+                # Means over the global batch: sums over this rank's share, summed over ranks.
+                loss_sum, chosen_sum, rejected_sum, correct = sum_over_ranks(
+                    float(losses.sum()), float(chosen_r.sum()), float(rejected_r.sum()),
+                    float((chosen_r > rejected_r).sum()))
+                train_loss = loss_sum / len(indices)
                 if not math.isfinite(train_loss):
                     raise RuntimeError(f"dpo: loss is {train_loss} at step {step}; lower dpo.lr or raise dpo.beta")
                 metrics = {"step": step, "train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
-                           "rewards/chosen": float(chosen_r.mean()), "rewards/rejected": float(rejected_r.mean()),
-                           "rewards/margin": float((chosen_r - rejected_r).mean()),
-                           "rewards/accuracy": float((chosen_r > rejected_r).float().mean())}
+                           "rewards/chosen": chosen_sum / len(indices), "rewards/rejected": rejected_sum / len(indices),
+                           "rewards/margin": (chosen_sum - rejected_sum) / len(indices),
+                           "rewards/accuracy": correct / len(indices)}
                 if held_out and (step % cfg.eval_every == 0 or step == steps):
                     with ctx.profiler.phase("eval"):
                         metrics.update(evaluate_pairs(engine.module, held_out, ref_eval, cfg, pad_id))
@@ -212,7 +219,10 @@ def run(spec: StageSpec) -> StageResult:
             with ctx.profiler.phase("save"):
                 policy_dir = out / "policy"
                 policy_dir.mkdir()
-                save_trained(engine, policy_dir)
+                save_trained(engine, policy_dir)  # every rank: a collective under ZeRO-3; rank 0 writes
+            if not is_main():
+                return ctx.rank_result(result_metrics)
+            with ctx.profiler.phase("save"):
                 tokenizer.save_pretrained(policy_dir)
                 dump_json({"stage": "dpo", "loss": cfg.loss, "beta": cfg.beta, "steps": steps, "pairs": len(train),
                            "dropped_pairs": dropped, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,

@@ -20,6 +20,7 @@ from alignflow.config import ModelConfig, RewardConfig, RewardModelSpec
 from alignflow.contract import StageResult, StageSpec
 from alignflow.stages.data.formats import load_preferences, render_prompt
 from alignflow.stages.models.loading import load_sequence_classifier, load_tokenizer
+from alignflow.stages.ranks import is_main, local_share, sum_over_ranks, world_size
 from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
 from alignflow.stages.training.deepspeed_setup import initialize
@@ -101,7 +102,7 @@ def run(spec: StageSpec) -> StageResult:
         train = [encode_pair(tokenizer, r, cfg.max_length) for r in train_records]
         held_out = [encode_pair(tokenizer, r, cfg.max_length) for r in eval_records]
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
-        grad_accum = cfg.batch_size // cfg.micro_batch_size
+        grad_accum = cfg.batch_size // (cfg.micro_batch_size * world_size())
         engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
         engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
         log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
@@ -112,17 +113,20 @@ def run(spec: StageSpec) -> StageResult:
         with progress_bar(f"reward-{rm.name}", steps) as advance:
             for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, rm.seed), start=1):
                 step_loss, step_correct = 0.0, 0
+                share = local_share(indices)  # every rank draws the same global batch and trains on its share
                 with ctx.profiler.phase("train"):
-                    for part in split_micro(indices, cfg.micro_batch_size):
+                    for part in split_micro(share, cfg.micro_batch_size):
                         both = score(engine, [train[i][0] for i in part] + [train[i][1] for i in part], pad_id)
                         chosen, rejected = both[: len(part)], both[len(part):]
                         loss = bradley_terry_loss(chosen, rejected)
-                        engine.backward(loss / len(indices) * grad_accum)  # mean over the step's pairs
+                        # Mean over the global step's pairs: DeepSpeed divides by grad_accum in backward and
+                        # averages gradients over ranks, so scale back up.
+                        engine.backward(loss / len(indices) * grad_accum * world_size())
                         engine.step()
                         step_loss += float(loss.detach())
                         step_correct += int((chosen > rejected).sum())
-                ctx.profiler.count(tokens=sum(len(train[i][0]) + len(train[i][1]) for i in indices),
-                                   samples=len(indices))
+                ctx.profiler.count(tokens=sum(len(train[i][0]) + len(train[i][1]) for i in share), samples=len(share))
+                step_loss, step_correct = sum_over_ranks(step_loss, step_correct)
                 train_loss = step_loss / len(indices)
                 if not math.isfinite(train_loss):
                     raise RuntimeError(f"reward-{rm.name}: loss is {train_loss} at step {step}; lower reward.lr")
@@ -141,7 +145,10 @@ def run(spec: StageSpec) -> StageResult:
         log({"timing/train_s": metrics["timing/train_s"]}, step=steps)
         with ctx.output_dir() as out:
             with ctx.profiler.phase("save"):
-                save_trained(engine, out)
+                save_trained(engine, out)  # every rank: a collective under ZeRO-3; rank 0 writes
+            if not is_main():
+                return ctx.rank_result(metrics)
+            with ctx.profiler.phase("save"):
                 tokenizer.save_pretrained(out)
                 dump_json({"stage": "reward", "name": rm.name, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None, "weight": rm.weight, "steps": steps,
                            "pairs": len(train), "score_mean": final["eval/score_mean"],

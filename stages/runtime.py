@@ -23,8 +23,10 @@ from alignflow.config import ConfigError
 from alignflow.contract import LAUNCHED_AT_VAR, REUSED_MESSAGE, StageResult, StageSpec
 from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
 from alignflow.offline import set_offline_defaults
+from alignflow.stages import ranks
 from alignflow.stages.data.formats import DataError
 from alignflow.stages.profiler import Profiler
+from alignflow.stages.warm import stage_module
 from alignflow.storage import StorageError, open_store
 
 
@@ -98,9 +100,10 @@ class StageContext:
 
         Writing in place means a checkpoint is never copied on disk; the manifest, written last by
         `publish_output`, is what makes it visible. Leftovers of a crashed run (no manifest) are cleared.
+        Ranks other than 0 get a scratch folder: only rank 0 writes the output.
         """
         store = open_store(self.spec.output_uri, self.spec.storage)
-        local = store.local_path(self.spec.output_uri)
+        local = store.local_path(self.spec.output_uri) if ranks.is_main() else None
         if local is not None:
             shutil.rmtree(local, ignore_errors=True)
             local.mkdir(parents=True)
@@ -122,6 +125,8 @@ class StageContext:
 
         Adds the stage's profile (profile.md) to the folder first and logs its totals as metrics.
         """
+        if not ranks.is_main():
+            raise RuntimeError(f"rank {ranks.rank()} tried to publish; only rank 0 publishes (use rank_result)")
         self.profiler.stop()
         self.profiler.write_report(folder / "profile.md")
         if self.tracker is not None:
@@ -148,6 +153,13 @@ class StageContext:
                            duration_s=round(time.perf_counter() - self.started, 3), message=message)
 
 
+    def rank_result(self, metrics: dict[str, float]) -> StageResult:
+        """What a rank other than 0 reports once its share is done (rank 0 publishes and reports the output)."""
+        return StageResult(stage=self.spec.stage, status="ok", metrics=metrics,
+                           duration_s=round(time.perf_counter() - self.started, 3),
+                           message=f"rank {ranks.rank()} of {ranks.world_size()}")
+
+
 @contextlib.contextmanager
 def tracked(ctx: StageContext, run_name: str | None = None, resume_run_id: str | None = None) -> Iterator[StageContext]:
     """Open the stage's nested MLflow run (when tracking is on) and log the resolved config as params.
@@ -155,7 +167,7 @@ def tracked(ctx: StageContext, run_name: str | None = None, resume_run_id: str |
     `resume_run_id` reopens the run of an interrupted attempt (the RL stage's resume) instead of a new one.
     """
     tracking = ctx.spec.tracking
-    if tracking is None or not tracking.enabled:
+    if tracking is None or not tracking.enabled or not ranks.is_main():  # rank 0 tracks for all ranks
         yield ctx
         return
     from alignflow import tracking as mlflow_tracking
@@ -196,28 +208,43 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
             raise StageInputError(f"spec '{args.spec}' is for stage '{spec.stage}', not '{stage}'")
         result = None if args.force else already_published(spec)
         if result is None:
+            resources = ranks.stage_resources(spec)
+            if resources.world_size > 1 and not ranks.launched():
+                code, failure = ranks.launch(spec, stage_module(stage),
+                                             sys.argv[1:] if argv is None else list(argv), resources)
+                if failure is not None:
+                    print(f"error: {stage}: {failure}", file=sys.stderr, flush=True)
+                    _print_failure(stage, failure, started, code)
+                return code
             result = run(spec)
     except BAD_INPUT_ERRORS as exc:
         print(f"error: {stage}: {exc}", file=sys.stderr, flush=True)
-        _print_failure(stage, str(exc), started)
+        _print_failure(stage, str(exc), started, 2)
         return 2
     except KeyboardInterrupt:
         print(f"error: {stage}: interrupted", file=sys.stderr, flush=True)
-        _print_failure(stage, "interrupted", started)
+        _print_failure(stage, "interrupted", started, 130)
         return 130
     except Exception as exc:  # a crash: full traceback for the logs, one line in the result
         traceback.print_exc()
-        _print_failure(stage, f"{type(exc).__name__}: {exc}", started)
+        _print_failure(stage, f"{type(exc).__name__}: {exc}", started, 1)
         return 1
     sys.stdout.flush()
-    print(result.to_line(), flush=True)
+    _report(result.to_line(), 0)
     return 0
 
 
-def _print_failure(stage: str, message: str, started: float) -> None:
+def _report(line: str, code: int) -> None:
+    """The result line: on stdout from rank 0 (the only rank the flow hears), to the launcher from every rank."""
+    ranks.write_rank_result(code, line)
+    if ranks.is_main():
+        print(line, flush=True)
+
+
+def _print_failure(stage: str, message: str, started: float, code: int) -> None:
     failed = StageResult(stage=stage, status="failed", message=message.splitlines()[0] if message else "",
                          duration_s=round(time.perf_counter() - started, 3))
-    print(failed.to_line(), flush=True)
+    _report(failed.to_line(), code)
 
 
 def section(spec: StageSpec, model_cls: type, key: str | None = None) -> Any:

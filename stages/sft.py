@@ -17,6 +17,7 @@ from alignflow.contract import StageResult, StageSpec
 from alignflow.kernels import selective_log_softmax
 from alignflow.stages.data.formats import load_sft, render_prompt
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
+from alignflow.stages.ranks import is_main, local_share, sum_over_ranks, world_size
 from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import IGNORE_INDEX, Encoded, collate_lm, encode_example, pad_token_id
 from alignflow.stages.training.deepspeed_setup import initialize
@@ -84,7 +85,7 @@ def run(spec: StageSpec) -> StageResult:
         train, held_out = encode(train_records), encode(eval_records)
         truncated = sum(e.truncated for e in train)
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
-        grad_accum = cfg.batch_size // cfg.micro_batch_size
+        grad_accum = cfg.batch_size // (cfg.micro_batch_size * world_size())
         engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
         engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
 
@@ -98,22 +99,26 @@ def run(spec: StageSpec) -> StageResult:
         train_loss = float("nan")
         with progress_bar("sft", steps) as advance:
             for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, cfg.seed), start=1):
-                micro = [collate_lm([train[i] for i in part], pad_id) for part in split_micro(indices, cfg.micro_batch_size)]
-                step_tokens = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
+                # Every rank draws the same global batch and trains on its share of it.
+                micro = [collate_lm([train[i] for i in part], pad_id)
+                         for part in split_micro(local_share(indices), cfg.micro_batch_size)]
+                local_tokens = sum(int(m["attention_mask"].sum()) for m in micro)
+                step_tokens, step_all_tokens = sum_over_ranks(
+                    sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro), local_tokens)
                 step_nll = 0.0
                 with ctx.profiler.phase("train"):
                     for batch in micro:
                         nll, _ = completion_nll(engine, batch)
-                        # Token-mean over the whole optimizer step, not a mean of micro-batch means;
-                        # DeepSpeed divides by grad_accum in backward, so scale it back up.
-                        engine.backward(nll / step_tokens * grad_accum)
+                        # Token-mean over the whole global step, not a mean of micro-batch means: DeepSpeed
+                        # divides by grad_accum in backward and averages gradients over ranks, so scale back up.
+                        engine.backward(nll / step_tokens * grad_accum * world_size())
                         engine.step()
                         step_nll += float(nll.detach())
-                ctx.profiler.count(tokens=sum(int(m["attention_mask"].sum()) for m in micro), samples=len(indices))
-                train_loss = step_nll / step_tokens
+                ctx.profiler.count(tokens=local_tokens, samples=len(indices) // world_size())
+                train_loss = sum_over_ranks(step_nll)[0] / step_tokens
                 if not math.isfinite(train_loss):
                     raise RuntimeError(f"sft: loss is {train_loss} at step {step}; lower sft.lr or check the data")
-                tokens_seen += sum(int(m["attention_mask"].sum()) for m in micro)
+                tokens_seen += step_all_tokens
                 step_metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
                                 "perf/tokens_per_s": tokens_seen / (time.perf_counter() - started)}
                 if step % cfg.eval_every == 0 or step == steps:
@@ -128,7 +133,10 @@ def run(spec: StageSpec) -> StageResult:
         log({"eval/loss_final": final_loss, "timing/train_s": metrics["timing/train_s"]}, step=steps)
         with ctx.output_dir() as out:
             with ctx.profiler.phase("save"):
-                save_trained(engine, out)
+                save_trained(engine, out)  # every rank: a collective under ZeRO-3; rank 0 writes
+            if not is_main():
+                return ctx.rank_result(metrics)
+            with ctx.profiler.phase("save"):
                 tokenizer.save_pretrained(out)
                 dump_json({"stage": "sft", "steps": steps, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None, "examples": len(train), "truncated_examples": truncated,
                            "metrics": metrics, "inputs": spec.inputs, "input_digests": spec.input_digests},

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from alignflow.stages.ranks import is_main
 from alignflow.stages.runtime import StageInputError
 from alignflow.stages.training.deepspeed_setup import OptimSettings
 from alignflow.stages.training.lora import check_zero_stage
@@ -20,17 +21,21 @@ from alignflow.stages.training.lora import check_zero_stage
 
 def check_training_section(cfg, section: str) -> None:
     """What a supervised stage's config section (sft, reward, dpo) must satisfy before anything loads: whole
-    micro-batches per optimizer step, and no LoRA under ZeRO-3."""
-    if cfg.batch_size % cfg.micro_batch_size:
+    micro-batches on every rank per optimizer step, and no LoRA under ZeRO-3."""
+    world = cfg.resources.world_size
+    if cfg.batch_size % (cfg.micro_batch_size * world):
+        ranks = (f" x the {world} ranks of {section}.resources (nproc_per_node x nnodes)" if world > 1 else "")
         raise StageInputError(f"{section}.batch_size={cfg.batch_size} must be a multiple of "
-                              f"{section}.micro_batch_size={cfg.micro_batch_size}")
+                              f"{section}.micro_batch_size={cfg.micro_batch_size}{ranks}")
     check_zero_stage(cfg.lora, cfg.zero_stage, section)
 
 
 def optim_settings(cfg, steps: int, dtype: str) -> OptimSettings:
-    """The optimiser settings of a supervised stage's section (lr, warm-up then cosine decay over `steps`)."""
+    """The optimiser settings of a supervised stage's section (lr, warm-up then cosine decay over `steps`; the
+    global batch split over micro-batches, accumulation steps and ranks)."""
     return OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
-                         micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.batch_size // cfg.micro_batch_size,
+                         micro_batch_size=cfg.micro_batch_size,
+                         grad_accum=cfg.batch_size // (cfg.micro_batch_size * cfg.resources.world_size),
                          zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=dtype)
 
 
@@ -61,6 +66,9 @@ def progress_bar(description: str, total: int) -> Iterator:
     """Progress on stderr (stdout carries the StageResult line): a rich bar on a terminal, else a
     plain line at every 10% so logs of stages launched by the flow (a pipe, not a TTY) show progress too.
     """
+    if not is_main():  # one rank speaks for all: the others' bars would repeat rank 0's lines
+        yield lambda status="": None
+        return
     console = Console(file=sys.stderr)
     if console.is_terminal and not os.environ.get("CI"):
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from alignflow.config import LoRAConfig
+from alignflow.stages.ranks import is_main
 from alignflow.stages.runtime import StageInputError
 from alignflow.stages.training.deepspeed_setup import full_state_dict
 
@@ -140,11 +141,14 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_trained(engine, out: Path) -> None:
     """Save a training engine's model as an HF checkpoint in `out`: merged (plus adapter/) with LoRA, else the
-    full state dict (ZeRO-3 partitions gathered)."""
-    if is_lora(engine.module):
-        save_merged(engine.module, out)
-    else:
-        engine.module.save_pretrained(out, state_dict=full_state_dict(engine), safe_serialization=True)
+    full state dict (ZeRO-3 partitions gathered). Call it on every rank; rank 0 writes."""
+    if is_lora(engine.module):  # LoRA is refused under ZeRO-3: every rank holds the whole model
+        if is_main():
+            save_merged(engine.module, out)
+        return
+    state = full_state_dict(engine)  # a collective under ZeRO-3: every rank takes part, rank 0 gets the weights
+    if is_main():
+        engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
 
 
 def save_merged(model: torch.nn.Module, out: Path) -> None:

@@ -117,6 +117,17 @@ def test_bad_dpo_and_lora_settings_name_the_key():
     assert validate_config({"ppo": {"lora": {"rank": 8}}}).ppo.lora.enabled
 
 
+def test_resources_of_a_training_stage():
+    config = validate_config({"sft": {"resources": {"nproc_per_node": 2}}, "reward": {"resources": {
+        "nproc_per_node": 4, "nnodes": 2, "rdzv_endpoint": "trainer-0.alignflow:29400"}}})
+    assert (config.sft.resources.world_size, config.reward.resources.world_size, config.dpo.resources.world_size) \
+        == (2, 8, 1)
+    with pytest.raises(ConfigError, match=r"resources.nnodes=2 needs resources.rdzv_endpoint"):
+        validate_config({"sft": {"resources": {"nnodes": 2}}})
+    with pytest.raises(ConfigError, match=r"sft.resources.rdzv_endpoint: String should match pattern"):
+        validate_config({"sft": {"resources": {"nnodes": 2, "rdzv_endpoint": "no port"}}})
+
+
 def test_unquoted_yaml_off_means_autocast_off():
     assert load_config(REPO / "configs/tiny.yaml", ["ppo.autocast=off"]).ppo.autocast == "off"  # YAML: false
     with pytest.raises(ConfigError, match=r"ppo.autocast: Input should be 'auto', 'bf16' or 'off' \(got true\)"):

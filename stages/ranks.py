@@ -1,0 +1,134 @@
+"""A stage on several ranks: torchrun's elastic launch from the stage's own entry point, and what each rank is.
+
+What it is: when a stage's section asks for more than one process (`<stage>.resources`), `stage_main`
+hands the same command line to `launch`, which starts the ranks with `torch.distributed`'s elastic
+launcher (the library behind `torchrun`); each rank runs the stage's `run(spec)` with RANK/WORLD_SIZE
+set, rank 0 tracks and publishes, and the launcher reports one StageResult, so the stage contract
+(one spec in, one manifest out, one result line) does not change. What it is not: a scheduler; on
+many nodes each node runs this same command and they meet at `resources.rdzv_endpoint`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from alignflow.config import ResourcesConfig
+from alignflow.contract import StageSpec
+
+# Where each rank writes its exit code and result line, so the launcher can tell which rank failed and why.
+RANK_RESULTS_VAR = "ALIGNFLOW_RANK_RESULTS"
+
+
+def rank() -> int:
+    """This process's global rank (0 when not launched on several ranks)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main() -> bool:
+    """Whether this rank tracks, writes and publishes (rank 0)."""
+    return rank() == 0
+
+
+def launched() -> bool:
+    """Whether this process is one of the ranks a launcher started (torchrun sets TORCHELASTIC_RUN_ID)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def stage_resources(spec: StageSpec) -> ResourcesConfig:
+    """The `resources` of the stage's own config section (1 x 1 when the section has none)."""
+    section = spec.config.get(spec.stage)
+    raw = section.get("resources") if isinstance(section, dict) else None
+    return ResourcesConfig.model_validate(raw or {})
+
+
+def local_share(indices: list[int]) -> list[int]:
+    """This rank's contiguous share of a global batch (its length divides by the world size: see
+    `check_training_section`)."""
+    per_rank = len(indices) // world_size()
+    return indices[rank() * per_rank:(rank() + 1) * per_rank]
+
+
+def sum_over_ranks(*values: float) -> list[float]:
+    """The sum of each value over all ranks (float64; no collective on one rank)."""
+    if world_size() == 1:
+        return list(values)
+    import torch
+
+    total = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(total)
+    return total.tolist()
+
+
+def write_rank_result(code: int, line: str) -> None:
+    """Leave this rank's exit code and result line for the launcher (no-op outside a launch)."""
+    folder = os.environ.get(RANK_RESULTS_VAR)
+    if folder:
+        path = Path(folder) / f"rank{rank()}.json"
+        path.write_text(json.dumps({"code": code, "line": line}))
+
+
+def launch(spec: StageSpec, module: str, argv: list[str], resources: ResourcesConfig) -> tuple[int, str | None]:
+    """Run `python -m module argv` on `resources` ranks; (exit code, the failure message for the result line,
+    None when rank 0 reported on its own).
+
+    Rank 0 prints the stage's result line itself. When it could not (another rank failed first and the
+    launcher stopped it, or it was killed), the message names the first failed rank and its reason: the
+    rank's own one-line error when it wrote one, else its exit code or signal.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with tempfile.TemporaryDirectory(prefix=f"alignflow-{spec.stage}-ranks-") as scratch:
+        results_dir = Path(scratch) / "results"
+        results_dir.mkdir()
+        os.environ[RANK_RESULTS_VAR] = str(results_dir)
+        # One OpenMP team per core share: k ranks on a node split its cores instead of each taking all of them
+        # (2 ranks x 2 threads on 2 cores ran SFT steps ~1.6x slower than 2 x 1 on the 2-core box).
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // resources.nproc_per_node)))
+        # Every node must name the same run: derive it from the output, which the stage's config determines.
+        run_id = hashlib.sha256(spec.output_uri.encode()).hexdigest()[:16]
+        config = LaunchConfig(
+            min_nodes=resources.nnodes, max_nodes=resources.nnodes, nproc_per_node=resources.nproc_per_node,
+            run_id=run_id, rdzv_backend="c10d",
+            # Port 0 on one node: the launcher's store binds a free port itself (no port guessed and raced for).
+            rdzv_endpoint=resources.rdzv_endpoint or "127.0.0.1:0",
+            max_restarts=0,  # a failed rank fails the stage; the flow's retry re-runs it (and resumes where it can)
+            monitor_interval=0.5,  # a dead rank stops the others within ~1 s instead of hanging on a collective
+            logs_specs=DefaultLogsSpecs(log_dir=str(Path(scratch) / "logs")))
+        failures = {}
+        try:
+            elastic_launch(config, sys.executable)("-m", module, *argv)
+        except ChildFailedError as exc:
+            failures = exc.failures
+        finally:
+            os.environ.pop(RANK_RESULTS_VAR, None)
+        reports = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in results_dir.glob("rank*.json")}
+    if not failures:
+        if 0 in reports:
+            return reports[0]["code"], None
+        return 1, f"the {resources.world_size} ranks finished but rank 0 wrote no result"
+    # The cause: a rank that died without a word (killed, or a hard crash) before one that reported an error, as
+    # its peers then report the broken connection (gloo's "Connection closed by peer" reached rank 0 in the same
+    # ~0.5 s monitor pass as rank 1's SIGKILL); else the first to fail.
+    failed_rank = min(failures, key=lambda r: (r in reports, failures[r].timestamp, r))
+    report = reports.get(failed_rank)
+    if failed_rank == 0 and report is not None:
+        return report["code"], None  # rank 0 printed its own failure line
+    where = f"rank {failed_rank} of {resources.world_size}"
+    if report is not None and report["code"] != 0:
+        return report["code"], f"{where}: {json.loads(report['line']).get('message', '')}"
+    failure = failures[failed_rank]
+    how = (f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+           else f"exited with code {failure.exitcode}")
+    return 1, f"{where} (pid {failure.pid}) {how}"
