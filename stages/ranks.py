@@ -23,6 +23,10 @@ from alignflow.contract import StageSpec
 
 # Where each rank writes its exit code and result line, so the launcher can tell which rank failed and why.
 RANK_RESULTS_VAR = "ALIGNFLOW_RANK_RESULTS"
+# The launcher's pid: its ranks die with it (the elastic launcher starts them in their own sessions, so a
+# SIGKILL of the stage process would leave them training and writing into an output a retry re-creates).
+LAUNCHER_PID_VAR = "ALIGNFLOW_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def rank() -> int:
@@ -42,6 +46,18 @@ def is_main() -> bool:
 def launched() -> bool:
     """Whether this process is one of the ranks a launcher started (torchrun sets TORCHELASTIC_RUN_ID)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def die_with_launcher() -> None:
+    """Make the kernel SIGKILL this rank when the launcher that started it dies (Linux; a no-op elsewhere)."""
+    launcher = os.environ.get(LAUNCHER_PID_VAR)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(launcher):  # it died before the line above: nothing would signal us
+        os._exit(1)
 
 
 def stage_resources(spec: StageSpec) -> ResourcesConfig:
@@ -93,6 +109,7 @@ def launch(spec: StageSpec, module: str, argv: list[str], resources: ResourcesCo
         results_dir = Path(scratch) / "results"
         results_dir.mkdir()
         os.environ[RANK_RESULTS_VAR] = str(results_dir)
+        os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
         # One OpenMP team per core share: k ranks on a node split its cores instead of each taking all of them
         # (2 ranks x 2 threads on 2 cores ran SFT steps ~1.6x slower than 2 x 1 on the 2-core box).
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // resources.nproc_per_node)))
@@ -113,6 +130,7 @@ def launch(spec: StageSpec, module: str, argv: list[str], resources: ResourcesCo
             failures = exc.failures
         finally:
             os.environ.pop(RANK_RESULTS_VAR, None)
+            os.environ.pop(LAUNCHER_PID_VAR, None)
         reports = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in results_dir.glob("rank*.json")}
     if not failures:
         if 0 in reports:

@@ -202,6 +202,8 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
     parser.add_argument("--force", action="store_true", help="Re-run even if the output is already published.")
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    if ranks.launched():
+        ranks.die_with_launcher()
     try:
         spec = load_spec(args.spec)
         if spec.stage != stage:

@@ -152,3 +152,26 @@ def test_reward_and_dpo_on_two_ranks_equal_one_rank(upstream, stage, section, we
     for name, weight in one_weights.items():
         torch.testing.assert_close(two_weights[name], weight, rtol=0, atol=WEIGHT_ATOL, msg=name)
     assert max(float((one_weights[n] - sft[n]).abs().max()) for n in sft if n in one_weights) > 1e-3
+
+
+def test_ranks_die_with_a_killed_launcher(upstream):
+    """A SIGKILLed stage process takes its ranks with it: none is left training into an output a retry re-creates."""
+    workdir = upstream[0]
+    spec = stage_spec(upstream, "sft", {"sft": sft_section(upstream, epochs=300, resources={"nproc_per_node": 2}),
+                                        "variant": {"name": "launcher-killed"}}, {"base": "base", "data": "data"})
+    proc = start_stage(spec, workdir)
+    deadline = time.monotonic() + 120
+    ranks: dict[int, int] = {}
+    while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        ranks = _rank_pids(proc.pid)
+    assert len(ranks) == 2, f"ranks did not start: {ranks}"
+    time.sleep(15)
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in ranks.values()):
+        time.sleep(0.2)
+    alive = [pid for pid in ranks.values() if Path(f"/proc/{pid}").exists()
+             and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"]
+    assert not alive, f"ranks {alive} outlived their launcher"
