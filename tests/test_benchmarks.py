@@ -158,3 +158,19 @@ def test_lora_vs_full_reports_both_stages_and_both_variants(tmp_path):
     # q (32x32) and v (16x32) of the one layer in fp32: the refit sends exactly the adapted modules.
     assert rows["ppo", "lora q,v"]["refit_bytes"] == (32 * 32 + 16 * 32) * 4
     assert rows["ppo", "lora q,v"]["refit_bytes"] < rows["ppo", "lora"]["refit_bytes"] < rows["ppo", "full"]["refit_bytes"]
+
+
+def test_rollout_balance_reports_queue_and_static_on_the_same_tokens():
+    """Tiny model, 16 sequences, 2 workers: every schedule generates the same tokens, the static split gives each
+    worker one part, and the grouped layout's static split is the unbalanced one (its long half on one worker)."""
+    result = json.loads(_run("rollout_balance.py", "--model", "tiny", "--sequences", "16", "--batch", "4", "--chunk",
+                             "4", "--new-tokens", "16", "--repeats", "1", "--json"))
+    rows = {(r["layout"], r["schedule"]): r for r in result["rows"]}
+    assert set(rows) == {(layout, s) for layout in ("grouped", "shuffled") for s in ("static", "queue", "in-process")}
+    assert all(r["same_tokens"] and r["tokens"] == rows["grouped", "static"]["tokens"] > 0 for r in rows.values())
+    assert rows["grouped", "static"]["one_part_each"] and rows["shuffled", "static"]["one_part_each"]
+    assert rows["grouped", "queue"]["chunks_per_worker"] in ([2, 2], [1, 3], [3, 1])
+    # The long half alone on one worker: it generates at least 3x longer than the other (measured 7x on 2 cores).
+    busy = rows["grouped", "static"]["busy_s"]
+    assert max(busy) > 3 * min(busy) and rows["grouped", "static"]["imbalance"] > 1.4
+    assert result["machine"]["cpus"] == os.cpu_count() and result["stop_tokens"] >= 1

@@ -326,7 +326,9 @@ class RolloutWorkers:
         self._requests: dict[int, _Pending] = {}
         self._next_request = 0
         self._acks: list[tuple[int, str, Any]] = []
-        self.last_chunks: list[int] = []  # the worker that generated each chunk of the last result
+        # The last result's worker of each chunk, and each worker's seconds generating it (benchmarks, tests).
+        self.last_chunks: list[int] = []
+        self.last_busy: list[float] = []
         self._control_errors: list[RolloutWorkerError] = []
         self._broken: RolloutWorkerError | None = None
         self._closed = False
@@ -384,6 +386,7 @@ class RolloutWorkers:
         if pending.error is not None:
             raise pending.error
         self.last_chunks = [pending.taken_by[c] for c in range(pending.chunks)]
+        self.last_busy = [pending.busy.get(w.index, 0.0) for w in self.workers]
         wall = pending.finished - pending.started
         generation = merge_generations([pending.parts[c] for c in range(pending.chunks)], wall, pending.busy,
                                        len(self.workers))
