@@ -96,13 +96,13 @@ class RolloutClient:
 
     def unload(self, keep_weights: bool = True) -> dict[str, float]:
         """Free the engine's memory while the trainer trains (KV cache; weights too unless keep_weights);
-        returns 'engine/unload_seconds' and, where measurable, 'engine/unload_freed_bytes'."""
+        returns 'timing/engine_unload' and, where the allocator can be read, 'perf/engine_freed_bytes'."""
         self.wait_idle()
         return timed_memory_change("unload", lambda: self.engine.unload(keep_weights=keep_weights))
 
     def reload(self) -> dict[str, float]:
-        """Undo `unload` before the next rollout; returns 'engine/reload_seconds'."""
-        return {"engine/reload_seconds": timed_memory_change("reload", self.engine.reload)["engine/reload_seconds"]}
+        """Undo `unload` before the next rollout; returns 'timing/engine_reload'."""
+        return {"timing/engine_reload": timed_memory_change("reload", self.engine.reload)["timing/engine_reload"]}
 
     def close(self) -> None:
         if self._pool is not None:
@@ -133,12 +133,12 @@ def heap_bytes() -> int | None:
 
 
 def timed_memory_change(what: str, call) -> dict[str, float]:
-    """Run `call` (an engine's unload or reload); '{engine/what}_seconds' and, where the allocator can be read,
-    'engine/{what}_freed_bytes' (negative: bytes taken)."""
+    """Run `call` (an engine's unload or reload): 'timing/engine_{what}' seconds and, where the allocator can be
+    read, 'perf/engine_freed_bytes' (the allocator's bytes before minus after; negative when `call` took memory)."""
     before, started = heap_bytes(), time.perf_counter()
     call()
-    out = {f"engine/{what}_seconds": time.perf_counter() - started}
+    out = {f"timing/engine_{what}": time.perf_counter() - started}
     after = heap_bytes()
     if before is not None and after is not None:
-        out[f"engine/{what}_freed_bytes"] = float(before - after)
+        out["perf/engine_freed_bytes"] = float(before - after)
     return out

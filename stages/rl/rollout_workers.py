@@ -433,17 +433,17 @@ class RolloutWorkers:
 
     def unload(self, keep_weights: bool = True) -> dict[str, float]:
         """Every worker frees its engine's memory (KV cache; weights too unless keep_weights) while the trainer
-        trains; returns 'engine/unload_seconds' (slowest worker) and 'engine/unload_freed_bytes' (sum)."""
+        trains; returns 'timing/engine_unload' (slowest worker) and 'perf/engine_freed_bytes' (all workers)."""
         self.wait_idle()
         reports = list(self._control("unload", keep_weights).values())
-        freed = [r["engine/unload_freed_bytes"] for r in reports if "engine/unload_freed_bytes" in r]
-        return {"engine/unload_seconds": max(r["engine/unload_seconds"] for r in reports),
-                **({"engine/unload_freed_bytes": sum(freed)} if freed else {})}
+        freed = [r["perf/engine_freed_bytes"] for r in reports if "perf/engine_freed_bytes" in r]
+        return {"timing/engine_unload": max(r["timing/engine_unload"] for r in reports),
+                **({"perf/engine_freed_bytes": sum(freed)} if freed else {})}
 
     def reload(self) -> dict[str, float]:
-        """Undo `unload` before the next rollout; returns 'engine/reload_seconds' (slowest worker)."""
+        """Undo `unload` before the next rollout; returns 'timing/engine_reload' (slowest worker)."""
         reports = self._control("reload").values()
-        return {"engine/reload_seconds": max(r["engine/reload_seconds"] for r in reports)}
+        return {"timing/engine_reload": max(r["timing/engine_reload"] for r in reports)}
 
     def close(self) -> None:
         """Stop the workers (a polite "stop", then terminate, then kill); safe to call twice or after a failure."""
@@ -451,9 +451,12 @@ class RolloutWorkers:
             return
         self._closed = True
         alive = [w for w in self.workers if w.process.exitcode is None]
-        for _ in alive:
+        # Idle and healthy: a polite stop (each exits its loop). After a failure, or with chunks still queued or
+        # being generated, a worker may be blocked in a collective or busy for seconds: terminate at once.
+        polite = self._broken is None and all(p.done for p in self._requests.values())
+        for _ in alive if polite else ():
             self._tasks.put(("stop",))
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + (5.0 if polite else 0.0)
         for w in alive:
             w.process.join(max(0.0, deadline - time.monotonic()))
         for w in self.workers:
