@@ -138,6 +138,15 @@ def test_refit_over_the_group_equals_a_fresh_engine_of_the_new_weights(workers, 
     assert_same(got, fresh.generate(PROMPTS, SAMPLED[0]), LOGPROB_TOL)
     assert got.response_token_ids != in_process(moved).generate(PROMPTS, SAMPLED[0]).response_token_ids
 
+    # The header carries the dtype and the bytes travel as they are: a bf16 trainer's tensors arrive as bf16 (half
+    # the bytes) and each engine casts them as it copies, as the in-process refit does.
+    half = [(n, t.to(torch.bfloat16)) for n, t in subset]
+    stats = workers.refit(iter(half), partial=True)
+    assert stats.bytes == sum(t.numel() * 2 for _, t in half)
+    fresh.refit(iter(half), partial=True)
+    got = workers.result(workers.submit(request(PROMPTS, SAMPLED[0]))).generation
+    assert_same(got, fresh.generate(PROMPTS, SAMPLED[0]), LOGPROB_TOL)
+
 
 def test_a_refit_that_does_not_fit_is_reraised_and_the_group_survives(workers, checkpoints):
     base, _, _ = checkpoints
