@@ -174,3 +174,19 @@ def test_rollout_balance_reports_queue_and_static_on_the_same_tokens():
     busy = rows["grouped", "static"]["busy_s"]
     assert max(busy) > 3 * min(busy) and rows["grouped", "static"]["imbalance"] > 1.4
     assert result["machine"]["cpus"] == os.cpu_count() and result["stop_tokens"] >= 1
+
+
+@pytest.mark.slow
+def test_training_ranks_reports_every_variant_with_agreeing_losses(tmp_path):
+    """The smallest model, 2 steps: the three variants train the same global batch, so their losses agree."""
+    small = ["model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=1",
+             "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1", "model.tiny.vocab_size=320",
+             "data.demo.n_sft=64", "data.demo.n_preferences=64", "data.demo.n_prompts=16", "data.demo.n_eval_prompts=8",
+             "sft.epochs=1"]
+    result = json.loads(_run("training_ranks.py", "--repeats", "1", "--workdir", str(tmp_path), "--json",
+                             *(arg for override in small for arg in ("--set", override))))
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"1 rank", "2 ranks, ZeRO-2", "2 ranks, ZeRO-3"}
+    assert all(r["seconds_per_step"] > 0 and r["tokens_per_s"] > 0 and r["steps"] >= 1 for r in rows.values())
+    assert all(r["eval_loss"] == pytest.approx(rows["1 rank"]["eval_loss"], rel=1e-5) for r in rows.values())
+    assert result["cores"] == os.cpu_count()
