@@ -30,9 +30,30 @@ def _load(args) -> PipelineConfig:
     return load_config(args.config, args.set)
 
 
+def _check_data(config: PipelineConfig) -> bool:
+    """Check the config's local data files (stages/data/preflight.py); print the problems; False when bad."""
+    from alignflow.stages.data.formats import DataError
+    from alignflow.stages.data.preflight import check_data
+
+    try:
+        report = check_data(config.data, Path(config.workdir).resolve())
+    except DataError as exc:
+        print(f"error: {len(exc.errors)} data error(s):", file=sys.stderr)
+        for line in exc.errors:
+            print(f"  - {line}", file=sys.stderr)
+        return False
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if config.data.source == "files":
+        print(report.summary(), file=sys.stderr)
+    return True
+
+
 def _cmd_validate(args) -> int:
     config = _load(args)
     print(json.dumps(config.model_dump(mode="json"), indent=2))
+    if not _check_data(config):
+        return 2
     print(f"{args.config}: valid", file=sys.stderr)
     return 0
 
@@ -50,6 +71,8 @@ def _cmd_run(args) -> int:
     # Stages report their start-up against this (startup/since_run; the RL stage prints it).
     os.environ.setdefault(RUN_STARTED_AT_VAR, f"{STARTED_AT:.6f}")
     config = _load(args)
+    if not _check_data(config):  # before Prefect's server and any stage process start (15-22 s)
+        return 2
     from alignflow.flows.launch import WARM, PrefectServerStart
 
     # Start-up in parallel: a stage process imports torch, a thread starts Prefect's server, and this thread

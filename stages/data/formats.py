@@ -387,13 +387,22 @@ def _check_suffix(path: Path) -> str:
     return suffix
 
 
+def _not_utf8(path: Path, raw: bytes, exc: UnicodeDecodeError) -> str:
+    """'FILE:LINE: ...' for the first byte that is not UTF-8 (the line and the byte's column in it)."""
+    line = raw.count(b"\n", 0, exc.start) + 1
+    column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+    return (f"{path}:{line}: not valid UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column}); "
+            "save the file as UTF-8")
+
+
 def _raw_records(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
     """Yield (location, raw record or _Invalid) for every record in the file."""
     if suffix == ".jsonl":
+        raw = path.read_bytes()
         try:
-            text = path.read_bytes().decode("utf-8-sig")  # -sig: a leading BOM (Windows editors) is not data
+            text = raw.decode("utf-8-sig")  # -sig: a leading BOM (Windows editors) is not data
         except UnicodeDecodeError as exc:
-            raise DataError([f"{path}: not valid UTF-8 text (byte {exc.start}); save the file as UTF-8"]) from None
+            raise DataError([_not_utf8(path, raw, exc)]) from None
         # Split on "\n" only: str.splitlines() would also split on U+2028, which JSON allows inside strings.
         for number, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
@@ -403,10 +412,11 @@ def _raw_records(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
             except json.JSONDecodeError as exc:
                 yield f"{path}:{number}", _Invalid(f"malformed JSON ({exc.msg}: line 1 column {exc.colno})")
     elif suffix == ".json":
+        raw = path.read_bytes()
         try:
-            data = json.loads(path.read_bytes().decode("utf-8-sig"))
+            data = json.loads(raw.decode("utf-8-sig"))
         except UnicodeDecodeError as exc:
-            raise DataError([f"{path}: not valid UTF-8 text (byte {exc.start}); save the file as UTF-8"]) from None
+            raise DataError([_not_utf8(path, raw, exc)]) from None
         except json.JSONDecodeError as exc:
             raise DataError(
                 [f"{path}: malformed JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"]

@@ -7,6 +7,7 @@ every dataset they see has been validated once, here, with file:line errors for 
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from alignflow.contract import StageResult, StageSpec
 from alignflow.manifest import sha256_file
 from alignflow.stages.data.demo_task import generate_demo_task
 from alignflow.stages.data.formats import holdout_split, load_preferences, load_prompts, load_sft, write_jsonl
+from alignflow.stages.data.preflight import identical_pairs, identical_pairs_warning
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.storage import open_store
 
@@ -58,6 +60,9 @@ def run(spec: StageSpec) -> StageResult:
             seed = 0
         sft = load_sft(paths["sft"])
         preferences = load_preferences(paths["preferences"])
+        identical = identical_pairs_warning(sources["preferences"], preferences)
+        if identical:
+            print(f"warning: data: {identical}", file=sys.stderr, flush=True)
         prompts = load_prompts(paths["prompts"])
         sft_train, sft_eval = _split("sft", sft, cfg.eval_fraction, seed)
         pref_train, pref_eval = _split("preferences", preferences, cfg.eval_fraction, seed + 1)
@@ -76,6 +81,7 @@ def run(spec: StageSpec) -> StageResult:
             stats["sources"] = sources
             dump_json(stats, out / "stats.json")
             metrics = {f"data/{name}_records": float(len(records)) for name, records in datasets.items()}
+            metrics["data/preferences_identical"] = float(len(identical_pairs(preferences)))
             if ctx.tracker is not None:
                 ctx.tracker.log_metrics(metrics)
                 for name in DATASET_FILES:

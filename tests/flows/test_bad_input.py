@@ -96,6 +96,51 @@ def test_wrong_value_type(tmp_path):
     assert not (tmp_path / "artifacts").exists()
 
 
+def _files_overrides(paths: dict[str, str]) -> list[str]:
+    return ["--set", "data.source=files", *(arg for key, path in paths.items() for arg in ("--set", f"data.{key}={path}"))]
+
+
+BAD_DATA = {  # name -> (files, the line the report must contain)
+    "malformed JSON": ({"sft": GOOD_SFT + '{"prompt": "x" "completion": "y"}\n'},
+                       "sft.jsonl:2: malformed JSON (Expecting ',' delimiter: line 1 column 16)"),
+    "missing field": ({"prefs": GOOD_PREF + '{"prompt": "p", "rejected": "r"}\n'},
+                      "preferences.jsonl:2: record is missing required field 'chosen'"),
+    "empty": ({"prompts": ""}, 'prompts.jsonl: dataset is empty (no records); add at least one {"prompt": ...} record'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATA))
+def test_validate_reports_bad_data_files_without_starting_anything(tmp_path, case):
+    files, expected = BAD_DATA[case]
+    paths = write_files(tmp_path / "in", **files)
+    proc = _cli("validate", str(REPO / "configs/tiny.yaml"), *_files_overrides(paths), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "data error(s):" in proc.stderr and expected in proc.stderr
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_validate_reports_a_bad_utf8_line_and_pairs_with_chosen_equal_to_rejected(tmp_path):
+    paths = write_files(tmp_path / "in", prefs=GOOD_PREF * 3 + GOOD_PREF.replace("grim", "lovely"))
+    proc = _cli("validate", str(REPO / "configs/tiny.yaml"), *_files_overrides(paths), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"warning: {paths['preferences']}: 1 of 4 preference pairs have chosen == rejected (first: record 4)"
+            in proc.stderr)
+    assert "data: data.sft 4 records, data.preferences 4 records, data.prompts 4 records" in proc.stderr
+    Path(paths["sft"]).write_bytes(GOOD_SFT.encode() * 2 + b'{"prompt": "caf\xe9", "completion": "x"}\n')
+    proc = _cli("validate", str(REPO / "configs/tiny.yaml"), *_files_overrides(paths), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"{paths['sft']}:3: not valid UTF-8 text (byte 0xe9 at column 16)" in proc.stderr
+
+
+def test_run_checks_the_data_before_prefect_starts(tmp_path):
+    paths = write_files(tmp_path / "in", prompts=GOOD_PROMPT + "{not json\n")
+    proc = _cli("run", str(REPO / "configs/tiny.yaml"), *_files_overrides(paths), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"{paths['prompts']}:2: malformed JSON" in proc.stderr
+    assert "prefect" not in proc.stderr.lower()  # no server started, no flow run
+    assert not (tmp_path / "artifacts").exists()
+
+
 @pytest.mark.slow
 def test_unreachable_s3_endpoint_fails_the_pipeline(tmp_path, prefect_harness):
     from alignflow.flows.pipeline import alignflow_pipeline

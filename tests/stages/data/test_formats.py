@@ -294,9 +294,13 @@ def test_bom_crlf_and_unicode_line_separators_inside_strings(tmp_path):
     assert [r.prompt for r in load_prompts(path)] == ["a", "b\u2028c"]
 
 
-def test_bad_utf8_is_reported(in_tmp):
+def test_bad_utf8_is_reported_with_its_line_and_column(in_tmp):
     Path("d.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
-    assert errors_of(load_prompts, "d.jsonl") == ["d.jsonl: not valid UTF-8 text (byte 15); save the file as UTF-8"]
+    assert errors_of(load_prompts, "d.jsonl") == [
+        "d.jsonl:1: not valid UTF-8 text (byte 0xe9 at column 16); save the file as UTF-8"]
+    Path("e.jsonl").write_bytes(b'{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "ok \xc3"}\n')
+    assert errors_of(load_prompts, "e.jsonl") == [
+        "e.jsonl:4: not valid UTF-8 text (byte 0xc3 at column 16); save the file as UTF-8"]
 
 
 def test_records_validate_when_built_in_code():
