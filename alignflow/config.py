@@ -470,6 +470,9 @@ class PipelineConfig(Section):
         default_factory=lambda: list(DEFAULT_STAGES), description="Stages to run, in order, each with the stages "
         "it reads from. The policy comes from ppo (PPO/GRPO on the engine) or dpo (preference pairs, no reward "
         "model or engine needed): data, base, sft, dpo, evaluate is a whole DPO pipeline.")
+    max_parallel_stages: int | None = Field(
+        None, ge=1, description="Stages run at once when their inputs are ready (the reward models and the engine "
+        "build overlap); None: 2 on up to 11 cores, 3 from 12, 4 from 16; 1 runs them one after another.")
     storage: StorageConfig = Field(default_factory=StorageConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

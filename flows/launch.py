@@ -30,6 +30,7 @@ class WarmStages:
 
     def __init__(self) -> None:
         self._spare: tuple[subprocess.Popen, Path, dict[str, str]] | None = None
+        self._lock = threading.Lock()  # stages launch from several threads when they run in parallel
 
     def start(self, workdir: Path) -> None:
         if os.environ.get("ALIGNFLOW_WARM_STAGES", "1") == "0" or self._spare is not None:
@@ -41,10 +42,11 @@ class WarmStages:
 
     def take(self, workdir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, dict[str, str | None]] | None:
         """(process, {variable: new value, or None to unset}) or None."""
-        if self._spare is None:
-            return None
-        proc, where, spawned_env = self._spare
-        self._spare = None
+        with self._lock:
+            if self._spare is None:
+                return None
+            proc, where, spawned_env = self._spare
+            self._spare = None
         changes: dict[str, str | None] = {k: env.get(k) for k in spawned_env.keys() | env.keys()
                                           if spawned_env.get(k) != env.get(k)}
         import_time = [k for k in changes if not k.startswith(RUNTIME_ENV_PREFIXES)]
@@ -54,9 +56,10 @@ class WarmStages:
         return proc, changes
 
     def close(self) -> None:
-        if self._spare is not None:
-            _dismiss(self._spare[0])
-            self._spare = None
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            _dismiss(spare[0])
 
 
 def _dismiss(proc: subprocess.Popen) -> None:

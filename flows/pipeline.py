@@ -18,6 +18,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.context import FlowRunContext
+from prefect.futures import PrefectFuture, as_completed
 
 from alignflow import tracking
 from alignflow.config import PipelineConfig, config_digest
@@ -118,6 +119,19 @@ def build_spec(call: StageCall, config: PipelineConfig, results: dict[str, Stage
                      storage=config.storage, tracking=tracking_spec, code_version=version, workdir=str(workdir))
 
 
+def parallel_stages(config: PipelineConfig) -> int:
+    """How many stages may run at once: `max_parallel_stages`, else 2 (2-8 cores) up to 4 (16+ cores).
+
+    Stages whose inputs are ready overlap (the reward models with each other and with the engine build,
+    which need only SFT). Each stage process still sizes its thread pool to the whole machine: two torch
+    stages on 2 cores share them, and what overlap gains there is the single-threaded time of one beside
+    the other (the engine stage's C++ build, process start-up and imports, checkpoint writes).
+    """
+    if config.max_parallel_stages is not None:
+        return config.max_parallel_stages
+    return min(4, max(2, (os.cpu_count() or 1) // 4))
+
+
 def _flow_run_tags() -> dict[str, str]:
     """Prefect flow-run id and UI URL, as MLflow tags (empty outside a flow run)."""
     context = FlowRunContext.get()
@@ -162,22 +176,38 @@ def alignflow_pipeline(config: PipelineConfig) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     status = "FINISHED"
     champion = None
+    calls = plan(config)
+    parallel = parallel_stages(config)
+    pipeline_started = time.time()
     try:
-        for call in plan(config):
-            extra_inputs = {}
-            if call.stage == "evaluate" and config.registry.enabled and config.tracking.enabled:
-                champion = champion_output(config, tracking_uri)
-                if champion is not None:
-                    extra_inputs["champion"] = (champion[1], champion[2])
-            spec = build_spec(call, config, results, root, version, tracking_spec, workdir, extra, extra_inputs)
-            infra = config.deployment.stage_infra.get(call.stage)
-            deployment = f"{STAGE_FLOW_NAME}/{config.deployment.name}-{call.stage}" if infra else None
-            logger.info("stage %s -> %s%s", call.key, spec.output_uri, f" via {deployment}" if deployment else "")
-            result = run_stage.with_options(
-                task_run_name=call.key, retries=retries, retry_delay_seconds=delays,
-                retry_condition_fn=_retry_transient)(call.key, spec, str(workdir), deployment)
-            results[call.key] = result
-            rows.append({"key": call.key, **result.model_dump()})
+        waiting = list(calls)
+        running: dict[str, PrefectFuture] = {}
+        while waiting or running:
+            # Start every stage whose inputs are published, up to `parallel` at once, in plan order.
+            for call in [c for c in waiting if set(c.inputs.values()) <= results.keys()]:
+                if len(running) >= parallel:
+                    break
+                waiting.remove(call)
+                extra_inputs = {}
+                if call.stage == "evaluate" and config.registry.enabled and config.tracking.enabled:
+                    champion = champion_output(config, tracking_uri)
+                    if champion is not None:
+                        extra_inputs["champion"] = (champion[1], champion[2])
+                spec = build_spec(call, config, results, root, version, tracking_spec, workdir, extra, extra_inputs)
+                infra = config.deployment.stage_infra.get(call.stage)
+                deployment = f"{STAGE_FLOW_NAME}/{config.deployment.name}-{call.stage}" if infra else None
+                logger.info("stage %s -> %s%s", call.key, spec.output_uri, f" via {deployment}" if deployment else "")
+                running[call.key] = run_stage.with_options(
+                    task_run_name=call.key, retries=retries, retry_delay_seconds=delays,
+                    retry_condition_fn=_retry_transient).submit(call.key, spec, str(workdir), deployment)
+            finished = next(as_completed(list(running.values())))
+            key = next(k for k, future in running.items() if future is finished)
+            del running[key]
+            results[key] = finished.result()  # a failed stage raises here; stages already running finish
+            rows.append({"key": key, **results[key].model_dump(),
+                         "finished_at_s": round(time.time() - pipeline_started, 3)})
+        order = [c.key for c in calls]
+        rows.sort(key=lambda row: order.index(row["key"]))
     except BaseException:
         status = "FAILED"
         raise

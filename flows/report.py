@@ -39,13 +39,20 @@ def startup_sentence(rows: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def span_text(row: dict[str, Any]) -> str:
+    """When a stage ran, in seconds from the pipeline's start ('12-48'), so overlapping stages show; '-' if unknown."""
+    if row.get("finished_at_s") is None:
+        return "-"
+    return f"{max(row['finished_at_s'] - row['duration_s'], 0):.0f}-{row['finished_at_s']:.0f}"
+
+
 def print_summary(config: PipelineConfig, rows: list[dict[str, Any]], wall_s: float) -> None:
     console = Console(file=sys.stdout, width=200)
     table = Table(title=f"alignflow pipeline '{config.name}' finished in {wall_s:.1f} s")
-    for column in ("stage", "status", "duration", "key metric", "output", "MLflow run"):
+    for column in ("stage", "status", "duration", "ran (s into the run)", "key metric", "output", "MLflow run"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(row["key"], row["status"], f"{row['duration_s']:.1f} s", key_metric_text(row),
+        table.add_row(row["key"], row["status"], f"{row['duration_s']:.1f} s", span_text(row), key_metric_text(row),
                       row.get("output_uri") or "-", row.get("mlflow_run_id") or "-")
     console.print(table)
     startup = startup_sentence(rows)
@@ -63,9 +70,11 @@ def print_summary(config: PipelineConfig, rows: list[dict[str, Any]], wall_s: fl
 def summary_markdown(config: PipelineConfig, rows: list[dict[str, Any]]) -> str:
     """The run's stage table as Markdown (the Prefect flow-run artifact)."""
     lines = [f"## alignflow pipeline `{config.name}`", "",
-             "| stage | status | duration | key metric | output | MLflow run |", "|---|---|---:|---|---|---|"]
+             "| stage | status | duration | ran (s into the run) | key metric | output | MLflow run |",
+             "|---|---|---:|---:|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['key']} | {row['status']} | {row['duration_s']:.1f} s | {key_metric_text(row)} | "
+        lines.append(f"| {row['key']} | {row['status']} | {row['duration_s']:.1f} s | {span_text(row)} | "
+                     f"{key_metric_text(row)} | "
                      f"`{row.get('output_uri') or '-'}` | `{row.get('mlflow_run_id') or '-'}` |")
     return "\n".join(lines) + "\n"
 

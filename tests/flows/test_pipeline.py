@@ -118,5 +118,27 @@ def test_flow_run_has_a_summary_artifact(first_run):
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["alignflow-summary"])))
     assert artifacts, "the flow publishes a Markdown summary artifact"
     text = artifacts[0].data
-    assert "| stage | status | duration | key metric | output | MLflow run |" in text
+    assert "| stage | status | duration | ran (s into the run) | key metric | output | MLflow run |" in text
     assert f"`{rows['sft']['output_uri']}`" in " ".join(a.data for a in artifacts)
+
+
+def test_stages_whose_inputs_are_ready_run_at_the_same_time(first_run):
+    """Two reward models need only SFT: with 2 stages at a time they overlap; the table shows when each ran."""
+    from alignflow.flows.pipeline import parallel_stages
+    from alignflow.flows.report import summary_markdown
+
+    workdir, config, _ = first_run
+    models = [{"name": "a", "seed": 1}, {"name": "b", "seed": 2}]
+    parallel = config.model_copy(update={"reward": config.reward.model_copy(update={
+        "models": [type(config.reward.models[0])(**m) for m in models]}), "max_parallel_stages": 2})
+    rows = run_pipeline(parallel)
+    assert list(rows) == ["data", "base", "sft", "reward-a", "reward-b"]  # plan order, whatever finished first
+    assert [rows[k]["status"] for k in ("data", "base", "sft")] == ["skipped"] * 3
+    spans = {k: (rows[k]["finished_at_s"] - rows[k]["duration_s"], rows[k]["finished_at_s"])
+             for k in ("reward-a", "reward-b")}
+    (a_start, a_end), (b_start, b_end) = spans["reward-a"], spans["reward-b"]
+    assert a_start < b_end and b_start < a_end, f"the reward models did not overlap: {spans}"
+    assert "| ran (s into the run) |" in summary_markdown(parallel, list(rows.values()))
+    assert parallel_stages(parallel) == 2
+    assert parallel_stages(config.model_copy(update={"max_parallel_stages": 1})) == 1
+    assert 2 <= parallel_stages(config.model_copy(update={"max_parallel_stages": None})) <= 4
