@@ -19,7 +19,13 @@ import torch
 from alignflow.stages.generation.base import SamplingParams, build_engine
 from alignflow.stages.generation.native.weights import checkpoint_tensors
 from alignflow.stages.rl.rollout_client import RolloutRequest
-from alignflow.stages.rl.rollout_workers import RolloutWorkerError, RolloutWorkers, cut_chunks, describe_exit
+from alignflow.stages.rl.rollout_workers import (
+    BUCKET_BYTES,
+    RolloutWorkerError,
+    RolloutWorkers,
+    cut_chunks,
+    describe_exit,
+)
 from tests.stages.generation.engine_test_models import (
     TOLERANCES,
     engine_config,
@@ -111,8 +117,12 @@ def test_two_requests_in_flight_come_back_each_in_order(workers, checkpoints):
     assert_same(b.generation, reference.generate(PROMPTS[5:], SAMPLED[0]), LOGPROB_TOL)
 
 
-def test_refit_over_the_group_equals_a_fresh_engine_of_the_new_weights(workers, checkpoints):
+# 1 KiB: the norms (256 B) are packed, every matrix (>= 16 KiB) travels alone, interleaved; 16 MiB: one bucket.
+@pytest.mark.parametrize("bucket_bytes", [1024, BUCKET_BYTES], ids=["mostly-alone", "one-bucket"])
+def test_refit_over_the_group_equals_a_fresh_engine_of_the_new_weights(workers, checkpoints, bucket_bytes,
+                                                                       monkeypatch):
     base, moved, _ = checkpoints
+    monkeypatch.setattr(workers, "bucket_bytes", bucket_bytes)
     workers.refit(checkpoint_tensors(base))
     version = workers.weights_version
     stats = workers.refit(checkpoint_tensors(moved))
