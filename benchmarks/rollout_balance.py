@@ -1,7 +1,8 @@
 """Rollout workers under skewed response lengths: the work queue against a static split, wall time and imbalance.
 
     .venv/bin/python benchmarks/rollout_balance.py [--model small] [--sequences 64] [--batch 8]
-        [--new-tokens 64] [--workers 2] [--chunk 8] [--repeats 3] [--layouts grouped,shuffled] [--json]
+        [--new-tokens 64] [--workers 2] [--chunk 8] [--repeats 3] [--layouts grouped,shuffled]
+        [--schedules static,queue,in-process] [--json]
 
 What runs: the native engine, built once from a random Llama (`--model`), loaded by R worker processes
 (stages/rl/rollout_workers.py, `--worker-threads` torch threads each; on 2 cores 2 workers x 1 thread is
@@ -128,6 +129,7 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
     import torch
 
     from alignflow.stages.generation.base import SamplingParams, load_engine
+    from alignflow.stages.generation.native.weights import checkpoint_tensors
     from alignflow.stages.rl.rollout_workers import RolloutWorkers
 
     result: dict[str, Any] = {"model": args.model, "sequences": args.sequences, "batch": args.batch,
@@ -155,17 +157,21 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
                 p = [prompts[i] for i in order]
                 sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens,
                                           seeds=[seeds[i] for i in order], stop_token_ids=stops, ignore_eos=True)
-                runs: dict[str, list[dict[str, Any]]] = {"static": [], "queue": [], "in-process": []}
+                runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.schedules}
                 run_schedule(workers, p, sampling, args.chunk)  # warm both workers' first batch shapes
                 for _ in range(args.repeats):  # interleaved: a disturbance of the shared box hits every schedule
-                    runs["static"].append(run_schedule(workers, p, sampling, static_chunk))
-                    runs["queue"].append(run_schedule(workers, p, sampling, args.chunk))
-                    started = time.perf_counter()
-                    generation = in_process.generate(p, sampling)
-                    runs["in-process"].append({"wall_s": time.perf_counter() - started,
-                                               "tokens": sum(generation.lengths),
-                                               "token_ids": generation.response_token_ids})
-                same = all(r["token_ids"] == runs["static"][0]["token_ids"] for rs in runs.values() for r in rs)
+                    if "static" in runs:
+                        runs["static"].append(run_schedule(workers, p, sampling, static_chunk))
+                    if "queue" in runs:
+                        runs["queue"].append(run_schedule(workers, p, sampling, args.chunk))
+                    if "in-process" in runs:
+                        started = time.perf_counter()
+                        generation = in_process.generate(p, sampling)
+                        runs["in-process"].append({"wall_s": time.perf_counter() - started,
+                                                   "tokens": sum(generation.lengths),
+                                                   "token_ids": generation.response_token_ids})
+                first = next(iter(runs.values()))[0]
+                same = all(r["token_ids"] == first["token_ids"] for rs in runs.values() for r in rs)
                 for schedule, rs in runs.items():
                     median = statistics.median(r["wall_s"] for r in rs)
                     row = {"layout": layout, "schedule": schedule, "wall_s": median,
@@ -183,9 +189,18 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
                             row["one_part_each"] = all(r["chunks_per_worker"] == [1] * args.workers for r in rs)
                     result["rows"].append(row)
                     log(json.dumps(row))
-                static = next(r for r in result["rows"] if r["layout"] == layout and r["schedule"] == "static")
-                queue = next(r for r in result["rows"] if r["layout"] == layout and r["schedule"] == "queue")
-                queue["speedup_vs_static"] = static["wall_s"] / queue["wall_s"]
+                if "static" in runs and "queue" in runs:
+                    static = next(r for r in result["rows"] if r["layout"] == layout and r["schedule"] == "static")
+                    queue = next(r for r in result["rows"] if r["layout"] == layout and r["schedule"] == "queue")
+                    queue["speedup_vs_static"] = static["wall_s"] / queue["wall_s"]
+            # The refit the RL loop does after every update: the whole checkpoint over the workers' gloo group,
+            # each worker copying every tensor into its engine as it arrives.
+            refits = [workers.refit(checkpoint_tensors(Path(tmp) / "checkpoint")) for _ in range(args.repeats)]
+            middle = sorted(refits, key=lambda r: r.seconds)[len(refits) // 2]
+            result["refit"] = {"tensors": middle.tensors, "bytes": middle.bytes, "bytes_sent": middle.bytes_sent,
+                               "seconds": middle.seconds,
+                               "worker_copy_seconds": max(w.seconds for w in middle.workers)}
+            log(json.dumps(result["refit"]))
     # Other processes on the box slow whichever schedule they overlap: compare runs with a load near 0.
     result["load_after"] = os.getloadavg()[0]
     return result
@@ -213,10 +228,17 @@ def print_table(result: dict[str, Any]) -> None:
                       " / ".join(map(str, row.get("chunks_per_worker", []))) or "-",
                       str(row["tokens"]), f"{row['tokens_per_s']:.0f}")
     console.print(table)
+    refit = result["refit"]
+    queue_walls = [r["wall_s"] for r in result["rows"] if r["schedule"] == "queue"]
+    console.print(f"refit over the gloo group: {refit['tensors']} tensors, {refit['bytes'] / 2**20:.1f} MiB to each "
+                  f"worker ({refit['bytes_sent'] / 2**20:.1f} MiB sent), {refit['seconds']:.3f} s (median; workers' "
+                  f"copies {refit['worker_copy_seconds']:.3f} s)"
+                  + (f" = {refit['seconds'] / min(queue_walls):.1%} of the fastest queue rollout" if queue_walls else ""))
     statics = [r for r in result["rows"] if r["schedule"] == "static"]
     console.print(f"{result['machine']['cpu']}, {result['machine']['cpus']} CPUs; same tokens in every schedule: "
                   f"{all(r['same_tokens'] for r in result['rows'])}; static split one part per worker: "
-                  f"{all(r['one_part_each'] for r in statics)}; {result['stop_tokens']} stop tokens; load average "
+                  f"{all(r['one_part_each'] for r in statics) if statics else '-'}; {result['stop_tokens']} stop "
+                  "tokens; load average "
                   f"before/after: {result['load_before']:.1f} / {result['load_after']:.1f}")
 
 
@@ -231,12 +253,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--worker-threads", type=int, default=0, help="torch threads per worker; 0 = cores / workers")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layouts", default="grouped,shuffled")
+    parser.add_argument("--schedules", default="static,queue,in-process",
+                        help="in-process: one engine in this process with every core's threads, for scale")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     args.layouts = [x for x in args.layouts.split(",") if x]
     bad = sorted(set(args.layouts) - {"grouped", "shuffled"})
     if bad:
         parser.error(f"unknown layouts {bad}; valid: grouped, shuffled")
+    args.schedules = [x for x in args.schedules.split(",") if x]
+    bad = sorted(set(args.schedules) - {"static", "queue", "in-process"})
+    if bad or not args.schedules:
+        parser.error(f"unknown schedules {bad}; valid: static, queue, in-process")
     args.worker_threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.workers)
     return args
 

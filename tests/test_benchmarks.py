@@ -174,6 +174,7 @@ def test_rollout_balance_reports_queue_and_static_on_the_same_tokens():
     busy = rows["grouped", "static"]["busy_s"]
     assert max(busy) > 3 * min(busy) and rows["grouped", "static"]["imbalance"] > 1.4
     assert result["machine"]["cpus"] == os.cpu_count() and result["stop_tokens"] >= 1
+    assert result["refit"]["bytes_sent"] == 2 * result["refit"]["bytes"] > 0 and result["refit"]["seconds"] > 0
 
 
 @pytest.mark.slow
