@@ -108,11 +108,14 @@ def launch(spec: StageSpec, module: str, argv: list[str], resources: ResourcesCo
     with tempfile.TemporaryDirectory(prefix=f"alignflow-{spec.stage}-ranks-") as scratch:
         results_dir = Path(scratch) / "results"
         results_dir.mkdir()
-        os.environ[RANK_RESULTS_VAR] = str(results_dir)
-        os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
-        # One OpenMP team per core share: k ranks on a node split its cores instead of each taking all of them
-        # (2 ranks x 2 threads on 2 cores ran SFT steps ~1.6x slower than 2 x 1 on the 2-core box).
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // resources.nproc_per_node)))
+        # The ranks inherit this process's environment: what they need from the launcher goes there for the launch.
+        # OMP_NUM_THREADS: k ranks on a node split its cores (one OpenMP team per share) instead of k teams each
+        # sized to every core, which oversubscribes them; a value the user set wins.
+        for_ranks = {RANK_RESULTS_VAR: str(results_dir), LAUNCHER_PID_VAR: str(os.getpid()),
+                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
+                     or str(max(1, (os.cpu_count() or 1) // resources.nproc_per_node))}
+        saved = {name: os.environ.get(name) for name in for_ranks}
+        os.environ.update(for_ranks)
         # Every node must name the same run: derive it from the output, which the stage's config determines.
         run_id = hashlib.sha256(spec.output_uri.encode()).hexdigest()[:16]
         config = LaunchConfig(
@@ -129,8 +132,11 @@ def launch(spec: StageSpec, module: str, argv: list[str], resources: ResourcesCo
         except ChildFailedError as exc:
             failures = exc.failures
         finally:
-            os.environ.pop(RANK_RESULTS_VAR, None)
-            os.environ.pop(LAUNCHER_PID_VAR, None)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         reports = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in results_dir.glob("rank*.json")}
     if not failures:
         if 0 in reports:
