@@ -141,7 +141,9 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
         log(f"building the {args.model} engine")
         engine_dir, params = build(Path(tmp), args.model, args.batch, 32 + args.new_tokens)
         result["parameters"] = params
-        torch.set_num_threads(os.cpu_count() or 1)
+        # One thread outside the in-process row: an OpenMP team of 2 on a box that other processes load stalls at
+        # every barrier (the in-process row took 18-85 s there against 4-8 s for the workers).
+        torch.set_num_threads(1)
         in_process = load_engine(engine_dir)
         prompts, seeds, stops, lengths = skewed_request(in_process, args.sequences, args.new_tokens,
                                                         MODELS[args.model]["vocab_size"])
@@ -165,11 +167,13 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
                     if "queue" in runs:
                         runs["queue"].append(run_schedule(workers, p, sampling, args.chunk))
                     if "in-process" in runs:
+                        torch.set_num_threads(os.cpu_count() or 1)
                         started = time.perf_counter()
                         generation = in_process.generate(p, sampling)
                         runs["in-process"].append({"wall_s": time.perf_counter() - started,
                                                    "tokens": sum(generation.lengths),
                                                    "token_ids": generation.response_token_ids})
+                        torch.set_num_threads(1)
                 first = next(iter(runs.values()))[0]
                 same = all(r["token_ids"] == first["token_ids"] for rs in runs.values() for r in rs)
                 for schedule, rs in runs.items():
@@ -178,7 +182,7 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
                            "wall_min_s": min(r["wall_s"] for r in rs), "tokens": rs[0]["tokens"],
                            "tokens_per_s": rs[0]["tokens"] / median, "same_tokens": same}
                     if schedule == "in-process":
-                        row.update(chunk=args.sequences, threads=torch.get_num_threads())
+                        row.update(chunk=args.sequences, threads=os.cpu_count() or 1)
                     else:
                         mid = sorted(rs, key=lambda r: r["wall_s"])[len(rs) // 2]
                         row.update(chunk=static_chunk if schedule == "static" else args.chunk,
