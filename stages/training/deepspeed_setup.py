@@ -29,7 +29,10 @@ def init_distributed() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "WORLD_SIZE" not in os.environ:  # not started by torchrun or another launcher
+    # A launcher (torchrun, ours in stages/ranks.py) sets the whole env:// set. WORLD_SIZE alone is no sign of
+    # one: this function sets it below, and a process that called it (a test session) passes it on to the
+    # stages it starts, where an env:// rendezvous then failed for want of MASTER_ADDR.
+    if not {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"} <= os.environ.keys():
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             os.environ[name] = value  # DeepSpeed reads these even when the group already exists
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)

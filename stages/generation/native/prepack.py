@@ -66,13 +66,19 @@ def layout_for(device: torch.device, dtype: torch.dtype, kernels: bool = True) -
 
     "blocked" for float32 where the skinny_linear kernel may and can run (`kernels`, AVX-512, extension
     built; building it the first time takes ~1 min), "onednn" for float32 elsewhere and bfloat16 with
-    oneDNN, else None.
+    oneDNN on a CPU with AVX-512, else None.
     """
     if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
         return None
     if dtype == torch.float32 and kernels and skinny.available():
         return "blocked"
-    return "onednn" if torch.backends.mkldnn.is_available() else None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    # oneDNN reorders bf16 weights only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU
+    # (an AMD EPYC CI box) it raises, so bf16 weights stay plain there and F.linear runs them.
+    if dtype == torch.bfloat16 and not torch.cpu._is_avx512_supported():
+        return None
+    return "onednn"
 
 
 def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

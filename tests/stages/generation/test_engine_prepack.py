@@ -29,16 +29,18 @@ def _delta(before: dict[str, int]) -> dict[str, int]:
 @pytest.fixture
 def force_layout(monkeypatch):
     """Make engines built after this call pack in `layout` (skipping where it cannot run here)."""
-    def force(layout: str) -> None:
+    def force(layout: str, dtype: str = "float32") -> None:
         if layout == "blocked" and not skinny.available():
             pytest.skip(f"skinny_linear unavailable: {skinny.unavailable_reason()}")
+        if layout == "onednn" and dtype == "bfloat16" and not torch.cpu._is_avx512_supported():
+            pytest.skip("oneDNN packs bf16 weights only with AVX-512 (prepack.layout_for leaves them plain here)")
         monkeypatch.setattr(prepack, "layout_for", lambda device, dtype, kernels=True: layout)
     return force
 
 
 @pytest.mark.parametrize("dtype, layout", [("float32", "blocked"), ("float32", "onednn"), ("bfloat16", "onednn")])
 def test_prepacked_engine_matches_the_plain_one(tiny_checkpoints, force_layout, dtype, layout):
-    force_layout(layout)
+    force_layout(layout, dtype)
     path = tiny_checkpoints["qwen2_bias_window"]  # QKV bias: the bias is added after the packed GEMM
     prompts = random_prompts(5, seed=2)
     plain = NativeEngine.build(path, engine_config(cpu_prepack=False), dtype=dtype)
@@ -207,3 +209,11 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     assert failed["sampler"] == "sample_tokens (chunked torch)"
     assert failed["cpu_kernels"].startswith("unavailable: building ")
     assert "error: command 'c++' failed" in failed["cpu_kernels"]
+
+
+def test_bf16_weights_are_packed_only_where_onednn_can():
+    """oneDNN's bf16 reorder needs AVX-512 (it raised on an AVX2-only EPYC): there bf16 weights stay plain."""
+    cpu = torch.device("cpu")
+    want = "onednn" if torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_supported() else None
+    assert prepack.layout_for(cpu, torch.bfloat16) == want
+    assert prepack.layout_for(cpu, torch.float16) is None
