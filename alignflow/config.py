@@ -259,6 +259,12 @@ class EngineConfig(Section):
         "next (not with ppo.async_rollouts, where it is always generating); freed bytes and reload time are logged.")
 
 
+# Engine keys only the RL stage reads (how it runs the built engine): they stay out of the engine and evaluate
+# stages' config sections, so changing them does not rebuild the engine or re-run the evaluation.
+RL_ONLY_ENGINE_KEYS = ("rollout_workers", "queue_chunk", "rollout_worker_threads", "rollout_timeout_s",
+                       "unload_during_training")
+
+
 class PPOConfig(Section):
     """The RL stage (PPO or GRPO)."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from alignflow.config import PipelineConfig
+from alignflow.config import RL_ONLY_ENGINE_KEYS, PipelineConfig
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,9 @@ def plan(config: PipelineConfig) -> list[StageCall]:
             reward_keys.append(key)
             calls.append(StageCall(key, "reward", {"reward": shared, "reward_model": rm, "model": model},
                                    {"sft": "sft", "data": "data"}))
+    built = {k: v for k, v in dump["engine"].items() if k not in RL_ONLY_ENGINE_KEYS}  # what the build depends on
     if "engine" in chosen:
-        calls.append(StageCall("engine", "engine", {"engine": dump["engine"], "model": model},
+        calls.append(StageCall("engine", "engine", {"engine": built, "model": model},
                                {"sft": "sft", "data": "data"}))
     rewards = {f"reward_{key.removeprefix('reward-')}": key for key in reward_keys}
     if "ppo" in chosen:
@@ -55,6 +56,6 @@ def plan(config: PipelineConfig) -> list[StageCall]:
         # The policy input is named after the stage that trained it (the config allows exactly one).
         policy = "ppo" if "ppo" in chosen else "dpo"
         calls.append(StageCall("evaluate", "evaluate",
-                               {"evaluate": dump["evaluate"], "model": model, "engine": dump["engine"]},
+                               {"evaluate": dump["evaluate"], "model": model, "engine": built},
                                {policy: policy, "sft": "sft", "data": "data", **rewards}))
     return calls

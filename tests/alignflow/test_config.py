@@ -92,6 +92,18 @@ def test_grpo_on_reward_functions_alone_needs_no_reward_stage():
     assert plan(config)[-1].inputs == {"ppo": "ppo", "sft": "sft", "data": "data"}
 
 
+def test_how_the_rl_stage_runs_the_engine_does_not_rebuild_it():
+    """engine.rollout_workers and its kin reach the RL stage only: the engine and evaluate calls are unchanged."""
+    base = validate_config({})
+    workers = validate_config({"engine": {"rollout_workers": 2, "queue_chunk": 4, "unload_during_training": True}})
+    before, after = ({call.key: call.config for call in plan(c)} for c in (base, workers))
+    assert after["engine"] == before["engine"] and after["evaluate"] == before["evaluate"]
+    assert after["ppo"]["engine"]["rollout_workers"] == 2 and after["ppo"] != before["ppo"]
+    assert validate_config({"engine": {"max_seq_len": 512}}).engine.max_seq_len == 512
+    assert {call.key: call.config for call in plan(validate_config({"engine": {"max_seq_len": 512}}))}[
+        "engine"] != before["engine"]
+
+
 def test_dpo_pipeline_needs_no_reward_model_or_engine():
     config = validate_config({"stages": ["data", "base", "sft", "dpo", "evaluate"]})
     assert [call.key for call in plan(config)] == ["data", "base", "sft", "dpo", "evaluate"]
