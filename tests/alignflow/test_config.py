@@ -69,7 +69,7 @@ def test_all_errors_reported_together():
 
 
 def test_unknown_top_level_section():
-    with pytest.raises(ConfigError, match=r"sftt: unknown key .*valid keys: name, workdir, stages, storage"):
+    with pytest.raises(ConfigError, match=r"sftt: unknown key .*valid keys: name, workdir, stages, max_parallel_stages, storage"):
         validate_config({"sftt": {}})
 
 
