@@ -158,6 +158,14 @@ class Generation:
     def __len__(self) -> int:
         return len(self.response_token_ids)
 
+    @classmethod
+    def concatenated(cls, parts: list[Generation], metrics: dict[str, float]) -> Generation:
+        """The sequences of `parts`, in order, as one Generation with `metrics` (logits kept if the parts have them)."""
+        logits = None if parts[0].logits is None else [x for p in parts for x in (p.logits or [])]
+        return cls(response_token_ids=[r for p in parts for r in p.response_token_ids],
+                   logprobs=[lp for p in parts for lp in p.logprobs],
+                   finish_reasons=[f for p in parts for f in p.finish_reasons], logits=logits, metrics=metrics)
+
     @property
     def lengths(self) -> list[int]:
         return [len(r) for r in self.response_token_ids]

@@ -169,14 +169,7 @@ def merge_generations(parts: list[Generation], wall_seconds: float, busy: dict[i
     metrics["perf/rollout_chunks"] = float(len(parts))
     metrics["perf/rollout_imbalance"] = max(per_worker) / mean if mean > 0 else 1.0
     metrics["timing/rollout_busy_max"] = max(per_worker)
-    logits = None if parts[0].logits is None else [x for p in parts for x in (p.logits or [])]
-    return Generation(
-        response_token_ids=[r for p in parts for r in p.response_token_ids],
-        logprobs=[lp for p in parts for lp in p.logprobs],
-        finish_reasons=[f for p in parts for f in p.finish_reasons],
-        logits=logits,
-        metrics=metrics,
-    )
+    return Generation.concatenated(parts, metrics)
 
 
 # The group

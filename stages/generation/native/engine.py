@@ -674,16 +674,9 @@ def _finish_reason(last: int, eos: set[int], stops: list[int]) -> FinishReason:
 def _merge(parts: list[Generation]) -> Generation:
     if len(parts) == 1:
         return parts[0]
-    logits = None if parts[0].logits is None else [x for p in parts for x in (p.logits or [])]
     metrics: dict[str, float] = {}
     for key in ("timing/prefill_s", "timing/generate_s", "perf/decode_steps", "perf/generated_tokens"):
         metrics[key] = sum(p.metrics.get(key, 0.0) for p in parts)
     metrics["perf/gen_tokens_per_s"] = metrics["perf/generated_tokens"] / max(metrics["timing/generate_s"], 1e-9)
-    return Generation(
-        response_token_ids=[r for p in parts for r in p.response_token_ids],
-        logprobs=[lp for p in parts for lp in p.logprobs],
-        finish_reasons=[f for p in parts for f in p.finish_reasons],
-        logits=logits,
-        metrics=metrics,
-    )
+    return Generation.concatenated(parts, metrics)
 
