@@ -92,18 +92,23 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
     return found
 
 
-def test_a_killed_rank_fails_the_stage_within_seconds_naming_it(upstream):
-    workdir = upstream[0]
-    # Enough steps that rank 1 is still training when it is killed (~2,700 steps, ~80 s).
+def start_long_two_rank_sft(upstream, name: str):
+    """(spec, launcher process, {RANK: pid}) of a 2-rank SFT run long enough to be killed mid-training (~2,700
+    steps, ~80 s), returned once both ranks are up."""
     spec = stage_spec(upstream, "sft", {"sft": sft_section(upstream, epochs=300, resources={"nproc_per_node": 2}),
-                                        "variant": {"name": "killed"}}, {"base": "base", "data": "data"})
-    proc = start_stage(spec, workdir)
+                                        "variant": {"name": name}}, {"base": "base", "data": "data"})
+    proc = start_stage(spec, upstream[0])
     deadline = time.monotonic() + 120
     ranks: dict[int, int] = {}
     while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
         ranks = _rank_pids(proc.pid)
     assert len(ranks) == 2, f"ranks did not start: {ranks}"
+    return spec, proc, ranks
+
+
+def test_a_killed_rank_fails_the_stage_within_seconds_naming_it(upstream):
+    spec, proc, ranks = start_long_two_rank_sft(upstream, "killed")
     time.sleep(20)  # past imports and model loading (~10 s), into training
     assert proc.poll() is None, "the stage ended before the kill"
     os.kill(ranks[1], signal.SIGKILL)
@@ -156,16 +161,7 @@ def test_reward_and_dpo_on_two_ranks_equal_one_rank(upstream, stage, section, we
 
 def test_ranks_die_with_a_killed_launcher(upstream):
     """A SIGKILLed stage process takes its ranks with it: none is left training into an output a retry re-creates."""
-    workdir = upstream[0]
-    spec = stage_spec(upstream, "sft", {"sft": sft_section(upstream, epochs=300, resources={"nproc_per_node": 2}),
-                                        "variant": {"name": "launcher-killed"}}, {"base": "base", "data": "data"})
-    proc = start_stage(spec, workdir)
-    deadline = time.monotonic() + 120
-    ranks: dict[int, int] = {}
-    while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-        ranks = _rank_pids(proc.pid)
-    assert len(ranks) == 2, f"ranks did not start: {ranks}"
+    spec, proc, ranks = start_long_two_rank_sft(upstream, "launcher-killed")
     time.sleep(15)
     proc.kill()
     proc.communicate(timeout=60)
