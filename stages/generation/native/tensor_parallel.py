@@ -84,20 +84,36 @@ class TensorParallelError(UnsupportedArchitectureError):
     """A model that cannot be split over engine.tensor_parallel_size ranks (a ValueError, like any config mismatch)."""
 
 
-def valid_sizes(spec: LlamaFamilySpec) -> list[int]:
-    """Every tensor-parallel size the model splits over: common divisors of heads, KV heads and intermediate."""
-    common = math.gcd(spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
-    return [k for k in range(1, common + 1) if common % k == 0]
+def kv_heads_split(num_kv_heads: int, size: int, replicate_kv_heads: bool = False) -> bool:
+    """Whether `size` ranks can hold the KV heads: g divisible by k, or (replicating) k divisible by g."""
+    return num_kv_heads % size == 0 or (replicate_kv_heads and size % num_kv_heads == 0)
 
 
-def check_tensor_parallel(spec: LlamaFamilySpec, size: int) -> None:
-    """Raise TensorParallelError unless `size` ranks can each hold whole query heads, KV heads and MLP rows."""
+def valid_sizes(spec: LlamaFamilySpec, replicate_kv_heads: bool = False) -> list[int]:
+    """Every tensor-parallel size the model splits over: common divisors of heads, KV heads and intermediate.
+
+    replicate_kv_heads: KV heads may also be copied onto k / g ranks each when g < k (TensorRT-LLM does
+    this); the native engine does not.
+    """
+    common = math.gcd(spec.num_heads, spec.intermediate_size)
+    return [k for k in range(1, common + 1)
+            if common % k == 0 and kv_heads_split(spec.num_kv_heads, k, replicate_kv_heads)]
+
+
+def check_tensor_parallel(spec: LlamaFamilySpec, size: int, replicate_kv_heads: bool = False) -> None:
+    """Raise TensorParallelError unless `size` ranks can each hold whole query heads, KV heads and MLP rows.
+
+    replicate_kv_heads: also accept g < k KV heads when k is a multiple of g (each KV head copied onto
+    k / g ranks, as TensorRT-LLM's checkpoints do); the native engine leaves it False.
+    """
     if size < 1:
         raise TensorParallelError(f"engine.tensor_parallel_size={size}: must be >= 1")
     problems = []
-    if spec.num_kv_heads % size:
+    if not kv_heads_split(spec.num_kv_heads, size, replicate_kv_heads):
+        copied = ("KV heads are copied only when the size is a multiple of them" if replicate_kv_heads
+                  else "KV heads are not replicated across ranks")
         grouped = (f" (grouped-query attention: {spec.num_heads} query heads on {spec.num_kv_heads} KV heads; "
-                   "KV heads are not replicated across ranks)" if spec.num_kv_heads != spec.num_heads else "")
+                   f"{copied})" if spec.num_kv_heads != spec.num_heads else "")
         problems.append(f"num_key_value_heads={spec.num_kv_heads} is not divisible by it{grouped}")
     if spec.num_heads % size:
         problems.append(f"num_attention_heads={spec.num_heads} is not divisible by it")
@@ -107,7 +123,7 @@ def check_tensor_parallel(spec: LlamaFamilySpec, size: int) -> None:
         raise TensorParallelError(
             f"engine.tensor_parallel_size={size} cannot split this {spec.model_type} model: {'; '.join(problems)}. "
             f"Each rank must hold whole heads: valid tensor_parallel_size values for this model are "
-            f"{', '.join(map(str, valid_sizes(spec)))}"
+            f"{', '.join(map(str, valid_sizes(spec, replicate_kv_heads)))}"
         )
 
 
