@@ -275,7 +275,7 @@ ENGINE_BACKENDS: dict[str, str | None] = {
     "native": "alignflow.stages.generation.native.engine:NativeEngine",
     "hf": "alignflow.stages.generation.hf_backend:HFEngine",
     "vllm": None,
-    "tensorrt-llm": None,
+    "tensorrt-llm": "alignflow.stages.generation.tensorrt_llm.engine:TensorRTLLMEngine",  # needs tensorrt_llm + GPU
 }
 
 
