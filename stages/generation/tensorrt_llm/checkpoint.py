@@ -466,6 +466,12 @@ def reassemble(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
                 if src + f"attention.qkv.{kind}" not in stage_files[0]:
                     continue
                 parts = [f[src + f"attention.qkv.{kind}"].split([q_rows, kv_rows, kv_rows]) for f in stage_files]
+                for r in range(tp):  # a KV head copied onto several ranks must be the same everywhere
+                    first = r - r % max(tp // g, 1)
+                    if not (torch.equal(parts[r][1], parts[first][1]) and torch.equal(parts[r][2], parts[first][2])):
+                        raise CheckpointConversionError(
+                            f"{checkpoint_dir}: rank{stage * tp + r} {src}attention.qkv.{kind} holds other K/V "
+                            f"values than rank{stage * tp + first}, which shares its KV head; re-convert the checkpoint")
                 out[dst + f"self_attn.q_proj.{kind}"] = torch.cat([p[0] for p in parts])
                 out[dst + f"self_attn.k_proj.{kind}"] = torch.cat([parts[r][1] for r in kv_ranks])
                 out[dst + f"self_attn.v_proj.{kind}"] = torch.cat([parts[r][2] for r in kv_ranks])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,8 @@ MODELS = {
     "gqa_tied": ("llama_gqa_tied_llama3", {"vocab_size": 250}),
     # q/k/v/o biases (random, so a misplaced bias shows), GQA, untied, yarn RoPE.
     "bias_untied": ("llama_bias_yarn", {}),
+    # head_dim 32: the attention width (4 x 32) is twice the hidden size 64.
+    "wide_heads": ("llama_mha_untied", {"head_dim": 32, "num_key_value_heads": 2}),
 }
 MAPPINGS = [(tp, pp) for tp in (1, 2, 4) for pp in (1, 2)]
 
@@ -103,6 +106,18 @@ def test_rank_files_hold_their_layers_and_shapes(models, converted):
             if tp_rank == 3:  # rows 189..249 then 2 zero rows
                 assert torch.equal(tensors["lm_head.weight"][:61], hf["model.embed_tokens.weight"][189:])
                 assert not tensors["lm_head.weight"][61:].any()
+
+
+def test_reassemble_refuses_copied_kv_heads_that_differ(converted, tmp_path):
+    src = converted["gqa_tied", 4, 1]  # 2 KV heads on 4 ranks: ranks 0 and 1 share KV head 0
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    rank1 = load_file(str(broken / "rank1.safetensors"))
+    rank1["transformer.layers.1.attention.qkv.weight"][20] += 1.0  # a row of its K slice
+    save_file(rank1, str(broken / "rank1.safetensors"))
+    with pytest.raises(CheckpointConversionError, match=r"rank1 transformer.layers.1.attention.qkv.weight holds other "
+                                                        r"K/V values than rank0"):
+        reassemble(broken)
 
 
 def test_bfloat16_conversion_is_the_cast_weights(models, tmp_path):
@@ -179,9 +194,9 @@ def trt_layout_forward(checkpoint: Path, ids: torch.Tensor, cos: torch.Tensor, s
     return torch.cat([h @ w["lm_head.weight"].T for w in last], dim=-1)[..., : cfg["vocab_size"]]
 
 
-# fp32, logits of magnitude ~3. Measured max |got - hf| over 5 prompt seeds x the 18 cases: 0.0 at tp 1
-# (the same GEMMs as hf's eager attention), 1.9e-6 at tp 2 and 4 (the tp partial products of
-# attention.dense / mlp.proj summed in another order than hf's one GEMM). The bound is 5x that, 10x
+# fp32, logits of magnitude ~3. Measured max |got - hf| over 5 prompt seeds x the 24 cases: 0.0 at tp 1
+# (the same GEMMs as hf's eager attention; 1.7e-6 with head_dim 32), 1.9e-6 at tp 2 and 4 (the tp
+# partial products of attention.dense / mlp.proj summed in another order than hf's one GEMM). The bound is 5x that, 10x
 # tighter than the engines' TOLERANCES["tp_logits_fp32"] = 1e-4 (the issue's acceptance bound); a
 # swapped fc / gate moves logits by > 1e-2 (test_forward_check_can_fail).
 SHARD_FORWARD_TOLERANCE = 1e-5
