@@ -161,10 +161,12 @@ class StageContext:
 
 
 @contextlib.contextmanager
-def tracked(ctx: StageContext, run_name: str | None = None, resume_run_id: str | None = None) -> Iterator[StageContext]:
+def tracked(ctx: StageContext, run_name: str | None = None) -> Iterator[StageContext]:
     """Open the stage's nested MLflow run (when tracking is on) and log the resolved config as params.
 
-    `resume_run_id` reopens the run of an interrupted attempt (the RL stage's resume) instead of a new one.
+    Every attempt gets a fresh run; earlier unfinished attempts at the same output (a killed or failed try
+    that this one retries or resumes) are marked superseded by it (alignflow/tracking.py). Metrics queued
+    with `ctx.tracker.log_metrics_async` are flushed before the run ends, on every exit path.
     """
     tracking = ctx.spec.tracking
     if tracking is None or not tracking.enabled or not ranks.is_main():  # rank 0 tracks for all ranks
@@ -174,11 +176,10 @@ def tracked(ctx: StageContext, run_name: str | None = None, resume_run_id: str |
 
     tags = {**tracking.tags, "alignflow.code_version": ctx.spec.code_version}
     with mlflow_tracking.stage_run(tracking.uri, tracking.experiment, ctx.spec.stage, tracking.parent_run_id,
-                                   tags=tags, run_name=run_name, resume_run_id=resume_run_id) as run:
+                                   tags=tags, run_name=run_name, attempt_of=ctx.spec.output_uri) as run:
         ctx.tracker = run
-        if resume_run_id is None:  # params are immutable in MLflow: a resumed run has them already
-            run.log_params(ctx.spec.config)
-            run.log_params({f"input.{k}": v for k, v in ctx.spec.inputs.items()})
+        run.log_params(ctx.spec.config)
+        run.log_params({f"input.{k}": v for k, v in ctx.spec.inputs.items()})
         try:
             yield ctx
         finally:

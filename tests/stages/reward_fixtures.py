@@ -28,11 +28,16 @@ def fail_once_on_third_call(prompts: list[str], completions: list[str], **kwargs
 _calls_in_this_process = 0
 
 
-def stall_from_third_call_when_asked(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
-    """0.0 for every completion; with ALIGNFLOW_TEST_STALL set, sleeps from the third call (iteration 3) on, so a
-    test can kill the stage after its iteration-2 checkpoint however fast the iterations are."""
+def stall_when_asked(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+    """0.0 for every completion. With ALIGNFLOW_TEST_STALL_AT=N, call N of this process (iteration N) and later
+    ones wait until the file ALIGNFLOW_TEST_RELEASE exists (if set; else 600 s), so a test can look at the
+    stage, or kill it, at a known iteration however fast the iterations are."""
     global _calls_in_this_process
     _calls_in_this_process += 1
-    if os.environ.get("ALIGNFLOW_TEST_STALL") and _calls_in_this_process >= 3:
-        time.sleep(600)
+    stall_at = int(os.environ.get("ALIGNFLOW_TEST_STALL_AT", "0"))
+    if stall_at and _calls_in_this_process >= stall_at:
+        release = os.environ.get("ALIGNFLOW_TEST_RELEASE")
+        deadline = time.monotonic() + 600
+        while not (release and Path(release).exists()) and time.monotonic() < deadline:
+            time.sleep(0.05)
     return [0.0 for _ in completions]

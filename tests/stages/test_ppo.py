@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from alignflow.contract import StageResult, StageSpec, TrackingSpec
 from alignflow.manifest import find_published, output_uri, read_manifest
 from alignflow.stages.rollouts import ROLLOUT_SCHEMA, read_rollouts
+from alignflow.tracking import ATTEMPT_KEY_TAG, SUPERSEDED_BY_TAG, attempt_key
 from tests.conftest import REPO, small_config
 
 pytestmark = pytest.mark.slow
@@ -56,6 +57,46 @@ def local(uri: str) -> Path:
     return Path(uri.removeprefix("file://"))
 
 
+def attempt_runs(client: MlflowClient, spec: StageSpec) -> list:
+    """The MLflow runs of every attempt at the spec's output, oldest first."""
+    experiment = client.get_experiment_by_name(spec.tracking.experiment)
+    if experiment is None:
+        return []
+    runs = client.search_runs([experiment.experiment_id],
+                              filter_string=f"tags.`{ATTEMPT_KEY_TAG}` = '{attempt_key(spec.output_uri)}'")
+    return sorted(runs, key=lambda run: run.info.start_time)
+
+
+def wait_for_step(client: MlflowClient, spec: StageSpec, proc: subprocess.Popen, step: int) -> str:
+    """Poll MLflow until the stage's (only) run has `step` of timing/iteration; the run's id. Fails if the stage
+    ends first: the step must be there while it runs."""
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        assert proc.poll() is None, f"the stage ended before step {step} was in MLflow: {proc.communicate()[1][-3000:]}"
+        runs = attempt_runs(client, spec)
+        if runs and step in {m.step for m in client.get_metric_history(runs[-1].info.run_id, "timing/iteration")}:
+            return runs[-1].info.run_id
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not in MLflow after 600 s")
+
+
+def logged_history(client: MlflowClient, run_id: str, keys) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) pairs of each metric key, sorted by step, from step 1 (step 0 holds the stage's totals)."""
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key) if m.step >= 1)
+            for key in keys}
+
+
+def jsonl_history(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """The same, from a metrics.jsonl (one dict per iteration)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        for key, value in row.items():
+            if key != "iteration":
+                out.setdefault(key, []).append((int(row["iteration"]), value))
+    return out
+
+
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_rl_raises_held_out_gold_score_above_sft(upstream, algorithm):
     """With a fixed seed, the RL policy beats SFT on the gold score of held-out prompts (evaluate stage)."""
@@ -82,22 +123,48 @@ def test_rl_raises_held_out_gold_score_above_sft(upstream, algorithm):
     assert evaluation.metrics["eval/kl_to_ref"] < config.evaluate.kl_budget
 
 
+def test_metrics_reach_mlflow_as_each_iteration_ends(upstream, tmp_path):
+    """Live curves: iteration 1's metrics are in MLflow while the stage is still running (held in iteration 2 by
+    the reward function until the test releases it), long before the only checkpoint (iteration 3)."""
+    workdir, _, _ = upstream
+    spec = ppo_spec(upstream, "live", tracking=True, iterations=3, checkpoint_every=3,
+                    reward_functions=["tests.stages.reward_fixtures:stall_when_asked"])
+    release = tmp_path / "release"
+    proc = start_stage(spec, workdir, env={"ALIGNFLOW_TEST_STALL_AT": "2", "ALIGNFLOW_TEST_RELEASE": str(release)})
+    client = MlflowClient(spec.tracking.uri)
+    try:
+        run_id = wait_for_step(client, spec, proc, 1)
+        live = client.get_run(run_id)
+        assert live.info.status == "RUNNING"
+        assert not (local(spec.output_uri) / "checkpoints").exists(), "no checkpoint was written yet"
+        during = logged_history(client, run_id, live.data.metrics)
+    finally:
+        release.touch()
+    code, result, stderr = finish(proc)
+    assert code == 0, stderr[-3000:]
+    assert result.mlflow_run_id == run_id
+    expected = jsonl_history(local(result.output_uri) / "metrics.jsonl")
+    # Every key of iteration 1 was in MLflow during the run, with the value metrics.jsonl has.
+    first = {k: [(step, value) for step, value in v if step == 1] for k, v in expected.items()}
+    assert {k: v for k, v in during.items() if k in expected} == {k: v for k, v in first.items() if v}
+    assert logged_history(client, run_id, expected) == expected, "each iteration once, as in metrics.jsonl"
+
+
 def test_resume_after_sigkill_is_continuous(upstream):
     workdir, _, _ = upstream
-    # The reward function adds 0 and, in the first run only, stalls in iteration 3: the kill lands after the
-    # iteration-2 checkpoint however fast the iterations are (without it, iterations 3 and 4 finished within the
-    # 0.2 s poll on 2 cores).
-    spec = ppo_spec(upstream, "resume", tracking=True,
-                    reward_functions=["tests.stages.reward_fixtures:stall_from_third_call_when_asked"])
+    # The reward function holds iteration 4 of the first attempt: the kill lands after the iteration-2
+    # checkpoint and after iteration 3 reached MLflow, however fast the iterations are. The resumed attempt
+    # runs iteration 3 again (other timings at least), so the killed attempt's step 3 must not show.
+    spec = ppo_spec(upstream, "resume", tracking=True, reward_functions=["tests.stages.reward_fixtures:stall_when_asked"])
     first_checkpoint = local(spec.output_uri) / "checkpoints" / "iter_00002" / "manifest.json"
-    proc = start_stage(spec, workdir, env={"ALIGNFLOW_TEST_STALL": "1"})
-    deadline = time.time() + 600
-    while not first_checkpoint.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert first_checkpoint.exists(), proc.communicate()[1][-3000:] if proc.poll() is not None else "timed out"
+    proc = start_stage(spec, workdir, env={"ALIGNFLOW_TEST_STALL_AT": "4"})
+    client = MlflowClient(spec.tracking.uri)
+    killed_run = wait_for_step(client, spec, proc, 3)
+    assert first_checkpoint.exists()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert find_published(spec.output_uri) is None, "a killed stage must not look finished"
+    killed_step3 = logged_history(client, killed_run, ["timing/iteration"])["timing/iteration"][2]
     # What a kill in the middle of a write leaves, whether or not this kill landed in one: the temp files of
     # atomic writes and a checkpoint folder without its manifest. The resumed run must not publish them.
     killed_out = local(spec.output_uri)
@@ -121,11 +188,23 @@ def test_resume_after_sigkill_is_continuous(upstream):
         assert set(pq.read_table(out / "rollouts" / name).column("iteration").to_pylist()) == {i}
     history = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert history == [1, 2, 3, 4]
-    client = MlflowClient(spec.tracking.uri)
+
+    # MLflow: the run the stage reports is a fresh one that holds each step once, with the values of
+    # metrics.jsonl (steps 1-2 copied from the checkpoint's history, 3-4 the resumed attempt's live ones).
     run_id = result.mlflow_run_id
-    steps = [m.step for m in client.get_metric_history(run_id, "timing/iteration")]
-    assert sorted(steps) == [1, 2, 3, 4], "every iteration logged once: no gap, no duplicate"
-    assert client.get_run(run_id).data.tags.get("alignflow.resumed") == "true"
+    assert run_id != killed_run
+    expected = jsonl_history(out / "metrics.jsonl")
+    assert logged_history(client, run_id, expected) == expected
+    assert expected["timing/iteration"][2] != killed_step3, "the killed attempt's iteration 3 is not the one kept"
+    resumed = client.get_run(run_id)
+    assert resumed.data.tags["alignflow.resumed_at_iteration"] == "2"
+    assert resumed.data.tags["alignflow.resumed_from_run"] == killed_run
+    # The killed attempt's run: ended (its process could not), and pointing at the run that replaces it.
+    killed = client.get_run(killed_run)
+    assert killed.info.status == "KILLED"
+    assert killed.data.tags[SUPERSEDED_BY_TAG] == run_id
+    assert killed.info.run_name == "ppo (superseded)"
+    assert [r.info.run_id for r in attempt_runs(client, spec)] == [killed_run, run_id]
 
 
 def test_nan_reward_stops_with_iteration_and_last_good_checkpoint(upstream, tmp_path):
@@ -224,5 +303,8 @@ def test_failed_pipeline_rerun_skips_finished_stages_and_ppo_continues(upstream,
 
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     run = client.get_run(again["ppo"]["mlflow_run_id"])
-    assert run.data.tags.get("alignflow.resumed") == "true", "PPO continued from its checkpoint, in the same run"
+    assert run.data.tags.get("alignflow.resumed_at_iteration") == "2", "PPO continued from its checkpoint"
+    assert run.data.tags["mlflow.parentRunId"] == again["ppo"]["parent_run_id"], "nested under the rerun's pipeline"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "timing/iteration")) == [1, 2, 3, 4]
+    failed = client.get_run(run.data.tags["alignflow.resumed_from_run"])
+    assert failed.info.status == "FAILED" and failed.data.tags[SUPERSEDED_BY_TAG] == run.info.run_id
