@@ -1,15 +1,21 @@
 """Object store over file:// and s3:// URIs; the only module that imports boto3.
 
 Stages read and publish through this interface only. S3 calls retry transient errors with
-exponential backoff (botocore's standard retry mode) and large files go up in parts.
+exponential backoff (botocore's standard retry mode) and large files go up in parts. botocore retries a
+call until its response headers arrive; a download cut off after that (fewer body bytes than promised) is
+retried here. Every retry is counted (`storage_retries()`), and stages report the total as `storage/retries`.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -19,6 +25,31 @@ from alignflow.config import StorageConfig
 
 class StorageError(RuntimeError):
     """An object-store operation failed; the message names the URI and what to check."""
+
+
+class TransientStorageError(StorageError):
+    """The store kept failing in a way that passes (5xx, SlowDown, a cut-off response) through every attempt:
+    worth running the stage again later, unlike a missing bucket or object."""
+
+
+# Error codes S3 (and S3-compatible stores) answer when the fault is theirs and passes; botocore retried them.
+_TRANSIENT_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "RequestLimitExceeded", "BandwidthLimitExceeded", "500", "502", "503", "504"}
+
+
+_retries: Counter[str] = Counter()  # S3 operation ("PutObject", "download", ...) -> retries in this process
+_retries_lock = threading.Lock()  # uploads and downloads run on s3transfer's threads
+
+
+def _count_retry(operation: str) -> None:
+    with _retries_lock:
+        _retries[operation] += 1
+
+
+def storage_retries() -> dict[str, int]:
+    """Retries of object-store calls made by this process so far, by operation (empty when none)."""
+    with _retries_lock:
+        return dict(_retries)
 
 
 def is_unfinished_write(name: str) -> bool:
@@ -190,34 +221,78 @@ class S3Store(ObjectStore):
             endpoint_url=self.endpoint_url,
             region_name=config.region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
             config=Config(
-                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                # total_max_attempts counts the first try; botocore's `max_attempts` counts only the retries.
+                retries={"total_max_attempts": config.max_attempts, "mode": "standard"},
                 connect_timeout=config.connect_timeout_s,
                 read_timeout=60,
             ),
         )
+        # Every attempt after a call's first is a retry (botocore numbers them in the request's context).
+        self._client.meta.events.register("request-created.s3", _count_botocore_retry)
+        self.max_attempts = config.max_attempts
         threshold = config.multipart_threshold_mb * 1024 * 1024
-        self._transfer = TransferConfig(multipart_threshold=threshold, multipart_chunksize=threshold)
+        # One attempt per download inside s3transfer: a cut-off download is retried (and counted) by
+        # `_retry_cut_read`, not silently by s3transfer's own loop.
+        self._transfer = TransferConfig(multipart_threshold=threshold, multipart_chunksize=threshold,
+                                        num_download_attempts=1)
 
     def _call(self, what: str, uri: str, fn, *args, **kwargs):
-        from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
+        from boto3.exceptions import S3UploadFailedError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectionClosedError,
+            ParamValidationError,
+            ReadTimeoutError,
+        )
 
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except S3UploadFailedError as exc:  # upload_file wraps the ClientError: classify that one
+                if isinstance(exc.__context__, ClientError):
+                    raise exc.__context__ from None
+                raise StorageError(f"{what} {uri} failed: {exc}") from None
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             if code in ("404", "NoSuchKey", "NotFound"):
                 raise StorageError(f"{uri}: no such object") from None
             if code == "NoSuchBucket":
                 raise StorageError(f"{uri}: bucket does not exist; create it or fix storage.root") from None
-            raise StorageError(f"{what} {uri} failed: {code}: {exc}") from None
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            error = TransientStorageError if code in _TRANSIENT_CODES or status >= 500 else StorageError
+            raise error(f"{what} {uri} failed: {code}: {exc}") from None
         except ParamValidationError as exc:
             raise StorageError(f"{what} {uri}: invalid S3 request ({exc})") from None
+        except (ConnectionClosedError, ReadTimeoutError) as exc:  # it answered before: not a wrong endpoint
+            where = self.endpoint_url or "the default AWS endpoint"
+            raise TransientStorageError(f"{what} {uri} failed: the connection to {where} broke in each of "
+                                        f"{self.max_attempts} attempts ({exc})") from None
         except BotoCoreError as exc:
             where = self.endpoint_url or "the default AWS endpoint"
             raise StorageError(
                 f"{what} {uri} failed: cannot reach S3 at {where} ({exc}); "
                 "check storage.endpoint_url / AWS_ENDPOINT_URL_S3 and that the server is up"
             ) from None
+
+    def _retry_cut_read(self, what: str, uri: str, read: Callable[[], object]) -> object:
+        """Run `read` (request and body), again when the body is cut off: botocore retries only until the
+        response headers arrive, so a connection lost mid-body would otherwise fail the stage at once."""
+        from boto3.exceptions import RetriesExceededError  # download_file's, for s3transfer's
+        from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
+
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return read()
+            except (IncompleteReadError, ReadTimeoutError, ResponseStreamingError, RetriesExceededError) as exc:
+                if attempt == self.max_attempts:
+                    raise TransientStorageError(
+                        f"{what} {uri} failed: the response was cut off in each of {attempt} attempts "
+                        f"(last: {exc}); check the connection to {self.endpoint_url or 'S3'} or raise "
+                        "storage.max_attempts") from None
+                _count_retry(what)
+                time.sleep(random.uniform(0, min(0.05 * 2**attempt, 2.0)))  # jittered backoff, like botocore's
+        raise AssertionError("unreachable")
 
     def put_file(self, local_path: Path, uri: str) -> None:
         loc = _s3_location(uri)
@@ -230,15 +305,19 @@ class S3Store(ObjectStore):
 
     def get_bytes(self, uri: str) -> bytes:
         loc = _s3_location(uri)
-        response = self._call("get", uri, self._client.get_object, Bucket=loc.bucket, Key=loc.key)
-        return response["Body"].read()
+
+        def read() -> bytes:
+            response = self._call("get", uri, self._client.get_object, Bucket=loc.bucket, Key=loc.key)
+            return response["Body"].read()
+
+        return self._retry_cut_read("get", uri, read)
 
     def get_file(self, uri: str, local_path: Path) -> None:
         loc = _s3_location(uri)
         Path(local_path).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(str(local_path) + ".part")
-        self._call("download", uri, self._client.download_file, loc.bucket, loc.key, str(tmp),
-                   Config=self._transfer)
+        self._retry_cut_read("download", uri, lambda: self._call(
+            "download", uri, self._client.download_file, loc.bucket, loc.key, str(tmp), Config=self._transfer))
         os.replace(tmp, local_path)
 
     def exists(self, uri: str) -> bool:
@@ -274,6 +353,11 @@ class S3Store(ObjectStore):
         except StorageError as exc:
             if "BucketAlreadyOwnedByYou" not in str(exc) and "BucketAlreadyExists" not in str(exc):
                 raise
+
+
+def _count_botocore_retry(request, operation_name: str, **_) -> None:
+    if request.context.get("retries", {}).get("attempt", 1) > 1:
+        _count_retry(operation_name)
 
 
 def open_store(uri: str, config: StorageConfig | None = None) -> ObjectStore:

@@ -27,7 +27,7 @@ from alignflow.stages import ranks
 from alignflow.stages.data.formats import DataError
 from alignflow.stages.profiler import Profiler
 from alignflow.stages.warm import stage_module
-from alignflow.storage import StorageError, open_store
+from alignflow.storage import StorageError, TransientStorageError, open_store, storage_retries
 
 
 class StageInputError(ValueError):
@@ -138,6 +138,7 @@ class StageContext:
                            inputs=inputs, version=self.spec.code_version, summary=summary,
                            storage=self.spec.storage)
         if self.tracker is not None:
+            self.tracker.log_metrics(self.storage_metrics())
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "manifest.json"
                 path.write_text(manifest.model_dump_json(indent=2))
@@ -145,10 +146,16 @@ class StageContext:
             self.tracker.set_tags({"alignflow.output_uri": manifest.uri, "alignflow.output_digest": manifest.digest})
         return manifest
 
+    @staticmethod
+    def storage_metrics() -> dict[str, float]:
+        """`storage/retries`: object-store calls this process retried (transient S3 faults it survived)."""
+        return {"storage/retries": float(sum(storage_retries().values()))}
+
     def result(self, manifest: Manifest, metrics: dict[str, float], key_metric: str | None,
                message: str = "") -> StageResult:
         return StageResult(stage=self.spec.stage, status="ok", output_uri=manifest.uri,
-                           manifest_digest=manifest.digest, metrics=metrics, key_metric=key_metric,
+                           manifest_digest=manifest.digest, metrics={**metrics, **self.storage_metrics()},
+                           key_metric=key_metric,
                            mlflow_run_id=self.tracker.run_id if self.tracker else None,
                            duration_s=round(time.perf_counter() - self.started, 3), message=message)
 
@@ -220,6 +227,10 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
                     _print_failure(stage, failure, started, code)
                 return code
             result = run(spec)
+    except TransientStorageError as exc:  # the store's fault, and it passes: exit 1, so the flow retries later
+        print(f"error: {stage}: {exc}", file=sys.stderr, flush=True)
+        _print_failure(stage, str(exc), started, 1)
+        return 1
     except BAD_INPUT_ERRORS as exc:
         print(f"error: {stage}: {exc}", file=sys.stderr, flush=True)
         _print_failure(stage, str(exc), started, 2)
