@@ -8,6 +8,7 @@ retried here. Every retry is counted (`storage_retries()`), and stages report th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -136,6 +137,17 @@ def _file_path(uri: str) -> Path:
     return Path(uri[len("file://"):] if uri.startswith("file://") else uri)
 
 
+@contextlib.contextmanager
+def _removed_on_failure(tmp: str) -> Iterator[None]:
+    """Delete the temp file of an atomic write that failed (a full disk, say) instead of leaving half of it."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 class LocalStore(ObjectStore):
     """A directory tree on this machine; writes go to a temp file then os.replace (atomic per file)."""
 
@@ -148,16 +160,18 @@ class LocalStore(ObjectStore):
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
         os.close(fd)
-        shutil.copyfile(local_path, tmp)
-        os.replace(tmp, dest)
+        with _removed_on_failure(tmp):
+            shutil.copyfile(local_path, tmp)
+            os.replace(tmp, dest)
 
     def put_bytes(self, data: bytes, uri: str) -> None:
         dest = _file_path(uri)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, dest)
+        with _removed_on_failure(tmp):
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, dest)
 
     def get_bytes(self, uri: str) -> bytes:
         path = _file_path(uri)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -212,6 +213,7 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
     started = time.perf_counter()
     if ranks.launched():
         ranks.die_with_launcher()
+    spec = None
     try:
         spec = load_spec(args.spec)
         if spec.stage != stage:
@@ -240,12 +242,38 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
         _print_failure(stage, "interrupted", started, 130)
         return 130
     except Exception as exc:  # a crash: full traceback for the logs, one line in the result
+        if _disk_full(exc):  # not a bug: say where, and what to do, without a traceback
+            where = (spec.output_uri if spec is not None else None) or "the output folder"
+            message = (f"no space left on device while writing {where} ({type(exc).__name__}: {exc}); "
+                       f"{_free_space(spec)}free space there or point storage.root (and workdir) at a larger disk; "
+                       "nothing was published")
+            print(f"error: {stage}: {message}", file=sys.stderr, flush=True)
+            _print_failure(stage, message, started, 1)
+            return 1
         traceback.print_exc()
         _print_failure(stage, f"{type(exc).__name__}: {exc}", started, 1)
         return 1
     sys.stdout.flush()
     _report(result.to_line(), 0)
     return 0
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """ENOSPC, raised as OSError or wrapped by a writer (safetensors: "IoError(... StorageFull ...)")."""
+    while exc is not None:
+        if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _free_space(spec: StageSpec | None) -> str:
+    """"N bytes free in <dir>; " for the disk the output is written on (s3:// outputs: the workdir's scratch)."""
+    if spec is None:
+        return ""
+    local = open_store(spec.output_uri, spec.storage).local_path(spec.output_uri) or Path(spec.workdir)
+    folder = next((p for p in [local, *local.parents] if p.exists()), None)
+    return f"{shutil.disk_usage(folder).free} bytes free in {folder}; " if folder is not None else ""
 
 
 def _report(line: str, code: int) -> None:

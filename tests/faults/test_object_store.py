@@ -75,6 +75,7 @@ def faulty_pipeline_config(workdir, bucket, endpoint, stages=("data", "base", "s
                         storage={"root": f"s3://{bucket}/runs", "endpoint_url": endpoint, **storage})
 
 
+@pytest.mark.slow
 def test_pipeline_finishes_through_s3_faults_with_verified_outputs_and_counted_retries(
         tmp_path, prefect_harness, s3_bucket, fault_proxy):
     endpoint, bucket = s3_bucket
@@ -97,6 +98,7 @@ def test_pipeline_finishes_through_s3_faults_with_verified_outputs_and_counted_r
     assert logged["storage/retries"] == retries["sft"]
 
 
+@pytest.mark.slow
 def test_faults_outlasting_the_retries_name_the_object_and_publish_nothing_partial(
         tmp_path, prefect_harness, s3_bucket, fault_proxy):
     """The data stage's first two uploads get through, then every PUT fails: the stage stops naming the object,
