@@ -21,6 +21,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from alignflow import console  # noqa: E402
 from alignflow.config import ConfigError, PipelineConfig, load_config  # noqa: E402
 from alignflow.contract import RUN_STARTED_AT_VAR  # noqa: E402
 from alignflow.offline import set_offline_defaults  # noqa: E402
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("config", type=Path, help="pipeline YAML, e.g. configs/tiny.yaml")
         cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set sft.lr=1e-4 (repeatable)")
+        cmd.add_argument("--verbose", action="store_true",
+                         help="show other libraries' logs, warnings and progress bars too (in the stages as well: "
+                              f"sets {console.VERBOSE_VAR}=1)")
         cmd.set_defaults(fn=fn)
     ui = sub.add_parser("ui", help="start a local Prefect server and MLflow UI on 127.0.0.1 and print their URLs")
     ui.add_argument("--workdir", type=Path, default=Path("."), help="where mlflow.db lives (default: .)")
@@ -138,8 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    set_offline_defaults()
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):
+        console.set_verbose()
+    set_offline_defaults()
+    console.quiet()  # before Prefect, MLflow or a stage process starts: they inherit the switches
     try:
         return args.fn(args)
     except ConfigError as exc:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from alignflow import console
 from alignflow.config import ConfigError
 from alignflow.contract import LAUNCHED_AT_VAR, REUSED_MESSAGE, StageResult, StageSpec
 from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
@@ -205,6 +206,7 @@ def already_published(spec: StageSpec) -> StageResult | None:
 def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[str] | None = None) -> int:
     """Parse `--spec`, call `run`, print the StageResult JSON last; exit 2 on bad input, 1 on a crash."""
     set_offline_defaults()
+    console.quiet()  # other libraries' noise off unless ALIGNFLOW_VERBOSE (alignflow run --verbose)
     parser = argparse.ArgumentParser(prog=f"python -m alignflow.stages.{stage}",
                                      description=f"alignflow '{stage}' stage")
     parser.add_argument("--spec", required=True, help="Path or URI of the stage spec (JSON).")

@@ -19,6 +19,8 @@ import json
 import os
 import sys
 
+from alignflow import console
+
 # The heavy imports every ML stage makes, in the order they come. Measured with `python -X importtime` on
 # the 2-core box after torch and transformers: transformers' weight-loading machinery 0.6 s, MLflow and its
 # SQL store 0.9 s, the tokenizer classes ~0.5 s; the stage modules themselves ~0.1 s each.
@@ -71,6 +73,7 @@ def run_request(line: str) -> int:
 
 
 def main() -> int:
+    console.quiet()  # before the imports: some libraries read their switches then
     warm_up()
     line = sys.stdin.readline()
     if not line.strip():  # the flow ended without using this process

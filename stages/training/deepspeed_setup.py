@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from alignflow import console
+
 
 def init_distributed() -> None:
     """Initialise torch.distributed once: env:// under a launcher, an in-memory store for one process.
@@ -36,7 +38,8 @@ def init_distributed() -> None:
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             os.environ[name] = value  # DeepSpeed reads these even when the group already exists
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    with console.library_stdout():  # DeepSpeed prints "deepspeed_shm_comm_op built successfully" here
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
 @dataclass(frozen=True)
