@@ -172,9 +172,9 @@ class MetricSender:
 
     Why a thread: one log_batch of an RL iteration's ~45 metrics took 61-64 ms median, 106-125 ms max, on
     the SQLite store of the loaded 2-core box, against 0.3-0.6 s iterations of configs/tiny.yaml (10-20 %
-    of each); queueing them takes 0.12 ms median. When the store is slower than the loop, whatever is queued goes out in
-    one call (up to 1000 metrics). A failure is raised by the next `send`, `flush` or `close`, as a
-    synchronous log would have raised it, so a run never silently loses its curves.
+    of each); queueing them takes 0.12 ms median. When the store is slower than the loop, whatever is
+    queued meanwhile goes out in one call (up to 1000 metrics). A failure is raised by the next `send`,
+    `flush` or `close`, as a synchronous log would have raised it, so a run never silently loses its curves.
     """
 
     def __init__(self, client, run_id: str):
@@ -281,7 +281,11 @@ def stage_run(uri: str, experiment: str, stage: str, parent_run_id: str | None, 
             handle.close()
         client.set_terminated(run_id, status="FAILED")
         raise
-    handle.close()
+    try:
+        handle.close()  # the last metrics are in before the run shows FINISHED
+    except BaseException:
+        client.set_terminated(run_id, status="FAILED")
+        raise
     client.set_terminated(run_id, status="FINISHED")
 
 
