@@ -284,7 +284,7 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
             mb = mb.trimmed() if fast else mb
             with precision.forward():
                 logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode,
-                                                head_on_response_only=fast)
+                                                head_on_response_only=fast, lean=fast)
             if take_old:  # the one minibatch of epoch 1, before any step: its log-probs are the old ones
                 measured = float(((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max())
                 mb.old_logprobs = logp.detach()
@@ -312,7 +312,7 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
             actor.step()
             if critic is not None:
                 with precision.forward():
-                    values = token_values(critic, mb)
+                    values = token_values(critic, mb, lean=fast)
                 value_loss, value_metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
                                                                   cfg.value_clip_range)
                 check_finite("the value loss", value_loss, iteration)
@@ -587,13 +587,13 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     with torch.no_grad(), precision.forward():
         if with_reference:
             with profiler.phase("reference"):
-                exp.ref_logprobs = policy_logprobs(reference, exp, cfg.temperature)[0]
+                exp.ref_logprobs = policy_logprobs(reference, exp, cfg.temperature, lean=cfg.fast_train_step)[0]
         if source == "recompute":
             with profiler.phase("old_logprobs"):
-                exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature)[0]
+                exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature, lean=cfg.fast_train_step)[0]
         if critic is not None:
             with profiler.phase("values"):
-                exp.values = token_values(critic.module, exp)
+                exp.values = token_values(critic.module, exp, lean=cfg.fast_train_step)
     if off_policy:
         exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
                                                      cfg.async_weight_cap)
@@ -625,7 +625,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                   file=sys.stderr, flush=True)
             state.old_logprobs_fallback, source = True, "recompute"
             with torch.no_grad(), precision.forward():
-                exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature)[0]
+                exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature, lean=cfg.fast_train_step)[0]
             _advantages(exp, cfg, kl_coef, with_reference, iteration)
             seq_kl = rl.sequence_kl(exp.kl, mask)
             loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)

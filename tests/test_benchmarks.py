@@ -191,3 +191,11 @@ def test_training_ranks_reports_every_variant_with_agreeing_losses(tmp_path):
     assert all(r["seconds_per_step"] > 0 and r["tokens_per_s"] > 0 and r["steps"] >= 1 for r in rows.values())
     assert all(r["eval_loss"] == pytest.approx(rows["1 rank"]["eval_loss"], rel=1e-5) for r in rows.values())
     assert result["cores"] == os.cpu_count()
+
+
+def test_training_forward_times_both_forwards_and_they_agree():
+    result = json.loads(_run("training_forward.py", "--rounds", "1", "--models", "demo", "--json"))
+    rows = {r["what"]: r for r in result["rows"]}
+    assert set(rows) == {"train step", "no-grad forward"}
+    assert all(r["plain_ms"] > 0 and r["lean_ms"] > 0 and r["cpu_ratio"] > 0 for r in rows.values())
+    assert all(r["max_abs_diff"] < 1e-4 and r["tokens"] > 16 * 20 for r in rows.values())

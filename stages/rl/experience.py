@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from alignflow.kernels import entropy_from_logits, logprobs_and_entropy, selective_log_softmax
-from alignflow.stages.training.lora import unwrap_lora
+from alignflow.stages.training import llama_forward
+from alignflow.stages.training.lora import AdaptersDisabled, unwrap_lora
 
 
 @dataclass
@@ -92,14 +93,35 @@ def assemble(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id:
     return input_ids, attention_mask, position_ids, response, response_mask, width_p
 
 
+def _lean_backbone(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(HF model, its backbone) when llama_forward runs it exactly, else None (transformers' forward is used).
+
+    `model` may be a training engine (DeepSpeed or TorchTrainEngine: `.module`), a peft model or a plain HF
+    model. The reference under LoRA (AdaptersDisabled) and compiled backbones keep their own forward.
+    """
+    if isinstance(model, AdaptersDisabled):
+        return None
+    hf = unwrap_lora(getattr(model, "module", model))
+    backbone = getattr(hf, "base_model", None)
+    if backbone is None or backbone is hf or getattr(backbone, "_compiled_call_impl", None) is not None:
+        return None
+    return (hf, backbone) if llama_forward.supports(backbone) is None else None
+
+
 def _response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, width_p: int,
-                     head_on_response_only: bool = True) -> Tensor:
+                     head_on_response_only: bool = True, lean: bool = False) -> Tensor:
     """(B, R, V) logits at the columns that predict the response tokens.
 
     head_on_response_only: only the last R+1 positions go through the LM head (`logits_to_keep`); the
     prompt's columns would be computed and thrown away (the 2048 x 256 head of the RL benchmark model is
     ~11% of its flops). False: the whole sequence, the plain reference.
+    lean: the backbone through llama_forward (fewer operator calls) where it supports the model.
     """
+    resolved = _lean_backbone(model) if lean and head_on_response_only else None
+    if resolved is not None:
+        hf, backbone = resolved
+        hidden = llama_forward.llama_hidden_states(backbone, input_ids, attention_mask, position_ids)
+        return hf.lm_head(hidden[:, width_p - 1:-1])
     if not head_on_response_only:
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
                      ).logits[:, width_p - 1:-1]
@@ -113,7 +135,7 @@ ENTROPY_MODES = ("none", "loss", "metric")
 
 
 def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "none",
-                    head_on_response_only: bool = True) -> tuple[Tensor, Tensor | None]:
+                    head_on_response_only: bool = True, lean: bool = False) -> tuple[Tensor, Tensor | None]:
     """log pi(response token) under logits / temperature, (B, R); and the entropy (B, R) if asked.
 
     entropy: "none"; "loss" (differentiable: the entropy bonus needs it); "metric" (no grad: for
@@ -123,7 +145,7 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
     if entropy not in ENTROPY_MODES:
         raise ValueError(f"entropy mode '{entropy}' is not one of {', '.join(ENTROPY_MODES)}")
     logits = _response_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids, exp.prompt_width,
-                              head_on_response_only)
+                              head_on_response_only, lean)
     if entropy == "loss":
         logp, ent = logprobs_and_entropy(logits, exp.response_ids, temperature=temperature)
         return logp * exp.response_mask, ent * exp.response_mask
@@ -134,14 +156,18 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
     return logp, None
 
 
-def token_values(critic, exp: Experience) -> Tensor:
+def token_values(critic, exp: Experience, lean: bool = False) -> Tensor:
     """(B, R) critic values V(s_t) read before each response token, from a sequence-classification model.
 
     The critic is a separate model initialised from a reward model: its backbone's hidden states go
-    through its scalar `score` head at every position, not only the last.
+    through its scalar `score` head at every position, not only the last. lean: as in policy_logprobs.
     """
     model = unwrap_lora(getattr(critic, "module", critic))  # under a training engine, then under LoRA adapters
-    hidden = model.base_model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
-                              position_ids=exp.position_ids).last_hidden_state
+    if lean and _lean_backbone(model) is not None:
+        hidden = llama_forward.llama_hidden_states(model.base_model, exp.input_ids, exp.attention_mask,
+                                                   exp.position_ids)
+    else:
+        hidden = model.base_model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
+                                  position_ids=exp.position_ids).last_hidden_state
     values = model.score(hidden).squeeze(-1).float()
     return values[:, exp.prompt_width - 1:-1] * exp.response_mask

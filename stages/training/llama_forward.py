@@ -1,0 +1,109 @@
+"""A Llama-family training forward with a fraction of transformers' operator calls, over the HF modules' own parameters.
+
+Why: the demo's RL step trains a 64-wide, 2-layer model, where a forward and backward are a few
+hundred tiny operator calls and Python, not arithmetic, sets the time. transformers' LlamaModel
+spends much of them outside the math: the mask factory, the rotary module (cos/sin recomputed per
+call), per-layer attention dispatch, repeat_kv copies for GQA, output records. This forward does the
+same arithmetic in fewer calls: cos/sin gathered from a cached table, one additive mask shared by
+every layer, F.rms_norm, SDPA with native GQA (measured in tests/stages/training/test_llama_forward.py
+and benchmarks/rl_setup.py --lean).
+
+Same parameters, same module calls for every linear and the embedding, so LoRA adapters (peft wraps
+those modules), DeepSpeed ZeRO-1/2 and checkpoints see nothing different; it returns what
+`model.base_model(...).last_hidden_state` would. Exact up to float summation order (fp32: ~1e-6;
+the parity test states the measured bound). What it is not: a general model runner. `supports`
+refuses (so callers keep transformers' forward) ZeRO-3 (parameters are gathered by module hooks this
+code would bypass for the norms), attention dropout in training, and every architecture the native
+engine's spec refuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from alignflow.stages.generation.base import UnsupportedArchitectureError
+from alignflow.stages.generation.native.model import apply_rope, rms_norm
+from alignflow.stages.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
+
+_TABLES: dict[int, tuple[LlamaFamilySpec, Tensor, Tensor]] = {}
+
+
+def supports(backbone: Any) -> str | None:
+    """None when `llama_hidden_states` runs this backbone exactly; else why not (one phrase)."""
+    config = getattr(backbone, "config", None)
+    if config is None or not hasattr(backbone, "layers") or not hasattr(backbone, "embed_tokens"):
+        return "not a transformers Llama-family backbone"
+    try:
+        spec_from_hf_config(config, config.max_position_embeddings)
+    except UnsupportedArchitectureError as exc:
+        return str(exc).split(": ", 1)[-1].split(". Use")[0]
+    if backbone.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return f"attention_dropout={config.attention_dropout} in training"
+    if any(hasattr(p, "ds_id") for p in backbone.parameters()):
+        return "DeepSpeed ZeRO-3 partitions the parameters (gathered by module hooks)"
+    return None
+
+
+def _spec_and_rope(config: Any, device: torch.device) -> tuple[LlamaFamilySpec, Tensor, Tensor]:
+    """The spec and cos/sin tables [max_position_embeddings, head_dim], built once per config object."""
+    key = id(config)
+    if key not in _TABLES or _TABLES[key][1].device != device:
+        spec = spec_from_hf_config(config, config.max_position_embeddings)
+        cos, sin = rope_tables(config, spec, config.max_position_embeddings)
+        _TABLES[key] = (spec, cos.to(device), sin.to(device))
+    return _TABLES[key]
+
+
+def attention_biases(spec: LlamaFamilySpec, attention_mask: Tensor, dtype: torch.dtype) -> dict[int | None, Tensor]:
+    """Additive masks [B, 1, T, T] per distinct sliding window: query i sees key j when j <= i, j is a
+    real token and i - j < window. Every position also sees itself, so a padding row is never empty
+    (empty rows give NaN, and padding outputs feed nothing real: real queries never see padding keys)."""
+    width = attention_mask.shape[1]
+    slots = torch.arange(width, device=attention_mask.device)
+    i, j = slots[:, None], slots[None, :]
+    base = (j <= i)[None] & attention_mask.bool()[:, None, :]
+    biases = {}
+    for window in set(spec.sliding_windows):
+        allowed = base if window is None else base & (i - j < window)[None]
+        allowed = (allowed | (i == j)[None]).unsqueeze(1)
+        biases[window] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, float("-inf"))
+    return biases
+
+
+def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    """The final-norm hidden states [B, T, H] of a transformers Llama/Qwen2/Mistral backbone (`model.model`).
+
+    Callers check `supports(backbone)` first. Arithmetic as transformers': RMSNorm in float32, rotate-half
+    RoPE with the same tables, softmax(QK^T * scaling + mask) V, SwiGLU MLP.
+    """
+    config = backbone.config
+    spec, cos_table, sin_table = _spec_and_rope(config, input_ids.device)
+    batch, width = input_ids.shape
+    x = backbone.embed_tokens(input_ids)
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+    # [B, T, 1, D]: broadcast over heads in the [B, T, heads, D] layout the projections come out in.
+    cos = cos_table[position_ids].to(dtype)[:, :, None]
+    sin = sin_table[position_ids].to(dtype)[:, :, None]
+    biases = attention_biases(spec, attention_mask, dtype)
+    heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    eps = spec.rms_norm_eps
+    for index, layer in enumerate(backbone.layers):
+        attention = layer.self_attn
+        h = rms_norm(x, layer.input_layernorm.weight, eps)
+        q = apply_rope(attention.q_proj(h).view(batch, width, heads, head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(attention.k_proj(h).view(batch, width, kv_heads, head_dim), cos, sin).transpose(1, 2)
+        v = attention.v_proj(h).view(batch, width, kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=biases[spec.sliding_windows[index]],
+                                           scale=attention.scaling, enable_gqa=kv_heads != heads)
+        x = x + attention.o_proj(o.transpose(1, 2).reshape(batch, width, heads * head_dim))
+        h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
+        mlp = layer.mlp
+        x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+    return rms_norm(x, backbone.norm.weight, eps)

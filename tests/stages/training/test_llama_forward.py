@@ -1,0 +1,157 @@
+"""llama_forward gives transformers' hidden states, logits and gradients on every Llama-family variant the
+native engine runs, on batches with left-padded prompts and right-padded responses (the RL layout),
+and refuses what it does not run exactly.
+
+Tolerances: fp32 max |diff| measured 2.0e-6 (hidden states) and 1.3e-6 (gradients, relative to the largest
+gradient) on these models; the bounds below are ~10x that and still 1000x below what a wrong mask,
+RoPE position or GQA grouping moves (>1e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
+from alignflow.stages.training import llama_forward
+from alignflow.stages.training.lora import AdaptersDisabled
+from tests.stages.generation.engine_test_models import ARCHITECTURES, random_prompts, tiny_config
+
+HIDDEN_FP32 = 2e-5
+GRAD_FP32 = 1e-5  # relative to the largest |gradient| of the parameter
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def rl_batch(seed: int = 0, rows: int = 5, vocab: int = 256) -> Experience:
+    """Prompts of 1-13 tokens (left-padded) and responses of 0-9 tokens (right-padded)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = random_prompts(rows, seed=seed, vocab=vocab)
+    responses = [torch.randint(3, vocab, (int(n),), generator=generator).tolist()
+                 for n in torch.randint(0, 10, (rows,), generator=generator)]
+    responses[0] = torch.randint(3, vocab, (9,), generator=generator).tolist()  # one full-width response
+    input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(prompts, responses, 0)
+    zeros = torch.zeros_like(mask)
+    return Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      response_ids=response_ids, response_mask=mask, rollout_logprobs=zeros, old_logprobs=zeros,
+                      ref_logprobs=zeros, values=None, scores=torch.zeros(rows), token_rewards=zeros, kl=zeros,
+                      advantages=zeros, returns=None, prompt_width=width_p)
+
+
+def causal_lm(name: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(name, **overrides), attn_implementation="eager")
+    with torch.no_grad():  # transformers initialises biases to zero: a misplaced bias would change nothing
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def grads_of(model, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(lean: dict[str, torch.Tensor], plain: dict[str, torch.Tensor]) -> None:
+    assert lean.keys() == plain.keys()
+    for name, grad in plain.items():
+        scale = float(grad.abs().max()) or 1.0
+        assert float((lean[name] - grad).abs().max()) <= GRAD_FP32 * scale, name
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_hidden_states_and_gradients_match_transformers(name):
+    model = causal_lm(name)
+    assert llama_forward.supports(model.model) is None
+    exp = rl_batch()
+    real = exp.attention_mask.bool()
+    plain = model.model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
+                        position_ids=exp.position_ids).last_hidden_state
+    lean = llama_forward.llama_hidden_states(model.model, exp.input_ids, exp.attention_mask, exp.position_ids)
+    assert lean.shape == plain.shape
+    assert float((lean - plain)[real].abs().max()) <= HIDDEN_FP32
+    assert torch.isfinite(lean).all()  # padding rows attend to themselves: no NaN to leak through 0 * NaN
+
+    # The RL loss's gradients through policy_logprobs, with and without the lean forward.
+    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
+    lean_grads = grads_of(model, (policy_logprobs(model, exp, 0.7, lean=True)[0] * weights).sum())
+    plain_grads = grads_of(model, (policy_logprobs(model, exp, 0.7, lean=False)[0] * weights).sum())
+    assert_grads_close(lean_grads, plain_grads)
+
+
+def test_critic_values_match_transformers():
+    torch.manual_seed(0)
+    critic = AutoModelForSequenceClassification.from_config(
+        tiny_config("llama_gqa_tied_llama3", num_labels=1), attn_implementation="eager")
+    exp = rl_batch(seed=1)
+    plain = token_values(critic, exp, lean=False)
+    lean = token_values(critic, exp, lean=True)
+    assert float((lean - plain).abs().max()) <= HIDDEN_FP32
+    assert_grads_close(grads_of(critic, lean.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum()))
+
+
+def test_lora_adapters_run_in_the_lean_forward_and_the_reference_keeps_transformers():
+    from peft import LoraConfig, get_peft_model
+
+    model = causal_lm("llama_mha_untied")
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():  # LoRA's B starts at zero: make the adapters change the output
+        for param_name, param in peft_model.named_parameters():
+            if "lora_B" in param_name:
+                param.normal_(0.0, 0.1)
+    exp = rl_batch(seed=2)
+    lean = policy_logprobs(peft_model, exp, 1.0, lean=True)[0]
+    plain = policy_logprobs(peft_model, exp, 1.0, lean=False)[0]
+    assert float((lean - plain).abs().max()) <= HIDDEN_FP32
+    reference = policy_logprobs(AdaptersDisabled(peft_model), exp, 1.0, lean=True)[0]
+    assert float((reference - lean).abs().max()) > 1e-2  # the adapters are off in the reference
+    assert_grads_close(grads_of(peft_model, policy_logprobs(peft_model, exp, 1.0, lean=True)[0].sum()),
+                       grads_of(peft_model, policy_logprobs(peft_model, exp, 1.0, lean=False)[0].sum()))
+
+
+def test_bf16_autocast_stays_within_bf16_rounding():
+    model = causal_lm("llama_gqa_tied_llama3")
+    exp = rl_batch(seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lean = policy_logprobs(model, exp, 1.0, lean=True)[0]
+        plain = policy_logprobs(model, exp, 1.0, lean=False)[0]
+    fp32 = policy_logprobs(model, exp, 1.0, lean=False)[0]
+    # Both are bf16 computations of the fp32 value: neither is further from it than bf16 noise.
+    bf16_noise = float((plain - fp32).abs().max())
+    assert float((lean - fp32).abs().max()) <= 2 * bf16_noise + 1e-3
+
+
+def test_refuses_what_it_does_not_run_exactly():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    assert llama_forward.supports(gpt2.transformer) is not None  # not a Llama-family backbone
+
+    gelu = causal_lm("llama_mha_untied", hidden_act="gelu")
+    assert "hidden_act" in llama_forward.supports(gelu.model)
+
+    dropout = causal_lm("llama_mha_untied", attention_dropout=0.1)
+    assert llama_forward.supports(dropout.model.eval()) is None  # no dropout in eval
+    assert "attention_dropout" in llama_forward.supports(dropout.model.train())
+
+
+def test_unsupported_models_fall_back_to_transformers_forward():
+    model = causal_lm("llama_mha_untied", hidden_act="gelu")
+    exp = rl_batch(seed=4)
+    fallback = policy_logprobs(model, exp, 1.0, lean=True)[0]  # would raise inside llama_forward if taken
+    assert torch.equal(fallback, policy_logprobs(model, exp, 1.0, lean=False)[0])
+
+    model = causal_lm("llama_mha_untied")
+    model.model.compile()  # compile_train: the compiled backbone keeps its own (compiled) forward
+    from alignflow.stages.rl.experience import _lean_backbone
+
+    assert _lean_backbone(model) is None
