@@ -347,6 +347,9 @@ class PPOConfig(Section):
     lora: LoRAConfig = Field(
         default_factory=LoRAConfig, description="Low-rank adapters on the actor and the critic (its value head is "
         "trained whole); the engine's refit then sends only the merged weights of adapted modules.")
+    resources: ResourcesConfig = Field(
+        default_factory=ResourcesConfig, description="Trainer ranks (torchrun, one node): rank 0 generates and "
+        "scores, every rank trains on its share of each minibatch, DeepSpeed averages the gradients.")
 
     @field_validator("autocast", mode="before")
     @classmethod
@@ -360,6 +363,16 @@ class PPOConfig(Section):
             raise ValueError("ppo.group_size must be >= 2 when ppo.algorithm is 'grpo'")
         if self.reward_function_weights and len(self.reward_function_weights) != len(self.reward_functions):
             raise ValueError("ppo.reward_function_weights must have one weight per entry of ppo.reward_functions")
+        world = self.resources.world_size
+        if world > 1:
+            rows = self.prompts_per_iteration * self.group_size
+            if self.resources.nnodes > 1:
+                raise ValueError("ppo.resources.nnodes must be 1: the RL trainer's ranks share one node (its checkpoint "
+                                 "folder is written by every rank); use nproc_per_node")
+            if self.minibatch_size % world or rows % self.minibatch_size:
+                raise ValueError(f"ppo.minibatch_size={self.minibatch_size} must be a multiple of the {world} trainer "
+                                 f"ranks (ppo.resources) and divide the {rows} rollouts of an iteration "
+                                 "(prompts_per_iteration x group_size), so every rank trains an equal share")
         return self
 
 

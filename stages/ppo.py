@@ -32,12 +32,13 @@ from alignflow.stages.data.demo_task import gold_score
 from alignflow.stages.data.formats import load_prompts, render_prompt
 from alignflow.stages.generation.base import SamplingParams, load_engine
 from alignflow.stages.models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
+from alignflow.stages.ranks import barrier, from_main, is_main, rank, sum_over_ranks, world_size
 from alignflow.stages.reward_scoring import load_reward_models, score_with_reward_models
 from alignflow.stages.rl import algorithms as rl
 from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
 from alignflow.stages.rl.kl_control import make_kl_controller
 from alignflow.stages.rl.reward_functions import call_reward_function, load_reward_function
-from alignflow.stages.rl.rollout_client import Rollout, RolloutClient, RolloutRequest
+from alignflow.stages.rl.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.rl.rollout_workers import RolloutWorkers
 from alignflow.stages.rollouts import write_rollouts
 from alignflow.stages.runtime import (
@@ -126,19 +127,26 @@ def save_checkpoint(ctx: StageContext, out: Path, state: RLState, actor, critic)
     name = f"iter_{state.iteration:05d}"
     folder = out / "checkpoints" / name
     folder.mkdir(parents=True, exist_ok=True)
-    actor.save_checkpoint(str(folder / "actor"), tag="state")
+    actor.save_checkpoint(str(folder / "actor"), tag="state")  # every rank: its optimizer shard (ZeRO)
     if critic is not None:
         critic.save_checkpoint(str(folder / "critic"), tag="state")
+    uri = join_uri(ctx.spec.output_uri, "checkpoints", name)
+    barrier()  # every rank's files are in the folder before rank 0 publishes it
+    if not is_main():
+        return uri
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, folder / "rng.pt")
     dump_json(state.to_json(), folder / "state.json")
-    uri = join_uri(ctx.spec.output_uri, "checkpoints", name)
     publish(folder, uri, stage="ppo-checkpoint", config=ctx.spec.config, inputs={}, version=ctx.spec.code_version,
             summary={"iteration": state.iteration}, storage=ctx.spec.storage)
     return uri
 
 
 def load_checkpoint(ctx: StageContext, uri: str, state: RLState, actor, critic) -> None:
-    folder, _ = materialize(uri, ctx.cache_dir, ctx.spec.storage)
+    if is_main():  # rank 0 fills the download cache first; the other ranks then find it there
+        folder, _ = materialize(uri, ctx.cache_dir, ctx.spec.storage)
+    barrier()
+    if not is_main():
+        folder, _ = materialize(uri, ctx.cache_dir, ctx.spec.storage)
     actor.load_checkpoint(str(folder / "actor"), tag="state")
     if critic is not None:
         critic.load_checkpoint(str(folder / "critic"), tag="state")
@@ -159,6 +167,8 @@ def working_dir(ctx: StageContext) -> Path:
     if local is None:
         local = ctx.workdir / ".alignflow" / "scratch" / ("ppo-" + ctx.spec.output_uri.rsplit("/", 1)[-1])
     local.mkdir(parents=True, exist_ok=True)
+    if not is_main():  # rank 0 clears what a killed run left; the others only write their checkpoint shards
+        return local
     leftovers = [str(p.relative_to(local)) for p in remove_unfinished_writes(local)]
     checkpoints = local / "checkpoints"
     for folder in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
@@ -234,6 +244,25 @@ class StaleOldLogprobs(Exception):
         self.measured = measured
 
 
+# Loss values that are a rank's share of the minibatch loss (normalised by the counts over all ranks).
+LOSS_SHARES = frozenset({"losses/policy_loss", "losses/actor_loss", "losses/value_loss"})
+
+
+def _max_over_ranks(value: float) -> float:
+    total = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+    return float(total)
+
+
+def _finite_on_every_rank(loss: torch.Tensor) -> torch.Tensor | float:
+    """`loss`, or NaN when any rank's loss is not finite, so that every rank stops alike (one rank raising
+    alone would leave the others waiting in the next collective)."""
+    if world_size() == 1:
+        return loss
+    bad = sum_over_ranks(0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0)[0]
+    return float("nan") if bad else loss
+
+
 def needs_reference(cfg: PPOConfig) -> bool:
     """The reference forward is skipped when the KL can play no part: coefficient 0, not adaptive, no metric asked."""
     return cfg.kl_coef > 0 or cfg.adaptive_kl or cfg.kl_metric
@@ -252,8 +281,8 @@ def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, row
     stale = state.old_logprobs_fallback or precision.autocast_dtype is not None  # autocast != the engine's dtype
     if cfg.old_logprobs == "auto" and not stale:
         return "engine"
-    if cfg.minibatch_size >= rows and not needs_reference(cfg):
-        return "first_forward"
+    if cfg.minibatch_size >= rows and not needs_reference(cfg) and world_size() == 1:
+        return "first_forward"  # (with N ranks each holds only its share of that minibatch)
     return "recompute"
 
 
@@ -266,6 +295,12 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
     The measured value is returned as rollout/logprob_engine_vs_actor_max.
     old_from_first_forward: fill `exp.old_logprobs` from the first minibatch's forward, which must hold
     every row (old_logprob_source's 'first_forward').
+
+    On N trainer ranks every rank holds the whole experience and trains on its contiguous 1/N of each
+    minibatch: the losses are normalised by the minibatch's token counts summed over the ranks and
+    multiplied by N (DeepSpeed averages the gradients over ranks), so the update equals one rank's on the
+    whole minibatch. Returned metrics equal one rank's: the loss values summed over ranks (each rank's is its
+    share of the minibatch loss), the per-token means (clip fractions, ratio, entropy...) token-weighted.
     """
     take_old = old_from_first_forward
     if take_old and cfg.minibatch_size < exp.scores.shape[0]:
@@ -274,18 +309,24 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
     count = 0
     measured: float | None = None
     rows = exp.scores.shape[0]
+    world = world_size()
     generator = torch.Generator().manual_seed(cfg.seed * 100_003 + iteration)
     fast = cfg.fast_train_step
     entropy_mode = "loss" if cfg.entropy_coef > 0 or not fast else "metric"
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(rows, generator=generator)
         for start in range(0, rows, cfg.minibatch_size):
-            mb = exp.select(order[start:start + cfg.minibatch_size])
+            index = order[start:start + cfg.minibatch_size]
+            if world > 1:  # this rank's share (minibatch_size is a multiple of the ranks: PPOConfig)
+                share = len(index) // world
+                index = index[rank() * share:(rank() + 1) * share]
+            mb = exp.select(index)
+            counts = rl.minibatch_token_counts(mb.response_mask) if world > 1 else None  # sums over ranks
             mb = mb.trimmed() if fast else mb
             with precision.forward():
                 logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode,
                                                 head_on_response_only=fast, lean=fast)
-            if take_old:  # the one minibatch of epoch 1, before any step: its log-probs are the old ones
+            if take_old:  # the one minibatch of epoch 1, before any step (one rank): its log-probs are the old ones
                 measured = float(((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max())
                 mb.old_logprobs = logp.detach()
                 exp.old_logprobs = torch.zeros_like(exp.response_mask)
@@ -293,36 +334,44 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 take_old = False
             elif check_old_tolerance is not None and measured is None:
                 measured = float(((logp.detach() - mb.old_logprobs).abs() * mb.response_mask).max())
+                if world > 1:  # every rank decides alike on the largest difference of any rank
+                    measured = _max_over_ranks(measured)
                 if not measured <= check_old_tolerance:
                     raise StaleOldLogprobs(measured)
             if cfg.algorithm == "grpo":
                 loss, metrics = rl.policy_loss_grpo(
                     logp, mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
                     kl_coef=kl_coef, kl_estimator="k3", dual_clip=cfg.dual_clip, entropy=entropy,
-                    entropy_coef=cfg.entropy_coef, token_weights=mb.behaviour_weights)
+                    entropy_coef=cfg.entropy_coef, token_weights=mb.behaviour_weights, counts=counts)
             else:
                 in_loss = not cfg.kl_in_reward
                 loss, metrics = rl.policy_loss_ppo(
                     logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range, dual_clip=cfg.dual_clip,
                     entropy=entropy, entropy_coef=cfg.entropy_coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
                     kl_coef=kl_coef if in_loss else 0.0, kl_estimator=cfg.kl_estimator,
-                    token_weights=mb.behaviour_weights)
-            check_finite("the policy loss", loss, iteration)
-            actor.backward(loss)
+                    token_weights=mb.behaviour_weights, counts=counts)
+            check_finite("the policy loss", _finite_on_every_rank(loss), iteration)
+            actor.backward(loss * world)
             actor.step()
             if critic is not None:
                 with precision.forward():
                     values = token_values(critic, mb, lean=fast)
                 value_loss, value_metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
-                                                                  cfg.value_clip_range)
-                check_finite("the value loss", value_loss, iteration)
-                critic.backward(cfg.vf_coef * value_loss)
+                                                                  cfg.value_clip_range, counts=counts)
+                check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
+                critic.backward(cfg.vf_coef * world * value_loss)
                 critic.step()
                 metrics = {**metrics, **value_metrics}
+            # N ranks: a per-token mean of this rank's share, weighted by its share of the minibatch's tokens
+            # (x N), so the mean over ranks below is the minibatch's mean.
+            weight = 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+                sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if key in LOSS_SHARES else weight)
             count += 1
     out = {key: value / count for key, value in sums.items()}
+    if world > 1:
+        totals = sum_over_ranks(*out.values())
+        out = {key: total if key in LOSS_SHARES else total / world for key, total in zip(out, totals, strict=True)}
     if measured is not None:
         out["rollout/logprob_engine_vs_actor_max"] = measured
     return out
@@ -368,7 +417,9 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         prompt_texts = [render_prompt(p.prompt, tokenizer) for p in prompts]
         prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
     with profiler.phase("load_models"):
-        reward_models = load_reward_models(ctx) if any(k.startswith("reward_") for k in spec.inputs) else []
+        # Rank 0 scores every rollout and sends the scores with it: only it loads the reward models.
+        reward_models = (load_reward_models(ctx) if is_main() and any(k.startswith("reward_") for k in spec.inputs)
+                         else [])
         actor_model = apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "ppo.lora")
         reference = None  # not even loaded when the KL plays no part (kl_coef 0)
         if needs_reference(cfg):
@@ -384,7 +435,8 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
     with profiler.phase("trainer_init"):
         steps = cfg.iterations * cfg.ppo_epochs * math.ceil(cfg.prompts_per_iteration * cfg.group_size
                                                             / cfg.minibatch_size)
-        common = dict(weight_decay=0.0, warmup_steps=0, total_steps=steps, micro_batch_size=cfg.minibatch_size,
+        common = dict(weight_decay=0.0, warmup_steps=0, total_steps=steps,
+                      micro_batch_size=cfg.minibatch_size // world_size(),  # each rank trains its share
                       grad_accum=1, zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=model_cfg.dtype,
                       schedule="constant")
         try:
@@ -411,7 +463,8 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                     unwrap_lora(trained.module).base_model.compile(dynamic=True)
         precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device,
                                       getattr(actor.module.config, "hidden_size", None))
-        print(f"{cfg.algorithm}: {backend} trainer, {attention} attention, forwards in {precision.label} "
+        print(f"{cfg.algorithm}: {backend} trainer{f' on {world_size()} ranks' if world_size() > 1 else ''}, "
+              f"{attention} attention, forwards in {precision.label} "
               f"({precision.reason}); reference forward "
               f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}; trains "
               f"{trainable:,} of {total:,} actor parameters"
@@ -423,7 +476,10 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                                      "perf/trainable_share": trainable / total})
     with profiler.phase("engine_load"):
         # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.
-        rollouts = open_rollouts(ctx, cfg, engine_cfg)
+        if world_size() > 1:  # rank 0 generates (and scores) for every trainer rank
+            rollouts = RanksRollouts(open_rollouts(ctx, cfg, engine_cfg) if is_main() else None, is_main(), from_main)
+        else:
+            rollouts = open_rollouts(ctx, cfg, engine_cfg)
     with closing(rollouts):  # every exit path closes it: no rollout worker process outlives the stage
         if resume is not None:
             load_checkpoint(ctx, resume[1], state, actor, critic)
@@ -438,8 +494,9 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         rollout_store = open_store(spec.output_uri, spec.storage)
         in_flight = None
         startup = startup_metrics(ctx)
-        print(f"{cfg.algorithm}: start-up " + ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s"
-                                                       for k, v in startup.items()), file=sys.stderr, flush=True)
+        if is_main():
+            print(f"{cfg.algorithm}: start-up " + ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s"
+                                                           for k, v in startup.items()), file=sys.stderr, flush=True)
         try:
             while state.iteration < cfg.iterations:
                 iteration = state.iteration + 1
@@ -458,9 +515,11 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                 state.history.append(metrics)
                 gold = f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics else ""
                 kl = f" kl {metrics['kl/mean']:.3f}" if "kl/mean" in metrics else ""
-                print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score {metrics['rollout/score_mean']:+.3f}"
-                      f"{gold}{kl} len {metrics['rollout/response_length_mean']:.1f} "
-                      f"({metrics['timing/iteration']:.1f} s)", file=sys.stderr, flush=True)
+                if is_main():
+                    print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score "
+                          f"{metrics['rollout/score_mean']:+.3f}{gold}{kl} len "
+                          f"{metrics['rollout/response_length_mean']:.1f} ({metrics['timing/iteration']:.1f} s)",
+                          file=sys.stderr, flush=True)
                 if ctx.tracker is not None:  # live curves: queued for a background sender (0.12 ms)
                     ctx.tracker.log_metrics_async({k: v for k, v in metrics.items() if k != "iteration"}, iteration)
                 if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
@@ -472,6 +531,8 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         with profiler.phase("publish"):
             _write_final(out, state, actor, critic, tokenizer, cfg)
             summary = profiler.summary()
+            if not is_main():
+                return ctx.rank_result({"iterations": float(state.iteration)})
             final = state.history[-1]
             metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"],
                        "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")},
@@ -566,14 +627,20 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     rollout_logprobs = generation.padded(pad_id)[1][:, : response_ids.shape[1]]
 
     with profiler.phase("score"):
-        raw, components = compute_scores(reward_models, reward_fns, texts, completions,
-                                         [p + r for p, r in zip(batch_prompt_ids, generation.response_token_ids,
-                                                                strict=True)],
-                                         generation.response_token_ids, list(generation.finish_reasons), pad_id, cfg)
+        scored = None
+        if is_main():  # with N trainer ranks rank 0 scores and sends the scores (the others hold no reward model)
+            raw, components = compute_scores(reward_models, reward_fns, texts, completions,
+                                             [p + r for p, r in zip(batch_prompt_ids, generation.response_token_ids,
+                                                                    strict=True)],
+                                             generation.response_token_ids, list(generation.finish_reasons), pad_id,
+                                             cfg)
+            gold = (torch.tensor([gold_score(t, c) for t, c in zip(texts, completions, strict=True)]) if demo_task
+                    else None)
+            scored = (raw, components, gold)
+        raw, components, gold = from_main(scored)
         check_finite("the reward", raw, iteration)
         finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
         scores = shape_scores(raw, finished, state, cfg)
-        gold = torch.tensor([gold_score(t, c) for t, c in zip(texts, completions, strict=True)]) if demo_task else None
 
     exp = Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
@@ -604,10 +671,14 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
 
     with profiler.phase("io"):
         path = out / "rollouts" / f"iter_{iteration:05d}.parquet"
-        write_rollouts(_rollout_rows(iteration, rollout.weights_version, chosen, rows, prompts, texts, completions,
-                                     batch_prompt_ids, generation, exp, components, seq_kl, with_reference), path)
-        if rollout_store.local_path(spec.output_uri) is None:
-            rollout_store.put_file(path, join_uri(spec.output_uri, "rollouts", path.name))
+        if not is_main():
+            path = None  # rank 0 writes the rollouts
+        if path is not None:
+            write_rollouts(_rollout_rows(iteration, rollout.weights_version, chosen, rows, prompts, texts,
+                                         completions, batch_prompt_ids, generation, exp, components, seq_kl,
+                                         with_reference), path)
+            if rollout_store.local_path(spec.output_uri) is None:
+                rollout_store.put_file(path, join_uri(spec.output_uri, "rollouts", path.name))
 
     with profiler.phase("train"):
         actor.train()
@@ -723,12 +794,14 @@ def _publish_last_good(ctx, out, state: RLState, actor, critic, last_checkpoint:
 def _write_final(out: Path, state: RLState, actor, critic, tokenizer, cfg: PPOConfig) -> None:
     policy_dir = out / "policy"
     policy_dir.mkdir(parents=True, exist_ok=True)
-    save_trained(actor, policy_dir)  # merged, plus the adapter files, with LoRA
-    tokenizer.save_pretrained(policy_dir)
+    save_trained(actor, policy_dir)  # merged, plus the adapter files, with LoRA (every rank; rank 0 writes)
     if critic is not None:
         critic_dir = out / "critic"
         critic_dir.mkdir(parents=True, exist_ok=True)
         save_trained(critic, critic_dir)
+    if not is_main():
+        return
+    tokenizer.save_pretrained(policy_dir)
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in state.history))
     dump_json({"algorithm": cfg.algorithm, "iterations": state.iteration, "kl_coef_final": state.kl_controller.value,
                "final": state.history[-1]}, out / "alignflow_run.json")

@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from alignflow.config import ResourcesConfig
 from alignflow.contract import StageSpec
@@ -83,6 +84,26 @@ def sum_over_ranks(*values: float) -> list[float]:
     total = torch.tensor(values, dtype=torch.float64)
     torch.distributed.all_reduce(total)
     return total.tolist()
+
+
+def from_main(value: Any) -> Any:
+    """`value` as rank 0 holds it, on every rank: one broadcast of the pickled object (other ranks pass None).
+    No collective on one rank."""
+    if world_size() == 1:
+        return value
+    import torch
+
+    box = [value if is_main() else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op on one rank)."""
+    if world_size() > 1:
+        import torch
+
+        torch.distributed.barrier()
 
 
 def write_rank_result(code: int, line: str) -> None:

@@ -142,3 +142,65 @@ def timed_memory_change(what: str, call) -> dict[str, float]:
     if before is not None and after is not None:
         out["perf/engine_freed_bytes"] = float(before - after)
     return out
+
+
+class RanksRollouts:
+    """The rollout client as each of N trainer ranks sees it: rank 0 holds the real one (`inner`) and every
+    rank gets rank 0's rollouts.
+
+    `result` is a collective: rank 0 takes its rollout and broadcasts it (token ids, log-probs and finish
+    reasons of B sequences: a few hundred KB pickled for the demo's 32 x 32 tokens), so every rank builds
+    the same experience. `refit` runs on every rank because the weight stream may be a collective (ZeRO-3
+    gathers one parameter at a time on all ranks): rank 0 sends it to the engine, the others drain it.
+    """
+
+    def __init__(self, inner: RolloutClient | Any | None, is_main: bool, share):
+        if is_main != (inner is not None):
+            raise ValueError("rank 0, and only rank 0, holds the rollout client")
+        self.inner = inner
+        self._share = share  # ranks.from_main: rank 0's value on every rank
+        self._version = 0  # the other ranks' count of refits
+        self.unload_during_training = bool(inner is not None and inner.unload_during_training)
+
+    @property
+    def weights_version(self) -> int:
+        return self.inner.weights_version if self.inner is not None else self._version
+
+    @weights_version.setter
+    def weights_version(self, value: int) -> None:
+        if self.inner is not None:
+            self.inner.weights_version = value
+        self._version = value
+
+    def submit(self, request: RolloutRequest) -> Any:
+        return self.inner.submit(request) if self.inner is not None else request
+
+    def result(self, handle: Any) -> Rollout:
+        return self._share(self.inner.result(handle) if self.inner is not None else None)
+
+    def wait_idle(self) -> None:
+        if self.inner is not None:
+            self.inner.wait_idle()
+
+    def refit(self, named_tensors, partial: bool = False) -> Any:
+        if self.inner is not None:
+            report = self.inner.refit(named_tensors, partial=partial)
+        else:
+            from alignflow.stages.generation.base import RefitStats
+
+            started, count = time.perf_counter(), 0
+            for _ in named_tensors:  # take part in the gathers; rank 0 sends
+                count += 1
+            report = RefitStats(tensors=count, bytes=0, seconds=time.perf_counter() - started)
+            self._version += 1
+        return report
+
+    def unload(self, keep_weights: bool = True) -> dict[str, float]:
+        return self.inner.unload(keep_weights) if self.inner is not None else {}
+
+    def reload(self) -> dict[str, float]:
+        return self.inner.reload() if self.inner is not None else {}
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()

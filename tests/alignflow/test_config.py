@@ -140,6 +140,17 @@ def test_resources_of_a_training_stage():
         validate_config({"sft": {"resources": {"nnodes": 2, "rdzv_endpoint": "no port"}}})
 
 
+def test_rl_trainer_ranks_need_equal_shares_on_one_node():
+    two = {"nproc_per_node": 2}
+    assert validate_config({"ppo": {"minibatch_size": 8, "resources": two}}).ppo.resources.world_size == 2
+    with pytest.raises(ConfigError, match=r"ppo.minibatch_size=9 must be a multiple of the 2 trainer ranks"):
+        validate_config({"ppo": {"minibatch_size": 9, "prompts_per_iteration": 18, "resources": two}})
+    with pytest.raises(ConfigError, match=r"divide the 12 rollouts of an iteration"):
+        validate_config({"ppo": {"minibatch_size": 8, "prompts_per_iteration": 12, "resources": two}})
+    with pytest.raises(ConfigError, match=r"ppo.resources.nnodes must be 1"):
+        validate_config({"ppo": {"resources": {"nnodes": 2, "rdzv_endpoint": "h:1"}}})
+
+
 def test_unquoted_yaml_off_means_autocast_off():
     assert load_config(REPO / "configs/tiny.yaml", ["ppo.autocast=off"]).ppo.autocast == "off"  # YAML: false
     with pytest.raises(ConfigError, match=r"ppo.autocast: Input should be 'auto', 'bf16' or 'off' \(got true\)"):

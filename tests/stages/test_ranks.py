@@ -171,3 +171,43 @@ def test_ranks_die_with_a_killed_launcher(upstream):
     alive = [pid for pid in ranks.values() if Path(f"/proc/{pid}").exists()
              and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"]
     assert not alive, f"ranks {alive} outlived their launcher"
+
+
+def run_ppo(upstream, name: str, **ppo) -> StageResult:
+    from tests.stages.test_ppo import ppo_spec
+
+    # 2 iterations of 8 rollouts, 2 epochs of 2 minibatches of 4 (2 rows per rank on 2 ranks): 8 updates of
+    # actor and critic; a checkpoint at iteration 1 (DeepSpeed shards of every rank, published by rank 0).
+    spec = ppo_spec(upstream, name, iterations=2, minibatch_size=4, ppo_epochs=2, checkpoint_every=1,
+                    train_backend="deepspeed", **ppo)
+    code, result, stderr = finish(start_stage(spec, upstream[0]))
+    assert code == 0, stderr[-4000:]
+    assert result.status == "ok"
+    return result
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_ppo_on_two_trainer_ranks_equals_one_rank(upstream, zero_stage):
+    """Rank 0 generates and scores, each rank trains half of every minibatch: the same losses and policy."""
+    import json
+
+    one = run_ppo(upstream, f"ppo-one-rank-zero{zero_stage}", zero_stage=zero_stage)
+    two = run_ppo(upstream, f"ppo-two-ranks-zero{zero_stage}", zero_stage=zero_stage,
+                  resources={"nproc_per_node": 2})
+    history = [[json.loads(line) for line in (local(r.output_uri) / "metrics.jsonl").read_text().splitlines()]
+               for r in (one, two)]
+    for one_it, two_it in zip(*history, strict=True):
+        assert two_it["rollout/score_mean"] == one_it["rollout/score_mean"]  # the same rollouts (rank 0's engine)
+        for key in ("losses/policy_loss", "losses/value_loss", "losses/clipfrac", "losses/approx_kl", "kl/mean"):
+            assert two_it[key] == pytest.approx(one_it[key], rel=1e-4, abs=1e-7), key
+    for part in ("policy", "critic"):
+        one_weights = load_file(local(one.output_uri) / part / "model.safetensors")
+        two_weights = load_file(local(two.output_uri) / part / "model.safetensors")
+        assert one_weights.keys() == two_weights.keys()
+        for name, weight in one_weights.items():
+            torch.testing.assert_close(two_weights[name], weight, rtol=0, atol=WEIGHT_ATOL, msg=f"{part} {name}")
+    sft = load_file(local(upstream[2]["sft"]["output_uri"]) / "model.safetensors")
+    policy = load_file(local(two.output_uri) / "policy" / "model.safetensors")
+    assert max(float((policy[n] - sft[n]).abs().max()) for n in sft) > 1e-3  # it trained: the check can fail
+    checkpoint = local(two.output_uri) / "checkpoints" / "iter_00001"
+    assert (checkpoint / "manifest.json").is_file() and (checkpoint / "state.json").is_file()
