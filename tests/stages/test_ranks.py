@@ -211,3 +211,27 @@ def test_ppo_on_two_trainer_ranks_equals_one_rank(upstream, zero_stage):
     assert max(float((policy[n] - sft[n]).abs().max()) for n in sft) > 1e-3  # it trained: the check can fail
     checkpoint = local(two.output_uri) / "checkpoints" / "iter_00001"
     assert (checkpoint / "manifest.json").is_file() and (checkpoint / "state.json").is_file()
+
+
+def test_ppo_on_two_trainer_ranks_with_two_rollout_workers(upstream):
+    """The whole distributed loop: 2 trainer ranks (ZeRO-2) and the engine as 2 worker processes fed by rank 0's
+    work queue and refit by it; the same rollouts as the in-process engine of one rank (the workers run the
+    same engine on the same seeds), so the losses agree with the 1-rank run too."""
+    import json
+
+    from tests.stages.test_ppo import ppo_spec
+
+    spec = ppo_spec(upstream, "ppo-two-ranks-two-workers", iterations=2, minibatch_size=4, ppo_epochs=2,
+                    checkpoint_every=1, train_backend="deepspeed", zero_stage=2, resources={"nproc_per_node": 2})
+    spec.config["engine"] = {**spec.config["engine"], "rollout_workers": 2, "queue_chunk": 4}
+    code, result, stderr = finish(start_stage(spec, upstream[0]))
+    assert code == 0, stderr[-4000:]
+    assert "2 rollout worker processes" in stderr and "deepspeed trainer on 2 ranks" in stderr
+    two = [json.loads(line) for line in (local(result.output_uri) / "metrics.jsonl").read_text().splitlines()]
+    one = [json.loads(line) for line in (local(run_ppo(upstream, "ppo-one-rank-zero2", zero_stage=2).output_uri)
+                                         / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in two] == [1.0, 2.0]
+    assert all(m["refit/bytes_sent"] == 2 * m["refit/bytes"] > 0 for m in two)  # both workers refit each iteration
+    for one_it, two_it in zip(one, two, strict=True):
+        assert two_it["rollout/score_mean"] == pytest.approx(one_it["rollout/score_mean"], abs=1e-6)
+        assert two_it["losses/policy_loss"] == pytest.approx(one_it["losses/policy_loss"], rel=1e-4, abs=1e-7)
