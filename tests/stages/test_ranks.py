@@ -186,12 +186,22 @@ def run_ppo(upstream, name: str, **ppo) -> StageResult:
     return result
 
 
+_ONE_RANK_PPO: dict[int, StageResult] = {}
+
+
+def one_rank_ppo(upstream, zero_stage: int) -> StageResult:
+    """The 1-rank run the 2-rank ones are compared with (run once per ZeRO stage in this module)."""
+    if zero_stage not in _ONE_RANK_PPO:
+        _ONE_RANK_PPO[zero_stage] = run_ppo(upstream, f"ppo-one-rank-zero{zero_stage}", zero_stage=zero_stage)
+    return _ONE_RANK_PPO[zero_stage]
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_ppo_on_two_trainer_ranks_equals_one_rank(upstream, zero_stage):
     """Rank 0 generates and scores, each rank trains half of every minibatch: the same losses and policy."""
     import json
 
-    one = run_ppo(upstream, f"ppo-one-rank-zero{zero_stage}", zero_stage=zero_stage)
+    one = one_rank_ppo(upstream, zero_stage)
     two = run_ppo(upstream, f"ppo-two-ranks-zero{zero_stage}", zero_stage=zero_stage,
                   resources={"nproc_per_node": 2})
     history = [[json.loads(line) for line in (local(r.output_uri) / "metrics.jsonl").read_text().splitlines()]
@@ -228,7 +238,7 @@ def test_ppo_on_two_trainer_ranks_with_two_rollout_workers(upstream):
     assert code == 0, stderr[-4000:]
     assert "2 rollout worker processes" in stderr and "deepspeed trainer on 2 ranks" in stderr
     two = [json.loads(line) for line in (local(result.output_uri) / "metrics.jsonl").read_text().splitlines()]
-    one = [json.loads(line) for line in (local(run_ppo(upstream, "ppo-one-rank-zero2", zero_stage=2).output_uri)
+    one = [json.loads(line) for line in (local(one_rank_ppo(upstream, 2).output_uri)
                                          / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in two] == [1.0, 2.0]
     assert all(m["refit/bytes_sent"] == 2 * m["refit/bytes"] > 0 for m in two)  # both workers refit each iteration
