@@ -100,7 +100,8 @@ class RLState:
     def to_json(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "kl_controller": self.kl_controller.state_dict(),
                 "score_stats": self.score_stats.state_dict(), "history": self.history,
-                "mlflow_run_id": self.mlflow_run_id, "old_logprobs_fallback": self.old_logprobs_fallback}
+                "mlflow_run_id": self.mlflow_run_id, "old_logprobs_fallback": self.old_logprobs_fallback,
+                "world_size": world_size()}
 
     def load_json(self, data: dict[str, Any]) -> None:
         self.iteration = int(data["iteration"])
@@ -147,13 +148,21 @@ def load_checkpoint(ctx: StageContext, uri: str, state: RLState, actor, critic) 
     barrier()
     if not is_main():
         folder, _ = materialize(uri, ctx.cache_dir, ctx.spec.storage)
+    saved = json.loads((folder / "state.json").read_text())
+    written_by = int(saved.get("world_size", 1))
+    if written_by != world_size():
+        # ppo.resources is part of the output's key, so the flow never resumes across rank counts; a spec
+        # edited by hand could. DeepSpeed's optimizer shards are cut per rank: refuse rather than mis-load.
+        raise StageInputError(f"{uri}: this checkpoint was written by {written_by} trainer rank(s) and the stage "
+                              f"now runs {world_size()} (ppo.resources); resume with the rank count that wrote "
+                              "it, or start a fresh run (another output)")
     actor.load_checkpoint(str(folder / "actor"), tag="state")
     if critic is not None:
         critic.load_checkpoint(str(folder / "critic"), tag="state")
     rng = torch.load(folder / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    state.load_json(json.loads((folder / "state.json").read_text()))
+    state.load_json(saved)
 
 
 def working_dir(ctx: StageContext) -> Path:

@@ -245,3 +245,13 @@ def test_ppo_on_two_trainer_ranks_with_two_rollout_workers(upstream):
     for one_it, two_it in zip(one, two, strict=True):
         assert two_it["rollout/score_mean"] == pytest.approx(one_it["rollout/score_mean"], abs=1e-6)
         assert two_it["losses/policy_loss"] == pytest.approx(one_it["losses/policy_loss"], rel=1e-4, abs=1e-7)
+
+    # Resuming its checkpoints on another rank count (a hand-edited spec: the flow keys outputs by
+    # ppo.resources) is refused before anything loads into the optimizer. Without its manifest the output
+    # looks like a run killed after its last checkpoint.
+    (local(result.output_uri) / "manifest.json").unlink()
+    section = {**spec.config["ppo"], "resources": {"nproc_per_node": 1}}
+    one_rank_spec = spec.model_copy(update={"config": {**spec.config, "ppo": section}})
+    code, result, stderr = finish(start_stage(one_rank_spec, upstream[0]))
+    assert code == 2, stderr[-3000:]
+    assert "written by 2 trainer rank(s) and the stage now runs 1 (ppo.resources)" in result.message
