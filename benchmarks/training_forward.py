@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs
+from alignflow.stages.rl.experience import Experience, policy_logprobs
 
 MODELS: dict[str, dict[str, Any]] = {
     # configs/tiny.yaml's model; 16 rows is one of its minibatches.
@@ -43,12 +43,7 @@ def rl_batch(vocab: int, rows: int = 16, seed: int = 0) -> Experience:
     lengths = torch.randint(8, 25, (rows,), generator=generator), torch.randint(12, 33, (rows,), generator=generator)
     prompts = [torch.randint(3, vocab, (int(n),), generator=generator).tolist() for n in lengths[0]]
     responses = [torch.randint(3, vocab, (int(n),), generator=generator).tolist() for n in lengths[1]]
-    input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(prompts, responses, 0)
-    zeros = torch.zeros_like(mask)
-    return Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      response_ids=response_ids, response_mask=mask, rollout_logprobs=zeros, old_logprobs=zeros,
-                      ref_logprobs=zeros, values=None, scores=torch.zeros(rows), token_rewards=zeros, kl=zeros,
-                      advantages=zeros, returns=None, prompt_width=width_p)
+    return Experience.of_sequences(prompts, responses, 0)
 
 
 def measure(name: str, rounds: int) -> list[dict[str, Any]]:

@@ -43,6 +43,17 @@ class Experience:
     # (B, R) pi_prox / pi_behaviour of an off-policy batch (algorithms.behaviour_weights); None on-policy
     behaviour_weights: Tensor | None = None
 
+    @classmethod
+    def of_sequences(cls, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> Experience:
+        """The sequences laid out as above, every other field zero (None for the critic's): what a forward needs,
+        for tests and benchmarks of the forwards."""
+        input_ids, attention_mask, position_ids, responses, mask, width_p = assemble(prompt_ids, response_ids, pad_id)
+        zeros = torch.zeros_like(mask)
+        return cls(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   response_ids=responses, response_mask=mask, rollout_logprobs=zeros, old_logprobs=zeros,
+                   ref_logprobs=zeros, values=None, scores=torch.zeros(len(prompt_ids)), token_rewards=zeros,
+                   kl=zeros, advantages=zeros, returns=None, prompt_width=width_p)
+
     def select(self, index: Tensor) -> Experience:
         """The rows `index` (a minibatch); tensors are indexed along dim 0."""
         values = {}

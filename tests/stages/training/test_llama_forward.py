@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
+from alignflow.stages.rl.experience import Experience, policy_logprobs, token_values
 from alignflow.stages.training import llama_forward
 from alignflow.stages.training.lora import AdaptersDisabled
 from tests.stages.generation.engine_test_models import ARCHITECTURES, random_prompts, tiny_config
@@ -37,12 +37,7 @@ def rl_batch(seed: int = 0, rows: int = 5, vocab: int = 256) -> Experience:
     responses = [torch.randint(3, vocab, (int(n),), generator=generator).tolist()
                  for n in torch.randint(0, 10, (rows,), generator=generator)]
     responses[0] = torch.randint(3, vocab, (9,), generator=generator).tolist()  # one full-width response
-    input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(prompts, responses, 0)
-    zeros = torch.zeros_like(mask)
-    return Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      response_ids=response_ids, response_mask=mask, rollout_logprobs=zeros, old_logprobs=zeros,
-                      ref_logprobs=zeros, values=None, scores=torch.zeros(rows), token_rewards=zeros, kl=zeros,
-                      advantages=zeros, returns=None, prompt_width=width_p)
+    return Experience.of_sequences(prompts, responses, 0)
 
 
 def causal_lm(name: str, seed: int = 0, **overrides):
