@@ -32,7 +32,15 @@ from alignflow.stages.data.demo_task import gold_score
 from alignflow.stages.data.formats import load_prompts, render_prompt
 from alignflow.stages.generation.base import SamplingParams, load_engine
 from alignflow.stages.models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
-from alignflow.stages.ranks import barrier, from_main, is_main, rank, sum_over_ranks, world_size
+from alignflow.stages.ranks import (
+    barrier,
+    from_main,
+    gathered_rows,
+    is_main,
+    rank,
+    sum_over_ranks,
+    world_size,
+)
 from alignflow.stages.reward_scoring import load_reward_models, score_with_reward_models
 from alignflow.stages.rl import algorithms as rl
 from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
@@ -612,6 +620,16 @@ def rollout_request(cfg: PPOConfig, iteration: int, prompt_ids: list[list[int]])
     return RolloutRequest(iteration, rows, chosen, [prompt_ids[i] for i in rows], sampling)
 
 
+def over_rows(exp: Experience, forward) -> torch.Tensor:
+    """forward(exp) [B, R] for every row: on N trainer ranks each computes its contiguous 1/N of the rows
+    and the ranks all-gather the rest (the iteration's rows divide by N: PPOConfig)."""
+    world = world_size()
+    if world == 1:
+        return forward(exp)
+    share = exp.scores.shape[0] // world
+    return gathered_rows(forward(exp.select(torch.arange(rank() * share, (rank() + 1) * share))))
+
+
 def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                rollouts: RolloutClient | RolloutWorkers, actor,
                critic, reference, reward_models, reward_fns, tokenizer, pad_id: int, prompts, prompt_texts,
@@ -660,16 +678,19 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     # Off-policy (async): the old log-probs are the proximal policy's (the actor now, before this update),
     # and the engine's, the behaviour policy's, weight each token (the decoupled objective).
     source = "recompute" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
+    lean = cfg.fast_train_step
     with torch.no_grad(), precision.forward():
         if with_reference:
             with profiler.phase("reference"):
-                exp.ref_logprobs = policy_logprobs(reference, exp, cfg.temperature, lean=cfg.fast_train_step)[0]
+                exp.ref_logprobs = over_rows(exp, lambda part: policy_logprobs(reference, part, cfg.temperature,
+                                                                               lean=lean)[0])
         if source == "recompute":
             with profiler.phase("old_logprobs"):
-                exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature, lean=cfg.fast_train_step)[0]
+                exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(actor.module, part, cfg.temperature,
+                                                                               lean=lean)[0])
         if critic is not None:
             with profiler.phase("values"):
-                exp.values = token_values(critic.module, exp, lean=cfg.fast_train_step)
+                exp.values = over_rows(exp, lambda part: token_values(critic.module, part, lean=lean))
     if off_policy:
         exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
                                                      cfg.async_weight_cap)
@@ -705,7 +726,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                   file=sys.stderr, flush=True)
             state.old_logprobs_fallback, source = True, "recompute"
             with torch.no_grad(), precision.forward():
-                exp.old_logprobs = policy_logprobs(actor.module, exp, cfg.temperature, lean=cfg.fast_train_step)[0]
+                exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(actor.module, part, cfg.temperature,
+                                                                               lean=lean)[0])
             _advantages(exp, cfg, kl_coef, with_reference, iteration)
             seq_kl = rl.sequence_kl(exp.kl, mask)
             loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)

@@ -98,6 +98,18 @@ def from_main(value: Any) -> Any:
     return box[0]
 
 
+def gathered_rows(local: Any) -> Any:
+    """The ranks' equal-shaped tensors joined along dim 0 in rank order, on every rank (all_gather; `local`
+    itself on one rank)."""
+    if world_size() == 1:
+        return local
+    import torch
+
+    parts = [torch.empty_like(local) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, local.contiguous())
+    return torch.cat(parts)
+
+
 def barrier() -> None:
     """Wait for every rank (no-op on one rank)."""
     if world_size() > 1:
