@@ -31,10 +31,10 @@ def total_retries() -> int:
 
 
 def test_every_s3_fault_is_retried_and_counted(s3_bucket, fault_proxy, tmp_path):
-    """Store calls through 40% faults (all five kinds) return the right bytes; one retry counted per fault."""
+    """Store calls through 30% faults (all five kinds) return the right bytes; one retry counted per fault."""
     endpoint, bucket = s3_bucket
-    fault_proxy.set_plan(FaultPlan(rate=0.4, weights=STAGE_FAULTS, seed=7, stall_s=0.2))
-    # 10 attempts: at 40% a call fails 10 times running with p = 1e-4 (5 would fail 1 in 100 calls).
+    fault_proxy.set_plan(FaultPlan(rate=0.3, weights=STAGE_FAULTS, seed=7, stall_s=0.2))
+    # 10 attempts: at 30% a call fails 10 times running with p = 6e-6 (5 would fail 1 in 400 calls).
     store = S3Store(StorageConfig(endpoint_url=fault_proxy.endpoint, max_attempts=10, multipart_threshold_mb=5))
     before = total_retries()
     root = f"s3://{bucket}/ops"
