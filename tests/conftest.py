@@ -25,6 +25,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread for the test: the 2 CI cores are shared with other jobs, and tiny models gain
+    nothing from more threads."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A moto S3 server on 127.0.0.1 with dummy credentials; yields its endpoint URL."""

@@ -9,7 +9,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 # (atol, rtol) per comparison, set from measured maxima on the shapes in these tests (V up to 32_771,
 # logits ~ N(0, 3^2), temperatures 1.0, 0.8 and 0.7), with 1.5-3x headroom.
@@ -42,9 +41,5 @@ def tol():
 
 
 @pytest.fixture(autouse=True)
-def _few_threads():
-    """Two cores are shared with other jobs: keep each test on one intra-op thread."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _few_threads(one_torch_thread):
     yield
-    torch.set_num_threads(previous)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from engine_test_models import ARCHITECTURES, save_tiny_model
 
 
@@ -16,9 +15,5 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(autouse=True)
-def _few_threads():
-    # The CI box has 2 shared cores; tiny models gain nothing from more threads.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _few_threads(one_torch_thread):
     yield
-    torch.set_num_threads(previous)

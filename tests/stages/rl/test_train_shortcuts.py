@@ -45,11 +45,8 @@ class PlainTrainEngine:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

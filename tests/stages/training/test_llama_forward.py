@@ -23,11 +23,8 @@ GRAD_FP32 = 1e-5  # relative to the largest |gradient| of the parameter
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(previous)
 
 
 def rl_batch(seed: int = 0, rows: int = 5, vocab: int = 256) -> Experience:
