@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -36,14 +38,25 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.tracking import MlflowClient
 
 from alignflow.config import TrackingConfig, flatten
+from alignflow.contract import TrackingUnavailableError
 from alignflow.offline import set_offline_defaults
 
 # MLflow caps a param value at 6000 characters (3.x); longer values are truncated with a marker.
 _PARAM_MAX_CHARS = 6000
 # log_batch accepts at most 1000 metrics per call.
 _METRICS_PER_BATCH = 1000
+# The metric sender's wait for an unreachable server: 15 min by default, past MLflow's own ~4 min of retries (a
+# server restart or upgrade fits); a PPO iteration's ~45 metrics every 0.3 s is ~135k kept metrics, tens of MB.
+OUTAGE_VAR = "ALIGNFLOW_TRACKING_OUTAGE_S"
+_OUTAGE_DEFAULT_S = 900.0
+_RETRY_FIRST_S, _RETRY_MAX_S = 1.0, 30.0
 ATTEMPT_KEY_TAG = "alignflow.attempt_key"
 SUPERSEDED_BY_TAG = "alignflow.superseded_by"
+# The object-store folder a registered version stands for. It is also the version's `source`, except where an
+# MLflow server refuses a local folder as a source (it only accepts local paths inside the run's artifact folder).
+SOURCE_TAG = "alignflow.source"
+# Where a run whose local folder the server refused gets its pointer artifact (`source.txt`).
+REGISTERED_OUTPUT_PATH = "registered-output"
 
 
 def resolve_tracking_uri(config: TrackingConfig, workdir: str | Path) -> str:
@@ -175,11 +188,20 @@ class MetricSender:
     of each); queueing them takes 0.12 ms median. When the store is slower than the loop, whatever is
     queued meanwhile goes out in one call (up to 1000 metrics). A failure is raised by the next `send`,
     `flush` or `close`, as a synchronous log would have raised it, so a run never silently loses its curves.
+
+    Server outages: MLflow's client retries a call itself (7 retries, ~4 min at its defaults). A batch that still
+    fails because the server is unreachable (connection refused or cut, timeout, 5xx, 429) is kept, not dropped:
+    the loop goes on queueing and the sender tries the kept batch again (1 s doubling to 30 s) until the server
+    answers, then everything queued meanwhile, in order. Past `outage_s` of failing it gives up with a
+    TrackingUnavailableError (one line; the stage exits 1 and its re-run resumes). A re-sent batch is never
+    doubled in the run: its metrics keep the timestamps they were queued with, and MLflow's SQL store skips a
+    metric whose (key, timestamp, step, value) is already in the run, as when a batch was stored but its reply lost.
     """
 
-    def __init__(self, client, run_id: str):
+    def __init__(self, client, run_id: str, outage_s: float | None = None):
         self._client = client
         self._run_id = run_id
+        self._outage_s = outage_limit_s() if outage_s is None else outage_s
         self._queue: queue.Queue[list[Metric] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"mlflow-metrics-{run_id[:8]}", daemon=True)
@@ -202,6 +224,8 @@ class MetricSender:
     def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, TrackingUnavailableError):
+                raise error
             raise RuntimeError(f"logging metrics to MLflow run {self._run_id} failed: {error!r}") from error
 
     def _run(self) -> None:
@@ -216,13 +240,76 @@ class MetricSender:
             stop = any(batch is None for batch in taken)
             items = [item for batch in taken if batch is not None for item in batch]
             try:
-                for start in range(0, len(items), _METRICS_PER_BATCH):
-                    self._client.log_batch(self._run_id, metrics=items[start:start + _METRICS_PER_BATCH])
+                self._send_through_outages(items)
             except BaseException as exc:  # kept for the caller: a daemon thread's exception would go nowhere
                 self._error = exc
             finally:
                 for _ in taken:
                     self._queue.task_done()
+
+    def _send_through_outages(self, items: list[Metric]) -> None:
+        """log_batch `items` in order, waiting out an unreachable server for up to `outage_s` (class docstring)."""
+        sent, down_since, wait = 0, None, _RETRY_FIRST_S
+        while sent < len(items):
+            batch = items[sent:sent + _METRICS_PER_BATCH]
+            try:
+                self._client.log_batch(self._run_id, metrics=batch)
+            except Exception as exc:
+                if not server_unreachable(exc):
+                    raise
+                now = time.monotonic()
+                if down_since is None:
+                    down_since = now
+                    _warn(f"MLflow unreachable while logging run {self._run_id} ({_first_line(exc)}); the stage goes "
+                          f"on and its metrics are kept and sent when the server is back (giving up after "
+                          f"{self._outage_s:.0f} s)")
+                if now - down_since >= self._outage_s:
+                    raise TrackingUnavailableError(
+                        f"MLflow unreachable for {now - down_since:.0f} s (limit {self._outage_s:.0f} s, "
+                        f"{OUTAGE_VAR}) while logging run {self._run_id}: {_first_line(exc)}; start the server "
+                        "again, then re-run: the stage resumes and its new run gets every step") from None
+                time.sleep(min(wait, max(self._outage_s - (now - down_since), 0.0)))
+                wait = min(2 * wait, _RETRY_MAX_S)
+                continue
+            sent += len(batch)
+        if down_since is not None:
+            _warn(f"MLflow reachable again after {time.monotonic() - down_since:.0f} s; the metrics kept meanwhile "
+                  f"({len(items)}) are in run {self._run_id}")
+
+
+def outage_limit_s() -> float:
+    """How long the metric sender waits out an unreachable MLflow server: ALIGNFLOW_TRACKING_OUTAGE_S, or 900 s."""
+    value = os.environ.get(OUTAGE_VAR, "")
+    try:
+        return float(value) if value else _OUTAGE_DEFAULT_S
+    except ValueError:
+        raise ValueError(f"{OUTAGE_VAR}='{value}' is not a number of seconds; unset it (default "
+                         f"{_OUTAGE_DEFAULT_S:.0f}) or set e.g. {OUTAGE_VAR}=600") from None
+
+
+def server_unreachable(exc: BaseException) -> bool:
+    """True when a tracking call failed because the server could not answer (worth trying again later): a network
+    error anywhere in the chain (requests' errors are OSErrors), or an MLflow error with HTTP status 5xx or 429.
+    A 4xx (a bad value, a run no longer active) is the caller's fault and is raised."""
+    error: BaseException | None = exc
+    while error is not None:
+        if isinstance(error, OSError):
+            return True
+        if isinstance(error, mlflow.exceptions.MlflowException):
+            status = error.get_http_status_code()
+            if status >= 500 or status == 429:
+                return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class UriDatasetSource(DatasetSource):
@@ -276,17 +363,24 @@ def stage_run(uri: str, experiment: str, stage: str, parent_run_id: str | None, 
     handle = StageRun(client, run_id, mlflow)
     try:
         yield handle
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(Exception):  # the stage's own error is the one to report
             handle.close()
-        client.set_terminated(run_id, status="FAILED")
+        _end_failed(client, run_id, exc)
         raise
     try:
         handle.close()  # the last metrics are in before the run shows FINISHED
-    except BaseException:
-        client.set_terminated(run_id, status="FAILED")
+    except BaseException as exc:
+        _end_failed(client, run_id, exc)
         raise
     client.set_terminated(run_id, status="FINISHED")
+
+
+def _end_failed(client, run_id: str, exc: BaseException) -> None:
+    """End the run FAILED, unless the server is what failed: then the call would only wait out MLflow's ~4 min of
+    retries and fail too; the run stays RUNNING until the re-run's attempt marks it superseded (KILLED)."""
+    if not isinstance(exc, TrackingUnavailableError):
+        client.set_terminated(run_id, status="FAILED")
 
 
 def attempt_key(output_uri: str) -> str:
@@ -337,29 +431,56 @@ def run_tag(uri: str, run_id: str, key: str, value: str) -> None:
 
 def register_version(uri: str, name: str, source: str, run_id: str | None, tags: dict[str, str],
                      aliases: tuple[str, ...] = ("candidate",), description: str = "") -> str:
-    """Register `source` (an object-store folder) as a new version of model `name`; returns the version."""
+    """Register `source` (an object-store folder) as a new version of model `name`; returns the version.
+
+    The folder is the version's `source` and its `alignflow.source` tag. An MLflow server refuses a local folder
+    (a `storage.root` on the local disk) as a source, so there the source is `runs:/<run_id>/registered-output`,
+    where a `source.txt` names the folder, and the tag is what `resolve_models_uri` and `alias_version` read.
+    """
     _mlflow(uri)
     client = MlflowClient(uri)
+    registry_source = source
+    if _server_refuses_local_source(uri, source):
+        if not run_id:
+            raise ValueError(f"registering '{source}' as a version of '{name}' on the MLflow server {uri} needs the "
+                             "stage's MLflow run (the server refuses a local folder as a source); put storage.root "
+                             "on S3, or re-run the stage with tracking on")
+        client.log_text(run_id, f"{source}\n", f"{REGISTERED_OUTPUT_PATH}/source.txt")
+        registry_source = f"runs:/{run_id}/{REGISTERED_OUTPUT_PATH}"
     try:
         client.get_registered_model(name)
     except mlflow.exceptions.MlflowException:
         client.create_registered_model(name, description=description or None)
-    version = client.create_model_version(name, source=source, run_id=run_id,
-                                          tags={k: str(v) for k, v in tags.items()})
+    version = client.create_model_version(name, source=registry_source, run_id=run_id,
+                                          tags={**{k: str(v) for k, v in tags.items()}, SOURCE_TAG: source})
     for alias in aliases:
         client.set_registered_model_alias(name, alias, version.version)
     return str(version.version)
 
 
+def _server_refuses_local_source(uri: str, source: str) -> bool:
+    """True for a local folder registered through an MLflow server (HTTP): the server's source check refuses it."""
+    from mlflow.utils.uri import is_local_uri
+
+    return uri.startswith(("http://", "https://")) and is_local_uri(source, is_tracking_or_registry_uri=False)
+
+
+def _folder_of(version) -> str:
+    """The object-store folder a registered version stands for (its tag; the source for versions made before it)."""
+    return version.tags.get(SOURCE_TAG, version.source)
+
+
 def alias_version(uri: str, name: str, alias: str) -> dict[str, Any] | None:
-    """{'version', 'source', 'tags'} of `name@alias`, or None when the model or alias does not exist."""
+    """{'version', 'source', 'tags'} of `name@alias`, or None when the model or alias does not exist.
+
+    'source' is the object-store folder the version stands for (see `register_version`)."""
     _mlflow(uri)
     client = MlflowClient(uri)
     try:
         version = client.get_model_version_by_alias(name, alias)
     except mlflow.exceptions.MlflowException:
         return None
-    return {"version": str(version.version), "source": version.source, "tags": dict(version.tags)}
+    return {"version": str(version.version), "source": _folder_of(version), "tags": dict(version.tags)}
 
 
 def set_alias(uri: str, name: str, alias: str, version: str) -> None:
@@ -382,8 +503,8 @@ def resolve_models_uri(uri: str, models_uri: str) -> str:
     try:
         if "@" in spec:
             name, alias = spec.split("@", 1)
-            return client.get_model_version_by_alias(name, alias).source
+            return _folder_of(client.get_model_version_by_alias(name, alias))
         name, version = spec.rsplit("/", 1)
-        return client.get_model_version(name, version).source
+        return _folder_of(client.get_model_version(name, version))
     except (mlflow.exceptions.MlflowException, ValueError) as exc:
         raise ValueError(f"'{models_uri}': no such registered model version ({exc})") from None

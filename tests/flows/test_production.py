@@ -250,3 +250,33 @@ def test_pipeline_on_s3_and_mlflow_server_with_registry_gate(mlflow_server, pref
     version = client.get_model_version("alignflow-policy", decision["policy_version"])
     assert version.tags["alignflow.promotion"] == "rejected"
     assert version.tags["alignflow.promotion_reason"] == decision["reason"]
+
+
+def test_a_local_folder_registers_on_an_mlflow_server_and_resolves_back(mlflow_server, tmp_path):
+    """An MLflow server refuses a local folder as a model version's source; the registry must still work with a
+    local storage.root: the version points at the stage run, and the folder comes back from its tag."""
+    from mlflow.tracking import MlflowClient
+
+    from alignflow import tracking
+
+    url, _ = mlflow_server
+    folder = f"file://{tmp_path}/ppo/0123abcd/policy"
+    with tracking.stage_run(url, "local-root", "ppo", None) as run:
+        version = tracking.register_version(url, "local-root-policy", folder, run.run_id, {"k": "v"})
+
+    client = MlflowClient(url)
+    registered = client.get_model_version("local-root-policy", version)
+    assert registered.source == f"runs:/{run.run_id}/{tracking.REGISTERED_OUTPUT_PATH}"
+    assert registered.tags["k"] == "v"
+    pointer = client.download_artifacts(run.run_id, f"{tracking.REGISTERED_OUTPUT_PATH}/source.txt", str(tmp_path))
+    assert Path(pointer).read_text().strip() == folder
+    assert tracking.resolve_models_uri(url, f"models:/local-root-policy/{version}") == folder
+    assert tracking.resolve_models_uri(url, "models:/local-root-policy@candidate") == folder
+    assert tracking.alias_version(url, "local-root-policy", "candidate")["source"] == folder
+
+    with pytest.raises(ValueError, match="storage.root on S3"):
+        tracking.register_version(url, "local-root-policy", folder, None, {})
+    # An object-store folder stays the version's own source.
+    s3_version = tracking.register_version(url, "local-root-policy", "s3://prod/runs/ppo/0123abcd/policy",
+                                           run.run_id, {})
+    assert client.get_model_version("local-root-policy", s3_version).source == "s3://prod/runs/ppo/0123abcd/policy"
