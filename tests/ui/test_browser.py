@@ -48,7 +48,9 @@ STAGES = ["data", "base", "sft", "reward", "engine", "ppo", "evaluate"]
 # The deployment's defaults; the form changes two of them before the run.
 DEPLOYED_ITERATIONS, FORM_ITERATIONS = 4, 3
 FORM_SFT_LR = "0.002"
-RUN_TIMEOUT_MS = 300_000   # the shrunken pipeline takes ~2-3 min on 2 cores (stage processes, DeepSpeed init)
+# The shrunken pipeline takes ~2-3 min on a quiet 2-core box; with other jobs on the box (load ~5) it took more
+# than 5 min, so the wait is 15 min: a run still going then is a fault, not a slow box.
+RUN_TIMEOUT_MS = 900_000
 
 # One property of Prefect's schema form: the nearest enclosing `.schema-form-property`; its own input is the one
 # directly in its body (a nested section's inputs are deeper).
