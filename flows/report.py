@@ -28,7 +28,10 @@ def startup_sentence(rows: list[dict[str, Any]]) -> str | None:
             continue
         parts = []
         if "startup/since_run" in m and "startup/to_first_iteration" in m:
-            parts.append(f"orchestration {m['startup/since_run'] - m['startup/to_first_iteration']:.1f} s "
+            earlier = earlier_stages_done_s(rows, row)
+            if earlier:
+                parts.append(f"earlier stages that ran in this run, done {earlier:.1f} s into the flow")
+            parts.append(f"orchestration {m['startup/since_run'] - m['startup/to_first_iteration'] - earlier:.1f} s "
                          "(Prefect, planning, earlier stages' cache checks)")
         if "startup/process" in m:
             parts.append(f"process start and imports {m['startup/process']:.1f} s")
@@ -37,6 +40,19 @@ def startup_sentence(rows: list[dict[str, Any]]) -> str | None:
         total = m.get("startup/since_run", m.get("startup/to_first_iteration", m["startup/stage"]))
         return f"Start-up: {row['key']}'s first iteration began {total:.1f} s in: " + ", ".join(parts) + "."
     return None
+
+
+def earlier_stages_done_s(rows: list[dict[str, Any]], rl_row: dict[str, Any]) -> float:
+    """Seconds into the flow when the last stage that ran (not reused) before `rl_row` started finished; 0 if none.
+
+    On a fresh run the earlier stages' minutes are part of the time before the first RL iteration: they are
+    work, not orchestration, so the sentence names them apart."""
+    if rl_row.get("finished_at_s") is None:
+        return 0.0
+    rl_start = rl_row["finished_at_s"] - rl_row["duration_s"]
+    ends = [r["finished_at_s"] for r in rows if r is not rl_row and r.get("status") == "ok"
+            and r.get("finished_at_s") is not None and r["finished_at_s"] <= rl_start + 1.0]
+    return max(ends, default=0.0)
 
 
 def span_text(row: dict[str, Any]) -> str:
