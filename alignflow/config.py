@@ -455,6 +455,8 @@ class DeploymentConfig(Section):
     work_pool: str = Field("alignflow-process", min_length=1, description="Work pool that runs the pipeline flow.")
     work_pool_type: Literal["process", "docker", "kubernetes"] = Field(
         "process", description="Type used when the work pool has to be created.")
+    image: str | None = Field(None, description="Container image of the pipeline flow run (docker/kubernetes "
+                              "pools: the alignflow worker image); the flow is imported from it, not the source.")
     schedules: list[ScheduleConfig] = Field(default_factory=list, description="Cron or interval schedules.")
     tags: list[str] = Field(default_factory=list, description="Prefect tags of the deployment and its runs.")
     stage_infra: dict[str, StageInfraConfig] = Field(

@@ -3,7 +3,9 @@
 The pipeline deployment's one parameter is the whole PipelineConfig (a pydantic model), so the
 Prefect UI shows a form with every field's description, default and constraints; the YAML's
 values are the deployment's defaults. Code is pulled from the source folder (offline-friendly:
-no image registry or git remote needed); docker/kubernetes pools pull their image instead.
+no image registry or git remote needed); a deployment given an image (docker/kubernetes pools)
+imports the flow from the alignflow package installed in that image instead (a module entrypoint,
+no pull step: the source folder does not exist inside the container).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.schedules import CronSchedule, IntervalSchedule
 from prefect.exceptions import ObjectNotFound
+from prefect.types.entrypoint import EntrypointType
 
 from alignflow.config import PipelineConfig
-from alignflow.flows.pipeline import STAGE_FLOW_NAME
+from alignflow.flows.pipeline import STAGE_FLOW_NAME, alignflow_pipeline, alignflow_stage
 
 REPO = Path(__file__).resolve().parent.parent
 POOL_TEMPLATES = {"docker": REPO / "infra" / "work-pools" / "docker.json",
@@ -51,29 +54,35 @@ def ensure_work_pool(name: str, pool_type: str) -> None:
         client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
 
 
+def _flow_for(local: Flow, name: str, source: Path, image: str | None) -> Flow:
+    """The flow to deploy: from the source folder, or (with an image) the one the installed package defines."""
+    return local if image else Flow.from_source(source=str(source), entrypoint=f"flows/pipeline.py:{name}")
+
+
+def _image_args(image: str | None) -> dict[str, Any]:
+    return {"image": image, "entrypoint_type": EntrypointType.MODULE_PATH} if image else {}
+
+
 def deploy(config: PipelineConfig, source: Path = REPO) -> dict[str, str]:
     """Register the pipeline deployment (and stage deployments); returns {deployment name: id}."""
     dep = config.deployment
     ensure_work_pool(dep.work_pool, dep.work_pool_type)
-    pipeline = Flow.from_source(source=str(source), entrypoint="flows/pipeline.py:alignflow_pipeline")
     deployed = {}
-    deployment_id = pipeline.deploy(
-        name=dep.name, work_pool_name=dep.work_pool, build=False, push=False,
+    deployment_id = _flow_for(alignflow_pipeline, "alignflow_pipeline", source, dep.image).deploy(
+        name=dep.name, work_pool_name=dep.work_pool, build=False, push=False, **_image_args(dep.image),
+        job_variables={"gpu_count": 0} if dep.image else None,  # the flow only plans and waits: no GPU
         parameters={"config": config.model_dump(mode="json")}, schedules=schedules_of(config), tags=dep.tags,
         description=f"alignflow pipeline '{config.name}': SFT -> reward -> engine -> RL -> evaluation",
         print_next_steps=False, ignore_warnings=True)
     deployed[f"alignflow-pipeline/{dep.name}"] = str(deployment_id)
     for stage, infra in dep.stage_infra.items():
         ensure_work_pool(infra.work_pool, "kubernetes" if infra.image and infra.gpus else "process")
-        stage_flow = Flow.from_source(source=str(source), entrypoint="flows/pipeline.py:alignflow_stage")
-        job_variables: dict[str, Any] = {}
-        if infra.image:
-            job_variables["image"] = infra.image
-        if infra.gpus:
-            job_variables["gpus"] = infra.gpus
+        stage_flow = _flow_for(alignflow_stage, "alignflow_stage", source, infra.image)
+        # `gpu_count` is the GPU variable of both templates in infra/work-pools; 0 leaves GPUs out (CPU hosts).
+        job_variables: dict[str, Any] = {"gpu_count": infra.gpus} if infra.image else {}
         stage_id = stage_flow.deploy(
             name=f"{dep.name}-{stage}", work_pool_name=infra.work_pool, build=False, push=False,
-            job_variables=job_variables or None, tags=[*dep.tags, f"stage:{stage}"],
+            **_image_args(infra.image), job_variables=job_variables or None, tags=[*dep.tags, f"stage:{stage}"],
             description=f"alignflow '{stage}' stage: runs `python -m alignflow.stages.{stage}` with the given spec",
             print_next_steps=False, ignore_warnings=True)
         deployed[f"{STAGE_FLOW_NAME}/{dep.name}-{stage}"] = str(stage_id)

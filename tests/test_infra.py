@@ -378,6 +378,11 @@ def test_docker_pool_kwargs_are_valid_docker_create_arguments():
         {"Driver": "nvidia", "Count": 4, "DeviceIDs": [], "Capabilities": [["gpu"]], "Options": {}}]
     assert host["ShmSize"] == 32 * 2**30
     assert {u["Name"] for u in host["Ulimits"]} == {"memlock", "stack"}
+    # A host with lower hard limits (runc refuses memlock -1 there) sets its own; podman's defaults are restated.
+    low = [{"name": "nofile", "soft": 1024, "hard": 1024}, {"name": "nproc", "soft": 4096, "hard": 4096}]
+    job = render(template("docker"), {"ulimits": low})
+    args = docker_models._create_container_args({"image": job["image"], "version": "1.41", **job["container_create_kwargs"]})
+    assert [(u["Name"], u["Hard"]) for u in args["host_config"]["Ulimits"]] == [("nofile", 1024), ("nproc", 4096)]
 
 
 def test_kubernetes_pool_requests_gpus_on_gpu_nodes():
