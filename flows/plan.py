@@ -43,6 +43,11 @@ def plan(config: PipelineConfig) -> list[StageCall]:
             calls.append(StageCall(key, "reward", {"reward": shared, "reward_model": rm, "model": model},
                                    {"sft": "sft", "data": "data"}))
     built = {k: v for k, v in dump["engine"].items() if k not in RL_ONLY_ENGINE_KEYS}  # what the build depends on
+    if built["backend"] == "native":
+        # The native engine is saved whole and split when the RL stage's rollout workers load it (each
+        # tensor-parallel rank keeps its shard), so its tensor_parallel_size does not change the build (1 there:
+        # the same stage key as a one-process run, so a TP run reuses its engine).
+        built["tensor_parallel_size"] = 1
     if "engine" in chosen:
         calls.append(StageCall("engine", "engine", {"engine": built, "model": model},
                                {"sft": "sft", "data": "data"}))

@@ -60,11 +60,12 @@ def run(spec: StageSpec) -> StageResult:
         rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
         if cfg.tensor_parallel_size > 1:
-            # The native engine shards over a torch.distributed group (stages/generation/native/tensor_parallel.py),
-            # but no stage launches engine ranks yet: the RL stage's rollout workers will (scale-out work).
+            # The engine stage saves the whole engine; the RL stage's rollout workers split it when they load it
+            # (each rank keeps its shard), and the flow gives a native build tensor_parallel_size 1 (flows/plan.py).
             raise StageInputError(f"engine.tensor_parallel_size={cfg.tensor_parallel_size}: the engine stage builds "
-                                  "a one-process engine; tensor-parallel engine ranks are not launched by any stage "
-                                  "yet: set engine.tensor_parallel_size: 1")
+                                  "a one-process engine; tensor-parallel replicas run in the RL stage's rollout "
+                                  "workers (engine.backend: native, engine.rollout_workers >= 1): set "
+                                  "engine.tensor_parallel_size: 1 in this stage's spec")
         try:
             engine = build_engine(sft_dir, cfg, dtype=dtype)
         except UnsupportedArchitectureError as exc:

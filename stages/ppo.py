@@ -30,7 +30,12 @@ from alignflow.contract import RUN_STARTED_AT_VAR, StageResult, StageSpec
 from alignflow.manifest import find_published, materialize, publish
 from alignflow.stages.data.demo_task import gold_score
 from alignflow.stages.data.formats import load_prompts, render_prompt
-from alignflow.stages.generation.base import SamplingParams, load_engine
+from alignflow.stages.generation.base import (
+    EngineError,
+    SamplingParams,
+    UnsupportedArchitectureError,
+    load_engine,
+)
 from alignflow.stages.models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
 from alignflow.stages.ranks import (
     barrier,
@@ -408,6 +413,10 @@ def run(spec: StageSpec) -> StageResult:
     if cfg.algorithm == "ppo" and not reward_inputs:
         raise StageInputError("ppo.algorithm 'ppo' initialises its critic from a reward model: add one, or use grpo")
     check_zero_stage(cfg.lora, cfg.zero_stage, "ppo")
+    if engine_cfg.tensor_parallel_size > 1 and engine_cfg.rollout_workers == 0:
+        raise StageInputError(f"engine.tensor_parallel_size={engine_cfg.tensor_parallel_size} with "
+                              "engine.rollout_workers=0: tensor-parallel engines run in rollout workers; set "
+                              "engine.rollout_workers >= 1 (replicas of tensor_parallel_size processes each)")
     if engine_cfg.unload_during_training and cfg.async_rollouts:
         raise StageInputError("engine.unload_during_training with ppo.async_rollouts: the engine is generating the "
                               "next rollout while the trainer trains, so there is nothing to unload; turn one off")
@@ -568,12 +577,21 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
 
 def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig) -> RolloutClient | RolloutWorkers:
     """The engine stage's output behind the rollout client: in this process (engine.rollout_workers = 0), or as
-    engine.rollout_workers replicas in their own processes fed by a work queue."""
+    engine.rollout_workers replicas in their own processes fed by a work queue (each engine.tensor_parallel_size
+    processes)."""
     if engine_cfg.rollout_workers >= 1:
-        workers = RolloutWorkers(ctx.input("engine"), engine_cfg.rollout_workers, chunk_size=engine_cfg.queue_chunk,
-                                 threads=engine_cfg.rollout_worker_threads, timeout_s=engine_cfg.rollout_timeout_s,
-                                 unload_during_training=engine_cfg.unload_during_training)
-        print(f"{cfg.algorithm}: {engine_cfg.rollout_workers} rollout worker processes (pids "
+        tp = engine_cfg.tensor_parallel_size
+        try:
+            workers = RolloutWorkers(ctx.input("engine"), engine_cfg.rollout_workers,
+                                     chunk_size=engine_cfg.queue_chunk, threads=engine_cfg.rollout_worker_threads,
+                                     timeout_s=engine_cfg.rollout_timeout_s,
+                                     unload_during_training=engine_cfg.unload_during_training,
+                                     tensor_parallel_size=tp)
+        except (EngineError, UnsupportedArchitectureError) as exc:
+            raise StageInputError(str(exc)) from None
+        layout = (f"{engine_cfg.rollout_workers} rollout replica(s) x {tp} tensor-parallel ranks: "
+                  if tp > 1 else "")
+        print(f"{cfg.algorithm}: {layout}{len(workers.workers)} rollout worker processes (pids "
               f"{', '.join(str(w.pid) for w in workers.workers)}; {workers.threads} torch thread(s) each), chunks of "
               f"{engine_cfg.queue_chunk} sequences", file=sys.stderr, flush=True)
         return workers
@@ -752,6 +770,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         "kl/coef": float(kl_coef),
         "kl/coef_next": float(state.kl_controller.value),
         "refit/bytes": float(refit.bytes),
+        "refit/seconds": float(refit.seconds),  # the trainer's wall time of the refit (stream, send, every ack)
         # Rollout workers: bytes the trainer broadcast (R x refit/bytes) and how evenly the queue spread the work.
         **({"refit/bytes_sent": float(refit.bytes_sent)} if hasattr(refit, "bytes_sent") else {}),
         **{k: v for k, v in generation.metrics.items() if k.startswith("perf/rollout_")},

@@ -24,10 +24,21 @@ they generate).
   pid and exit code or signal within ~0.1 s (the poll interval). An exception inside a worker (bad
   sampling settings, a refit that does not fit) is re-raised in the trainer with the worker's message
   (and its traceback as a note). `close()` stops the workers, and is safe after a failure.
+- Tensor-parallel replicas (engine.tensor_parallel_size = k > 1): R replicas x k processes. A replica's k
+  processes form their own gloo group (each process's default group, on the same store under its own
+  prefix) and each loads its shard of the saved engine, one layer at a time (NativeEngine.load with
+  tensor_parallel_size). Rank 0 of a replica (its leader) takes tasks from the shared queue and
+  forwards each one to its followers' own queues, so the k ranks make the same calls in the same order
+  (the engine's SPMD contract); only the leader sends results back. The refit group holds the trainer
+  and all R x k processes: every one receives the full tensors of the stream and its engine keeps its
+  slice of each as it arrives (a view copied into the shard), so no process holds the whole model and
+  nothing touches disk; `refit/bytes_sent` counts R x k copies of the stream. A follower's error inside
+  a chunk is kept and raised with the leader's answer; a follower that dies is named like any worker.
 
-What it is not (yet): tensor-parallel replicas (each worker holds a whole engine), workers on other
-hosts (the store and gloo bind to 127.0.0.1 here) or pinned to their own GPUs (each loads on the
-default device), or NCCL refits (gloo sends host tensors; a GPU trainer copies each one to the host).
+What it is not (yet): workers on other hosts (the store and gloo bind to 127.0.0.1 here) or pinned to
+their own GPUs (each loads on the default device), NCCL refits (gloo sends host tensors; a GPU trainer
+copies each one to the host), or a refit that sends each TP rank only its slice (the trainer cutting and
+scattering would send k times fewer bytes; the broadcast keeps the trainer ignorant of the sharding).
 """
 
 from __future__ import annotations
@@ -49,7 +60,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from alignflow.stages.generation.base import Generation, RefitError, RefitStats, SamplingParams, load_engine
+from alignflow.stages.generation.base import (
+    EngineError,
+    Generation,
+    RefitError,
+    RefitStats,
+    SamplingParams,
+    load_engine,
+    read_engine_config,
+)
 from alignflow.stages.rl.rollout_client import Rollout, RolloutRequest, timed_memory_change
 
 # Header of one refit tensor: its JSON (name, shape, dtype) zero-padded to a fixed size, so every
@@ -87,15 +106,19 @@ class WorkerSettings:
     threads: int
     store_host: str
     store_port: int
-    world_size: int          # R workers + the trainer
+    world_size: int          # R x k worker processes + the trainer
     timeout_s: float         # every collective, and the store connection
     device: str | None = None
+    replica: int = 0         # which data-parallel replica this process belongs to
+    tp_rank: int = 0         # its rank inside the replica's tensor-parallel group (0: the replica's leader)
+    tp_size: int = 1         # k, the replica's tensor-parallel ranks
 
 
 @dataclass
 class GroupRefitStats(RefitStats):
-    """One refit of every worker: `tensors` and `bytes` the trainer broadcast (each worker received `bytes`,
-    so `bytes_sent` = R x bytes), `seconds` the trainer's wall time, and each worker's own RefitStats."""
+    """One refit of every worker: `tensors` and `bytes` the trainer broadcast (each worker process received
+    `bytes`, so `bytes_sent` = R x k x bytes), `seconds` the trainer's wall time, and each process's own
+    RefitStats (a tensor-parallel rank's `bytes` are those of the slices it kept)."""
 
     bytes_sent: int = 0
     workers: list[RefitStats] = field(default_factory=list)
@@ -110,8 +133,8 @@ class _Pending:
     started: float
     chunks: int
     parts: dict[int, Generation] = field(default_factory=dict)
-    busy: dict[int, float] = field(default_factory=dict)        # worker -> seconds generating this request
-    taken_by: dict[int, int] = field(default_factory=dict)      # chunk -> worker
+    busy: dict[int, float] = field(default_factory=dict)        # replica -> seconds generating this request
+    taken_by: dict[int, int] = field(default_factory=dict)      # chunk -> replica
     error: RolloutWorkerError | None = None
     arrived: int = 0                                            # chunks back, results or errors
     finished: float | None = None
@@ -142,7 +165,7 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 def default_threads(workers: int) -> int:
-    """Torch threads per worker: the cores shared out (2 cores, 2 workers: 1 each), at least 1."""
+    """Torch threads per worker process: the cores shared out (2 cores, 2 processes: 1 each), at least 1."""
     return max(1, (os.cpu_count() or 1) // max(workers, 1))
 
 
@@ -284,26 +307,48 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 # The worker process
 # ----------------------------------------------------------------------------------------------
 
-def worker_main(settings: WorkerSettings, tasks: Any, results: Any) -> None:
+def _load_engine(settings: WorkerSettings, store: dist.Store) -> Any:
+    """The engine of this process: the whole saved engine, or (k > 1) this rank's shard of it, after joining the
+    replica's tensor-parallel group (this process's default group; the trainer's group stays separate)."""
+    if settings.tp_size == 1:
+        return load_engine(settings.engine_dir, device=settings.device)
+    from alignflow.stages.generation.native.engine import NativeEngine
+
+    backend = read_engine_config(settings.engine_dir)["backend"]
+    if backend != NativeEngine.backend:
+        raise EngineError(f"engine.tensor_parallel_size={settings.tp_size} in rollout workers needs the native "
+                          f"engine; {settings.engine_dir} holds a {backend!r} one")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"alignflow-tp-{settings.replica}", store),
+                            rank=settings.tp_rank, world_size=settings.tp_size,
+                            timeout=timedelta(seconds=settings.timeout_s))
+    return NativeEngine.load(settings.engine_dir, device=settings.device, tensor_parallel_size=settings.tp_size)
+
+
+def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: tuple[Any, ...] = ()) -> None:
     """A rollout worker's whole life: load the engine, join the group, then serve tasks until told to stop.
 
-    Tasks (from the shared queue): ("chunk", request_id, chunk, prompt_ids, sampling_json),
-    ("refit", partial), ("unload", keep_weights), ("reload",), ("stop",). A control task is put once
-    per worker and every one ends in a collective of the whole group, so no worker can take two.
+    Tasks: ("chunk", request_id, chunk, prompt_ids, sampling_json), ("refit", partial), ("unload",
+    keep_weights), ("reload",), ("stop",). A replica's leader (tp_rank 0) reads them from the shared queue
+    `tasks` and puts each one on its `followers`' queues; a follower (tp_rank > 0) reads its own queue as
+    `tasks`. A control task is put once per replica and every one ends in a collective of the whole group,
+    so no leader can take two. Only leaders report chunks; every process acks control tasks.
     """
     index = settings.index
+    leader = settings.tp_rank == 0
     torch.set_num_threads(settings.threads)
     try:
-        started = time.perf_counter()
-        engine = load_engine(settings.engine_dir, device=settings.device)
-        load_s = time.perf_counter() - started
         store = dist.TCPStore(settings.store_host, settings.store_port, settings.world_size, False,
                               timedelta(seconds=settings.timeout_s))
+        started = time.perf_counter()
+        engine = _load_engine(settings, store)
+        load_s = time.perf_counter() - started
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
         results.put(("failed", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         raise SystemExit(1) from None
     results.put(("ready", index, os.getpid(), {"load_s": load_s, "threads": torch.get_num_threads(),
-                                               "backend": engine.backend}))
+                                               "backend": engine.backend,
+                                               "weight_bytes": engine.weights.nbytes()
+                                               if hasattr(engine, "weights") else None}))
     group = _join_group(store, index + 1, settings.world_size, settings.timeout_s, settings.store_host)
     parent = mp.parent_process()
     while True:
@@ -313,16 +358,20 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any) -> None:
             if parent is not None and not parent.is_alive():
                 return  # the trainer is gone (SIGKILL): nobody will ever send "stop"
             continue
+        for follower in followers:
+            follower.put(task)  # the replica's other ranks make the same call
         kind = task[0]
         if kind == "stop":
             return
         try:
             if kind == "chunk":
                 _, request_id, chunk, prompt_ids, sampling_json = task
-                results.put(("took", index, request_id, chunk))  # so a death names the chunk it took with it
+                if leader:
+                    results.put(("took", index, request_id, chunk))  # so a death names the chunk it took with it
                 began = time.perf_counter()
                 generation = engine.generate(prompt_ids, SamplingParams.model_validate_json(sampling_json))
-                results.put(("chunk", index, request_id, chunk, generation, time.perf_counter() - began))
+                if leader:  # every rank of a replica holds the same tokens; one copy goes back
+                    results.put(("chunk", index, request_id, chunk, generation, time.perf_counter() - began))
             elif kind == "refit":
                 stream = _receive_stream(group, settings.timeout_s)
                 try:
@@ -351,31 +400,54 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any) -> None:
 # The trainer's side
 # ----------------------------------------------------------------------------------------------
 
+def check_replica_split(engine_dir: str | os.PathLike, tensor_parallel_size: int) -> None:
+    """Refuse, before any process starts, a tensor-parallel replica the saved engine cannot be split into."""
+    from transformers import AutoConfig
+
+    from alignflow.stages.generation.native.spec import spec_from_hf_config
+    from alignflow.stages.generation.native.tensor_parallel import check_tensor_parallel
+
+    meta = read_engine_config(engine_dir)
+    if meta["backend"] != "native":
+        raise EngineError(f"engine.tensor_parallel_size={tensor_parallel_size} with rollout workers needs "
+                          f"engine.backend: native (the engine in {engine_dir} is {meta['backend']!r}); "
+                          "set engine.tensor_parallel_size: 1")
+    check_tensor_parallel(spec_from_hf_config(AutoConfig.from_pretrained(engine_dir),
+                                              meta["engine_config"]["max_seq_len"]), tensor_parallel_size)
+
+
 @dataclass
 class _Worker:
     index: int
     process: Any
     pid: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    replica: int = 0
+    tp_rank: int = 0
 
 
 class RolloutWorkers:
-    """R rollout worker processes behind RolloutClient's calls: `submit` -> `result`, `refit`, `close`."""
+    """R rollout replicas (each k worker processes) behind RolloutClient's calls: `submit` -> `result`, `refit`,
+    `close`. `workers` lists every process (index = replica x k + TP rank); the queue hands chunks to replicas."""
 
     def __init__(self, engine_dir: str | os.PathLike, workers: int, *, chunk_size: int = 8, threads: int = 0,
                  timeout_s: float = 120.0, start_timeout_s: float = 900.0, weights_version: int = 0,
                  unload_during_training: bool = False, device: str | None = None,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, tensor_parallel_size: int = 1):
         if workers < 1:
             raise ValueError(f"rollout workers must be >= 1, got {workers} (0 means the engine in the trainer: "
                              "use RolloutClient)")
         cut_chunks(1, chunk_size)  # validates chunk_size
+        if tensor_parallel_size > 1:
+            check_replica_split(engine_dir, tensor_parallel_size)
+        self.replicas, self.tp_size = workers, tensor_parallel_size
+        processes = workers * tensor_parallel_size
         self.chunk_size = chunk_size
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.weights_version = weights_version
         self.unload_during_training = unload_during_training  # the loop calls unload() / reload() when set
-        self.threads = threads or default_threads(workers)
+        self.threads = threads or default_threads(processes)
         self._ctx = mp.get_context("spawn")
         self._tasks = self._ctx.Queue()
         self._results = self._ctx.Queue()
@@ -392,15 +464,23 @@ class RolloutWorkers:
         self.workers: list[_Worker] = []
         host = "127.0.0.1"
         # Port 0: the OS picks a free port as the store binds it, and the workers are told which one.
-        self._store = dist.TCPStore(host, 0, workers + 1, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        self._store = dist.TCPStore(host, 0, processes + 1, True, timedelta(seconds=timeout_s),
+                                    wait_for_workers=False)
+        # A follower's own queue, filled by its replica's leader (so the k ranks take the same tasks in order).
+        self._follower_queues = {i: self._ctx.Queue() for i in range(processes) if i % tensor_parallel_size}
         try:
-            for i in range(workers):
-                settings = WorkerSettings(i, str(engine_dir), self.threads, host, self._store.port, workers + 1,
-                                          timeout_s, device)
-                process = self._ctx.Process(target=worker_main, args=(settings, self._tasks, self._results),
-                                            name=f"rollout-worker-{i}", daemon=True)
+            for i in range(processes):
+                replica, tp_rank = divmod(i, tensor_parallel_size)
+                settings = WorkerSettings(i, str(engine_dir), self.threads, host, self._store.port, processes + 1,
+                                          timeout_s, device, replica, tp_rank, tensor_parallel_size)
+                if tp_rank == 0:
+                    args = (settings, self._tasks, self._results,
+                            tuple(self._follower_queues[i + r] for r in range(1, tensor_parallel_size)))
+                else:
+                    args = (settings, self._follower_queues[i], self._results)
+                process = self._ctx.Process(target=worker_main, args=args, name=f"rollout-worker-{i}", daemon=True)
                 process.start()
-                self.workers.append(_Worker(i, process, process.pid))
+                self.workers.append(_Worker(i, process, process.pid, replica=replica, tp_rank=tp_rank))
             deadline = time.monotonic() + start_timeout_s
             while any(not w.info for w in self.workers):
                 if time.monotonic() > deadline:
@@ -408,7 +488,7 @@ class RolloutWorkers:
                     raise RolloutWorkerError(f"rollout worker(s) {slow} did not load the engine within "
                                              f"{start_timeout_s:.0f} s")
                 self._pump("loading the engine")
-            self._group = _join_group(self._store, 0, workers + 1, timeout_s, host)
+            self._group = _join_group(self._store, 0, processes + 1, timeout_s, host)
         except BaseException:
             self.close()
             raise
@@ -442,10 +522,12 @@ class RolloutWorkers:
         if pending.error is not None:
             raise pending.error
         self.last_chunks = [pending.taken_by[c] for c in range(pending.chunks)]
-        self.last_busy = [pending.busy.get(w.index, 0.0) for w in self.workers]
+        self.last_busy = [pending.busy.get(r, 0.0) for r in range(self.replicas)]
         wall = pending.finished - pending.started
         generation = merge_generations([pending.parts[c] for c in range(pending.chunks)], wall, pending.busy,
-                                       len(self.workers))
+                                       self.replicas)
+        if self.tp_size > 1:
+            generation.metrics["perf/rollout_tensor_parallel"] = float(self.tp_size)
         return Rollout(pending.request, generation, wall, pending.version)
 
     def wait_idle(self) -> None:
@@ -460,8 +542,8 @@ class RolloutWorkers:
         self.wait_idle()
         self._check_usable("refitting")
         started = time.perf_counter()
-        for _ in self.workers:
-            self._tasks.put(("refit", partial))
+        for _ in range(self.replicas):
+            self._tasks.put(("refit", partial))  # each leader forwards it to its replica's other ranks
         count = nbytes = 0
         bucket = _Bucket(self.bucket_bytes)
         stream = iter(named_tensors)
@@ -525,8 +607,8 @@ class RolloutWorkers:
         # Idle and healthy: a polite stop (each exits its loop). After a failure, or with chunks still queued or
         # being generated, a worker may be blocked in a collective or busy for seconds: terminate at once.
         polite = self._broken is None and all(p.done for p in self._requests.values())
-        for _ in alive if polite else ():
-            self._tasks.put(("stop",))
+        for _ in range(self.replicas) if polite and alive else ():
+            self._tasks.put(("stop",))  # a leader forwards it to its followers
         deadline = time.monotonic() + (5.0 if polite else 0.0)
         for w in alive:
             w.process.join(max(0.0, deadline - time.monotonic()))
@@ -537,7 +619,7 @@ class RolloutWorkers:
             if w.process.exitcode is None:
                 w.process.kill()
                 w.process.join(2.0)
-        for q in (self._tasks, self._results):
+        for q in (self._tasks, self._results, *self._follower_queues.values()):
             q.cancel_join_thread()  # nothing left to read what is still buffered: do not wait at exit
             q.close()
         self._group = None
@@ -560,7 +642,9 @@ class RolloutWorkers:
 
     def _worker_name(self, index: int) -> str:
         w = self.workers[index]
-        return f"rollout worker {index} (pid {w.pid})"
+        if self.tp_size == 1:
+            return f"rollout worker {index} (pid {w.pid})"
+        return f"rollout worker {index} (replica {w.replica}, tensor-parallel rank {w.tp_rank} of {self.tp_size}, pid {w.pid})"
 
     def _dead(self) -> list[_Worker]:
         return [w for w in self.workers if w.process.exitcode is not None]
@@ -568,7 +652,7 @@ class RolloutWorkers:
     def _death_error(self, dead: list[_Worker], doing: str) -> RolloutWorkerError:
         names = "; ".join(f"{self._worker_name(w.index)} died ({describe_exit(w.process.exitcode)})" for w in dead)
         lost = sorted({(p.request.iteration, c) for p in self._requests.values() for c, who in p.taken_by.items()
-                       if any(who == w.index for w in dead) and c not in p.parts})
+                       if any(who == w.replica for w in dead) and c not in p.parts})
         error = RolloutWorkerError(f"{names} while {doing}; the stage cannot go on without it (a re-run resumes "
                                    "from the last checkpoint)" + (f"; chunks lost: {lost}" if lost else ""),
                                    worker=dead[0].index, pid=dead[0].pid)
@@ -610,14 +694,15 @@ class RolloutWorkers:
         elif kind == "took":
             pending = self._requests.get(message[2])
             if pending is not None:
-                pending.taken_by[message[3]] = index
+                pending.taken_by[message[3]] = self.workers[index].replica
         elif kind == "chunk":
             _, _, request_id, chunk, generation, busy = message
             pending = self._requests.get(request_id)
             if pending is None:
                 return
             pending.parts[chunk] = generation
-            pending.busy[index] = pending.busy.get(index, 0.0) + busy
+            replica = self.workers[index].replica
+            pending.busy[replica] = pending.busy.get(replica, 0.0) + busy
             self._arrive(pending)
         elif kind == "error":
             _, _, what, request_id, chunk, text, remote_type, trace = message
@@ -629,7 +714,8 @@ class RolloutWorkers:
             error.add_note(f"worker traceback:\n{trace}")
             if pending is not None:
                 pending.error = pending.error or error
-                self._arrive(pending)
+                if self.workers[index].tp_rank == 0:  # the leader's answer completes the chunk; a follower's
+                    self._arrive(pending)             # error is kept (the first error is the one raised)
             else:
                 self._control_errors.append(error)
                 self._acks.append((index, what, None))
@@ -660,9 +746,10 @@ class RolloutWorkers:
         return got
 
     def _control(self, what: str, *args: Any) -> dict[int, Any]:
-        """One control task per worker; all of them and the trainer meet in a barrier so no worker takes two."""
+        """One control task per replica (its leader forwards it); every process and the trainer meet in a barrier
+        so no leader takes two; every process answers."""
         self._check_usable(what + "ing")
-        for _ in self.workers:
+        for _ in range(self.replicas):
             self._tasks.put((what, *args))
         self._collective(what + "ing", _barrier)
         return self._collect(what)

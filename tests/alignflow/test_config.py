@@ -99,6 +99,12 @@ def test_how_the_rl_stage_runs_the_engine_does_not_rebuild_it():
     before, after = ({call.key: call.config for call in plan(c)} for c in (base, workers))
     assert after["engine"] == before["engine"] and after["evaluate"] == before["evaluate"]
     assert after["ppo"]["engine"]["rollout_workers"] == 2 and after["ppo"] != before["ppo"]
+    # The native engine is saved whole and split by the rollout workers: its tensor_parallel_size reaches the RL
+    # stage only, and the engine stage's key is the one-process run's (the cached engine is reused).
+    tp = {call.key: call.config for call in plan(validate_config({"engine": {"rollout_workers": 1,
+                                                                              "tensor_parallel_size": 2}}))}
+    assert tp["engine"] == before["engine"] and tp["evaluate"] == before["evaluate"]
+    assert tp["ppo"]["engine"]["tensor_parallel_size"] == 2
     assert validate_config({"engine": {"max_seq_len": 512}}).engine.max_seq_len == 512
     assert {call.key: call.config for call in plan(validate_config({"engine": {"max_seq_len": 512}}))}[
         "engine"] != before["engine"]

@@ -66,7 +66,11 @@ from alignflow.stages.generation.native import prepack
 from alignflow.stages.generation.native.model import DecodeMasks, KVCache, LlamaFamilyModel, prefill_masks
 from alignflow.stages.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
 from alignflow.stages.generation.native.tensor_parallel import TensorParallel, check_tensor_parallel
-from alignflow.stages.generation.native.weights import InferenceWeights, checkpoint_tensors
+from alignflow.stages.generation.native.weights import (
+    InferenceWeights,
+    checkpoint_tensors,
+    saved_engine_tensors,
+)
 
 WEIGHTS_FILE = "weights.safetensors"
 # On GPU, checking "all sequences finished?" syncs the host with the device; every 8 steps it costs
@@ -620,7 +624,12 @@ class NativeEngine(Engine):
         return path
 
     @classmethod
-    def load(cls, path: str | Path, *, device: str | None = None) -> NativeEngine:
+    def load(cls, path: str | Path, *, device: str | None = None, tensor_parallel_size: int = 1,
+             process_group: Any = None) -> NativeEngine:
+        """Load a saved engine. tensor_parallel_size = k > 1: this process is one rank of a k-rank engine over
+        `process_group` (default: the world group); every rank calls load and keeps its shard, streaming the
+        saved (one-device) buffers through refit one layer at a time (weights.saved_engine_tensors), so no
+        rank holds the whole model."""
         from safetensors import safe_open
         from transformers import AutoConfig
 
@@ -630,13 +639,26 @@ class NativeEngine(Engine):
             raise ValueError(f"{path} holds a {meta['backend']!r} engine, not {cls.backend!r}; use load_engine()")
         hf_config = AutoConfig.from_pretrained(path)
         tokenizer_dir = path / meta["tokenizer"] if meta.get("tokenizer") else None
+        engine_config = EngineConfig.model_validate(meta["engine_config"])
+        if engine_config.tensor_parallel_size != 1:
+            raise ValueError(f"{path}: a saved engine holds the whole model (tensor_parallel_size 1), not "
+                             f"{engine_config.tensor_parallel_size}; rebuild it")
+        if tensor_parallel_size > 1:
+            check_tensor_parallel(spec_from_hf_config(hf_config, engine_config.max_seq_len), tensor_parallel_size)
+            engine_config = engine_config.model_copy(update={"tensor_parallel_size": tensor_parallel_size})
         engine = cls(
-            hf_config, EngineConfig.model_validate(meta["engine_config"]), dtype=resolve_dtype(meta["dtype"]),
+            hf_config, engine_config, dtype=resolve_dtype(meta["dtype"]),
             device=resolve_device(device), eos_token_ids=tuple(meta["eos_token_ids"]),
             tokenizer_source=tokenizer_dir, source_checkpoint=meta.get("source_checkpoint"),
+            process_group=process_group,
         )
         if _json_roundtrip(engine.spec.to_dict()) != meta["spec"]:
             raise ValueError(f"{path}: config.json does not describe the model in engine_config.json (edited?)")
+        if engine.tp is not None:
+            engine.weights.copy_stream(saved_engine_tensors(path / meta["weights"], engine.spec), partial=False)
+            engine._weights_written()
+            engine.warmup()
+            return engine
         with safe_open(str(path / meta["weights"]), framework="pt", device="cpu") as handle, torch.no_grad():
             names = set(handle.keys())
             expected = set(engine.weights.buffers)

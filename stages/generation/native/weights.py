@@ -286,3 +286,38 @@ def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor
         with safe_open(str(checkpoint_dir / file), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
                 yield name, handle.get_tensor(name)
+
+
+def saved_engine_tensors(weights_file: Path, spec: LlamaFamilySpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream a saved (one-device) engine's fused buffers back as (HF name, tensor), one layer's slice at a time.
+
+    A tensor-parallel rank loads a saved engine through this and its refit path (each rank cuts its shard
+    of every full tensor), so no rank ever holds the whole model: the largest tensor alive is one layer's
+    fused QKV or gate/up rows (or the embedding), read from the file with safetensors' slices.
+    """
+    from safetensors import safe_open
+
+    q, k, inner = spec.q_size, spec.kv_size, spec.intermediate_size
+    parts = {"qkv_w": (("q_proj.weight", 0, q), ("k_proj.weight", q, q + k), ("v_proj.weight", q + k, q + 2 * k)),
+             "qkv_b": (("q_proj.bias", 0, q), ("k_proj.bias", q, q + k), ("v_proj.bias", q + k, q + 2 * k)),
+             "gate_up_w": (("gate_proj.weight", 0, inner), ("up_proj.weight", inner, 2 * inner))}
+    whole = {"o_w": "self_attn.o_proj.weight", "o_b": "self_attn.o_proj.bias", "down_w": "mlp.down_proj.weight",
+             "ln_attn": "input_layernorm.weight", "ln_mlp": "post_attention_layernorm.weight"}
+    prefix = {"qkv_w": "self_attn.", "qkv_b": "self_attn.", "gate_up_w": "mlp."}
+    with safe_open(str(weights_file), framework="pt", device="cpu") as handle:
+        names = set(handle.keys())
+        yield "model.embed_tokens.weight", handle.get_tensor("embed")
+        yield "model.norm.weight", handle.get_tensor("norm")
+        if "lm_head" in names:
+            yield "lm_head.weight", handle.get_tensor("lm_head")
+        for layer in range(spec.num_layers):
+            for buffer in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w", "ln_attn", "ln_mlp"):
+                if buffer not in names:
+                    continue  # qkv_b / o_b exist for biased models only
+                rows = handle.get_slice(buffer)[layer: layer + 1][0]
+                if buffer in whole:
+                    yield f"model.layers.{layer}.{whole[buffer]}", rows
+                    continue
+                for suffix, start, stop in parts[buffer]:
+                    yield f"model.layers.{layer}.{prefix[buffer]}{suffix}", rows[start:stop]
+                del rows

@@ -42,7 +42,7 @@ from alignflow.stages.generation.native.tensor_parallel import (
     valid_sizes,
     vocab_range,
 )
-from alignflow.stages.generation.native.weights import checkpoint_tensors
+from alignflow.stages.generation.native.weights import checkpoint_tensors, saved_engine_tensors
 
 WORLD = 2
 NEW_TOKENS = 16  # past both sliding windows (6, 8) for prompts of 2-13 tokens
@@ -311,6 +311,21 @@ def test_tp_without_torch_distributed_is_a_clear_error(tiny_checkpoints):
     with pytest.raises(EngineError, match=r"engine.tensor_parallel_size=2 needs torch.distributed initialised "
                                           r"with 2 ranks"):
         NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("name", ["llama_mha_untied", "llama_gqa_tied_llama3", "qwen2_bias_window", "llama_bias_yarn"])
+def test_a_saved_engine_streams_back_as_its_checkpoints_tensors(tmp_path, name):
+    """What a tensor-parallel rollout worker loads from (each rank cuts these as they arrive): the saved engine's
+    fused buffers unfused, one layer at a time, give exactly the checkpoint's tensors under their HF names
+    (biased models, drawn non-zero so a bias in the wrong rows shows; tied and untied heads)."""
+    checkpoint = save_tiny_model(tmp_path / "checkpoint", name, bias_std=0.1)
+    engine = NativeEngine.build(checkpoint, engine_config())
+    engine.save(tmp_path / "engine")
+    streamed = dict(saved_engine_tensors(tmp_path / "engine" / "weights.safetensors", engine.spec))
+    want = {n: t for n, t in checkpoint_tensors(checkpoint) if n != "lm_head.weight" or "lm_head.weight" in streamed}
+    assert streamed.keys() == want.keys()
+    for n, t in want.items():
+        assert torch.equal(streamed[n], t), n
 
 
 def test_one_device_calls_no_collective(tiny_checkpoints, monkeypatch):
