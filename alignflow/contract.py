@@ -22,6 +22,11 @@ LAUNCHED_AT_VAR = "ALIGNFLOW_LAUNCHED_AT"
 RUN_STARTED_AT_VAR = "ALIGNFLOW_RUN_STARTED_AT"
 
 
+class TrackingUnavailableError(RuntimeError):
+    """The MLflow server stayed unreachable past alignflow.tracking's outage limit. A stage reports it in one line
+    and exits 1 (transient: the flow retries; an RL stage resumes from its last checkpoint)."""
+
+
 class TrackingSpec(BaseModel):
     """Where a stage logs: the MLflow server/DB, experiment, and the pipeline's parent run."""
 

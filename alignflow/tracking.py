@@ -204,6 +204,7 @@ class MetricSender:
         self._outage_s = outage_limit_s() if outage_s is None else outage_s
         self._queue: queue.Queue[list[Metric] | None] = queue.Queue()
         self._error: BaseException | None = None
+        self._gave_up: str | None = None  # the TrackingUnavailableError's message, once the outage limit passed
         self._thread = threading.Thread(target=self._run, name=f"mlflow-metrics-{run_id[:8]}", daemon=True)
         self._thread.start()
 
@@ -249,6 +250,8 @@ class MetricSender:
 
     def _send_through_outages(self, items: list[Metric]) -> None:
         """log_batch `items` in order, waiting out an unreachable server for up to `outage_s` (class docstring)."""
+        if self._gave_up is not None:  # once given up, fail at once: the stage is stopping, don't wait again
+            raise TrackingUnavailableError(self._gave_up)
         sent, down_since, wait = 0, None, _RETRY_FIRST_S
         while sent < len(items):
             batch = items[sent:sent + _METRICS_PER_BATCH]
@@ -264,10 +267,10 @@ class MetricSender:
                           f"on and its metrics are kept and sent when the server is back (giving up after "
                           f"{self._outage_s:.0f} s)")
                 if now - down_since >= self._outage_s:
-                    raise TrackingUnavailableError(
-                        f"MLflow unreachable for {now - down_since:.0f} s (limit {self._outage_s:.0f} s, "
-                        f"{OUTAGE_VAR}) while logging run {self._run_id}: {_first_line(exc)}; start the server "
-                        "again, then re-run: the stage resumes and its new run gets every step") from None
+                    self._gave_up = (f"MLflow unreachable for {now - down_since:.0f} s (limit {self._outage_s:.0f} s, "
+                                     f"{OUTAGE_VAR}) while logging run {self._run_id}: {_first_line(exc)}; start the "
+                                     "server again, then re-run: the stage resumes and its new run gets every step")
+                    raise TrackingUnavailableError(self._gave_up) from None
                 time.sleep(min(wait, max(self._outage_s - (now - down_since), 0.0)))
                 wait = min(2 * wait, _RETRY_MAX_S)
                 continue

@@ -22,7 +22,13 @@ from typing import Any
 
 from alignflow import console
 from alignflow.config import ConfigError
-from alignflow.contract import LAUNCHED_AT_VAR, REUSED_MESSAGE, StageResult, StageSpec
+from alignflow.contract import (
+    LAUNCHED_AT_VAR,
+    REUSED_MESSAGE,
+    StageResult,
+    StageSpec,
+    TrackingUnavailableError,
+)
 from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
 from alignflow.offline import set_offline_defaults
 from alignflow.stages import ranks
@@ -132,6 +138,7 @@ class StageContext:
         self.profiler.stop()
         self.profiler.write_report(folder / "profile.md")
         if self.tracker is not None:
+            self.tracker.flush()  # every queued step is in the run before the output pointing at it is published
             self.tracker.log_metrics(self.profiler.summary())
             self.tracker.log_artifact(folder / "profile.md", "reports")
         inputs = {name: InputRef(uri=uri, digest=self.spec.input_digests.get(name, ""))
@@ -231,7 +238,7 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
                     _print_failure(stage, failure, started, code)
                 return code
             result = run(spec)
-    except TransientStorageError as exc:  # the store's fault, and it passes: exit 1, so the flow retries later
+    except (TransientStorageError, TrackingUnavailableError) as exc:  # a service's passing fault: exit 1, retried
         print(f"error: {stage}: {exc}", file=sys.stderr, flush=True)
         _print_failure(stage, str(exc), started, 1)
         return 1
