@@ -256,6 +256,8 @@ class S3Store(ObjectStore):
             BotoCoreError,
             ClientError,
             ConnectionClosedError,
+            ConnectTimeoutError,
+            EndpointConnectionError,
             ParamValidationError,
             ReadTimeoutError,
         )
@@ -284,7 +286,12 @@ class S3Store(ObjectStore):
                                         f"{self.max_attempts} attempts ({exc})") from None
         except BotoCoreError as exc:
             where = self.endpoint_url or "the default AWS endpoint"
-            raise StorageError(
+            # Refused or timed out in every attempt: a wrong endpoint, or a server that is down or restarting.
+            # The two look the same here, so it is transient (exit 1, the flow retries the stage: ~30 s of
+            # delays at the defaults before a wrong endpoint's error shows) rather than bad input.
+            error = TransientStorageError if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)) \
+                else StorageError
+            raise error(
                 f"{what} {uri} failed: cannot reach S3 at {where} ({exc}); "
                 "check storage.endpoint_url / AWS_ENDPOINT_URL_S3 and that the server is up"
             ) from None

@@ -8,6 +8,7 @@ from alignflow.config import StorageConfig
 from alignflow.storage import (
     LocalStore,
     StorageError,
+    TransientStorageError,
     is_unfinished_write,
     join_uri,
     normalize_root,
@@ -61,13 +62,15 @@ def test_s3_multipart_upload_of_a_large_file(s3_bucket, tmp_path):
     assert (tmp_path / "big.back").read_bytes() == big.read_bytes()
 
 
-def test_unreachable_s3_endpoint_message():
+def test_unreachable_s3_endpoint_message(monkeypatch):
     from tests.conftest import free_port
 
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # so the call gets as far as connecting
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     port = free_port()  # nothing listens there
     store = open_store("s3://bucket/x", StorageConfig(endpoint_url=f"http://127.0.0.1:{port}", max_attempts=1,
                                                       connect_timeout_s=0.5))
-    with pytest.raises(StorageError) as err:
+    with pytest.raises(TransientStorageError) as err:  # a server down or restarting: the flow retries the stage
         store.put_bytes(b"x", "s3://bucket/x/y")
     assert str(err.value).startswith(f"put s3://bucket/x/y failed: cannot reach S3 at http://127.0.0.1:{port} (")
     assert "check storage.endpoint_url / AWS_ENDPOINT_URL_S3 and that the server is up" in str(err.value)
