@@ -101,12 +101,12 @@ def test_an_unreachable_server_is_waited_out_with_every_step_once(store, monkeyp
             run.log_metrics_async({"rollout/score_mean": step / 10, "timing/iteration": 0.5}, step)
             if step % 5 == 0:
                 run.flush()  # spreads the steps over several calls, so the outage and the cut reply fall in the loop
-    assert outage.calls > outage.cut, "the outage and the lost reply happened"
     client = MlflowClient(store)
     assert client.get_run(run.run_id).info.status == "FINISHED"
     for key, value in (("rollout/score_mean", lambda step: step / 10), ("timing/iteration", lambda step: 0.5)):
         history = sorted((m.step, m.value) for m in client.get_metric_history(run.run_id, key))
         assert history == [(step, value(step)) for step in range(1, 41)], key
+    assert outage.calls > outage.cut, "the outage and the lost reply happened"
     err = capsys.readouterr().err
     assert "MLflow unreachable while logging run" in err and "MLflow reachable again after" in err
 
