@@ -146,9 +146,11 @@ def test_unreachable_s3_endpoint_fails_the_pipeline(tmp_path, prefect_harness):
     from alignflow.flows.pipeline import alignflow_pipeline
 
     port = free_port()
+    # A refused connection is transient (the store may be restarting): the flow retries the stage, here 1 s apart.
     config = small_config(tmp_path, stages=["data"], storage={"root": "s3://bucket/runs", "max_attempts": 1,
                                                                "endpoint_url": f"http://127.0.0.1:{port}",
-                                                               "connect_timeout_s": 0.5})
+                                                               "connect_timeout_s": 0.5},
+                          deployment={"retry_delay_s": 1})
     with pytest.raises(Exception) as err:
         alignflow_pipeline(config)
     assert f"cannot reach S3 at http://127.0.0.1:{port}" in str(err.value)
