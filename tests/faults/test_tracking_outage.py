@@ -1,0 +1,189 @@
+"""The MLflow server killed (SIGKILL) while the PPO stage runs its iterations, then started again on the same port
+and database.
+
+What must hold: a short outage (MLflow's client retries at their defaults, ~4 min) does not stop the stage, and a
+long one (past ALIGNFLOW_TRACKING_OUTAGE_S) stops it with one line and no published output, after which a re-run
+resumes. Either way the run the stage's result points at holds every iteration's metrics exactly once, with the
+values in the stage's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from alignflow.contract import StageResult, StageSpec, TrackingSpec
+from alignflow.manifest import find_published, materialize, output_uri
+from tests.conftest import REPO, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(1800)]  # 2 loaded cores: minutes each
+BIN = Path(sys.executable).parent
+ITERATIONS = 16
+
+
+class MlflowServer:
+    """`mlflow server` on a fixed 127.0.0.1 port over one SQLite file, that a test can kill and start again."""
+
+    def __init__(self, home: Path):
+        self.home, self.port = home, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> float:
+        """Start it and wait until it answers; the seconds that took."""
+        started = time.time()
+        self.starts += 1
+        log = open(self.home / f"server-{self.starts}.log", "w")  # noqa: SIM115 - the server process writes it
+        self.proc = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{self.home / 'mlflow.db'}",
+             "--artifacts-destination", str(self.home / "artifacts"), "--serve-artifacts"],
+            cwd=self.home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        while time.time() - started < 300:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"mlflow server exited {self.proc.returncode}; see {log.name}")
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:  # noqa: S310 - loopback
+                    if response.status == 200:
+                        return time.time() - started
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError("mlflow server did not answer in 300 s")
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group (uvicorn and its worker): no chance to finish a request."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    server = MlflowServer(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+class Stage:
+    """The stage process, its stderr read line by line as it comes (to time the faults on its progress)."""
+
+    def __init__(self, spec: StageSpec, workdir: Path, env: dict[str, str]):
+        path = spec.dump(workdir / f"spec-{spec.output_uri.rsplit('/', 1)[1]}.json")
+        self.proc = subprocess.Popen([sys.executable, "-m", f"alignflow.stages.{spec.stage}", "--spec", str(path)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir,
+                                     env={**os.environ, "PYTHONPATH": str(REPO), **env})
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stderr.readline, "")),
+                                        daemon=True)
+        self._reader.start()
+
+    def iterations(self) -> int:
+        done = [int(m.group(1)) for line in list(self.lines) if (m := re.match(r"ppo: iteration (\d+)/", line))]
+        return max(done, default=0)
+
+    def wait_for(self, what: str, predicate, timeout_s: float = 600) -> None:
+        deadline = time.time() + timeout_s
+        while not predicate():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the stage exited {self.proc.returncode} before {what}:\n{self.stderr()[-3000:]}")
+            if time.time() > deadline:
+                raise AssertionError(f"timed out waiting for {what}:\n{self.stderr()[-3000:]}")
+            time.sleep(0.05)
+
+    def finish(self, timeout_s: float = 900) -> tuple[int, StageResult]:
+        stdout = self.proc.communicate(timeout=timeout_s)[0]
+        self._reader.join(timeout=10)
+        return self.proc.returncode, StageResult.from_output(stdout)
+
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+
+def ppo_spec(clean, server: MlflowServer, name: str) -> tuple[Path, StageSpec]:
+    """The clean run's PPO spec, with more iterations (time for an outage inside the loop), logging to `server`."""
+    workdir, _, specs = clean
+    spec = specs["ppo"]
+    config = {**spec.config, "ppo": {**spec.config["ppo"], "iterations": ITERATIONS, "checkpoint_every": 2}}
+    return workdir, spec.model_copy(update={
+        "config": config, "tracking": TrackingSpec(uri=server.url, experiment=f"tracking-faults-{name}"),
+        "output_uri": output_uri(f"file://{workdir}/tracking-faults", "ppo", {"test": name}, {}, "t")})
+
+
+def assert_every_step_once(server: MlflowServer, run_id: str, folder: Path) -> None:
+    """Each iteration's metrics in the run exactly once, equal to the stage's own metrics.jsonl."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server.url)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == list(range(1, ITERATIONS + 1))
+    for key in ("rollout/score_mean", "losses/policy_loss", "timing/iteration"):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert [step for step, _ in history] == list(range(1, ITERATIONS + 1)), f"{key}: a step lost or doubled"
+        assert [value for _, value in history] == pytest.approx([row[key] for row in rows], rel=1e-6), key
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_server_outage_mid_ppo_is_waited_out_and_every_step_is_in_the_run_once(clean, mlflow_server):
+    """MLflow's client at its defaults: the sender's call waits in the client's retries, the loop goes on queueing
+    (the outage covers >= 3 iterations), and once the server is back everything arrives, nothing twice."""
+    workdir, spec = ppo_spec(clean, mlflow_server, "short")
+    stage = Stage(spec, workdir, {})
+    stage.wait_for("iteration 2", lambda: stage.iterations() >= 2)
+    mlflow_server.kill()
+    down_at = stage.iterations()
+    stage.wait_for("3 iterations with the server down", lambda: stage.iterations() >= down_at + 3)
+    mlflow_server.start()
+    code, result = stage.finish()
+    assert code == 0, stage.stderr()[-3000:]
+    assert result.status == "ok" and "error:" not in stage.stderr()
+    folder, _ = materialize(spec.output_uri, workdir / "cache")
+    assert_every_step_once(mlflow_server, result.mlflow_run_id, folder)
+
+
+def test_an_outage_past_the_limit_stops_the_stage_in_one_line_and_the_rerun_resumes(clean, mlflow_server):
+    """The client's own retries off and a 3 s limit: the stage stops with one line and publishes nothing; with the
+    server back, the re-run resumes from the last checkpoint into a new run that has every step once and
+    supersedes the stopped one."""
+    from mlflow.tracking import MlflowClient
+
+    from alignflow import tracking
+
+    workdir, spec = ppo_spec(clean, mlflow_server, "long")
+    stage = Stage(spec, workdir, {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", tracking.OUTAGE_VAR: "3"})
+    stage.wait_for("iteration 2", lambda: stage.iterations() >= 2)
+    mlflow_server.kill()
+    code, result = stage.finish()
+    assert code == 1, stage.stderr()[-3000:]
+    errors = [line for line in stage.lines if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stage.stderr(), stage.stderr()[-3000:]
+    assert re.match(r"error: ppo: MLflow unreachable for \d+ s \(limit 3 s, ALIGNFLOW_TRACKING_OUTAGE_S\) while "
+                    r"logging run \w+: .*re-run", errors[0]), errors[0]
+    assert result.status == "failed" and result.message == errors[0].removeprefix("error: ppo: ").strip()
+    assert find_published(spec.output_uri) is None, "published although its metrics were not all in MLflow"
+    stopped_run = re.search(r"logging run (\w+)", errors[0]).group(1)
+
+    mlflow_server.start()
+    rerun = Stage(spec, workdir, {})
+    code, result = rerun.finish()
+    assert code == 0 and result.status == "ok", rerun.stderr()[-3000:]
+    folder, _ = materialize(spec.output_uri, workdir / "cache")
+    assert_every_step_once(mlflow_server, result.mlflow_run_id, folder)
+    client = MlflowClient(mlflow_server.url)
+    new = client.get_run(result.mlflow_run_id)
+    assert int(new.data.tags["alignflow.resumed_at_iteration"]) >= 1, "the re-run resumed from a checkpoint"
+    old = client.get_run(stopped_run)
+    assert old.info.status == "KILLED" and old.data.tags[tracking.SUPERSEDED_BY_TAG] == result.mlflow_run_id
