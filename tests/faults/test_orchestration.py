@@ -131,6 +131,14 @@ def published_by_stage(root: str, storage: StorageConfig) -> dict[str, list[str]
     return outputs
 
 
+def command(proc: psutil.Process) -> str:
+    """Its command line; "" for one that exited meanwhile (a zombie until its parent reaps it)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def stage_running(work: Path, stage: str) -> bool:
     """The flow has launched `stage` (its spec is written just before its process starts)."""
     return any((work / ".alignflow" / "specs").glob(f"{stage}-*.json"))
@@ -204,3 +212,29 @@ def test_prefect_server_restarted_mid_run_the_run_completes(prefect, tmp_path):
     verify_all(root, storage)
     assert unlisted_objects(root, storage) == []
 
+
+def test_stage_process_killed_inside_a_flow_run_is_retried_by_the_flow(prefect, tmp_path):
+    """SIGKILL of the SFT stage process while the deployed flow runs it: the flow's task retry (stage_retries 1)
+    launches it again, the flow run completes, SFT is published once and whole."""
+    prefect.close()  # a worker whose flow runs launch cold stage processes, so the SFT process is the one named so
+    prefect.env["ALIGNFLOW_WARM_STAGES"] = "0"
+    prefect.start_server()
+    prefect.start_worker()
+    config, run_id, storage = deployed_run(prefect, tmp_path, "stage-kill", stage_retries=1)
+    root = storage_root(config)
+
+    def sft_process():
+        procs = psutil.Process(prefect.worker.pid).children(recursive=True)
+        return next((p for p in procs if "alignflow.stages.sft" in command(p)), None)
+
+    sft = _wait(sft_process, 900, "the SFT stage process", 0.2)
+    time.sleep(3)  # inside its start-up or training (it runs ~20 s here)
+    sft.send_signal(signal.SIGKILL)
+    final = _wait_run(prefect.api, run_id, 900)
+    assert final["state_type"] == "COMPLETED", final["state"]
+    tasks = _http("POST", f"{prefect.api}/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+    assert {t["name"]: t["run_count"] for t in tasks}["sft"] == 2, "the flow retried the killed stage once"
+    after = published_by_stage(root, storage)
+    assert {stage: len(uris) for stage, uris in after.items()} == {"data": 1, "base": 1, "sft": 1}, after
+    verify_all(root, storage)
+    assert unlisted_objects(root, storage) == []
