@@ -6,6 +6,7 @@
   (an automation on missing heartbeats, or a person) sets it Crashed. Then `prefect flow-run retry` runs it again
   on a new worker: the finished stages are reused, the killed one runs again, nothing is published twice.
 - The Prefect server restarted (SIGKILL, then started again on its port and database) while a stage runs.
+- The running stage's process SIGKILLed inside a flow run: the flow's own task retry runs it again.
 """
 
 from __future__ import annotations
