@@ -66,3 +66,10 @@ def test_the_checker_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    import torch.nn\n    from transformers import AutoModel\n")
     assert _roots(imported_modules(bad)) & ML_LIBRARIES == {"torch", "transformers"}
+
+
+def test_only_the_vllm_backend_imports_vllm():
+    """The trainer never loads vLLM: only the engine module does, in the engine stage or a rollout worker process."""
+    users = sorted(str(p.relative_to(REPO)) for p in python_files(*SOURCE_DIRS)
+                   if "vllm" in _roots(imported_modules(p)))
+    assert users == ["stages/generation/vllm/engine.py"]

@@ -1,4 +1,4 @@
-"""Generation engines: one interface (base.py), backends chosen by name (native, hf; vllm and tensorrt-llm later).
+"""Generation engines: one interface (base.py), backends chosen by name (native, hf, vllm, tensorrt-llm).
 
     engine = build_engine(checkpoint_dir, engine_config)          # EngineConfig from alignflow.config
     gen = engine.generate(prompt_token_ids, SamplingParams(temperature=1.0, max_new_tokens=32, seeds=[...]))

