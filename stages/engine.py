@@ -2,7 +2,7 @@
 
 Parity check: on a fixed prompt set (the first `engine.parity_prompts` RL prompts) the engine
 decodes greedily and returns its logits; an hf forward pass over the same tokens must give the
-same logits (max abs error <= 1e-3 in fp32, 5e-2 in 16-bit) and the same greedy tokens as hf
+same log-softmaxed logits (max abs error <= 1e-3 in fp32, 5e-2 in 16-bit) and the same greedy tokens as hf
 `generate`. The published artifact is the engine's own save() (engine config, weights in the
 inference layout, tokenizer files) plus build_report.json with build time, parity, memory and the
 engine's execution paths (which code runs each part here: the same config runs C++ kernels on one
@@ -36,14 +36,18 @@ LOGIT_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
 @torch.no_grad()
 def logit_error(engine, model, prompt_ids: list[list[int]], new_tokens: int) -> float:
-    """Max abs difference between the engine's logits and an hf forward pass over the same tokens."""
+    """Max abs difference between the engine's and an hf forward pass's log-softmaxed logits over the same tokens.
+
+    Log-softmax on both sides: it is what sampling sees, and the vllm engine hands out log-probs, not raw
+    logits (they differ by one constant per row)."""
     generation = engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=new_tokens),
                                  return_logits=True)
     worst = 0.0
     for prompt, response, logits in zip(prompt_ids, generation.response_token_ids, generation.logits, strict=True):
         tokens = torch.tensor([prompt + response])
         reference = model(input_ids=tokens).logits[0, len(prompt) - 1: len(prompt) + len(response) - 1]
-        worst = max(worst, float((logits.float().cpu() - reference.float()).abs().max()))
+        worst = max(worst, float((logits.float().cpu().log_softmax(-1) - reference.float().log_softmax(-1))
+                                 .abs().max()))
     return worst
 
 
