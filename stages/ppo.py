@@ -417,6 +417,11 @@ def run(spec: StageSpec) -> StageResult:
         raise StageInputError(f"engine.tensor_parallel_size={engine_cfg.tensor_parallel_size} with "
                               "engine.rollout_workers=0: tensor-parallel engines run in rollout workers; set "
                               "engine.rollout_workers >= 1 (replicas of tensor_parallel_size processes each)")
+    if engine_cfg.backend == "vllm" and engine_cfg.rollout_workers == 0:
+        # The trainer never imports vLLM: its CPU build makes torch.set_num_threads a no-op process-wide and it
+        # keeps its parallel groups in module globals, next to DeepSpeed's.
+        raise StageInputError("engine.backend: vllm with engine.rollout_workers=0: the vLLM engine runs in rollout "
+                              "worker processes, never in the trainer's; set engine.rollout_workers >= 1")
     if engine_cfg.unload_during_training and cfg.async_rollouts:
         raise StageInputError("engine.unload_during_training with ppo.async_rollouts: the engine is generating the "
                               "next rollout while the trainer trains, so there is nothing to unload; turn one off")

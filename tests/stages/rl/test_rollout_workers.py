@@ -426,3 +426,16 @@ def test_the_rl_stage_refuses_a_tensor_parallel_engine_without_rollout_workers(t
                                               r"tensor-parallel engines run in rollout workers; set "
                                               r"engine.rollout_workers >= 1"):
         ppo.run(spec)
+
+
+def test_the_rl_stage_runs_a_vllm_engine_in_rollout_workers_only(tmp_path):
+    """The trainer never imports vLLM: with engine.backend vllm the stage asks for rollout workers first."""
+    from alignflow.contract import StageSpec
+    from alignflow.stages import ppo
+    from alignflow.stages.runtime import StageInputError
+
+    spec = StageSpec(stage="ppo", config={"ppo": {}, "model": {}, "engine": {"backend": "vllm"}},
+                     inputs={"reward_rm": f"file://{tmp_path}/none"}, output_uri=f"file://{tmp_path}/out")
+    with pytest.raises(StageInputError, match=r"engine.backend: vllm with engine.rollout_workers=0: the vLLM engine "
+                                              r"runs in rollout worker processes.*set engine.rollout_workers >= 1"):
+        ppo.run(spec)
