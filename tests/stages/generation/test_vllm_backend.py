@@ -289,3 +289,32 @@ def test_lifecycle_save_load_and_execution_paths(wide_checkpoints, tmp_path):
     with pytest.raises(EngineError, match="no valid weights"):
         loaded.generate(prompts, greedy)
     close(loaded)
+
+
+@needs_vllm
+def test_rollout_workers_serve_and_refit_a_saved_vllm_engine(wide_checkpoints, tmp_path):
+    """The RL stage's path: the trainer loads nothing of vLLM; a worker process loads the saved engine, and the
+    trainer's gloo refit stream reaches vLLM's in-place reload there."""
+    from transformers import AutoModelForCausalLM
+
+    from alignflow.stages.rl.rollout_client import RolloutRequest
+    from alignflow.stages.rl.rollout_workers import RolloutWorkers
+
+    base = wide_checkpoints["llama_mha_untied"]
+    perturbed = save_tiny_model(tmp_path / "perturbed", "llama_mha_untied", seed=3, **wide("llama_mha_untied"))
+    prompts = random_prompts(8, seed=8)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    want = build_engine(perturbed, config(backend="hf")).generate(prompts, greedy).response_token_ids
+    engine = build_engine(base, config())
+    saved = engine.save(tmp_path / "engine")
+    close(engine)
+    workers = RolloutWorkers(saved, 1, chunk_size=4, threads=1, timeout_s=300)
+    try:
+        request = RolloutRequest(iteration=1, prompt_indices=list(range(8)), chosen=list(range(8)), prompt_ids=prompts,
+                                 sampling=greedy)
+        assert workers.result(workers.submit(request)).generation.response_token_ids != want
+        stats = workers.refit(AutoModelForCausalLM.from_pretrained(perturbed).named_parameters())
+        assert stats.tensors == 21
+        assert workers.result(workers.submit(request)).generation.response_token_ids == want
+    finally:
+        workers.close()
