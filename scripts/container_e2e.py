@@ -160,6 +160,8 @@ def seconds(info: dict) -> float:
         return datetime.fromisoformat(f"{head}.{frac[:6].ljust(6, '0')}{tail}" if frac else stamp)
 
     state = info["State"]
+    if state["Status"] != "exited":
+        return float("nan")  # the pipeline's own container is still running while it is listed
     return (parse(state["FinishedAt"]) - parse(state["StartedAt"])).total_seconds()
 
 
@@ -293,7 +295,7 @@ def main() -> int:
         assert "alignflow-worker:" in by_stage["pipeline"]["image"]
         report["containers"] = table
         report["stage_task_s"] = stage_task_seconds(api, first["id"])  # what the pipeline waited per stage
-        checks = verify_outputs(mlflow, run_dir, first["id"])
+        checks = verify_outputs(mlflow, run_dir, first["id"], s3)
         report["checks"] = checks
         secret_check(made, api, first["id"], mlflow, run_dir)
         report["checks"]["no_credential"] = True
@@ -344,7 +346,7 @@ def stage_runs(mlflow: str, flow_run_id: str) -> dict[str, Any]:
     return children
 
 
-def verify_outputs(mlflow: str, run_dir: Path, flow_run_id: str) -> dict[str, Any]:
+def verify_outputs(mlflow: str, run_dir: Path, flow_run_id: str, s3: str) -> dict[str, Any]:
     """Every stage's MLflow run finished under the parent, with artifacts; its manifest verifies (sizes, sha256)."""
     from mlflow.tracking import MlflowClient
 
@@ -356,7 +358,7 @@ def verify_outputs(mlflow: str, run_dir: Path, flow_run_id: str) -> dict[str, An
     assert parent.info.status == "FINISHED", parent.info.status
     assert set(runs) >= set(STAGES), f"nested runs: {sorted(runs)}"
     client = MlflowClient(mlflow)
-    storage = StorageConfig(endpoint_url=os.environ.get("AWS_ENDPOINT_URL_S3"))
+    storage = StorageConfig(endpoint_url=s3)
     verified = {}
     for stage in STAGES:
         run = runs[stage]
