@@ -15,14 +15,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade --quiet pip
 
-# Stamp files: reinstall when pyproject.toml changes.
+# Stamp files: reinstall when pyproject.toml changes. setuptools tells every editable install "Editable
+# installation. Please be careful with folders ... same name as your package" (information, not a fault: the
+# package-dir mapping needs its import finder); QUIET_PIP keeps `make` output free of it and nothing else.
+QUIET_PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet
 $(VENV)/.installed-runtime: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[ml]"
+	$(QUIET_PIP) -e ".[ml]"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed-runtime
-	$(BIN)/pip install --quiet -e ".[ml,dev]"
+	$(QUIET_PIP) -e ".[ml,dev]"
 	touch $@
 
 demo: $(VENV)/.installed-runtime
