@@ -19,6 +19,7 @@ engine's spec refuses.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -29,7 +30,10 @@ from alignflow.stages.generation.base import UnsupportedArchitectureError
 from alignflow.stages.generation.native.model import apply_rope, rms_norm
 from alignflow.stages.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
 
-_TABLES: dict[int, tuple[LlamaFamilySpec, Tensor, Tensor]] = {}
+# id(config) -> (a weak reference to that config, spec, cos, sin). PretrainedConfig defines __eq__ and so is not
+# hashable, hence the id key; the reference proves the entry is that config's and not a dead one's whose id a new
+# config reused (a stale spec gave a critic the wrong KV-head count in CI), and drops the entry with the config.
+_TABLES: dict[int, tuple[weakref.ref, LlamaFamilySpec, Tensor, Tensor]] = {}
 
 
 def supports(backbone: Any) -> str | None:
@@ -51,11 +55,17 @@ def supports(backbone: Any) -> str | None:
 def _spec_and_rope(config: Any, device: torch.device) -> tuple[LlamaFamilySpec, Tensor, Tensor]:
     """The spec and cos/sin tables [max_position_embeddings, head_dim], built once per config object."""
     key = id(config)
-    if key not in _TABLES or _TABLES[key][1].device != device:
+    entry = _TABLES.get(key)
+    if entry is None or entry[0]() is not config or entry[2].device != device:
         spec = spec_from_hf_config(config, config.max_position_embeddings)
         cos, sin = rope_tables(config, spec, config.max_position_embeddings)
-        _TABLES[key] = (spec, cos.to(device), sin.to(device))
-    return _TABLES[key]
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if key in _TABLES and _TABLES[key][0] is ref:
+                del _TABLES[key]
+
+        entry = _TABLES[key] = (weakref.ref(config, forget), spec, cos.to(device), sin.to(device))
+    return entry[1], entry[2], entry[3]
 
 
 def attention_biases(spec: LlamaFamilySpec, attention_mask: Tensor, dtype: torch.dtype) -> dict[int | None, Tensor]:

@@ -147,3 +147,22 @@ def test_unsupported_models_fall_back_to_transformers_forward():
     from alignflow.stages.rl.experience import _lean_backbone
 
     assert _lean_backbone(model) is None
+
+
+def test_rope_tables_are_never_taken_from_a_dead_config_whose_id_was_reused():
+    """The tables are cached by id(config) (configs are not hashable). An entry left by a collected config must
+    not serve a new config that got the same id: in CI a critic was given another model's KV-head count."""
+    import gc
+    import weakref
+
+    mha, gqa = tiny_config("llama_mha_untied"), tiny_config("llama_gqa_tied_llama3")
+    spec_gqa = llama_forward._spec_and_rope(gqa, torch.device("cpu"))[0]
+    # What a reused id looks like: the entry under id(mha) holds another config's spec (its config is gone).
+    llama_forward._TABLES[id(mha)] = (weakref.ref(gqa), spec_gqa, *llama_forward._TABLES[id(gqa)][2:])
+    spec_mha = llama_forward._spec_and_rope(mha, torch.device("cpu"))[0]
+    assert (spec_mha.num_kv_heads, spec_gqa.num_kv_heads) == (4, mha.num_attention_heads // 2)
+
+    key = id(gqa)
+    del gqa
+    gc.collect()
+    assert key not in llama_forward._TABLES, "a collected config's entry is dropped"
