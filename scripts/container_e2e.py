@@ -420,6 +420,11 @@ def failure_and_retry(api: str, deployed: dict[str, str], pipeline_id: str, env:
     bad = [i for i in containers() if stage_of(i) == "evaluate" and i["Id"] not in before_failure]
     assert bad, "no evaluate container ran in the failing run"
     http("PATCH", f"{api}/deployments/{evaluate_id}", {"job_variables": job_variables})  # the fix
+    # The docker worker names a flow run's container after the run, so the failed attempt's pipeline container
+    # (kept until now for its record) would block the retry's: "the container name ... is already in use".
+    attempt = [i["Id"] for i in containers() if i["Config"]["Labels"].get("io.prefect.flow-run-id") == run["id"]]
+    if attempt:
+        podman("rm", *attempt)
     before = {i["Id"] for i in containers()}
     http("POST", f"{api}/flow_runs/{run['id']}/set_state",
          {"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "retry after the fix"}, "force": True})
