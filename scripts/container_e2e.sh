@@ -38,41 +38,15 @@ mkdir -p "${BUILD_DIR}"
 started=$(now)
 
 # --- (0) tools --------------------------------------------------------------------------------------
-missing=()
-for tool in podman runc debootstrap; do command -v "${tool}" >/dev/null || missing+=("${tool}"); done
-if [ "${#missing[@]}" -gt 0 ]; then
-    log "installing ${missing[*]} with apt"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 podman runc debootstrap >/dev/null
-fi
+# shellcheck source-path=SCRIPTDIR source=podman_setup.sh
+source "${ROOT}/scripts/podman_setup.sh"
+podman_setup "${BUILD_DIR}"
 "${PYTHON}" -c 'import prefect_docker' 2>/dev/null || "${PYTHON}" -m pip install --quiet "${PREFECT_DOCKER}"
-# The default crun + systemd cgroups + host ulimits fail here; runc + cgroupfs + these limits work.
-cat > "${BUILD_DIR}/containers.conf" <<'EOF'
-[containers]
-default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
-
-[engine]
-runtime = "runc"
-cgroup_manager = "cgroupfs"
-events_logger = "file"
-EOF
-export CONTAINERS_CONF="${BUILD_DIR}/containers.conf"
-podman info >/dev/null || die "podman does not start with ${CONTAINERS_CONF}"
 
 # --- (1) base image ---------------------------------------------------------------------------------
 declare -A TIMES=()
 t0=$(now)
-if ! podman image exists "${BASE_IMAGE}"; then
-    rootfs="${BUILD_DIR}/rootfs"
-    rm -rf "${rootfs}"
-    log "debootstrap bookworm (minbase + python3) into ${rootfs}"
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-        bookworm "${rootfs}" "${DEBIAN_MIRROR}" >"${BUILD_DIR}/debootstrap.log" 2>&1 \
-        || die "debootstrap failed; see ${BUILD_DIR}/debootstrap.log"
-    rm -rf "${rootfs}"/var/cache/apt/archives/*.deb "${rootfs}"/var/lib/apt/lists/*
-    tar -C "${rootfs}" -c . | podman import --change 'CMD ["/bin/bash"]' - "${BASE_IMAGE}" >/dev/null
-    rm -rf "${rootfs}"
-fi
+base_image "${BASE_IMAGE}" "${BUILD_DIR}" "${DEBIAN_MIRROR}" || true
 TIMES[base]="$(elapsed "${t0}")"
 
 # --- (2) images -------------------------------------------------------------------------------------

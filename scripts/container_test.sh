@@ -41,40 +41,14 @@ mkdir -p "${BUILD_DIR}"
 
 # --- (0) tools and podman configuration ------------------------------------------------------
 t0=$(now)
-missing=()
-for tool in podman runc debootstrap; do command -v "${tool}" >/dev/null || missing+=("${tool}"); done
-if [ "${#missing[@]}" -gt 0 ]; then
-    log "installing ${missing[*]} with apt"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 podman runc debootstrap >/dev/null
-fi
-# The default crun + systemd cgroups + host ulimits fail here; runc + cgroupfs + these limits work.
-cat > "${BUILD_DIR}/containers.conf" <<'EOF'
-[containers]
-default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
-
-[engine]
-runtime = "runc"
-cgroup_manager = "cgroupfs"
-events_logger = "file"
-EOF
-export CONTAINERS_CONF="${BUILD_DIR}/containers.conf"
-podman info --format '{{.Host.OCIRuntime.Name}} {{.Host.CgroupManager}}' >/dev/null \
-    || die "podman does not start with ${CONTAINERS_CONF}"
+# shellcheck source-path=SCRIPTDIR source=podman_setup.sh
+source "${ROOT}/scripts/podman_setup.sh"
+podman_setup "${BUILD_DIR}"
 record "tools + podman config" "$(elapsed "${t0}")"
 
 # --- (1) base image from debootstrap (no registry) ---------------------------------------------
 t0=$(now)
-if [ "${REBUILD_BASE:-0}" = 1 ] || ! podman image exists "${BASE_IMAGE}"; then
-    rootfs="${BUILD_DIR}/rootfs"
-    rm -rf "${rootfs}"
-    log "debootstrap bookworm (minbase + python3) into ${rootfs}"
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-        bookworm "${rootfs}" "${DEBIAN_MIRROR}" >"${BUILD_DIR}/debootstrap.log" 2>&1 \
-        || die "debootstrap failed; see ${BUILD_DIR}/debootstrap.log"
-    rm -rf "${rootfs}"/var/cache/apt/archives/*.deb "${rootfs}"/var/lib/apt/lists/*
-    tar -C "${rootfs}" -c . | podman import --change 'CMD ["/bin/bash"]' - "${BASE_IMAGE}" >/dev/null
-    rm -rf "${rootfs}"
+if base_image "${BASE_IMAGE}" "${BUILD_DIR}" "${DEBIAN_MIRROR}" "${REBUILD_BASE:-0}"; then
     record "base image (debootstrap + import)" "$(elapsed "${t0}")"
 else
     record "base image (cached)" "$(elapsed "${t0}")"
