@@ -9,8 +9,10 @@ once, because the callers then fall back to slower torch paths.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -26,6 +28,12 @@ def _compile():
                 verbose=False)
 
 
+def _library_path(module_name: str, build_directory: str, is_python_module: bool) -> str:
+    from torch.utils.cpp_extension import LIB_EXT
+
+    return os.path.join(build_directory, f"{module_name}{LIB_EXT}")
+
+
 def build_ahead() -> Path:
     """Compile the extension into TORCH_EXTENSIONS_DIR now, on any x86-64 CPU; returns the .so's path.
 
@@ -33,8 +41,19 @@ def build_ahead() -> Path:
     kernel compiled at run time is compiled again by every engine and PPO stage (54-66 s on 2 cores).
     The build host need not have AVX-512 (the flags, not the host, decide the instructions); at run
     time `extension()` finds this build, up to date, and only loads it. Raises if compiling fails.
+
+    It compiles without loading: loading runs the module's initialisers, which -O3 -mavx512f may
+    vectorise with AVX-512, so an AVX2-only build host died with SIGILL (exit 132) here. torch 2.13's
+    `load` has no build-only mode (is_python_module=False still dlopens via torch.ops.load_library), so
+    its last step, the import, is replaced by returning the library's path; everything before it (the
+    same name, flags and build directory as `extension()`, ninja's up-to-date check, the lock) is
+    torch's own, so the run-time `load` finds this build and only imports it. mock.patch.object fails
+    loudly if a torch release renames that step.
     """
-    return Path(_compile().__file__)
+    from torch.utils import cpp_extension
+
+    with mock.patch.object(cpp_extension, "_import_module_from_library", _library_path):
+        return Path(_compile())
 
 
 @functools.cache

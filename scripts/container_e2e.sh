@@ -93,12 +93,9 @@ if [ "${SKIP_BUILD:-0}" = 1 ]; then  # run with the images already tagged ${TAG}
     exec "${PYTHON}" "${ROOT}/scripts/container_e2e.py" --build-dir "${BUILD_DIR}" --tag "${TAG}" ${E2E_ARGS:-}
 fi
 build worker worker.Dockerfile --build-arg "BASE_IMAGE=${BASE_IMAGE}"
-# alignflow's C++ CPU kernels are AVX-512 code: loading the pre-built extension on a build host without
-# AVX-512 dies with SIGILL (exit 132) at build time, and such a host could not run them anyway.
-kernels=0
-grep -qw avx512f /proc/cpuinfo && kernels=1
-build training training.Dockerfile --build-arg "BASE_IMAGE=${BASE_IMAGE}" --build-arg DEEPSPEED_CPU_OPS=1 \
-    --build-arg "ALIGNFLOW_CPU_KERNELS=${kernels}"
+# The image's default ALIGNFLOW_CPU_KERNELS=1 compiles the AVX-512 kernels without loading them, so
+# an AVX2-only build host builds the same image (kernels/_cpu_extension.py build_ahead).
+build training training.Dockerfile --build-arg "BASE_IMAGE=${BASE_IMAGE}" --build-arg DEEPSPEED_CPU_OPS=1
 build engine-native engine-native.Dockerfile --build-arg "BASE_IMAGE=localhost/alignflow-training:${TAG}"
 
 {

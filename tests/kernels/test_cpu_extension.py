@@ -39,3 +39,38 @@ def test_build_ahead_raises_when_compiling_fails(monkeypatch):
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     with pytest.raises(RuntimeError, match="command 'c\\+\\+' failed"):
         _cpu_extension.build_ahead()
+
+
+_BUILD_IN_A_FRESH_PROCESS = """
+import json, sys, torch
+torch.cpu._is_avx512_supported = lambda: False  # an AVX2-only build host, whatever this one is
+from alignflow.kernels import _cpu_extension
+path = _cpu_extension.build_ahead()
+print(json.dumps({"path": str(path), "mtime": path.stat().st_mtime_ns,
+                  "mapped": str(path) in open("/proc/self/maps").read(),
+                  "extension": _cpu_extension.extension(), "reason": _cpu_extension.unavailable_reason()}))
+"""
+
+
+@pytest.mark.slow
+def test_build_ahead_compiles_without_loading_and_a_new_process_finds_that_build_up_to_date():
+    # A fresh process each time: the build host (and /proc/self/maps) has never seen the extension.
+    # Loading the AVX-512 library on an AVX2-only host is what died with SIGILL in the image build.
+    import json
+    import subprocess
+    import sys
+
+    if not torch.utils.cpp_extension.is_ninja_available():
+        pytest.skip("ninja is not installed: torch's cpp_extension cannot build")
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _BUILD_IN_A_FRESH_PROCESS], capture_output=True, text=True,
+                              timeout=480)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["path"].endswith(f"{_cpu_extension.NAME}.so") and not first["mapped"]
+    assert first["extension"] is None and first["reason"] == "this CPU has no AVX-512"
+    # The second process compiles nothing (ninja finds the build up to date): what `extension()` relies
+    # on in a container, whose first `load` must only import the image's build.
+    assert second == first
