@@ -258,7 +258,9 @@ class S3Store(ObjectStore):
             ConnectionClosedError,
             ConnectTimeoutError,
             EndpointConnectionError,
+            NoCredentialsError,
             ParamValidationError,
+            PartialCredentialsError,
             ReadTimeoutError,
         )
 
@@ -284,6 +286,11 @@ class S3Store(ObjectStore):
             where = self.endpoint_url or "the default AWS endpoint"
             raise TransientStorageError(f"{what} {uri} failed: the connection to {where} broke in each of "
                                         f"{self.max_attempts} attempts ({exc})") from None
+        except (NoCredentialsError, PartialCredentialsError) as exc:  # found before any connection: bad input
+            raise StorageError(
+                f"{what} {uri} failed: no AWS credentials ({exc}); export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or AWS_PROFILE naming a profile in ~/.aws/credentials) where the stage runs; a local moto server "
+                "accepts any non-empty pair") from None
         except BotoCoreError as exc:
             where = self.endpoint_url or "the default AWS endpoint"
             # Refused or timed out in every attempt: a wrong endpoint, or a server that is down or restarting.
