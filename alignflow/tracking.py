@@ -45,11 +45,19 @@ from alignflow.offline import set_offline_defaults
 _PARAM_MAX_CHARS = 6000
 # log_batch accepts at most 1000 metrics per call.
 _METRICS_PER_BATCH = 1000
-# The metric sender's wait for an unreachable server: 15 min by default, past MLflow's own ~4 min of retries (a
+# The metric sender's wait for an unreachable server: 15 min by default, past MLflow's own retries (RETRIES_VAR; a
 # server restart or upgrade fits); a PPO iteration's ~45 metrics every 0.3 s is ~135k kept metrics, tens of MB.
 OUTAGE_VAR = "ALIGNFLOW_TRACKING_OUTAGE_S"
 _OUTAGE_DEFAULT_S = 900.0
 _RETRY_FIRST_S, _RETRY_MAX_S = 1.0, 30.0
+# MLflow's client retries an HTTP call itself: 7 retries at its default, backoff 0, 4, 8, ... capped at 120 s, about
+# 4 min before a call to a server that is down fails. A stage's synchronous calls (opening its run, logging params,
+# the output's manifest and tags at publish time) block the stage meanwhile, so in a process that uses this module
+# the default is 5 retries: about 1 min (0 + 4 + 8 + 16 + 32 s, plus up to 1 s of jitter each), which still covers a
+# server restart (18-44 s here, ENVIRONMENT.md). Past it the stage stops with one line and exit 1; its re-run reuses
+# what was published (and the RL stage resumes from its checkpoint). A value the user exported is kept.
+RETRIES_VAR = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
+_RETRIES_DEFAULT = 5
 ATTEMPT_KEY_TAG = "alignflow.attempt_key"
 SUPERSEDED_BY_TAG = "alignflow.superseded_by"
 # The object-store folder a registered version stands for. It is also the version's `source`, except where an
@@ -78,8 +86,33 @@ def preload() -> None:
 
 def _mlflow(uri: str):
     set_offline_defaults()
+    os.environ.setdefault(RETRIES_VAR, str(_RETRIES_DEFAULT))  # read by MLflow at each call (see RETRIES_VAR)
     mlflow.set_tracking_uri(uri)
     return mlflow
+
+
+@contextlib.contextmanager
+def reaching(uri: str, what: str) -> Iterator[None]:
+    """Turn a synchronous call's "the tracking server did not answer" (after MLflow's own retries) into a one-line
+    TrackingUnavailableError that names the server and what to do; other errors pass through unchanged.
+
+    Why fail and not buffer, as the metric sender does: these calls either need the server's answer (a run id), or
+    record the output the stage publishes; a stage that reported success while its run missed them would leave the
+    pipeline's stage table and the registry without it. Stages are idempotent, so exit 1 and a re-run (the flow's
+    task retry) lose at most the work since the last checkpoint. Only an HTTP server is a server: with a local
+    store (sqlite, a folder) an OSError is the disk's, and is raised as it is."""
+    try:
+        yield
+    except TrackingUnavailableError:
+        raise
+    except Exception as exc:
+        if not (uri.startswith(("http://", "https://")) and server_unreachable(exc)):
+            raise
+        retries = os.environ.get(RETRIES_VAR, str(_RETRIES_DEFAULT))
+        raise TrackingUnavailableError(
+            f"MLflow tracking server {uri} unreachable while {what} ({_first_line(exc)}, after {retries} retries, "
+            f"{RETRIES_VAR}); start the server (or fix tracking.uri), then re-run: published outputs are reused "
+            "and the RL stage resumes from its last checkpoint") from None
 
 
 def _ensure_experiment(mlflow, name: str) -> str:
@@ -93,16 +126,18 @@ def start_parent_run(uri: str, experiment: str, run_name: str, params: dict[str,
                      tags: dict[str, str]) -> str:
     """Create the pipeline's parent run (left open for the flow's lifetime) and return its id."""
     mlflow = _mlflow(uri)
-    experiment_id = _ensure_experiment(mlflow, experiment)
-    client = MlflowClient(uri)
-    run = client.create_run(experiment_id, run_name=run_name, tags={"alignflow.kind": "pipeline", **tags})
-    _log_params(client, run.info.run_id, params)
+    with reaching(uri, "creating the pipeline's run"):
+        experiment_id = _ensure_experiment(mlflow, experiment)
+        client = MlflowClient(uri)
+        run = client.create_run(experiment_id, run_name=run_name, tags={"alignflow.kind": "pipeline", **tags})
+        _log_params(client, run.info.run_id, params)
     return run.info.run_id
 
 
 def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     _mlflow(uri)
-    MlflowClient(uri).set_terminated(run_id, status=status)
+    with reaching(uri, f"ending run {run_id}"):
+        MlflowClient(uri).set_terminated(run_id, status=status)
 
 
 def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
@@ -120,20 +155,26 @@ def _param_text(value: Any) -> str:
 class StageRun:
     """A stage's nested MLflow run: metrics, params, artifacts and dataset inputs."""
 
-    def __init__(self, client, run_id: str, mlflow_module):
+    def __init__(self, client, run_id: str, mlflow_module, uri: str = ""):
         self._client = client
         self._mlflow = mlflow_module
         self.run_id = run_id
+        self._uri = uri  # for the one-line error of a synchronous call the server does not answer (`reaching`)
         self._sender: MetricSender | None = None
 
+    def _reaching(self, what: str):
+        return reaching(self._uri, f"{what} (run {self.run_id})")
+
     def log_params(self, params: dict[str, Any]) -> None:
-        _log_params(self._client, self.run_id, params)
+        with self._reaching("logging params"):
+            _log_params(self._client, self.run_id, params)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Log now, waiting for the store (for a handful of metrics outside a training loop)."""
         items = _metric_items(metrics, step or 0)
-        for start in range(0, len(items), _METRICS_PER_BATCH):
-            self._client.log_batch(self.run_id, metrics=items[start:start + _METRICS_PER_BATCH])
+        with self._reaching("logging metrics"):
+            for start in range(0, len(items), _METRICS_PER_BATCH):
+                self._client.log_batch(self.run_id, metrics=items[start:start + _METRICS_PER_BATCH])
 
     def log_metrics_async(self, metrics: dict[str, float], step: int) -> None:
         """Queue metrics for the background sender and return at once (a training loop's per-step metrics)."""
@@ -158,21 +199,26 @@ class StageRun:
             sender.close()
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self._client.set_tag(self.run_id, key, str(value))
+        with self._reaching("setting tags"):
+            for key, value in tags.items():
+                self._client.set_tag(self.run_id, key, str(value))
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self._client.log_artifact(self.run_id, str(path), artifact_path)
+        with self._reaching(f"logging artifact {path.name}"):
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_artifacts(self, folder: Path, artifact_path: str | None = None) -> None:
-        self._client.log_artifacts(self.run_id, str(folder), artifact_path)
+        with self._reaching(f"logging artifacts of {folder}"):
+            self._client.log_artifacts(self.run_id, str(folder), artifact_path)
 
     def log_dataset(self, name: str, source_uri: str, digest: str, context: str, n_records: int) -> None:
         """Record a dataset as a run input (name, source URI, digest) without copying its records."""
         dataset = MetaDataset(source=UriDatasetSource(source_uri), name=name, digest=digest[:36])
         tags = [InputTag(key="mlflow.data.context", value=context),
                 InputTag(key="alignflow.records", value=str(n_records))]
-        self._client.log_inputs(self.run_id, datasets=[DatasetInput(dataset=dataset._to_mlflow_entity(), tags=tags)])
+        with self._reaching(f"logging dataset {name}"):
+            self._client.log_inputs(self.run_id, datasets=[DatasetInput(dataset=dataset._to_mlflow_entity(),
+                                                                        tags=tags)])
 
 
 def _metric_items(metrics: dict[str, float], step: int) -> list[Metric]:
@@ -189,7 +235,7 @@ class MetricSender:
     queued meanwhile goes out in one call (up to 1000 metrics). A failure is raised by the next `send`,
     `flush` or `close`, as a synchronous log would have raised it, so a run never silently loses its curves.
 
-    Server outages: MLflow's client retries a call itself (7 retries, ~4 min at its defaults). A batch that still
+    Server outages: MLflow's client retries a call itself (RETRIES_VAR: ~1 min). A batch that still
     fails because the server is unreachable (connection refused or cut, timeout, 5xx, 429) is kept, not dropped:
     the loop goes on queueing and the sender tries the kept batch again (1 s doubling to 30 s) until the server
     answers, then everything queued meanwhile, in order. Past `outage_s` of failing it gives up with a
@@ -354,16 +400,17 @@ def stage_run(uri: str, experiment: str, stage: str, parent_run_id: str | None, 
     """
     _mlflow(uri)
     client = MlflowClient(uri)
-    experiment_id = _ensure_experiment(mlflow, experiment)
     all_tags = {"alignflow.kind": "stage", "alignflow.stage": stage, **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     if attempt_of:
         all_tags[ATTEMPT_KEY_TAG] = attempt_key(attempt_of)
-    run_id = client.create_run(experiment_id, run_name=run_name or stage, tags=all_tags).info.run_id
-    if attempt_of:
-        supersede_earlier_attempts(client, experiment_id, run_id, all_tags[ATTEMPT_KEY_TAG])
-    handle = StageRun(client, run_id, mlflow)
+    with reaching(uri, f"opening the {stage} stage's run"):
+        experiment_id = _ensure_experiment(mlflow, experiment)
+        run_id = client.create_run(experiment_id, run_name=run_name or stage, tags=all_tags).info.run_id
+        if attempt_of:
+            supersede_earlier_attempts(client, experiment_id, run_id, all_tags[ATTEMPT_KEY_TAG])
+    handle = StageRun(client, run_id, mlflow, uri)
     try:
         yield handle
     except BaseException as exc:
@@ -376,14 +423,22 @@ def stage_run(uri: str, experiment: str, stage: str, parent_run_id: str | None, 
     except BaseException as exc:
         _end_failed(client, run_id, exc)
         raise
-    client.set_terminated(run_id, status="FINISHED")
+    with reaching(uri, f"ending the {stage} stage's run {run_id}"):
+        client.set_terminated(run_id, status="FINISHED")
 
 
 def _end_failed(client, run_id: str, exc: BaseException) -> None:
-    """End the run FAILED, unless the server is what failed: then the call would only wait out MLflow's ~4 min of
-    retries and fail too; the run stays RUNNING until the re-run's attempt marks it superseded (KILLED)."""
-    if not isinstance(exc, TrackingUnavailableError):
+    """End the run FAILED, unless the server is what failed: then the call would only wait out MLflow's retries
+    (RETRIES_VAR) and fail too; the run stays RUNNING until the re-run's attempt marks it superseded (KILLED).
+    A server that stops answering only now leaves it RUNNING the same way, and the stage's own error is raised."""
+    if isinstance(exc, TrackingUnavailableError):
+        return
+    try:
         client.set_terminated(run_id, status="FAILED")
+    except Exception as end_error:
+        if not server_unreachable(end_error):
+            raise
+        _warn(f"run {run_id} left RUNNING: MLflow unreachable ({_first_line(end_error)})")
 
 
 def attempt_key(output_uri: str) -> str:
@@ -425,7 +480,8 @@ def record_skipped_stage(uri: str, experiment: str, stage: str, parent_run_id: s
 
 def run_tag(uri: str, run_id: str, key: str, value: str) -> None:
     _mlflow(uri)
-    MlflowClient(uri).set_tag(run_id, key, value)
+    with reaching(uri, f"tagging run {run_id}"):
+        MlflowClient(uri).set_tag(run_id, key, value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,7 +497,12 @@ def register_version(uri: str, name: str, source: str, run_id: str | None, tags:
     where a `source.txt` names the folder, and the tag is what `resolve_models_uri` and `alias_version` read.
     """
     _mlflow(uri)
-    client = MlflowClient(uri)
+    with reaching(uri, f"registering a version of model '{name}'"):
+        return _register_version(MlflowClient(uri), uri, name, source, run_id, tags, aliases, description)
+
+
+def _register_version(client, uri: str, name: str, source: str, run_id: str | None, tags: dict[str, str],
+                      aliases: tuple[str, ...], description: str) -> str:
     registry_source = source
     if _server_refuses_local_source(uri, source):
         if not run_id:
@@ -452,7 +513,9 @@ def register_version(uri: str, name: str, source: str, run_id: str | None, tags:
         registry_source = f"runs:/{run_id}/{REGISTERED_OUTPUT_PATH}"
     try:
         client.get_registered_model(name)
-    except mlflow.exceptions.MlflowException:
+    except mlflow.exceptions.MlflowException as exc:
+        if uri.startswith(("http://", "https://")) and server_unreachable(exc):
+            raise  # not "no such model": `reaching` reports it
         client.create_registered_model(name, description=description or None)
     version = client.create_model_version(name, source=registry_source, run_id=run_id,
                                           tags={**{k: str(v) for k, v in tags.items()}, SOURCE_TAG: source})
@@ -480,7 +543,10 @@ def alias_version(uri: str, name: str, alias: str) -> dict[str, Any] | None:
     _mlflow(uri)
     client = MlflowClient(uri)
     try:
-        version = client.get_model_version_by_alias(name, alias)
+        with reaching(uri, f"reading '{name}@{alias}'"):  # a server that is down is not "no such alias"
+            version = client.get_model_version_by_alias(name, alias)
+    except TrackingUnavailableError:
+        raise
     except mlflow.exceptions.MlflowException:
         return None
     return {"version": str(version.version), "source": _folder_of(version), "tags": dict(version.tags)}
@@ -488,14 +554,16 @@ def alias_version(uri: str, name: str, alias: str) -> dict[str, Any] | None:
 
 def set_alias(uri: str, name: str, alias: str, version: str) -> None:
     _mlflow(uri)
-    MlflowClient(uri).set_registered_model_alias(name, alias, version)
+    with reaching(uri, f"setting '{name}@{alias}'"):
+        MlflowClient(uri).set_registered_model_alias(name, alias, version)
 
 
 def tag_version(uri: str, name: str, version: str, tags: dict[str, str]) -> None:
     _mlflow(uri)
     client = MlflowClient(uri)
-    for key, value in tags.items():
-        client.set_model_version_tag(name, version, key, str(value))
+    with reaching(uri, f"tagging version {version} of '{name}'"):
+        for key, value in tags.items():
+            client.set_model_version_tag(name, version, key, str(value))
 
 
 def resolve_models_uri(uri: str, models_uri: str) -> str:
@@ -504,10 +572,13 @@ def resolve_models_uri(uri: str, models_uri: str) -> str:
     _mlflow(uri)
     client = MlflowClient(uri)
     try:
-        if "@" in spec:
-            name, alias = spec.split("@", 1)
-            return _folder_of(client.get_model_version_by_alias(name, alias))
-        name, version = spec.rsplit("/", 1)
-        return _folder_of(client.get_model_version(name, version))
+        with reaching(uri, f"resolving '{models_uri}'"):  # a server that is down is not "no such version"
+            if "@" in spec:
+                name, alias = spec.split("@", 1)
+                return _folder_of(client.get_model_version_by_alias(name, alias))
+            name, version = spec.rsplit("/", 1)
+            return _folder_of(client.get_model_version(name, version))
+    except TrackingUnavailableError:
+        raise
     except (mlflow.exceptions.MlflowException, ValueError) as exc:
         raise ValueError(f"'{models_uri}': no such registered model version ({exc})") from None

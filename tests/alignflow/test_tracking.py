@@ -4,6 +4,9 @@ earlier ones."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import requests
 from mlflow.exceptions import MlflowException
@@ -12,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from alignflow import tracking
 from alignflow.contract import TrackingUnavailableError
+from tests.conftest import free_port
 
 OUTPUT = "file:///work/artifacts/ppo/0123456789abcdef"
 
@@ -139,3 +143,49 @@ def test_the_outage_limit_is_read_from_the_environment(monkeypatch):
         tracking.outage_limit_s()
     monkeypatch.delenv(tracking.OUTAGE_VAR)
     assert tracking.outage_limit_s() == 900.0
+
+
+def test_a_server_that_is_down_when_the_stage_starts_is_one_line_naming_it(monkeypatch):
+    """Nothing listens on the port: opening the stage's run fails at once (retries off here; the default's ~1 min is
+    timed in tests/faults/test_tracking_outage.py) with one line that names the server and the fix."""
+    monkeypatch.setenv(tracking.RETRIES_VAR, "0")
+    uri = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TrackingUnavailableError) as raised:
+        with tracking.stage_run(uri, "t", "sft", None):
+            raise AssertionError("the run opened without a server")
+    message = str(raised.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"MLflow tracking server {uri} unreachable while opening the sft stage's run ("), message
+    assert f"after 0 retries, {tracking.RETRIES_VAR}); start the server (or fix tracking.uri), then re-run" in message
+
+
+def test_a_server_lost_at_publish_time_is_one_line_and_leaves_the_run_running(store, monkeypatch):
+    """A synchronous call at publish time (the output's tags) to a server that stopped answering: one line, and the
+    run is not ended FAILED (that call would wait out the same retries); the re-run's attempt supersedes it."""
+    with pytest.raises(TrackingUnavailableError, match=r"unreachable while setting tags \(run \w+\) \(MlflowException: API request"):
+        with tracking.stage_run(store, "t", "sft", None, attempt_of=OUTPUT) as run:
+            run._uri = "http://127.0.0.1:5000"  # as if the store were behind a server (the error path is the same)
+            monkeypatch.setattr(run._client, "set_tag", lambda *args, **kwargs: _refused())
+            run.set_tags({"alignflow.output_uri": OUTPUT})
+    monkeypatch.undo()
+    assert MlflowClient(store).get_run(run.run_id).info.status == "RUNNING"
+
+
+def test_a_local_store_error_is_not_called_an_unreachable_server(store, monkeypatch):
+    """With a local store an OSError is the disk's (full, read-only): raised as it is, not as a server outage."""
+    with tracking.stage_run(store, "t", "sft", None) as run:
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(run._client, "log_artifact", disk_full)
+        with pytest.raises(OSError, match="No space left on device"):
+            run.log_artifact(Path("profile.md"), "reports")
+
+
+def test_mlflow_retries_default_to_about_a_minute_and_a_user_value_is_kept(store, monkeypatch):
+    monkeypatch.delenv(tracking.RETRIES_VAR, raising=False)
+    tracking.start_parent_run(store, "t", "p", {}, {})
+    assert os.environ[tracking.RETRIES_VAR] == "5"  # backoff 0 + 4 + 8 + 16 + 32 s: ~1 min (tracking.RETRIES_VAR)
+    monkeypatch.setenv(tracking.RETRIES_VAR, "2")
+    tracking.start_parent_run(store, "t", "p", {}, {})
+    assert os.environ[tracking.RETRIES_VAR] == "2"

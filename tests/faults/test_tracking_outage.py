@@ -187,3 +187,50 @@ def test_an_outage_past_the_limit_stops_the_stage_in_one_line_and_the_rerun_resu
     assert int(new.data.tags["alignflow.resumed_at_iteration"]) >= 1, "the re-run resumed from a checkpoint"
     old = client.get_run(stopped_run)
     assert old.info.status == "KILLED" and old.data.tags[tracking.SUPERSEDED_BY_TAG] == result.mlflow_run_id
+
+
+def test_a_server_down_when_the_stage_starts_stops_it_in_one_line_after_about_a_minute(clean, monkeypatch):
+    """Nothing listens at the tracking URI when the stage starts. MLflow's client retries opening the run at this
+    project's default (5 retries: 0 + 4 + 8 + 16 + 32 s of backoff; MLflow's own 7 take ~4 min), then the stage
+    exits 1 with one line naming the server and the fix, without a traceback, and publishes nothing."""
+    from alignflow import tracking
+
+    monkeypatch.delenv(tracking.RETRIES_VAR, raising=False)  # the default, not whatever this process was given
+    url = f"http://127.0.0.1:{free_port()}"
+    workdir, spec = ppo_spec(clean, type("NoServer", (), {"url": url})(), "down-at-start")
+    started = time.time()
+    stage = Stage(spec, workdir, {})
+    code, result = stage.finish()
+    elapsed = time.time() - started
+    assert code == 1, stage.stderr()[-3000:]
+    errors = [line for line in stage.lines if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stage.stderr(), stage.stderr()[-3000:]
+    assert re.match(rf"error: ppo: MLflow tracking server {url} unreachable while opening the ppo stage's run \(.*"
+                    rf"after 5 retries, {tracking.RETRIES_VAR}\); start the server \(or fix tracking.uri\), then "
+                    "re-run", errors[0]), errors[0]
+    assert result.status == "failed" and find_published(spec.output_uri) is None
+    # 60 s of backoff plus the stage's start (imports, model load: 10-40 s on the loaded box); MLflow's default: 244 s
+    assert 60 <= elapsed < 180, f"{elapsed:.0f} s"
+
+
+def test_a_server_lost_at_publish_time_fails_the_call_in_one_line_after_about_a_minute(mlflow_server, monkeypatch):
+    """The server dies between a stage's metrics and the output's tags at publish time (StageRun's synchronous calls,
+    as StageContext.publish_output makes them): the call fails after ~1 min with one line, and leaving the run does
+    not wait again (it is not ended FAILED: the re-run's attempt supersedes it)."""
+    from alignflow import tracking
+    from alignflow.contract import TrackingUnavailableError
+
+    monkeypatch.delenv(tracking.RETRIES_VAR, raising=False)
+    with pytest.raises(TrackingUnavailableError) as raised:
+        with tracking.stage_run(mlflow_server.url, "publish-faults", "sft", None, attempt_of="file:///x/sft/1") as run:
+            run.log_metrics({"perf/total_s": 1.0})  # the server answers
+            mlflow_server.kill()
+            started = time.time()
+            run.set_tags({"alignflow.output_uri": "file:///x/sft/1"})
+    elapsed = time.time() - started
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(f"MLflow tracking server {mlflow_server.url} unreachable while setting tags (run "
+                              f"{run.run_id}) ("), message
+    assert f"after 5 retries, {tracking.RETRIES_VAR}); start the server" in message, message
+    assert 60 <= elapsed < 120, f"{elapsed:.0f} s: MLflow's default 7 retries take ~244 s"
