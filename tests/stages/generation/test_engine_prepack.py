@@ -18,6 +18,13 @@ SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
+@pytest.fixture(autouse=True)
+def pack_small_weights(monkeypatch):
+    """The tiny test models' weights are all under oneDNN's MIN_PACKED_BYTES floor: pack them anyway, so the
+    packed paths run here. test_weights_under_the_floor_stay_plain puts the floor back."""
+    monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": 0, "blocked": 0})
+
+
 def _calls() -> dict[str, int]:
     return dict(prepack.calls)
 
@@ -217,3 +224,33 @@ def test_bf16_weights_are_packed_only_where_onednn_can():
     want = "onednn" if torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_supported() else None
     assert prepack.layout_for(cpu, torch.bfloat16) == want
     assert prepack.layout_for(cpu, torch.float16) is None
+
+
+def test_weights_under_the_floor_stay_plain(tiny_checkpoints, force_layout, monkeypatch):
+    """oneDNN packing loses to F.linear on a weight that stays in L2 (prepack.MIN_PACKED_BYTES): an engine whose
+    weights are all below the floor runs plain F.linear, without the custom op; one with some above packs those."""
+    force_layout("onednn")
+    path = tiny_checkpoints["qwen2_bias_window"]
+    prompts = random_prompts(5, seed=2)
+    plain = NativeEngine.build(path, engine_config(cpu_prepack=False))
+    monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": 1 << 20, "blocked": 0})
+    small = NativeEngine.build(path, engine_config())
+    assert small._prepacked is None and small.model.linear is torch.nn.functional.linear
+    assert small.execution_paths()["linear"] == (
+        "F.linear (every weight is under 1024 KiB, where onednn packing does not pay)")
+    # A floor between the model's weight sizes: the gate/up and down weights (the largest, with the head) are
+    # packed, the QKV and output projections are not.
+    floor = plain.weights.buffers["gate_up_w"][0].nbytes
+    assert plain.weights.buffers["qkv_w"][0].nbytes < floor and plain.weights.buffers["o_w"][0].nbytes < floor
+    monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": floor, "blocked": 0})
+    mixed = NativeEngine.build(path, engine_config())
+    assert mixed._prepacked is not None
+    before = _calls()
+    got = mixed.forward_logits(prompts)
+    head_packed = int(mixed.weights["lm_head"].nbytes >= floor)
+    down_packed = int(mixed.weights.buffers["down_w"][0].nbytes >= floor)
+    assert _delta(before) == {"packed": 2 * (1 + down_packed) + head_packed, "fallback": 0,
+                              "plain": 2 * (3 - down_packed) + 1 - head_packed}
+    want = plain.forward_logits(prompts)
+    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= TOLERANCES["logits_fp32"]
+    assert mixed.generate(prompts, SAMPLED).response_token_ids == plain.generate(prompts, SAMPLED).response_token_ids
