@@ -117,7 +117,7 @@ def sample(
         tokens = score.argmax(dim=1)
         return tokens, z.gather(1, tokens[:, None]).squeeze(1) - logprobs_base, tau
 
-    k1, k2 = rng.row_keys(rows.seeds, rows.steps)
+    k1, k2 = rows.keys if rows.keys is not None else rng.row_keys(rows.seeds, rows.steps)
     k1_bits, k2_bits = _to_int32_bits(k1), _to_int32_bits(k2)
     noise_scale = (~greedy).to(torch.float32)[:, None]
     mixed = bool(greedy.any())

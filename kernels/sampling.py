@@ -69,6 +69,7 @@ def sample_tokens(
     validate: bool = True,
     flags: BatchFlags | None = None,
     thresholds: torch.Tensor | None = None,
+    row_keys: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SampleOutput:
     """Samples one token per row of ``logits`` [B, V] (see the module docstring for the exact rule).
 
@@ -88,12 +89,23 @@ def sample_tokens(
     logits and values, computed beforehand; the torch paths then skip that step. The compiled engine
     passes them because eagerly they come from a short top-k prefix, while a compiled graph must sort.
 
+    ``row_keys``: (k1, k2), [B] int64 each, what ``rng.row_keys(seeds, step)`` gives, computed beforehand (a
+    decode loop takes every step's from ``rng.row_keys_per_step`` once); the torch paths then skip the hash of
+    seeds and steps. Wrong keys give other samples. The C++ and Triton kernels hash in-kernel and refuse them.
+
     impl: "auto" (Triton on CUDA; on CPU "cpp" where the C++ kernels build, else "chunked"), "torch"
     (the sort-based reference), "chunked" (eager CPU torch ops, bit-identical to "torch"), "cpp" (the
     AVX-512 C++ kernel: the reference's tokens, log-probs within a few ulps), "triton".
     """
     rows = sampling_rows("sample_tokens", logits, temperature, top_k, top_p, seeds, step, validate)
     chosen = resolve_impl(impl, logits.device, "sample_tokens")
+    if row_keys is not None:
+        if chosen in ("triton", "cpp"):
+            raise ValueError(f"sample_tokens: row_keys= is for the torch and chunked impls; {chosen} hashes in-kernel")
+        if any(k.shape != rows.seeds.shape or k.dtype != torch.int64 for k in row_keys):
+            raise ValueError(f"sample_tokens: row_keys must be two int64 [{rows.seeds.shape[0]}] tensors, got "
+                             f"{[(tuple(k.shape), k.dtype) for k in row_keys]}")
+        rows = rows._replace(keys=row_keys)
     if chosen == "triton":
         from alignflow.kernels import _triton_sampling
 
@@ -175,6 +187,8 @@ class SamplingRows(NamedTuple):
     top_p: torch.Tensor  # fp32, (0, 1]
     seeds: torch.Tensor  # int64
     steps: torch.Tensor  # int64, >= 0
+    # rng.row_keys(seeds, steps) when the caller computed them beforehand (sample_tokens' row_keys=), else None
+    keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _as_rows(op: str, name: str, value, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -455,7 +469,7 @@ def sample_torch(
     score = z
     all_greedy = flags.all_greedy if flags else bool(greedy.all())
     if not all_greedy:  # the hash costs ~20 int64 ops per logit; all-greedy batches skip it
-        k1, k2 = rng.row_keys(rows.seeds, rows.steps)
+        k1, k2 = rows.keys if rows.keys is not None else rng.row_keys(rows.seeds, rows.steps)
         score = z + rng.gumbel_noise(k1, k2, vocab) * (~greedy).to(torch.float32)[:, None]
     # Without top-k or top-p, tau is the row minimum and the mask keeps everything: skipping it
     # saves a pass over [B, V] (compiled, B = 64, V = 32000: ~1 ms of an 8 ms sampler).

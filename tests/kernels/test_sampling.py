@@ -266,6 +266,34 @@ def test_precomputed_thresholds_give_the_same_samples(top_k, top_p):
         sample_tokens(logits, 0.9, top_k, top_p, seeds, 3, impl="triton", thresholds=tau)
 
 
+def test_row_keys_per_step_equal_row_keys_at_each_step():
+    seeds = torch.tensor([0, 1, -1, 2**40 + 7, -(2**62), 12345])  # negative and > 32-bit seeds too
+    k1, k2 = rng.row_keys_per_step(seeds, 70)
+    assert k2.shape == (6, 70)
+    for t in (0, 1, 33, 69):
+        want1, want2 = rng.row_keys(seeds, torch.full((6,), t))
+        assert torch.equal(k1, want1) and torch.equal(k2[:, t], want2), t
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_precomputed_row_keys_give_the_same_samples(top_p):
+    logits = _logits(5, 3000, seed=4, scale=2.0)
+    seeds = torch.arange(5) * 11 + 3
+    k1, k2 = rng.row_keys_per_step(seeds, 8)
+    for impl in ("torch", "chunked"):
+        for step in (0, 7):
+            want = sample_tokens(logits, 0.8, 0, top_p, seeds, step, impl=impl)
+            got = sample_tokens(logits, 0.8, 0, top_p, seeds, step, impl=impl, row_keys=(k1, k2[:, step]))
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs), (impl, step)
+        # The keys decide the draw: another step's keys give other tokens (the check is not vacuous).
+        other = sample_tokens(logits, 0.8, 0, top_p, seeds, 0, impl=impl, row_keys=(k1, k2[:, 5]))
+        assert not torch.equal(other.tokens, sample_tokens(logits, 0.8, 0, top_p, seeds, 0, impl=impl).tokens)
+    with pytest.raises(ValueError, match="row_keys= is for the torch and chunked impls; triton hashes in-kernel"):
+        sample_tokens(logits, 0.8, 0, 1.0, seeds, 0, impl="triton", row_keys=(k1, k2[:, 0]))
+    with pytest.raises(ValueError, match=r"row_keys must be two int64 \[5\] tensors"):
+        sample_tokens(logits, 0.8, 0, 1.0, seeds, 0, impl="chunked", row_keys=(k1, k2))
+
+
 def test_samples_never_leave_the_kept_set():
     # 3000 draws of one row: any token outside the 12 kept ones would show up.
     logits = _logits(1, 80, seed=6).expand(3000, 80)
