@@ -6,6 +6,9 @@ values are the deployment's defaults. Code is pulled from the source folder (off
 no image registry or git remote needed); a deployment given an image (docker/kubernetes pools)
 imports the flow from the alignflow package installed in that image instead (a module entrypoint,
 no pull step: the source folder does not exist inside the container).
+
+It also creates the automation that marks a flow run whose process died (its worker or machine killed) Crashed,
+so that `prefect flow-run retry` can run it again: without it Prefect shows such a run Running forever.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ from typing import Any
 from prefect import Flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.schedules import CronSchedule, IntervalSchedule
+from prefect.events.actions import ChangeFlowRunState
+from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+from prefect.events.schemas.events import ResourceSpecification
 from prefect.exceptions import ObjectNotFound
+from prefect.settings import get_current_settings
 from prefect.types.entrypoint import EntrypointType
 
 from alignflow.config import PipelineConfig
@@ -63,10 +71,56 @@ def _image_args(image: str | None) -> dict[str, Any]:
     return {"image": image, "entrypoint_type": EntrypointType.MODULE_PATH} if image else {}
 
 
+ZOMBIE_AUTOMATION = "alignflow: crash flow runs that stopped heartbeating"
+# A run is a zombie after this many heartbeats in a row are missing (Prefect's own recipe: 3 x 30 s = 90 s).
+_MISSED_HEARTBEATS = 3
+
+
+def zombie_automation() -> AutomationCore:
+    """The automation that marks a flow run Crashed once its heartbeats stop (its process died with its worker).
+
+    Every deployed flow run's process sends `prefect.flow-run.heartbeat` every PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+    seconds (180 by default in prefect 3.8, at least 30). The server's triggers service fires when, after a
+    heartbeat, neither another heartbeat nor a final state arrives within `_MISSED_HEARTBEATS` periods. The period is
+    read where `alignflow deploy` runs: give the workers the same PREFECT_FLOWS_HEARTBEAT_FREQUENCY. It runs inside
+    the Prefect server (SQLite or Postgres), so it works offline."""
+    period = get_current_settings().flows.heartbeat_frequency or 180
+    within = timedelta(seconds=_MISSED_HEARTBEATS * period)
+    return AutomationCore(
+        name=ZOMBIE_AUTOMATION,
+        description=f"A flow run with no heartbeat for {within.total_seconds():.0f} s ({_MISSED_HEARTBEATS} x "
+                    f"{period} s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY) is marked Crashed: its process is gone. Retry it "
+                    "with `prefect flow-run retry <id>`; finished stages are reused.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                    "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1, within=within),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {within.total_seconds():.0f} s: the flow run's process "
+                                            "died (worker or machine lost); retry it with `prefect flow-run retry`")])
+
+
+def ensure_zombie_automation() -> str:
+    """Create the zombie automation, or bring an existing one (by name) up to date; returns its id."""
+    automation = zombie_automation()
+    with get_client(sync_client=True) as client:
+        existing = client.read_automations_by_name(ZOMBIE_AUTOMATION)
+        if not existing:
+            return str(client.create_automation(automation))
+        for extra in existing[1:]:  # two deploys racing each other made two: keep one
+            client.delete_automation(extra.id)
+        client.update_automation(existing[0].id, automation)
+        return str(existing[0].id)
+
+
 def deploy(config: PipelineConfig, source: Path = REPO) -> dict[str, str]:
-    """Register the pipeline deployment (and stage deployments); returns {deployment name: id}."""
+    """Register the pipeline deployment (and stage deployments) and the zombie-run automation; returns
+    {deployment name: id}."""
     dep = config.deployment
     ensure_work_pool(dep.work_pool, dep.work_pool_type)
+    ensure_zombie_automation()
     deployed = {}
     deployment_id = _flow_for(alignflow_pipeline, "alignflow_pipeline", source, dep.image).deploy(
         name=dep.name, work_pool_name=dep.work_pool, build=False, push=False, **_image_args(dep.image),

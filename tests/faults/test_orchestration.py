@@ -2,9 +2,9 @@
 (data -> base -> sft).
 
 - The worker killed mid-pipeline (SIGKILL of the worker and everything under it: the flow-run process and the
-  running stage, as when its machine dies). Nothing marks such a run: Prefect shows it Running until something
-  (an automation on missing heartbeats, or a person) sets it Crashed. Then `prefect flow-run retry` runs it again
-  on a new worker: the finished stages are reused, the killed one runs again, nothing is published twice.
+  running stage, as when its machine dies). The zombie automation `alignflow deploy` sets up (flows/deploy.py)
+  marks the run Crashed once its heartbeats stop (30 s apart here, so 90 s). Then `prefect flow-run retry` runs it
+  again on a new worker: the finished stages are reused, the killed one runs again, nothing is published twice.
 - The Prefect server restarted (SIGKILL, then started again on its port and database) while a stage runs.
 - The running stage's process SIGKILLed inside a flow run: the flow's own task retry runs it again.
 """
@@ -146,6 +146,13 @@ def stage_running(work: Path, stage: str) -> bool:
 
 
 def test_worker_killed_mid_pipeline_then_retried_reuses_finished_stages(prefect, tmp_path):
+    from alignflow.flows.deploy import ZOMBIE_AUTOMATION
+
+    # Heartbeats every 30 s (Prefect's minimum; 180 s by default) for the deploy (the automation's 3 x 30 s) and the
+    # worker's flow runs: the fixture's worker, which has not run anything yet, is replaced by one that has them.
+    prefect.env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"
+    prefect.kill_worker_tree()
+    prefect.start_worker()
     config, run_id, storage = deployed_run(prefect, tmp_path, "worker-kill")
     work, root = tmp_path / "work", storage_root(config)
     _wait(lambda: stage_running(work, "sft"), 900, "the flow to start SFT", 0.2)
@@ -155,15 +162,22 @@ def test_worker_killed_mid_pipeline_then_retried_reuses_finished_stages(prefect,
     time.sleep(3)  # inside SFT's process start-up or training (it runs ~20 s here)
     killed = prefect.kill_worker_tree()
     assert any("alignflow.stages" in line for line in killed), killed
+    killed_at = time.time()
     prefect.start_worker()
-    time.sleep(15)  # the new worker has polled several times (every 2 s)
-    orphan = _http("GET", f"{prefect.api}/flow_runs/{run_id}")
-    assert orphan["state_type"] == "RUNNING", "no one marks a run whose worker died; it shows Running"
+    # The automation, and nothing else, marks the run Crashed: 90 s without a heartbeat, plus the triggers service's
+    # evaluation and the load (the new worker polls every 2 s and does not touch another worker's run).
+    crashed = _wait(lambda: (r := _http("GET", f"{prefect.api}/flow_runs/{run_id}"))["state_type"] != "RUNNING" and r,
+                    420, "the zombie automation to mark the run Crashed", 2)
+    marked_after = time.time() - killed_at
+    assert crashed["state_type"] == "CRASHED", crashed["state"]
+    assert "no heartbeat for 90 s" in (crashed["state"]["message"] or ""), crashed["state"]
+    assert 60 <= marked_after <= 420, f"{marked_after:.0f} s after the kill"
+    automation = _http("POST", f"{prefect.api}/automations/filter", {"automations": {"name": {"any_": [ZOMBIE_AUTOMATION]}}})
+    assert len(automation) == 1, automation
+    print(f"zombie run marked Crashed {marked_after:.0f} s after the worker was killed")
     assert "sft" not in published_by_stage(root, storage)
 
-    # What Prefect's zombie-run automation (or a person) does, then the retry a user runs:
-    _http("POST", f"{prefect.api}/flow_runs/{run_id}/set_state",
-          {"state": {"type": "CRASHED", "message": "worker died"}, "force": True})
+    # The retry a user runs:
     retry = subprocess.run([str(BIN / "prefect"), "flow-run", "retry", run_id], env=prefect.env,
                            capture_output=True, text=True, timeout=300)
     assert retry.returncode == 0, retry.stdout + retry.stderr

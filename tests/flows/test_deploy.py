@@ -51,3 +51,24 @@ def test_image_deployments_import_the_installed_flow_and_leave_gpus_out(prefect_
     assert data["entrypoint"] == "flows/pipeline.py:alignflow_stage"
     assert data["pull_steps"] and not data["job_variables"]
     assert data["pool_type"] == "process"
+
+
+def test_deploy_sets_up_one_zombie_automation_from_the_heartbeat_period(prefect_harness, tmp_path):
+    """The automation that marks a run Crashed when its heartbeats stop: 3 missed periods, one per server however
+    often `alignflow deploy` runs. That it fires is tested in tests/faults/test_orchestration.py (a killed worker)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    from alignflow.flows.deploy import ZOMBIE_AUTOMATION, deploy
+
+    for period in (30, 60):  # the second deploy updates the first's automation
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: period}):
+            deploy(small_config(tmp_path, deployment={"name": "zombie", "work_pool": "zombie-process"}))
+    with get_client(sync_client=True) as client:
+        automations = client.read_automations_by_name(ZOMBIE_AUTOMATION)
+    assert len(automations) == 1 and automations[0].enabled
+    trigger, (action,) = automations[0].trigger, automations[0].actions
+    assert trigger.posture == "Proactive" and trigger.within.total_seconds() == 180  # 3 x 60 s
+    assert trigger.after == {"prefect.flow-run.heartbeat"} and "prefect.flow-run.Completed" in trigger.expect
+    assert trigger.for_each == {"prefect.resource.id"}
+    assert action.type == "change-flow-run-state" and action.state == "CRASHED"
