@@ -3,8 +3,9 @@
 #
 #   <stage> --spec URI [--force]   run one stage: python -m alignflow.stages.<stage> (training/engine images)
 #   run|validate|plan CONFIG ...   the `alignflow` pipeline CLI
-#   anything else                  exec'd as given: `prefect worker start ...`, the `prefect flow-run
-#                                  execute` command Docker/Kubernetes work pools send, `bash`, `python`
+#   prefect flow-run execute [ID]  what Docker/Kubernetes work pools send: python -m alignflow.flows.execute,
+#                                  which runs it and exits 1 when the flow run ended Failed or Crashed
+#   anything else                  exec'd as given: `prefect worker start ...`, `bash`, `python`
 #
 # The pass-through is what lets one image serve both as a stage container and as a Prefect job
 # container: work pools replace CMD, never ENTRYPOINT.
@@ -49,5 +50,13 @@ for stage in ${STAGES}; do
         exec python -m "alignflow.stages.${stage}" "$@"
     fi
 done
+
+# Work pools start a flow run with `prefect flow-run execute [ID]`, which exits 0 even when the flow run
+# Failed; alignflow.flows.execute runs that command and then exits 1 for a Failed or Crashed run, so
+# Kubernetes' backoffLimit and Docker restart policies see the failure.
+if [ "$#" -ge 3 ] && [ "$1" = prefect ] && [ "$2" = flow-run ] && [ "$3" = execute ]; then
+    shift 3
+    exec python -m alignflow.flows.execute "$@"
+fi
 
 exec "$@"

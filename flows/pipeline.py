@@ -74,6 +74,14 @@ def _reused(key: str, spec: StageSpec) -> StageResult | None:
     return StageResult.from_manifest(manifest, "skipped", mlflow_run_id=run_id, message=REUSED_MESSAGE)
 
 
+def _stage_reason(key: str, message: str) -> str:
+    """The stage's own reason in a failed stage flow run's state message, which Prefect words as
+    "Flow run encountered an exception: StageFailed: stage 'KEY' failed: REASON"; the pipeline's
+    StageFailed says "stage 'KEY' failed" again, so only REASON is kept. Other messages are kept whole."""
+    marker = f"{StageFailed.__name__}: stage '{key}' failed: "
+    return message.split(marker, 1)[1] if marker in message else message
+
+
 def _run_as_deployment(key: str, spec: StageSpec, deployment: str) -> StageResult:
     """Run the stage as its own deployment (its own work pool and image); the spec is the parameter."""
     from prefect.deployments import run_deployment
@@ -86,7 +94,7 @@ def _run_as_deployment(key: str, spec: StageSpec, deployment: str) -> StageResul
         return StageResult.from_manifest(manifest, "ok", duration_s=round(time.perf_counter() - started, 3))
     state = flow_run.state.name if flow_run.state else "unknown"
     message = (flow_run.state.message if flow_run.state else "") or f"deployment run ended {state}"
-    return StageResult(stage=spec.stage, status="failed", message=f"{deployment}: {message}",
+    return StageResult(stage=spec.stage, status="failed", message=f"{deployment}: {_stage_reason(key, message)}",
                        duration_s=round(time.perf_counter() - started, 3))
 
 

@@ -156,6 +156,15 @@ def containers() -> list[dict]:
     return json.loads(podman("inspect", *ids)) if ids else []
 
 
+def exited(flow_run_id: str, timeout_s: float = 120.0) -> None:
+    """Wait until no container the docker worker made is still running (after a run's final state)."""
+    deadline = time.monotonic() + timeout_s
+    while any(i["State"]["Status"] != "exited" for i in containers()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"containers still running {timeout_s:.0f} s after flow run {flow_run_id} ended")
+        time.sleep(2)
+
+
 def seconds(info: dict) -> float:
     def parse(stamp: str) -> datetime:
         head, _, frac = stamp.partition(".")
@@ -415,10 +424,16 @@ def failure_and_retry(api: str, deployed: dict[str, str], pipeline_id: str, env:
     message = failed["state"]["message"] or ""
     assert failed["state_type"] in ("FAILED", "CRASHED"), failed["state"]
     assert "evaluate" in message, message
-    # `prefect flow-run execute` reports the stage flow's Failed state to the API and still exits 0, so the
-    # failure travels through Prefect's state (and the stage's message), not the container's exit code.
+    # The stage's reason once, not wrapped again by the pipeline ("stage 'evaluate' failed: ... stage 'evaluate' failed").
+    assert message.count("stage 'evaluate' failed") == 1, message
+    # The images' entrypoint runs `prefect flow-run execute` through alignflow.flows.execute, which exits 1
+    # for a Failed run (Prefect's command exits 0), so Kubernetes/Docker restart policies see the failure.
+    exited(run["id"])  # the API has the Failed state a moment before the containers exit
     bad = [i for i in containers() if stage_of(i) == "evaluate" and i["Id"] not in before_failure]
     assert bad, "no evaluate container ran in the failing run"
+    assert [i["State"]["ExitCode"] for i in bad] == [1], [(i["Id"][:12], i["State"]["ExitCode"]) for i in bad]
+    failed_pipeline = [i for i in containers() if i["Config"]["Labels"].get("io.prefect.flow-run-id") == run["id"]]
+    assert [i["State"]["ExitCode"] for i in failed_pipeline] == [1], "the failed pipeline container did not exit 1"
     http("PATCH", f"{api}/deployments/{evaluate_id}", {"job_variables": job_variables})  # the fix
     # The docker worker names a flow run's container after the run, so the failed attempt's pipeline container
     # (kept until now for its record) would block the retry's: "the container name ... is already in use".
@@ -437,6 +452,7 @@ def failure_and_retry(api: str, deployed: dict[str, str], pipeline_id: str, env:
                     if s != "__parent__" and r.data.tags.get("alignflow.cached") == "true")
     return {"flow_run": run["id"], "failed_state": failed["state_type"], "message": message,
             "failed_container_exit_codes": [i["State"]["ExitCode"] for i in bad],
+            "failed_pipeline_exit_codes": [i["State"]["ExitCode"] for i in failed_pipeline],
             "retry_state": retried["state_type"], "retry_containers": new, "reused_on_retry": reused}
 
 

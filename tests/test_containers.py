@@ -216,9 +216,12 @@ def test_entrypoint_runs_a_stage_module(stage: str, tmp_path: Path):
 
 def test_entrypoint_cli_passthrough_and_help(tmp_path: Path):
     assert run_entrypoint("plan", "c.yaml", tmp_path=tmp_path).stdout.strip() == "alignflow plan c.yaml"
-    # A work pool's command (e.g. `prefect flow-run execute`) runs as given.
+    # Other commands (e.g. `prefect worker start`) run as given ...
     proc = run_entrypoint("echo", "prefect", "flow-run", "execute", tmp_path=tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "prefect flow-run execute"
+    # ... but a work pool's `prefect flow-run execute` goes through alignflow's exit-code wrapper.
+    proc = run_entrypoint("prefect", "flow-run", "execute", "1d6f", tmp_path=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "python -m alignflow.flows.execute 1d6f"
     helped = run_entrypoint("--help", tmp_path=tmp_path)
     assert helped.returncode == 0 and "stages: " + " ".join(STAGES) in helped.stdout
     assert run_entrypoint(tmp_path=tmp_path).returncode == 2
