@@ -62,6 +62,36 @@ def ensure_work_pool(name: str, pool_type: str) -> None:
         client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
 
 
+def check_pipeline_pool(config: PipelineConfig, limits: dict[str, int | None]) -> None:
+    """Refuse to put the pipeline flow on a pool with a concurrency limit that its stage flows use.
+
+    The pipeline flow holds one of that pool's slots for the whole run while it waits on its stages:
+    with limit 1 (`alignflow-docker-gpu` in infra/create-work-pools.sh: one run per GPU host, each
+    takes all its GPUs) the stage flows can never start, and with limit N, N pipeline runs deadlock the
+    same way. The pipeline flow only plans and waits, so it belongs on a pool without GPUs.
+    `limits`: pool name -> its concurrency limit (None = unlimited).
+    """
+    dep = config.deployment
+    limit = limits.get(dep.work_pool)
+    shared = sorted(stage for stage, infra in dep.stage_infra.items() if infra.work_pool == dep.work_pool)
+    if limit is not None and shared:
+        raise ValueError(
+            f"deployment.work_pool: '{dep.work_pool}' has a concurrency limit of {limit} and also runs the stages "
+            f"{', '.join(shared)} (deployment.stage_infra); the pipeline flow would hold a slot while waiting on them "
+            f"(deadlock). Put the pipeline on a pool without a limit, e.g. deployment.work_pool=alignflow-process")
+
+
+def _pool_limits(names: set[str]) -> dict[str, int | None]:
+    limits: dict[str, int | None] = {}
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                limits[name] = client.read_work_pool(name).concurrency_limit
+            except ObjectNotFound:
+                limits[name] = None
+    return limits
+
+
 def _flow_for(local: Flow, name: str, source: Path, image: str | None) -> Flow:
     """The flow to deploy: from the source folder, or (with an image) the one the installed package defines."""
     return local if image else Flow.from_source(source=str(source), entrypoint=f"flows/pipeline.py:{name}")
@@ -119,6 +149,7 @@ def deploy(config: PipelineConfig, source: Path = REPO) -> dict[str, str]:
     """Register the pipeline deployment (and stage deployments) and the zombie-run automation; returns
     {deployment name: id}."""
     dep = config.deployment
+    check_pipeline_pool(config, _pool_limits({dep.work_pool}))
     ensure_work_pool(dep.work_pool, dep.work_pool_type)
     ensure_zombie_automation()
     deployed = {}

@@ -2,7 +2,7 @@
 # Creates (or updates, with --overwrite) the three alignflow work pools on the Prefect server
 # that PREFECT_API_URL points at:
 #   alignflow-process     process     flow runs as subprocesses of a worker (compose `worker`)
-#   alignflow-docker-gpu  docker      flow runs as GPU containers on a Docker host   (work-pools/docker.json)
+#   alignflow-docker-gpu  docker      stage flow runs as GPU containers on a Docker host (work-pools/docker.json)
 #   alignflow-k8s-gpu     kubernetes  flow runs as GPU Jobs on a Kubernetes cluster (work-pools/kubernetes.json)
 # Creating a pool needs no worker and no prefect-docker / prefect-kubernetes here; the workers
 # that serve the docker and kubernetes pools need those packages in their image.
@@ -29,6 +29,9 @@ fi
 pools=(
   "alignflow-process|process||"
   # One flow run per GPU host at a time: each run takes all of the host's GPUs (gpu_count -1).
+  # Stage flows only: the pipeline flow holds a slot while it waits on its stages, so on this pool
+  # it would deadlock them. Deploy it on alignflow-process (`alignflow deploy` refuses this pool for
+  # it when its stages run here: flows/deploy.py check_pipeline_pool).
   "alignflow-docker-gpu|docker|$here/work-pools/docker.json|1"
   "alignflow-k8s-gpu|kubernetes|$here/work-pools/kubernetes.json|"
 )

@@ -449,6 +449,38 @@ def test_create_work_pools_script_runs_the_right_commands(tmp_path):
     assert bad.returncode == 2 and "PREFECT_API_URL" in bad.stderr
 
 
+def test_pipeline_flow_is_refused_on_a_limited_pool_its_stages_use(tmp_path):
+    # The limits the script sets, as the Prefect server would hold them.
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "prefect"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PREFECT": str(fake), "PREFECT_API_URL": "http://127.0.0.1:4200/api"}
+    subprocess.run([str(INFRA / "create-work-pools.sh")], check=True, env=env, capture_output=True, timeout=60)
+    limits: dict[str, int | None] = {}
+    for call in log.read_text().splitlines():
+        words = call.split()
+        if words[:2] == ["work-pool", "create"]:
+            limits[words[2]] = None
+        elif words[:2] == ["work-pool", "set-concurrency-limit"]:
+            limits[words[2]] = int(words[3])
+    assert limits == {"alignflow-process": None, "alignflow-docker-gpu": 1, "alignflow-k8s-gpu": None}
+
+    from alignflow.flows.deploy import check_pipeline_pool
+    from tests.conftest import small_config
+
+    stages = {"sft": {"work_pool": "alignflow-docker-gpu", "image": "alignflow/training:x", "gpus": 8}}
+    on_gpu_pool = small_config(tmp_path, deployment={"work_pool": "alignflow-docker-gpu", "work_pool_type": "docker",
+                                                     "image": "alignflow/worker:x", "stage_infra": stages})
+    # The pipeline flow would hold the only slot while waiting on its sft flow: a deadlock, refused up front.
+    with pytest.raises(ValueError, match="deployment.work_pool: 'alignflow-docker-gpu' has a concurrency limit of 1"
+                                         " and also runs the stages sft"):
+        check_pipeline_pool(on_gpu_pool, limits)
+    for pool in ("alignflow-process", "alignflow-k8s-gpu"):  # unlimited pools take both
+        check_pipeline_pool(small_config(tmp_path, deployment={"work_pool": pool, "stage_infra": stages}), limits)
+    check_pipeline_pool(small_config(tmp_path, deployment={"work_pool": "alignflow-docker-gpu"}), limits)
+
+
 # -------------------------------------------------------------------------------------- kubernetes
 
 def test_k8s_objects_are_well_formed_and_namespaced():
