@@ -33,6 +33,7 @@ from alignflow.manifest import InputRef, Manifest, find_published, materialize, 
 from alignflow.offline import set_offline_defaults
 from alignflow.stages import ranks
 from alignflow.stages.data.formats import DataError
+from alignflow.stages.generation.base import BackendUnavailableError
 from alignflow.stages.profiler import Profiler
 from alignflow.stages.warm import stage_module
 from alignflow.storage import StorageError, TransientStorageError, open_store, storage_retries
@@ -43,7 +44,10 @@ class StageInputError(ValueError):
 
 
 # Errors that mean "the input is wrong": exit code 2, one-line reason, never retried.
-BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (StageInputError, ConfigError, StorageError, DataError)
+# BackendUnavailableError: an engine backend whose package or device is missing here (the config asks for the wrong
+# image or interpreter; a retry cannot help).
+BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (StageInputError, ConfigError, StorageError, DataError,
+                                                      BackendUnavailableError)
 
 
 def load_spec(path_or_uri: str) -> StageSpec:

@@ -11,6 +11,7 @@ Importing this package does not import torch; backends are imported when first b
 
 from alignflow.stages.generation.base import (
     ENGINE_BACKENDS,
+    BackendUnavailableError,
     Engine,
     EngineError,
     FinishReason,
@@ -28,6 +29,7 @@ from alignflow.stages.generation.base import (
 
 __all__ = [
     "ENGINE_BACKENDS",
+    "BackendUnavailableError",
     "Engine",
     "EngineError",
     "FinishReason",

