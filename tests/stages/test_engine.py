@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from alignflow.manifest import materialize, read_manifest
+from alignflow.contract import StageResult, StageSpec
+from alignflow.manifest import find_published, materialize, read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -45,3 +50,24 @@ def test_engine_stage_publishes_the_engine_and_a_build_report_tracked_in_mlflow(
     assert run.data.metrics["engine/parity_ok"] == 1.0
     assert run.data.metrics["engine/build_s"] == pytest.approx(report["build_s"], abs=1e-3)
     assert "reports/build_report.json" in {a.path for a in client.list_artifacts(run.info.run_id, "reports")}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is importable in this venv")
+def test_a_backend_this_interpreter_cannot_run_is_a_configuration_error_exit_2(upstream, tmp_path):
+    """engine.backend: vllm where vllm is not installed, and an engine.worker_python that is not there: the stage
+    exits 2 (bad input, not retried) with one line naming the package or the key, and publishes nothing."""
+    workdir, _, rows = upstream
+    spec = StageSpec.model_validate_json(next((workdir / ".alignflow" / "specs").glob("engine-*.json")).read_text())
+    cases = {"vllm": ({"backend": "vllm"}, r"engine.backend: vllm needs the vllm package .*containers/engine-vllm"),
+             "worker_python": ({"backend": "vllm", "worker_python": str(tmp_path / "no-venv" / "python")},
+                               rf"engine.worker_python={tmp_path}/no-venv/python: no executable there")}
+    for name, (engine, message) in cases.items():
+        config = {**spec.config, "engine": {**spec.config["engine"], **engine}}
+        case = spec.model_copy(update={"config": config, "output_uri": f"file://{tmp_path}/out-{name}"})
+        path = case.dump(tmp_path / f"{name}.json")
+        proc = subprocess.run([sys.executable, "-m", "alignflow.stages.engine", "--spec", str(path)],
+                              capture_output=True, text=True, cwd=workdir, timeout=300)
+        result = StageResult.from_output(proc.stdout)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert result.status == "failed" and re.search(message, result.message), result.message
+        assert find_published(case.output_uri) is None
