@@ -2,11 +2,12 @@
 
 Our own lines (one per stage event, the stages' progress lines, errors, our warnings) are never touched.
 What is turned off, as seen in `alignflow run configs/tiny.yaml`: transformers' "LOAD REPORT" tables and
-its "Loading weights" / "Writing model shards" progress bars, DeepSpeed's logger ("Setting accelerator to
-CPU", "Attempting to get learning rate from scheduler before it has started") and its "... built
+its "Loading weights" / "Writing model shards" progress bars, DeepSpeed's logger ("Setting accelerator
+to CPU", "Attempting to get learning rate from scheduler before it has started") and its "... built
 successfully" print, MLflow's "Creating initial MLflow database tables..." and its run-link lines (REST
-stores), and Python warnings raised outside alignflow (setuptools, torch, ...). Prefect's INFO logs are
-off already (PREFECT_LOGGING_LEVEL=WARNING in alignflow/offline.py); `set_verbose` turns them back on.
+stores), vLLM's logger below ERROR, and Python warnings raised outside alignflow (setuptools, torch,
+...). Prefect's INFO logs are off already (PREFECT_LOGGING_LEVEL=WARNING in alignflow/offline.py);
+`set_verbose` turns them back on.
 
 Two layers, because a stage is a separate process that may have imported a library before it knows its
 spec: environment variables the libraries read at import (`QUIET_ENV`, set in this process and so
@@ -34,6 +35,9 @@ QUIET_ENV = {
     "MLFLOW_LOGGING_LEVEL": "WARNING",
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # "View run ... at: http://..." on a REST store
     "PYTHONWARNINGS": "ignore",  # warnings at import time in child processes; quiet() lets ours through after
+    # vLLM's INFO lines (~40 per engine start) and its "Chat template warmup failed" traceback, which it logs as a
+    # warning on every start with skip_tokenizer_init (alignflow gives it token ids, never text).
+    "VLLM_LOGGING_LEVEL": "ERROR",
 }
 
 # Loggers already configured by an import before quiet() ran: their level is raised. DeepSpeed sets its

@@ -321,3 +321,29 @@ def test_rollout_workers_serve_and_refit_a_saved_vllm_engine(wide_checkpoints, t
         assert workers.result(workers.submit(request)).generation.response_token_ids == want
     finally:
         workers.close()
+
+
+@needs_vllm
+def test_vllm_logs_nothing_below_error_unless_verbose(wide_checkpoints):
+    """alignflow's QUIET_ENV, in every stage process unless ALIGNFLOW_VERBOSE: a vLLM engine start prints none of
+    vLLM's ~40 INFO lines nor its chat-template warm-up traceback (logged as a warning on every start with
+    skip_tokenizer_init); without it, in the same child process, they are there (so the markers are real)."""
+    import os
+    import subprocess
+    import sys
+
+    from alignflow.console import QUIET_ENV
+
+    build = ("import sys; from alignflow.config import EngineConfig; "
+             "from alignflow.stages.generation.base import build_engine; "
+             "build_engine(sys.argv[1], EngineConfig(backend='vllm', max_batch_size=4, max_seq_len=64)).close()")
+    user_env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV}
+    consoles = {}
+    for name, env in {"quiet": {**user_env, **QUIET_ENV}, "loud": user_env}.items():
+        proc = subprocess.run([sys.executable, "-c", build, str(wide_checkpoints["llama_mha_untied"])],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        consoles[name] = proc.stdout + proc.stderr
+    assert " INFO " in consoles["loud"] and "Chat template warmup failed" in consoles["loud"]
+    assert " INFO " not in consoles["quiet"] and "Chat template warmup failed" not in consoles["quiet"], \
+        consoles["quiet"][-3000:]
