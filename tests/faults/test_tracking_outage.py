@@ -105,9 +105,15 @@ class Stage:
             time.sleep(0.05)
 
     def finish(self, timeout_s: float = 900) -> tuple[int, StageResult]:
-        stdout = self.proc.communicate(timeout=timeout_s)[0]
+        # Not communicate(): it reads stderr too, and took the last lines (the error line of a stage that says
+        # nothing before it fails) from the reader thread.
+        stdout: list[str] = []
+        reader = threading.Thread(target=lambda: stdout.append(self.proc.stdout.read()), daemon=True)
+        reader.start()
+        self.proc.wait(timeout=timeout_s)
+        reader.join(timeout=10)
         self._reader.join(timeout=10)
-        return self.proc.returncode, StageResult.from_output(stdout)
+        return self.proc.returncode, StageResult.from_output("".join(stdout))
 
     def stderr(self) -> str:
         return "".join(self.lines)
