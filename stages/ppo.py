@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,7 @@ from alignflow.stages.training.lora import (
     unwrap_lora,
 )
 from alignflow.stages.training.precision import Precision, resolve_precision, training_attention
-from alignflow.stages.training.torch_engine import initialize_trainer, resolve_train_backend
+from alignflow.stages.training.torch_engine import TorchTrainEngine, initialize_trainer, resolve_train_backend
 from alignflow.storage import join_uri, open_store, remove_unfinished_writes
 
 CHECKPOINT_DIR = re.compile(r"/checkpoints/iter_(\d{5})/manifest\.json$")
@@ -308,6 +309,17 @@ def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, row
     return "recompute"
 
 
+def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
+    """Whether train_on runs the critic's updates on a second thread (ppo.overlap_critic): one rank (N ranks' collectives
+    must come in one order), both models on the plain torch trainer (a DeepSpeed engine may call collectives even
+    alone) and on CPU (on one CUDA stream the kernels would queue behind each other anyway), more than one thread,
+    and not beside ppo.async_rollouts' generating thread (three would share the cores)."""
+    return (critic is not None and cfg.overlap_critic and not cfg.async_rollouts and world_size() == 1
+            and torch.get_num_threads() > 1
+            and all(isinstance(m, TorchTrainEngine) and next(m.module.parameters()).device.type == "cpu"
+                    for m in (actor, critic)))
+
+
 def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int, precision: Precision,
              check_old_tolerance: float | None = None, old_from_first_forward: bool = False) -> dict[str, float]:
     """PPO epochs over shuffled minibatches; returns the mean of each loss metric.
@@ -335,61 +347,86 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
     generator = torch.Generator().manual_seed(cfg.seed * 100_003 + iteration)
     fast = cfg.fast_train_step
     entropy_mode = "loss" if cfg.entropy_coef > 0 or not fast else "metric"
-    for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(rows, generator=generator)
-        for start in range(0, rows, cfg.minibatch_size):
-            index = order[start:start + cfg.minibatch_size]
-            if world > 1:  # this rank's share (minibatch_size is a multiple of the ranks: PPOConfig)
-                share = len(index) // world
-                index = index[rank() * share:(rank() + 1) * share]
-            mb = exp.select(index)
-            counts = rl.minibatch_token_counts(mb.response_mask) if world > 1 else None  # sums over ranks
-            mb = mb.trimmed() if fast else mb
-            with precision.forward():
-                logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode,
-                                                head_on_response_only=fast, lean=fast)
-            if take_old:  # the one minibatch of epoch 1, before any step (one rank): its log-probs are the old ones
-                measured = float(((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max())
-                mb.old_logprobs = logp.detach()
-                exp.old_logprobs = torch.zeros_like(exp.response_mask)
-                exp.old_logprobs[order, : logp.shape[1]] = mb.old_logprobs
-                take_old = False
-            elif check_old_tolerance is not None and measured is None:
-                measured = float(((logp.detach() - mb.old_logprobs).abs() * mb.response_mask).max())
-                if world > 1:  # every rank decides alike on the largest difference of any rank
-                    measured = _max_over_ranks(measured)
-                if not measured <= check_old_tolerance:
-                    raise StaleOldLogprobs(measured)
-            if cfg.algorithm == "grpo":
-                loss, metrics = rl.policy_loss_grpo(
-                    logp, mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
-                    kl_coef=kl_coef, kl_estimator="k3", dual_clip=cfg.dual_clip, entropy=entropy,
-                    entropy_coef=cfg.entropy_coef, token_weights=mb.behaviour_weights, counts=counts)
-            else:
-                in_loss = not cfg.kl_in_reward
-                loss, metrics = rl.policy_loss_ppo(
-                    logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range, dual_clip=cfg.dual_clip,
-                    entropy=entropy, entropy_coef=cfg.entropy_coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
-                    kl_coef=kl_coef if in_loss else 0.0, kl_estimator=cfg.kl_estimator,
-                    token_weights=mb.behaviour_weights, counts=counts)
-            check_finite("the policy loss", _finite_on_every_rank(loss), iteration)
-            actor.backward(loss * world)
-            actor.step()
-            if critic is not None:
+
+    def critic_update(mb: Experience, counts) -> dict[str, float]:
+        with precision.forward():
+            values = token_values(critic, mb, lean=fast)
+        value_loss, value_metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
+                                                          cfg.value_clip_range, counts=counts)
+        check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
+        critic.backward(cfg.vf_coef * world * value_loss)
+        critic.step()
+        return value_metrics
+
+    overlap, threads = None, torch.get_num_threads()
+    if overlaps_critic(actor, critic, cfg):
+        # Each thread gets half the cores: on the demo model (2 cores) the train phase went 0.147-0.168 s (2 threads,
+        # one after the other) -> 0.117 s (1 + 1); with 2 threads each it was slower (0.18 s, oversubscribed).
+        # torch.set_num_threads is per OS thread under OpenMP: the critic's thread sets its own.
+        half = max(1, threads // 2)
+        overlap = ThreadPoolExecutor(1, thread_name_prefix="critic", initializer=torch.set_num_threads,
+                                     initargs=(half,))
+        torch.set_num_threads(half)
+    pending: list[tuple[Future, float]] = []
+    try:
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(rows, generator=generator)
+            for start in range(0, rows, cfg.minibatch_size):
+                index = order[start:start + cfg.minibatch_size]
+                if world > 1:  # this rank's share (minibatch_size is a multiple of the ranks: PPOConfig)
+                    share = len(index) // world
+                    index = index[rank() * share:(rank() + 1) * share]
+                mb = exp.select(index)
+                counts = rl.minibatch_token_counts(mb.response_mask) if world > 1 else None  # sums over ranks
+                mb = mb.trimmed() if fast else mb
                 with precision.forward():
-                    values = token_values(critic, mb, lean=fast)
-                value_loss, value_metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
-                                                                  cfg.value_clip_range, counts=counts)
-                check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
-                critic.backward(cfg.vf_coef * world * value_loss)
-                critic.step()
-                metrics = {**metrics, **value_metrics}
-            # N ranks: a per-token mean of this rank's share, weighted by its share of the minibatch's tokens
-            # (x N), so the mean over ranks below is the minibatch's mean.
-            weight = 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
-            for key, value in metrics.items():
+                    logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode,
+                                                    head_on_response_only=fast, lean=fast)
+                if take_old:  # the one minibatch of epoch 1, before any step (one rank): its log-probs are the old ones
+                    measured = float(((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max())
+                    mb.old_logprobs = logp.detach()
+                    exp.old_logprobs = torch.zeros_like(exp.response_mask)
+                    exp.old_logprobs[order, : logp.shape[1]] = mb.old_logprobs
+                    take_old = False
+                elif check_old_tolerance is not None and measured is None:
+                    measured = float(((logp.detach() - mb.old_logprobs).abs() * mb.response_mask).max())
+                    if world > 1:  # every rank decides alike on the largest difference of any rank
+                        measured = _max_over_ranks(measured)
+                    if not measured <= check_old_tolerance:
+                        raise StaleOldLogprobs(measured)
+                if cfg.algorithm == "grpo":
+                    loss, metrics = rl.policy_loss_grpo(
+                        logp, mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
+                        kl_coef=kl_coef, kl_estimator="k3", dual_clip=cfg.dual_clip, entropy=entropy,
+                        entropy_coef=cfg.entropy_coef, token_weights=mb.behaviour_weights, counts=counts)
+                else:
+                    in_loss = not cfg.kl_in_reward
+                    loss, metrics = rl.policy_loss_ppo(
+                        logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range, dual_clip=cfg.dual_clip,
+                        entropy=entropy, entropy_coef=cfg.entropy_coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
+                        kl_coef=kl_coef if in_loss else 0.0, kl_estimator=cfg.kl_estimator,
+                        token_weights=mb.behaviour_weights, counts=counts)
+                check_finite("the policy loss", _finite_on_every_rank(loss), iteration)
+                # N ranks: a per-token mean of this rank's share, weighted by its share of the minibatch's tokens
+                # (x N), so the mean over ranks below is the minibatch's mean.
+                weight = 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
+                if critic is not None:
+                    if overlap is not None:  # FIFO on one thread: the critic's updates in minibatch order
+                        pending.append((overlap.submit(critic_update, mb, counts), weight))
+                    else:
+                        metrics = {**metrics, **critic_update(mb, counts)}
+                actor.backward(loss * world)
+                actor.step()
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if key in LOSS_SHARES else weight)
+                count += 1
+        for future, weight in pending:
+            for key, value in future.result().items():
                 sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if key in LOSS_SHARES else weight)
-            count += 1
+    finally:
+        if overlap is not None:  # on an error too: the critic's queued updates end before the caller goes on
+            overlap.shutdown(cancel_futures=True)
+            torch.set_num_threads(threads)
     out = {key: value / count for key, value in sums.items()}
     if world > 1:
         totals = sum_over_ranks(*out.values())
@@ -499,11 +536,14 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
               f"({precision.reason}); reference forward "
               f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}; trains "
               f"{trainable:,} of {total:,} actor parameters"
+              + ("; critic updates on their own thread (ppo.overlap_critic)" if overlaps_critic(actor, critic, cfg)
+                 else "")
               + (f" (LoRA rank {cfg.lora.rank}: the refit sends the adapted modules' merged weights only)"
                  if cfg.lora.enabled else ""), file=sys.stderr, flush=True)
         if ctx.tracker is not None:
             ctx.tracker.log_metrics({"perf/autocast_bf16": float(precision.autocast_dtype is not None),
                                      "perf/trainable_parameters": float(trainable),
+                                     "perf/overlap_critic": float(overlaps_critic(actor, critic, cfg)),
                                      "perf/trainable_share": trainable / total})
     with profiler.phase("engine_load"):
         # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.

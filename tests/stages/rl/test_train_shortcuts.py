@@ -232,3 +232,37 @@ def test_compiled_training_step_equals_eager(checkpoint, rollout):
         loss_compiled, grads_compiled = loss_and_grads(compiled, exp)
         assert math.isclose(float(loss_eager), float(loss_compiled), rel_tol=1e-4, abs_tol=1e-7)
         assert_grads_close(grads_eager, grads_compiled, rtol=1e-4)
+
+
+def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkpoint, rollout):
+    """ppo.overlap_critic: the critic's updates on a second thread, each thread with half the torch threads, end at
+    the same actor and critic weights and the same metrics as the sequential loop (2 epochs x 2 minibatches, PPO
+    with a critic, the plain torch trainer as one rank at ZeRO 0 runs it); the stage's thread count is restored."""
+    from alignflow.stages.models.loading import load_sequence_classifier
+    from alignflow.stages.ppo import overlaps_critic
+    from alignflow.stages.training.deepspeed_setup import OptimSettings
+    from alignflow.stages.training.torch_engine import TorchTrainEngine
+
+    exp = copy.copy(rollout)
+    noise = torch.Generator().manual_seed(0)
+    exp.values = torch.randn(exp.response_mask.shape, generator=noise) * exp.response_mask
+    exp.returns = torch.randn(exp.response_mask.shape, generator=noise) * exp.response_mask
+    torch.manual_seed(0)
+    critic_init = load_sequence_classifier(checkpoint, pad_token_id=PAD)
+    settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=3,
+                             grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    torch.set_num_threads(2)  # one thread each (the autouse fixture restores 1 after the test)
+    runs = {}
+    for overlap in (False, True):
+        actor = TorchTrainEngine(load_causal_lm(checkpoint), settings)
+        critic = TorchTrainEngine(copy.deepcopy(critic_init), settings)
+        cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=3,
+                         overlap_critic=overlap)
+        assert overlaps_critic(actor, critic, cfg) is overlap
+        runs[overlap] = (train_on(copy.copy(exp), actor, critic, cfg, 0.0, 1, FP32), actor, critic)
+        assert torch.get_num_threads() == 2
+    (sequential, actor_a, critic_a), (overlapped, actor_b, critic_b) = runs[False], runs[True]
+    assert "losses/value_loss" in sequential and sequential == overlapped
+    for a, b in ((actor_a, actor_b), (critic_a, critic_b)):
+        for (name, x), (_, y) in zip(a.module.named_parameters(), b.module.named_parameters(), strict=True):
+            assert torch.equal(x, y), name
