@@ -298,7 +298,7 @@ def test_e2e_pool_template_is_the_docker_template_with_site_defaults(tmp_path: P
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("ALIGNFLOW_CONTAINER_E2E") != "1",
                     reason="builds three images with podman and runs the pipeline in containers (root, "
-                    "~21 min cached, ~40 min cold on 2 cores): ALIGNFLOW_CONTAINER_E2E=1")
+                    "~15 min after a code change, ~24 min on a fresh machine, 2 cores): ALIGNFLOW_CONTAINER_E2E=1")
 def test_make_container_e2e():
     proc = subprocess.run(["bash", str(REPO / "scripts" / "container_e2e.sh")], cwd=REPO, capture_output=True,
                           text=True, timeout=5400)
