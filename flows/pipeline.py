@@ -29,7 +29,6 @@ from alignflow.flows.registry import champion_output, decision_markdown, registe
 from alignflow.flows.report import evaluation_markdown, summary_markdown
 from alignflow.flows.snapshots import resolve_inputs
 from alignflow.manifest import code_version, find_published, output_uri
-from alignflow.offline import set_offline_defaults
 from alignflow.storage import join_uri, normalize_root, open_store
 
 STAGE_FLOW_NAME = "alignflow-stage"
@@ -156,7 +155,6 @@ def _flow_run_tags() -> dict[str, str]:
 @flow(name="alignflow-pipeline", log_prints=True)
 def alignflow_pipeline(config: PipelineConfig) -> list[dict[str, Any]]:
     """Run SFT -> reward model(s) -> engine build -> PPO/GRPO (or SFT -> DPO) -> evaluation for one pipeline config."""
-    set_offline_defaults()
     logger = get_run_logger()
     workdir = Path(config.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -261,7 +259,6 @@ def publish_artifacts(config: PipelineConfig, rows: list[dict[str, Any]], tracki
 @flow(name=STAGE_FLOW_NAME, log_prints=True)
 def alignflow_stage(key: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One stage as its own deployment (its own work pool and image): launch it locally on that worker."""
-    set_offline_defaults()
     parsed = StageSpec.model_validate(spec)
     workdir = Path(parsed.workdir) if Path(parsed.workdir).is_dir() else Path.cwd()
     result, code = launch_local(parsed, key, workdir)

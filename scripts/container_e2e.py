@@ -457,17 +457,14 @@ def failure_and_retry(api: str, deployed: dict[str, str], pipeline_id: str, env:
 
 
 def stage_task_seconds(api: str, flow_run_id: str) -> dict[str, float]:
-    """How long the pipeline waited for each stage: its `stage` task run's start to end (Prefect API)."""
+    """How long the pipeline waited for each stage (data, base, ...): its task run's start to end (Prefect API)."""
     runs = http("POST", f"{api}/task_runs/filter",
                 {"flow_runs": {"id": {"any_": [flow_run_id]}}, "limit": 200})
     seconds: dict[str, float] = {}
-    for r in runs:
-        if r["state_type"] == "COMPLETED":
-            seconds[r["name"]] = round(r["total_run_time"], 1)
-            # "reward-rm": a stage's task is named after its key; reward models of one stage run side by side
-            stage = r["name"].split("-")[0]
-            if stage in STAGES and stage != r["name"]:
-                seconds[stage] = max(seconds.get(stage, 0.0), round(r["total_run_time"], 1))
+    for r in runs:  # a stage's task is named after its key ("reward-rm"); one stage's reward models run side by side
+        stage = r["name"].split("-")[0]
+        if r["state_type"] == "COMPLETED" and stage in STAGES:
+            seconds[stage] = max(seconds.get(stage, 0.0), round(r["total_run_time"], 1))
     return seconds
 
 
@@ -500,7 +497,7 @@ def print_table(report: dict[str, Any]) -> None:
     stages = report["checks"]["stages"]
     # task s: the pipeline's wait for the stage (worker pickup + container + flow run); container s: the
     # container's start to exit; stage s: the stage's own MLflow run inside it.
-    tasks = {k.split("-")[0]: v for k, v in report.get("stage_task_s", {}).items()}
+    tasks = report.get("stage_task_s", {})
     print("\nstage      image                                   container     exit  task s  container s  stage s")
     for row in sorted(report["containers"], key=lambda r: (["pipeline", *STAGES].index(r["stage"]))):
         inner = stages.get(row["stage"], {}).get("duration_s", "")

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +320,26 @@ def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
                     for m in (actor, critic)))
 
 
+@contextmanager
+def critic_thread(actor, critic, cfg: PPOConfig) -> Iterator[ThreadPoolExecutor | None]:
+    """The thread train_on runs the critic's updates on (None: they run in line, see overlaps_critic). Each thread
+    gets half the torch threads: on the demo model (2 cores) the train phase went 0.147-0.168 s (2 threads, one
+    after the other) -> 0.117 s (1 + 1); with 2 threads each it was slower (0.18 s, oversubscribed).
+    torch.set_num_threads is per OS thread under OpenMP, so the critic's thread sets its own."""
+    if not overlaps_critic(actor, critic, cfg):
+        yield None
+        return
+    threads = torch.get_num_threads()
+    half = max(1, threads // 2)
+    executor = ThreadPoolExecutor(1, thread_name_prefix="critic", initializer=torch.set_num_threads, initargs=(half,))
+    torch.set_num_threads(half)
+    try:
+        yield executor
+    finally:  # on an error too: the critic's queued updates end before the caller goes on
+        executor.shutdown(cancel_futures=True)
+        torch.set_num_threads(threads)
+
+
 def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int, precision: Precision,
              check_old_tolerance: float | None = None, old_from_first_forward: bool = False) -> dict[str, float]:
     """PPO epochs over shuffled minibatches; returns the mean of each loss metric.
@@ -358,17 +378,12 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
         critic.step()
         return value_metrics
 
-    overlap, threads = None, torch.get_num_threads()
-    if overlaps_critic(actor, critic, cfg):
-        # Each thread gets half the cores: on the demo model (2 cores) the train phase went 0.147-0.168 s (2 threads,
-        # one after the other) -> 0.117 s (1 + 1); with 2 threads each it was slower (0.18 s, oversubscribed).
-        # torch.set_num_threads is per OS thread under OpenMP: the critic's thread sets its own.
-        half = max(1, threads // 2)
-        overlap = ThreadPoolExecutor(1, thread_name_prefix="critic", initializer=torch.set_num_threads,
-                                     initargs=(half,))
-        torch.set_num_threads(half)
+    def add(metrics: dict[str, float], weight: float) -> None:
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if key in LOSS_SHARES else weight)
+
     pending: list[tuple[Future, float]] = []
-    try:
+    with critic_thread(actor, critic, cfg) as overlap:
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(rows, generator=generator)
             for start in range(0, rows, cfg.minibatch_size):
@@ -410,23 +425,16 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 # N ranks: a per-token mean of this rank's share, weighted by its share of the minibatch's tokens
                 # (x N), so the mean over ranks below is the minibatch's mean.
                 weight = 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
-                if critic is not None:
-                    if overlap is not None:  # FIFO on one thread: the critic's updates in minibatch order
-                        pending.append((overlap.submit(critic_update, mb, counts), weight))
-                    else:
-                        metrics = {**metrics, **critic_update(mb, counts)}
+                if overlap is not None:  # FIFO on one thread: the critic's updates in minibatch order
+                    pending.append((overlap.submit(critic_update, mb, counts), weight))
+                elif critic is not None:
+                    add(critic_update(mb, counts), weight)
                 actor.backward(loss * world)
                 actor.step()
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if key in LOSS_SHARES else weight)
+                add(metrics, weight)
                 count += 1
         for future, weight in pending:
-            for key, value in future.result().items():
-                sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if key in LOSS_SHARES else weight)
-    finally:
-        if overlap is not None:  # on an error too: the critic's queued updates end before the caller goes on
-            overlap.shutdown(cancel_futures=True)
-            torch.set_num_threads(threads)
+            add(future.result(), weight)
     out = {key: value / count for key, value in sums.items()}
     if world > 1:
         totals = sum_over_ranks(*out.values())
@@ -529,6 +537,7 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             for trained in (actor, critic):
                 if trained is not None:
                     unwrap_lora(trained.module).base_model.compile(dynamic=True)
+        overlapped = overlaps_critic(actor, critic, cfg)
         precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device,
                                       getattr(actor.module.config, "hidden_size", None))
         print(f"{cfg.algorithm}: {backend} trainer{f' on {world_size()} ranks' if world_size() > 1 else ''}, "
@@ -536,14 +545,13 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
               f"({precision.reason}); reference forward "
               f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}; trains "
               f"{trainable:,} of {total:,} actor parameters"
-              + ("; critic updates on their own thread (ppo.overlap_critic)" if overlaps_critic(actor, critic, cfg)
-                 else "")
+              + ("; critic updates on their own thread (ppo.overlap_critic)" if overlapped else "")
               + (f" (LoRA rank {cfg.lora.rank}: the refit sends the adapted modules' merged weights only)"
                  if cfg.lora.enabled else ""), file=sys.stderr, flush=True)
         if ctx.tracker is not None:
             ctx.tracker.log_metrics({"perf/autocast_bf16": float(precision.autocast_dtype is not None),
                                      "perf/trainable_parameters": float(trainable),
-                                     "perf/overlap_critic": float(overlaps_critic(actor, critic, cfg)),
+                                     "perf/overlap_critic": float(overlapped),
                                      "perf/trainable_share": trainable / total})
     with profiler.phase("engine_load"):
         # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.
