@@ -328,6 +328,11 @@ class PPOConfig(Section):
         True, description="Minibatches trimmed of all-padding columns, the LM head on response columns only, the "
         "entropy differentiated only when entropy_coef > 0. false: the plain step on the padded batch, the "
         "reference the fast one is tested and benchmarked against (same loss and gradients).")
+    pack_sequences: bool = Field(
+        True, description="With fast_train_step, on Llama-family models: the forwards of the training step and the "
+        "reference / value / old-log-prob passes run on the rows packed end to end (each sequence sees only "
+        "itself), so no linear layer computes on padding (a demo minibatch is ~30% padding); same loss and "
+        "gradients as the padded layout up to float summation order.")
     compile_train: bool = Field(
         False, description="torch.compile the actor's and critic's backbones (dynamic shapes) for the training "
         "forwards and backwards: 78 vs 100 ms per bf16 step of the 4.7M benchmark model on 2 cores, after a "

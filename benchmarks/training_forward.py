@@ -1,13 +1,14 @@
-"""The RL training step with transformers' forward against llama_forward's, on the demo and the RL-benchmark models.
+"""The RL training step with transformers' forward, llama_forward's, and llama_forward's on packed rows.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/training_forward.py [--rounds 30] [--models demo,bench] [--json]
 
 One step = the actor's forward (the RL layout: left-padded prompts, right-padded responses, LM head on
 the response columns), selective log-softmax, backward, global-norm clip and foreach AdamW, as the RL
-stage's fast step runs it; also the no-grad forward of the reference / value passes. Both variants
-run on the same model and batch, interleaved round by round; the table has the median milliseconds
-(wall and process CPU time: CPU time is what to compare on a shared box) and the lean/plain ratio.
-Also checks the two forwards agree (max |diff| of the log-probs).
+stage's fast step runs it; also the no-grad forward of the reference / value passes. The variants run
+on the same model and batch, interleaved round by round: plain (transformers), lean (llama_forward on
+the padded rows) and packed (llama_forward on the rows packed end to end, stages/rl/packing.py); the
+table has the median milliseconds (wall and process CPU time: CPU time is what to compare on a shared
+box) and the plain/lean and lean/packed CPU ratios. Also checks the forwards agree (max |diff| of the log-probs).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rich.table import Table
 
 from alignflow.stages.rl.experience import Experience, policy_logprobs
 
+VARIANTS = ("plain", "lean", "packed")
 MODELS: dict[str, dict[str, Any]] = {
     # configs/tiny.yaml's model; 16 rows is one of its minibatches.
     "demo": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -38,9 +40,9 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 def rl_batch(vocab: int, rows: int = 16, seed: int = 0) -> Experience:
-    """Prompts of 8-24 tokens and responses of 12-32 tokens (the demo's rollouts average ~23)."""
+    """Prompts of 7-17 tokens and responses of 8-32 tokens: the demo's rollouts (one iteration's parquet)."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(8, 25, (rows,), generator=generator), torch.randint(12, 33, (rows,), generator=generator)
+    lengths = torch.randint(7, 18, (rows,), generator=generator), torch.randint(8, 33, (rows,), generator=generator)
     prompts = [torch.randint(3, vocab, (int(n),), generator=generator).tolist() for n in lengths[0]]
     responses = [torch.randint(3, vocab, (int(n),), generator=generator).tolist() for n in lengths[1]]
     return Experience.of_sequences(prompts, responses, 0)
@@ -56,41 +58,48 @@ def measure(name: str, rounds: int) -> list[dict[str, Any]]:
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), foreach=True)
     exp = rl_batch(model.config.vocab_size)
+    packed = exp.packed()
     with torch.no_grad():
-        agree = float((policy_logprobs(model, exp, 1.0, lean=True)[0]
-                       - policy_logprobs(model, exp, 1.0, lean=False)[0]).abs().max())
+        plain_logp = policy_logprobs(model, exp, 1.0, lean=False)[0]
+        agree = max(float((policy_logprobs(model, exp, 1.0, lean=True, packed=p)[0] - plain_logp).abs().max())
+                    for p in (None, packed))
 
-    def step(lean: bool) -> None:
-        logp = policy_logprobs(model, exp, 1.0, lean=lean)[0]
+    def logprobs(variant: str) -> torch.Tensor:
+        return policy_logprobs(model, exp, 1.0, lean=variant != "plain", packed=packed if variant == "packed" else None)[0]
+
+    def step(variant: str) -> None:
+        logp = logprobs(variant)
         (-(logp.sum() / exp.response_mask.sum())).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def forward(lean: bool) -> None:
+    def forward(variant: str) -> None:
         with torch.no_grad():
-            policy_logprobs(model, exp, 1.0, lean=lean)
+            logprobs(variant)
 
-    cases = {(what, lean): (fn, lean) for what, fn in (("train step", step), ("no-grad forward", forward))
-             for lean in (False, True)}
-    times: dict[tuple[str, bool], dict[str, list[float]]] = {key: {"wall": [], "cpu": []} for key in cases}
-    for fn, lean in cases.values():
+    cases = {(what, variant): (fn, variant) for what, fn in (("train step", step), ("no-grad forward", forward))
+             for variant in VARIANTS}
+    times: dict[tuple[str, str], dict[str, list[float]]] = {key: {"wall": [], "cpu": []} for key in cases}
+    for fn, variant in cases.values():
         for _ in range(3):
-            fn(lean)
+            fn(variant)
     for _ in range(rounds):
-        for key, (fn, lean) in cases.items():
+        for key, (fn, variant) in cases.items():
             wall, cpu = time.perf_counter(), time.process_time()
-            fn(lean)
+            fn(variant)
             times[key]["wall"].append(time.perf_counter() - wall)
             times[key]["cpu"].append(time.process_time() - cpu)
     rows = []
     for what in ("train step", "no-grad forward"):
-        plain = {k: statistics.median(v) * 1e3 for k, v in times[what, False].items()}
-        lean = {k: statistics.median(v) * 1e3 for k, v in times[what, True].items()}
-        rows.append({"model": name, "what": what, "plain_ms": plain["wall"], "lean_ms": lean["wall"],
-                     "plain_cpu_ms": plain["cpu"], "lean_cpu_ms": lean["cpu"],
-                     "cpu_ratio": plain["cpu"] / lean["cpu"], "max_abs_diff": agree,
-                     "tokens": int(exp.attention_mask.sum())})
+        row: dict[str, Any] = {"model": name, "what": what, "max_abs_diff": agree, "tokens": int(exp.attention_mask.sum()),
+                               "padded_slots": exp.input_ids.numel(), "packed_slots": packed.input_ids.numel()}
+        for variant in VARIANTS:
+            row[f"{variant}_ms"] = statistics.median(times[what, variant]["wall"]) * 1e3
+            row[f"{variant}_cpu_ms"] = statistics.median(times[what, variant]["cpu"]) * 1e3
+        row["cpu_ratio"] = row["plain_cpu_ms"] / row["lean_cpu_ms"]
+        row["packed_cpu_ratio"] = row["lean_cpu_ms"] / row["packed_cpu_ms"]
+        rows.append(row)
     return rows
 
 
@@ -110,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"machine": machine, "rows": rows}, indent=2))
         return 0
-    table = Table(title=f"RL training step, transformers vs llama_forward ({args.rounds} rounds, "
+    table = Table(title=f"RL training step, transformers vs llama_forward, padded and packed ({args.rounds} rounds, "
                         f"{machine['threads']} threads, medians)")
-    for column in ("model", "what", "plain ms", "lean ms", "plain CPU ms", "lean CPU ms", "plain/lean (CPU)",
-                   "max |diff|"):
+    for column in ("model", "what", "slots padded/packed", "plain ms", "lean ms", "packed ms", "plain CPU ms",
+                   "lean CPU ms", "packed CPU ms", "plain/lean (CPU)", "lean/packed (CPU)", "max |diff|"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(r["model"], r["what"], f"{r['plain_ms']:.2f}", f"{r['lean_ms']:.2f}", f"{r['plain_cpu_ms']:.2f}",
-                      f"{r['lean_cpu_ms']:.2f}", f"{r['cpu_ratio']:.2f}x", f"{r['max_abs_diff']:.1e}")
+        table.add_row(r["model"], r["what"], f"{r['padded_slots']}/{r['packed_slots']}",
+                      *(f"{r[f'{v}_ms']:.2f}" for v in VARIANTS), *(f"{r[f'{v}_cpu_ms']:.2f}" for v in VARIANTS),
+                      f"{r['cpu_ratio']:.2f}x", f"{r['packed_cpu_ratio']:.2f}x", f"{r['max_abs_diff']:.1e}")
     Console(file=sys.stdout, width=160).print(table)
     return 0
 

@@ -51,6 +51,7 @@ from alignflow.stages.reward_scoring import load_reward_models, score_with_rewar
 from alignflow.stages.rl import algorithms as rl
 from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
 from alignflow.stages.rl.kl_control import make_kl_controller
+from alignflow.stages.rl.packing import PackedRows
 from alignflow.stages.rl.reward_functions import call_reward_function, load_reward_function
 from alignflow.stages.rl.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.rl.rollout_workers import RolloutWorkers
@@ -309,6 +310,11 @@ def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, row
     return "recompute"
 
 
+def packing_for(exp: Experience, cfg: PPOConfig) -> PackedRows | None:
+    """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step), else None: padded."""
+    return exp.packed() if cfg.fast_train_step and cfg.pack_sequences else None
+
+
 def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
     """Whether train_on runs the critic's updates on a second thread (ppo.overlap_critic): one rank (N ranks' collectives
     must come in one order), both models on the plain torch trainer (a DeepSpeed engine may call collectives even
@@ -368,9 +374,9 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
     fast = cfg.fast_train_step
     entropy_mode = "loss" if cfg.entropy_coef > 0 or not fast else "metric"
 
-    def critic_update(mb: Experience, counts) -> dict[str, float]:
+    def critic_update(mb: Experience, counts, packed: PackedRows | None) -> dict[str, float]:
         with precision.forward():
-            values = token_values(critic, mb, lean=fast)
+            values = token_values(critic, mb, lean=fast, packed=packed)
         value_loss, value_metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
                                                           cfg.value_clip_range, counts=counts)
         check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
@@ -394,9 +400,10 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 mb = exp.select(index)
                 counts = rl.minibatch_token_counts(mb.response_mask) if world > 1 else None  # sums over ranks
                 mb = mb.trimmed() if fast else mb
+                packed = packing_for(mb, cfg)
                 with precision.forward():
                     logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode,
-                                                    head_on_response_only=fast, lean=fast)
+                                                    head_on_response_only=fast, lean=fast, packed=packed)
                 if take_old:  # the one minibatch of epoch 1, before any step (one rank): its log-probs are the old ones
                     measured = float(((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max())
                     mb.old_logprobs = logp.detach()
@@ -426,9 +433,9 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 # (x N), so the mean over ranks below is the minibatch's mean.
                 weight = 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
                 if overlap is not None:  # FIFO on one thread: the critic's updates in minibatch order
-                    pending.append((overlap.submit(critic_update, mb, counts), weight))
+                    pending.append((overlap.submit(critic_update, mb, counts, packed), weight))
                 elif critic is not None:
-                    add(critic_update(mb, counts), weight)
+                    add(critic_update(mb, counts, packed), weight)
                 actor.backward(loss * world)
                 actor.step()
                 add(metrics, weight)
@@ -751,17 +758,23 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     source = "recompute" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
     lean = cfg.fast_train_step
     with torch.no_grad(), precision.forward():
+        whole = packing_for(exp, cfg) if world_size() == 1 else None  # one packing for every pass below
+
+        def packed(part: Experience) -> PackedRows | None:
+            return whole if part is exp else packing_for(part, cfg)
+
         if with_reference:
             with profiler.phase("reference"):
-                exp.ref_logprobs = over_rows(exp, lambda part: policy_logprobs(reference, part, cfg.temperature,
-                                                                               lean=lean)[0])
+                exp.ref_logprobs = over_rows(exp, lambda part: policy_logprobs(
+                    reference, part, cfg.temperature, lean=lean, packed=packed(part))[0])
         if source == "recompute":
             with profiler.phase("old_logprobs"):
-                exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(actor.module, part, cfg.temperature,
-                                                                               lean=lean)[0])
+                exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(
+                    actor.module, part, cfg.temperature, lean=lean, packed=packed(part))[0])
         if critic is not None:
             with profiler.phase("values"):
-                exp.values = over_rows(exp, lambda part: token_values(critic.module, part, lean=lean))
+                exp.values = over_rows(exp, lambda part: token_values(critic.module, part, lean=lean,
+                                                                      packed=packed(part)))
     if off_policy:
         exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
                                                      cfg.async_weight_cap)
@@ -797,8 +810,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                   file=sys.stderr, flush=True)
             state.old_logprobs_fallback, source = True, "recompute"
             with torch.no_grad(), precision.forward():
-                exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(actor.module, part, cfg.temperature,
-                                                                               lean=lean)[0])
+                exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(
+                    actor.module, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg))[0])
             _advantages(exp, cfg, kl_coef, with_reference, iteration)
             seq_kl = rl.sequence_kl(exp.kl, mask)
             loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from alignflow.kernels import entropy_from_logits, logprobs_and_entropy, selective_log_softmax
+from alignflow.stages.rl.packing import PackedRows, pack
 from alignflow.stages.training import llama_forward
 from alignflow.stages.training.lora import AdaptersDisabled, unwrap_lora
 
@@ -61,6 +62,10 @@ class Experience:
             item = getattr(self, f.name)
             values[f.name] = item[index] if isinstance(item, Tensor) else item
         return Experience(**values)
+
+    def packed(self) -> PackedRows:
+        """These rows packed end to end (stages/rl/packing.py), for policy_logprobs and token_values."""
+        return pack(self.input_ids, self.attention_mask, self.response_mask, self.prompt_width)
 
     def trimmed(self) -> Experience:
         """The same rows without the columns that are padding in every row (left of the longest prompt,
@@ -146,15 +151,33 @@ ENTROPY_MODES = ("none", "loss", "metric")
 
 
 def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "none",
-                    head_on_response_only: bool = True, lean: bool = False) -> tuple[Tensor, Tensor | None]:
+                    head_on_response_only: bool = True, lean: bool = False,
+                    packed: PackedRows | None = None) -> tuple[Tensor, Tensor | None]:
     """log pi(response token) under logits / temperature, (B, R); and the entropy (B, R) if asked.
 
     entropy: "none"; "loss" (differentiable: the entropy bonus needs it); "metric" (no grad: for
     losses/entropy only; a differentiable full-vocabulary entropy cost 40 ms of a 220 ms step of the
     4.7M benchmark model, this one a few ms).
+    packed: `exp`'s rows packed (packing.pack): where llama_forward runs the model, the forward computes on
+    the packed rows and the LM head on the response-predicting positions only; else the padded layout.
     """
     if entropy not in ENTROPY_MODES:
         raise ValueError(f"entropy mode '{entropy}' is not one of {', '.join(ENTROPY_MODES)}")
+    resolved = _lean_backbone(model) if packed is not None else None
+    if resolved is not None:
+        hf, backbone = resolved
+        hidden = llama_forward.llama_hidden_states(backbone, packed.input_ids, packed.segment_ids,
+                                                   packed.position_ids)
+        logits = hf.lm_head(hidden.reshape(-1, hidden.shape[-1])[packed.predicts])  # (N, V)
+        targets = exp.response_ids.reshape(-1)[packed.targets]
+        if entropy == "loss":
+            logp, ent = logprobs_and_entropy(logits, targets, temperature=temperature)
+            return packed.scatter(logp), packed.scatter(ent)
+        logp = packed.scatter(selective_log_softmax(logits, targets, temperature=temperature))
+        if entropy == "metric":
+            with torch.no_grad():
+                return logp, packed.scatter(entropy_from_logits(logits.detach(), temperature=temperature))
+        return logp, None
     logits = _response_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids, exp.prompt_width,
                               head_on_response_only, lean)
     if entropy == "loss":
@@ -167,14 +190,19 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
     return logp, None
 
 
-def token_values(critic, exp: Experience, lean: bool = False) -> Tensor:
+def token_values(critic, exp: Experience, lean: bool = False, packed: PackedRows | None = None) -> Tensor:
     """(B, R) critic values V(s_t) read before each response token, from a sequence-classification model.
 
     The critic is a separate model initialised from a reward model: its backbone's hidden states go
-    through its scalar `score` head at every position, not only the last. lean: as in policy_logprobs.
+    through its scalar `score` head at every position, not only the last. lean, packed: as in policy_logprobs.
     """
     model = unwrap_lora(getattr(critic, "module", critic))  # under a training engine, then under LoRA adapters
-    if lean and _lean_backbone(model) is not None:
+    runs_lean = (lean or packed is not None) and _lean_backbone(model) is not None
+    if runs_lean and packed is not None:
+        hidden = llama_forward.llama_hidden_states(model.base_model, packed.input_ids, packed.segment_ids,
+                                                   packed.position_ids)
+        return packed.scatter(model.score(hidden.reshape(-1, hidden.shape[-1])[packed.predicts]).squeeze(-1).float())
+    if runs_lean:
         hidden = llama_forward.llama_hidden_states(model.base_model, exp.input_ids, exp.attention_mask,
                                                    exp.position_ids)
     else:

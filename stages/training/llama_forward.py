@@ -68,14 +68,15 @@ def _spec_and_rope(config: Any, device: torch.device) -> tuple[LlamaFamilySpec, 
     return entry[1], entry[2], entry[3]
 
 
-def attention_biases(spec: LlamaFamilySpec, attention_mask: Tensor, dtype: torch.dtype) -> dict[int | None, Tensor]:
-    """Additive masks [B, 1, T, T] per distinct sliding window: query i sees key j when j <= i, j is a
-    real token and i - j < window. Every position also sees itself, so a padding row is never empty
-    (empty rows give NaN, and padding outputs feed nothing real: real queries never see padding keys)."""
-    width = attention_mask.shape[1]
-    slots = torch.arange(width, device=attention_mask.device)
+def attention_biases(spec: LlamaFamilySpec, segment_ids: Tensor, dtype: torch.dtype) -> dict[int | None, Tensor]:
+    """Additive masks [B, 1, T, T] per distinct sliding window: query i sees key j when j <= i, j is in i's
+    sequence (`segment_ids` equal and nonzero: an attention mask is one sequence per row; packed rows hold
+    several, stages/rl/packing.py) and i - j < window. Every position also sees itself, so a padding row is
+    never empty (empty rows give NaN, and padding outputs feed nothing real: real queries never see padding keys)."""
+    width = segment_ids.shape[1]
+    slots = torch.arange(width, device=segment_ids.device)
     i, j = slots[:, None], slots[None, :]
-    base = (j <= i)[None] & attention_mask.bool()[:, None, :]
+    base = (j <= i)[None] & (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids != 0)[:, None, :]
     biases = {}
     for window in set(spec.sliding_windows):
         allowed = base if window is None else base & (i - j < window)[None]
@@ -87,6 +88,9 @@ def attention_biases(spec: LlamaFamilySpec, attention_mask: Tensor, dtype: torch
 
 def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
     """The final-norm hidden states [B, T, H] of a transformers Llama/Qwen2/Mistral backbone (`model.model`).
+
+    attention_mask: 1 on real tokens, or the segment ids of packed rows (stages/rl/packing.py: each
+    position attends to its own sequence only).
 
     Callers check `supports(backbone)` first. Arithmetic as transformers': RMSNorm in float32, rotate-half
     RoPE with the same tables, softmax(QK^T * scaling + mask) V, SwiGLU MLP.

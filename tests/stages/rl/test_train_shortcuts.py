@@ -16,7 +16,7 @@ import torch
 from alignflow.config import PPOConfig
 from alignflow.stages.generation.base import SamplingParams, build_engine
 from alignflow.stages.models.loading import load_causal_lm
-from alignflow.stages.ppo import RLState, StaleOldLogprobs, old_logprob_source, train_on
+from alignflow.stages.ppo import RLState, StaleOldLogprobs, old_logprob_source, packing_for, train_on
 from alignflow.stages.rl import algorithms as rl
 from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs
 from alignflow.stages.training.precision import resolve_precision
@@ -162,8 +162,9 @@ def test_old_logprobs_from_the_first_forward_train_exactly_like_the_recomputatio
     recompute_actor = PlainTrainEngine(load_causal_lm(checkpoint))
     first_forward_actor = PlainTrainEngine(load_causal_lm(checkpoint))
     recompute_exp, first_exp = copy.copy(rollout), copy.copy(rollout)
-    with torch.no_grad():
-        recompute_exp.old_logprobs = policy_logprobs(recompute_actor.module, rollout, temperature=1.0)[0]
+    with torch.no_grad():  # the stage's recomputation: the fast step's forward (lean, packed)
+        recompute_exp.old_logprobs = policy_logprobs(recompute_actor.module, rollout, temperature=1.0, lean=True,
+                                                     packed=packing_for(rollout, cfg))[0]
     first_exp.old_logprobs = torch.full_like(rollout.old_logprobs, float("nan"))  # must be overwritten
     metrics_a = train_on(recompute_exp, recompute_actor, None, cfg, 0.0, 1, FP32)
     metrics_b = train_on(first_exp, first_forward_actor, None, cfg, 0.0, 1, FP32, old_from_first_forward=True)

@@ -80,6 +80,23 @@ def test_hidden_states_and_gradients_match_transformers(name):
     assert_grads_close(lean_grads, plain_grads)
 
 
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_packed_rows_give_the_padded_log_probs_entropy_and_gradients(name):
+    """Several sequences per row (stages/rl/packing.py), each masked to itself, against transformers' padded
+    forward: a key of the wrong sequence or a position not restarted moves these by >1e-2."""
+    model = causal_lm(name)
+    exp = rl_batch(seed=2, rows=7)
+    packed = exp.packed()
+    assert packed.input_ids.shape[0] < exp.input_ids.shape[0]  # some row holds two sequences
+    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
+    logp, entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=True, packed=packed)
+    plain_logp, plain_entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=False)
+    assert float((logp - plain_logp).abs().max()) <= HIDDEN_FP32
+    assert float((entropy - plain_entropy).abs().max()) <= HIDDEN_FP32
+    assert_grads_close(grads_of(model, (logp * weights).sum() + entropy.sum()),
+                       grads_of(model, (plain_logp * weights).sum() + plain_entropy.sum()))
+
+
 def test_critic_values_match_transformers():
     torch.manual_seed(0)
     critic = AutoModelForSequenceClassification.from_config(
@@ -89,6 +106,9 @@ def test_critic_values_match_transformers():
     lean = token_values(critic, exp, lean=True)
     assert float((lean - plain).abs().max()) <= HIDDEN_FP32
     assert_grads_close(grads_of(critic, lean.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum()))
+    packed = token_values(critic, exp, packed=exp.packed())
+    assert float((packed - plain).abs().max()) <= HIDDEN_FP32
+    assert_grads_close(grads_of(critic, packed.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum()))
 
 
 def test_lora_adapters_run_in_the_lean_forward_and_the_reference_keeps_transformers():

@@ -1,0 +1,77 @@
+"""Sequence packing: every real token lands once, in its own segment, at its own position; every response
+token's prediction is read from the position before it; the row width is chosen by the cost model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alignflow.stages.rl.experience import Experience
+from alignflow.stages.rl.packing import choose_capacity, first_fit_decreasing, pack
+
+
+def batch(prompt_lengths: list[int], response_lengths: list[int], seed: int = 0) -> Experience:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 100, (n,), generator=generator).tolist() for n in prompt_lengths]
+    responses = [torch.randint(3, 100, (n,), generator=generator).tolist() for n in response_lengths]
+    return Experience.of_sequences(prompts, responses, 0)
+
+
+def test_first_fit_decreasing_fills_bins_without_overflow_or_overlap():
+    lengths = [5, 9, 3, 7, 1, 4, 6]
+    placed = first_fit_decreasing(lengths, 10)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for (slot, offset), n in zip(placed, lengths, strict=True):
+        assert offset + n <= 10
+        spans.setdefault(slot, []).append((offset, offset + n))
+    for parts in spans.values():
+        parts.sort()
+        assert all(a[1] <= b[0] for a, b in zip(parts, parts[1:], strict=False))
+    assert len(spans) == 4  # 35 tokens in bins of 10: FFD packs 9+1, 7+3, 6+4, 5
+    with pytest.raises(ValueError, match="does not fit rows of 4"):
+        first_fit_decreasing([5], 4)
+
+
+def test_every_token_lands_once_in_its_segment_at_its_position():
+    exp = batch([3, 1, 5, 2, 4], [4, 0, 2, 6, 1])
+    packed = pack(exp.input_ids, exp.attention_mask, exp.response_mask, exp.prompt_width, capacity=12)
+    assert packed.input_ids.shape[1] == 12
+    assert packed.input_ids.shape[0] < exp.input_ids.shape[0]
+    for row in range(5):
+        where = packed.segment_ids == row + 1
+        real = exp.input_ids[row][exp.attention_mask[row].bool()]
+        assert torch.equal(packed.input_ids[where], real)  # row-major: the sequence's order is kept
+        assert torch.equal(packed.position_ids[where], torch.arange(len(real)))
+    assert int((packed.segment_ids > 0).sum()) == int(exp.attention_mask.sum())
+
+
+def test_each_response_token_is_predicted_by_the_position_before_it():
+    exp = batch([3, 1, 5, 2], [4, 3, 2, 6], seed=1)
+    packed = exp.packed()
+    flat_ids, flat_segments = packed.input_ids.reshape(-1), packed.segment_ids.reshape(-1)
+    rows, columns = packed.targets // exp.response_ids.shape[1], packed.targets % exp.response_ids.shape[1]
+    assert torch.equal(flat_ids[packed.predicts + 1], exp.response_ids[rows, columns])
+    assert torch.equal(flat_segments[packed.predicts], rows + 1)
+    assert len(packed.targets) == int(exp.response_mask.sum())
+    scattered = packed.scatter(torch.ones(len(packed.targets)))
+    assert torch.equal(scattered, exp.response_mask)
+
+
+def test_capacity_and_prompt_checks():
+    exp = batch([3, 4], [2, 5])
+    with pytest.raises(ValueError, match="less than the longest sequence"):
+        pack(exp.input_ids, exp.attention_mask, exp.response_mask, exp.prompt_width, capacity=5)
+    no_prompt = batch([3, 4], [2, 5])
+    no_prompt.attention_mask[1, : no_prompt.prompt_width] = 0
+    with pytest.raises(ValueError, match="row 1 has no prompt token"):
+        no_prompt.packed()
+
+
+def test_choose_capacity_widens_rows_only_while_it_pays():
+    # Equal lengths pair up exactly at twice the length, but attention cost makes that dearer than one per row.
+    assert choose_capacity([60] * 16) == 60
+    # The demo's shape (lengths 15-49): wider rows hold the short sequences of two rows.
+    lengths = [26, 40, 30, 32, 34, 38, 30, 15, 26, 34, 36, 18, 32, 44, 38, 39]
+    width = choose_capacity(lengths)
+    rows = 1 + max(b for b, _ in first_fit_decreasing(lengths, width))
+    assert rows * width < len(lengths) * max(lengths)
