@@ -55,7 +55,7 @@ from alignflow.stages.rl.packing import PackedRows
 from alignflow.stages.rl.reward_functions import call_reward_function, load_reward_function
 from alignflow.stages.rl.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.rl.rollout_workers import RolloutWorkers
-from alignflow.stages.rollouts import write_rollouts
+from alignflow.stages.rl.rollout_writer import RolloutWriter
 from alignflow.stages.runtime import (
     StageContext,
     StageInputError,
@@ -577,40 +577,44 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                 start_resumed_run(ctx, state)
             state.mlflow_run_id = ctx.tracker.run_id
         last_checkpoint = resume[1] if resume else None
-        rollout_store = open_store(spec.output_uri, spec.storage)
+        rollout_writer = RolloutWriter(open_store(spec.output_uri, spec.storage), spec.output_uri)
         in_flight = None
         startup = startup_metrics(ctx)
         if is_main():
             print(f"{cfg.algorithm}: start-up " + ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s"
                                                            for k, v in startup.items()), file=sys.stderr, flush=True)
         try:
-            while state.iteration < cfg.iterations:
-                iteration = state.iteration + 1
-                started = time.perf_counter()
-                with profiler.phase("generate"):
-                    if in_flight is None:
-                        in_flight = rollouts.submit(rollout_request(cfg, iteration, prompt_ids))
-                    rollout = rollouts.result(in_flight)
-                in_flight = None
-                if cfg.async_rollouts and iteration < cfg.iterations:
-                    in_flight = rollouts.submit(rollout_request(cfg, iteration + 1, prompt_ids))
-                metrics = _iteration(iteration, cfg, state, rollout, rollouts, actor, critic, reference, reward_models,
-                                     reward_fns, tokenizer, pad_id, prompts, prompt_texts, demo_task, profiler, out,
-                                     rollout_store, spec, precision, started)
-                state.iteration = iteration
-                state.history.append(metrics)
-                gold = f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics else ""
-                kl = f" kl {metrics['kl/mean']:.3f}" if "kl/mean" in metrics else ""
-                if is_main():
-                    print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score "
-                          f"{metrics['rollout/score_mean']:+.3f}{gold}{kl} len "
-                          f"{metrics['rollout/response_length_mean']:.1f} ({metrics['timing/iteration']:.1f} s)",
-                          file=sys.stderr, flush=True)
-                if ctx.tracker is not None:  # live curves: queued for a background sender (0.12 ms)
-                    ctx.tracker.log_metrics_async({k: v for k, v in metrics.items() if k != "iteration"}, iteration)
-                if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
-                    with profiler.phase("checkpoint"):
-                        last_checkpoint = save_checkpoint(ctx, out, state, actor, critic)
+            with closing(rollout_writer):  # every file written before a checkpoint, the publish or an error's exit
+                while state.iteration < cfg.iterations:
+                    iteration = state.iteration + 1
+                    started = time.perf_counter()
+                    with profiler.phase("generate"):
+                        if in_flight is None:
+                            in_flight = rollouts.submit(rollout_request(cfg, iteration, prompt_ids))
+                        rollout = rollouts.result(in_flight)
+                    in_flight = None
+                    if cfg.async_rollouts and iteration < cfg.iterations:
+                        in_flight = rollouts.submit(rollout_request(cfg, iteration + 1, prompt_ids))
+                    metrics = _iteration(iteration, cfg, state, rollout, rollouts, actor, critic, reference,
+                                         reward_models, reward_fns, tokenizer, pad_id, prompts, prompt_texts,
+                                         demo_task, profiler, out, rollout_writer, precision, started)
+                    state.iteration = iteration
+                    state.history.append(metrics)
+                    gold = (f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics
+                            else "")
+                    kl = f" kl {metrics['kl/mean']:.3f}" if "kl/mean" in metrics else ""
+                    if is_main():
+                        print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score "
+                              f"{metrics['rollout/score_mean']:+.3f}{gold}{kl} len "
+                              f"{metrics['rollout/response_length_mean']:.1f} ({metrics['timing/iteration']:.1f} s)",
+                              file=sys.stderr, flush=True)
+                    if ctx.tracker is not None:  # live curves: queued for a background sender (0.12 ms)
+                        ctx.tracker.log_metrics_async({k: v for k, v in metrics.items() if k != "iteration"},
+                                                      iteration)
+                    if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
+                        with profiler.phase("checkpoint"):
+                            rollout_writer.wait()  # the checkpoint's iterations have their rollouts on disk
+                            last_checkpoint = save_checkpoint(ctx, out, state, actor, critic)
         except NonFiniteError as exc:
             where = _publish_last_good(ctx, out, state, actor, critic, last_checkpoint, exc)
             raise NonFiniteError(f"{exc}; stopped. Last good checkpoint: {where}") from None
@@ -711,7 +715,7 @@ def over_rows(exp: Experience, forward) -> torch.Tensor:
 def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                rollouts: RolloutClient | RolloutWorkers, actor,
                critic, reference, reward_models, reward_fns, tokenizer, pad_id: int, prompts, prompt_texts,
-               demo_task: bool, profiler, out: Path, rollout_store, spec: StageSpec, precision: Precision,
+               demo_task: bool, profiler, out: Path, rollout_writer: RolloutWriter, precision: Precision,
                started: float) -> dict[str, float]:
     """One RL iteration on a finished rollout (`started`: when the loop asked for it); returns its metrics
     (namespaced) with 'iteration'."""
@@ -783,16 +787,11 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         _advantages(exp, cfg, kl_coef, with_reference, iteration)
     seq_kl = rl.sequence_kl(exp.kl, mask)
 
-    with profiler.phase("io"):
-        path = out / "rollouts" / f"iter_{iteration:05d}.parquet"
-        if not is_main():
-            path = None  # rank 0 writes the rollouts
-        if path is not None:
-            write_rollouts(_rollout_rows(iteration, rollout.weights_version, chosen, rows, prompts, texts,
-                                         completions, batch_prompt_ids, generation, exp, components, seq_kl,
-                                         with_reference), path)
-            if rollout_store.local_path(spec.output_uri) is None:
-                rollout_store.put_file(path, join_uri(spec.output_uri, "rollouts", path.name))
+    with profiler.phase("io"):  # the rows here; the file is written on rollout_writer's thread (rank 0)
+        if is_main():
+            rollout_writer.submit(_rollout_rows(iteration, rollout.weights_version, chosen, rows, prompts, texts,
+                                                completions, batch_prompt_ids, generation, exp, components, seq_kl,
+                                                with_reference), out / "rollouts" / f"iter_{iteration:05d}.parquet")
 
     with profiler.phase("train"):
         actor.train()

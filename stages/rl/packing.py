@@ -26,7 +26,7 @@ class PackedRows:
     input_ids: Tensor      # (rows, W) long; 0 where no sequence is
     position_ids: Tensor   # (rows, W) long: 0..n-1 within each sequence
     segment_ids: Tensor    # (rows, W) long: 1 + the sequence's row in the Experience; 0 where no sequence is
-    predicts: Tensor       # (N,) long: flat index into (rows * W) of the position whose output predicts response token t
+    predicts: Tensor       # (N,) long: flat index into (rows * W) of the position predicting each response token
     targets: Tensor        # (N,) long: flat index into (B * R) of that response token
     shape: tuple[int, int]  # (B, R)
 
@@ -113,6 +113,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
     t = torch.arange(int(response_lengths.sum())) - torch.repeat_interleave(
         response_lengths.cumsum(0) - response_lengths, response_lengths)
     predicts = bins[speaker] * capacity + offsets[speaker] + prompt_lengths[speaker] - 1 + t
-    return PackedRows(input_ids=packed_ids.view(rows, capacity).to(device), position_ids=positions.view(rows, capacity).to(device),
+    return PackedRows(input_ids=packed_ids.view(rows, capacity).to(device),
+                      position_ids=positions.view(rows, capacity).to(device),
                       segment_ids=segments.view(rows, capacity).to(device), predicts=predicts.to(device),
                       targets=(speaker * response_width + t).to(device), shape=(batch, response_width))
