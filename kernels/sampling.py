@@ -70,6 +70,7 @@ def sample_tokens(
     flags: BatchFlags | None = None,
     thresholds: torch.Tensor | None = None,
     row_keys: tuple[torch.Tensor, torch.Tensor] | None = None,
+    noise: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Samples one token per row of ``logits`` [B, V] (see the module docstring for the exact rule).
 
@@ -93,6 +94,11 @@ def sample_tokens(
     decode loop takes every step's from ``rng.row_keys_per_step`` once); the torch paths then skip the hash of
     seeds and steps. Wrong keys give other samples. The C++ and Triton kernels hash in-kernel and refuse them.
 
+    ``noise``: [B, V] fp32, the Gumbel noise ``rng.gumbel_noise(*rng.row_keys(seeds, step), V)`` of this step,
+    computed beforehand (a decode loop takes a window of steps' at once from
+    ``_chunked_sampling.gumbel_noise_steps``); the chunked impl then skips the hash, the logs and their ~25
+    operator calls per step. Wrong noise gives other samples. Only the chunked impl takes it.
+
     impl: "auto" (Triton on CUDA; on CPU "cpp" where the C++ kernels build, else "chunked"), "torch"
     (the sort-based reference), "chunked" (eager CPU torch ops, bit-identical to "torch"), "cpp" (the
     AVX-512 C++ kernel: the reference's tokens, log-probs within a few ulps), "triton".
@@ -106,6 +112,13 @@ def sample_tokens(
             raise ValueError(f"sample_tokens: row_keys must be two int64 [{rows.seeds.shape[0]}] tensors, got "
                              f"{[(tuple(k.shape), k.dtype) for k in row_keys]}")
         rows = rows._replace(keys=row_keys)
+    if noise is not None:
+        if chosen != "chunked":
+            raise ValueError(f"sample_tokens: noise= is for the chunked impl; {chosen} draws its own")
+        if noise.shape != logits.shape or noise.dtype != torch.float32:
+            raise ValueError(f"sample_tokens: noise must be float32 of the logits' shape {tuple(logits.shape)}, got "
+                             f"{tuple(noise.shape)} {noise.dtype}")
+        rows = rows._replace(noise=noise)
     if chosen == "triton":
         from alignflow.kernels import _triton_sampling
 
@@ -189,6 +202,8 @@ class SamplingRows(NamedTuple):
     steps: torch.Tensor  # int64, >= 0
     # rng.row_keys(seeds, steps) when the caller computed them beforehand (sample_tokens' row_keys=), else None
     keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [B, V] fp32 rng.gumbel_noise for these keys, computed beforehand (sample_tokens' noise=), else None
+    noise: torch.Tensor | None = None
 
 
 def _as_rows(op: str, name: str, value, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

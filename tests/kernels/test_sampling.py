@@ -624,3 +624,26 @@ def test_cpp_sampler_rejects_malformed_arguments_by_name():
         module.sample_tokens(logits, rows[0], rows[1].int(), rows[2], none)
     with pytest.raises(RuntimeError, match=r"thresholds must be a contiguous Long CPU tensor of shape \[2\]"):
         module.sample_tokens(logits, *rows, torch.zeros(5, dtype=torch.long))
+
+
+def test_noise_windows_of_steps_equal_the_per_step_noise_and_samples():
+    from alignflow.kernels import _chunked_sampling
+
+    vocab, seeds = 3000, torch.arange(5) * 11 + 3
+    k1, k2 = rng.row_keys_per_step(seeds, 8)
+    window = _chunked_sampling.gumbel_noise_steps(k1, k2[:, 2:7], vocab)
+    assert window.shape == (5, 5, vocab)
+    logits = _logits(5, vocab, seed=4, scale=2.0)
+    for offset, step in enumerate(range(2, 7)):
+        assert torch.equal(window[:, offset], rng.gumbel_noise(k1, k2[:, step], vocab)), step
+        for temperature, top_p in ((0.8, 1.0), (0.8, 0.8), (torch.tensor([0.8, 0.0, 1.3, 0.0, 0.5]), 1.0)):
+            want = sample_tokens(logits, temperature, 0, top_p, seeds, step, impl="torch")
+            got = sample_tokens(logits, temperature, 0, top_p, seeds, step, impl="chunked", noise=window[:, offset])
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs), (step, top_p)
+    # The noise decides the draw: another step's gives other tokens (the comparison above is not vacuous).
+    other = sample_tokens(logits, 0.8, 0, 1.0, seeds, 2, impl="chunked", noise=window[:, 3])
+    assert not torch.equal(other.tokens, sample_tokens(logits, 0.8, 0, 1.0, seeds, 2, impl="torch").tokens)
+    with pytest.raises(ValueError, match="noise= is for the chunked impl; torch draws its own"):
+        sample_tokens(logits, 0.8, 0, 1.0, seeds, 2, impl="torch", noise=window[:, 0])
+    with pytest.raises(ValueError, match=r"noise must be float32 of the logits' shape \(5, 3000\)"):
+        sample_tokens(logits, 0.8, 0, 1.0, seeds, 2, impl="chunked", noise=window[:, :, :10])
