@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from alignflow.kernels import entropy_from_logits, logprobs_and_entropy, selective_log_softmax
+from alignflow.kernels import logprobs_and_entropy, selective_log_softmax
 from alignflow.stages.rl.packing import PackedRows, pack
 from alignflow.stages.training import llama_forward
 from alignflow.stages.training.lora import AdaptersDisabled, unwrap_lora
@@ -157,7 +157,7 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
 
     entropy: "none"; "loss" (differentiable: the entropy bonus needs it); "metric" (no grad: for
     losses/entropy only; a differentiable full-vocabulary entropy cost 40 ms of a 220 ms step of the
-    4.7M benchmark model, this one a few ms).
+    4.7M benchmark model, this one a few ms). Both come from one log-softmax pass over the logits.
     packed: `exp`'s rows packed (packing.pack): where llama_forward runs the model, the forward computes on
     the packed rows and the LM head on the response-predicting positions only; else the padded layout.
     """
@@ -170,24 +170,17 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
                                                    packed.position_ids)
         logits = hf.lm_head(hidden.reshape(-1, hidden.shape[-1])[packed.predicts])  # (N, V)
         targets = exp.response_ids.reshape(-1)[packed.targets]
-        if entropy == "loss":
-            logp, ent = logprobs_and_entropy(logits, targets, temperature=temperature)
-            return packed.scatter(logp), packed.scatter(ent)
-        logp = packed.scatter(selective_log_softmax(logits, targets, temperature=temperature))
-        if entropy == "metric":
-            with torch.no_grad():
-                return logp, packed.scatter(entropy_from_logits(logits.detach(), temperature=temperature))
-        return logp, None
+        if entropy == "none":
+            return packed.scatter(selective_log_softmax(logits, targets, temperature=temperature)), None
+        logp, ent = logprobs_and_entropy(logits, targets, temperature=temperature)
+        return packed.scatter(logp), packed.scatter(ent if entropy == "loss" else ent.detach())
     logits = _response_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids, exp.prompt_width,
                               head_on_response_only, lean)
-    if entropy == "loss":
-        logp, ent = logprobs_and_entropy(logits, exp.response_ids, temperature=temperature)
-        return logp * exp.response_mask, ent * exp.response_mask
-    logp = selective_log_softmax(logits, exp.response_ids, temperature=temperature) * exp.response_mask
-    if entropy == "metric":
-        with torch.no_grad():
-            return logp, entropy_from_logits(logits.detach(), temperature=temperature) * exp.response_mask
-    return logp, None
+    if entropy == "none":
+        return selective_log_softmax(logits, exp.response_ids, temperature=temperature) * exp.response_mask, None
+    # One pass for both. As a metric the entropy is detached: its backward then skips the entropy's terms.
+    logp, ent = logprobs_and_entropy(logits, exp.response_ids, temperature=temperature)
+    return logp * exp.response_mask, (ent if entropy == "loss" else ent.detach()) * exp.response_mask
 
 
 def token_values(critic, exp: Experience, lean: bool = False, packed: PackedRows | None = None) -> Tensor:

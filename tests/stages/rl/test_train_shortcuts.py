@@ -267,3 +267,26 @@ def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkp
     for a, b in ((actor_a, actor_b), (critic_a, critic_b)):
         for (name, x), (_, y) in zip(a.module.named_parameters(), b.module.named_parameters(), strict=True):
             assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_entropy_as_a_metric_comes_detached_and_leaves_the_gradients_alone(checkpoint, rollout, packed):
+    """'metric' takes the entropy from the log-probs' own pass: the same values as 'loss' gives, no gradient
+    through it, and the log-probs' gradients those of 'none' (bit for bit: the same backward)."""
+    model = load_causal_lm(checkpoint)
+    layout = rollout.packed() if packed else None
+    weights = torch.linspace(-1.0, 1.0, rollout.response_mask.numel()).reshape(rollout.response_mask.shape)
+    grads = {}
+    for mode in ("none", "metric"):
+        model.zero_grad(set_to_none=True)
+        logp, entropy = policy_logprobs(model, rollout, 0.7, entropy=mode, lean=True, packed=layout)
+        (logp * weights).sum().backward()
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if mode == "metric":
+            assert not entropy.requires_grad
+            with torch.no_grad():
+                want = policy_logprobs(model, rollout, 0.7, entropy="loss", lean=True, packed=layout)[1]
+            assert torch.equal(entropy, want)
+            assert float(entropy.sum()) > 0
+    for name, grad in grads["none"].items():
+        assert torch.equal(grad, grads["metric"][name]), name
