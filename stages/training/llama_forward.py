@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from alignflow.stages.generation.base import UnsupportedArchitectureError
-from alignflow.stages.generation.native.model import apply_rope, rms_norm
+from alignflow.stages.generation.native.model import apply_rope, rms_norm, signed_sin
 from alignflow.stages.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
 
 # id(config) -> (a weak reference to that config, spec, cos, sin). PretrainedConfig defines __eq__ and so is not
@@ -59,6 +59,7 @@ def _spec_and_rope(config: Any, device: torch.device) -> tuple[LlamaFamilySpec, 
     if entry is None or entry[0]() is not config or entry[2].device != device:
         spec = spec_from_hf_config(config, config.max_position_embeddings)
         cos, sin = rope_tables(config, spec, config.max_position_embeddings)
+        sin = signed_sin(sin)  # apply_rope's table
 
         def forget(ref: weakref.ref, key: int = key) -> None:
             if key in _TABLES and _TABLES[key][0] is ref:

@@ -62,11 +62,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [B, T, heads, D]; cos, sin [B, T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The sin table apply_rope takes: transformers' [..., D] sin with its first half negated."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [B, T, heads, D]; cos, sin_signed [B, T, 1, D] (sin_signed = signed_sin(sin)).
+
+    transformers' rotate_half(x) * sin = cat(-x2, x1) * sin = roll(x, D/2) * cat(-sin1, sin2), exactly (a
+    sign moved from x to the table is exact): one roll where rotate_half takes two slices, a negation and
+    a cat (3 fewer operator calls per use, and per backward).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def _as_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -162,7 +171,7 @@ class LlamaFamilyModel:
         self.cpu_attention = cpu_attention
         self.weights = weights
         self.cos = cos  # [S_max, D] in the model dtype, on the model device
-        self.sin = sin
+        self.sin = signed_sin(sin)  # apply_rope's table
         self.scale = spec.head_dim**-0.5
         # A bool fixed here: under torch.compile(dynamic=True) the spec's ints are traced as symbols,
         # `heads > kv_heads` becomes a SymBool, SDPA's enable_gqa rejects it, and the resulting graph
@@ -204,7 +213,7 @@ class LlamaFamilyModel:
             slot = next(iter(masks.values())).shape[-1] - T
         kv_len = cache.max_seq_len if static else slot + T
         cos = self.cos[positions].unsqueeze(2)  # [B, T, 1, D]
-        sin = self.sin[positions].unsqueeze(2)
+        sin = self.sin[positions].unsqueeze(2)  # signed: see apply_rope
         qkv_b, o_b = w.get("qkv_b"), w.get("o_b")
         qkv_w, o_w, gate_up_w, down_w = w["qkv_w"], w["o_w"], w["gate_up_w"], w["down_w"]
         ln_attn, ln_mlp = w["ln_attn"], w["ln_mlp"]
