@@ -6,10 +6,12 @@ import json
 import shutil
 
 import pytest
+import torch
 from engine_test_models import EOS_ID, TOLERANCES, engine_config, random_prompts
 from pydantic import ValidationError
 
 from alignflow.config import EngineConfig
+from alignflow.kernels import rng
 from alignflow.stages.generation import (
     ENGINE_BACKENDS,
     SamplingParams,
@@ -18,6 +20,7 @@ from alignflow.stages.generation import (
     engine_class,
 )
 from alignflow.stages.generation.native import NativeEngine
+from alignflow.stages.generation.native import engine as native_engine
 
 
 @pytest.fixture
@@ -217,3 +220,22 @@ def test_llama_variants_the_native_engine_does_not_run_are_rejected(overrides, r
 
     with pytest.raises(UnsupportedArchitectureError, match=f"{reason}.*engine.backend: hf"):
         spec_from_hf_config(tiny_config("llama_mha_untied", **overrides), max_seq_len=64)
+
+
+def test_noise_windows_cross_window_boundaries_with_the_same_noise_and_samples(native, monkeypatch):
+    """Windows of 3 steps (the demo gets one window per generate call) give every step the per-step noise,
+    and the engine the same tokens and log-probs as with one window for all steps."""
+    seeds = torch.tensor([3, 17, 40])
+    monkeypatch.setattr(native_engine, "NOISE_WINDOW_ELEMENTS", 3 * 3 * 256)
+    windows = native_engine.NoiseWindows(seeds, 10, 256)
+    assert windows.width == 3
+    k1, k2 = rng.row_keys_per_step(seeds, 10)
+    for step in range(10):
+        assert torch.equal(windows.at(step), rng.gumbel_noise(k1, k2[:, step], 256)), step
+    prompts = random_prompts(3, seed=5)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10, seeds=[3, 17, 40], ignore_eos=True)
+    small = native.generate(prompts, sampling)
+    monkeypatch.setattr(native_engine, "NOISE_WINDOW_ELEMENTS", 1 << 20)
+    whole = native.generate(prompts, sampling)
+    assert small.response_token_ids == whole.response_token_ids
+    assert small.logprobs == whole.logprobs
