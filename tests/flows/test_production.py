@@ -24,7 +24,9 @@ BIN = Path(sys.executable).parent
 
 def _http(method: str, url: str, body: dict | None = None, attempts: int = 5) -> dict | list:
     """One REST call; 503 and 429 are retried with backoff, as Prefect's own client does: the server
-    answers 503 when its SQLite database is busy (seen once in a full test run on 2 cores)."""
+    answers 503 when its SQLite database is busy (seen once in a full test run on 2 cores). A GET (safe to
+    repeat; a POST is not) is retried on a read timeout too: a poll of a flow run's state waited 30 s for an
+    answer once in a full run on 2 cores while the flow's stages ran beside the server."""
     data = json.dumps(body).encode() if body is not None else None
     for attempt in range(attempts):
         request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -33,6 +35,10 @@ def _http(method: str, url: str, body: dict | None = None, attempts: int = 5) ->
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
             if exc.code not in (429, 503) or attempt == attempts - 1:
+                raise
+            time.sleep(2**attempt)
+        except (TimeoutError, urllib.error.URLError):
+            if method != "GET" or attempt == attempts - 1:
                 raise
             time.sleep(2**attempt)
     raise AssertionError("unreachable")
