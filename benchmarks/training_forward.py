@@ -58,7 +58,7 @@ def measure(name: str, rounds: int) -> list[dict[str, Any]]:
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), foreach=True)
     exp = rl_batch(model.config.vocab_size)
-    packed = exp.packed()
+    packed = exp.packed
     with torch.no_grad():
         plain_logp = policy_logprobs(model, exp, 1.0, lean=False)[0]
         agree = max(float((policy_logprobs(model, exp, 1.0, lean=True, packed=p)[0] - plain_logp).abs().max())

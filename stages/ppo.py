@@ -312,7 +312,7 @@ def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, row
 
 def packing_for(exp: Experience, cfg: PPOConfig) -> PackedRows | None:
     """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step), else None: padded."""
-    return exp.packed() if cfg.fast_train_step and cfg.pack_sequences else None
+    return exp.packed if cfg.fast_train_step and cfg.pack_sequences else None
 
 
 def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
@@ -762,23 +762,18 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     source = "recompute" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
     lean = cfg.fast_train_step
     with torch.no_grad(), precision.forward():
-        whole = packing_for(exp, cfg) if world_size() == 1 else None  # one packing for every pass below
-
-        def packed(part: Experience) -> PackedRows | None:
-            return whole if part is exp else packing_for(part, cfg)
-
         if with_reference:
             with profiler.phase("reference"):
                 exp.ref_logprobs = over_rows(exp, lambda part: policy_logprobs(
-                    reference, part, cfg.temperature, lean=lean, packed=packed(part))[0])
+                    reference, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg))[0])
         if source == "recompute":
             with profiler.phase("old_logprobs"):
                 exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(
-                    actor.module, part, cfg.temperature, lean=lean, packed=packed(part))[0])
+                    actor.module, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg))[0])
         if critic is not None:
             with profiler.phase("values"):
                 exp.values = over_rows(exp, lambda part: token_values(critic.module, part, lean=lean,
-                                                                      packed=packed(part)))
+                                                                      packed=packing_for(part, cfg)))
     if off_policy:
         exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
                                                      cfg.async_weight_cap)

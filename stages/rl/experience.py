@@ -8,6 +8,7 @@ Position ids count real tokens only, so left padding does not shift RoPE positio
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -63,8 +64,11 @@ class Experience:
             values[f.name] = item[index] if isinstance(item, Tensor) else item
         return Experience(**values)
 
+    @cached_property
     def packed(self) -> PackedRows:
-        """These rows packed end to end (stages/rl/packing.py), for policy_logprobs and token_values."""
+        """These rows packed end to end (stages/rl/packing.py), for policy_logprobs and token_values; computed
+        once per Experience (the reference, old-log-prob and value passes share it). The sequences it is
+        computed from are never reassigned after construction; select and trimmed make new Experiences."""
         return pack(self.input_ids, self.attention_mask, self.response_mask, self.prompt_width)
 
     def trimmed(self) -> Experience:

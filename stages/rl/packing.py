@@ -74,6 +74,12 @@ def choose_capacity(lengths: list[int]) -> int:
     return best[1]
 
 
+def _ragged(lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """(row, index within the row) of every item of rows with these lengths, in row-major order."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return rows, torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths)[rows]
+
+
 def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, prompt_width: int,
          capacity: int | None = None) -> PackedRows:
     """Pack the `[left-padded prompt | right-padded response]` rows (experience.assemble's layout).
@@ -98,8 +104,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
     bins, offsets = placed[:, 0], placed[:, 1]
     rows = int(bins.max()) + 1
     # Every real token: row r's are the contiguous columns [P - prompt_len, P + response_len) of the padded layout.
-    owner = torch.repeat_interleave(torch.arange(batch), lengths)
-    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    owner, within = _ragged(lengths)
     source = owner * width + (prompt_width - prompt_lengths)[owner] + within
     slot = bins[owner] * capacity + offsets[owner] + within
     packed_ids = input_ids.new_zeros(rows * capacity)
@@ -109,9 +114,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
     segments = torch.zeros(rows * capacity, dtype=torch.long)
     segments[slot] = owner + 1
     # Response token t of row r is predicted by its sequence's position prompt_len - 1 + t.
-    speaker = torch.repeat_interleave(torch.arange(batch), response_lengths)
-    t = torch.arange(int(response_lengths.sum())) - torch.repeat_interleave(
-        response_lengths.cumsum(0) - response_lengths, response_lengths)
+    speaker, t = _ragged(response_lengths)
     predicts = bins[speaker] * capacity + offsets[speaker] + prompt_lengths[speaker] - 1 + t
     return PackedRows(input_ids=packed_ids.view(rows, capacity).to(device),
                       position_ids=positions.view(rows, capacity).to(device),

@@ -47,7 +47,7 @@ def test_every_token_lands_once_in_its_segment_at_its_position():
 
 def test_each_response_token_is_predicted_by_the_position_before_it():
     exp = batch([3, 1, 5, 2], [4, 3, 2, 6], seed=1)
-    packed = exp.packed()
+    packed = exp.packed
     flat_ids, flat_segments = packed.input_ids.reshape(-1), packed.segment_ids.reshape(-1)
     rows, columns = packed.targets // exp.response_ids.shape[1], packed.targets % exp.response_ids.shape[1]
     assert torch.equal(flat_ids[packed.predicts + 1], exp.response_ids[rows, columns])
@@ -64,7 +64,7 @@ def test_capacity_and_prompt_checks():
     no_prompt = batch([3, 4], [2, 5])
     no_prompt.attention_mask[1, : no_prompt.prompt_width] = 0
     with pytest.raises(ValueError, match="row 1 has no prompt token"):
-        no_prompt.packed()
+        _ = no_prompt.packed
 
 
 def test_choose_capacity_widens_rows_only_while_it_pays():

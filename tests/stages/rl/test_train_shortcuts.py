@@ -274,7 +274,7 @@ def test_entropy_as_a_metric_comes_detached_and_leaves_the_gradients_alone(check
     """'metric' takes the entropy from the log-probs' own pass: the same values as 'loss' gives, no gradient
     through it, and the log-probs' gradients those of 'none' (bit for bit: the same backward)."""
     model = load_causal_lm(checkpoint)
-    layout = rollout.packed() if packed else None
+    layout = rollout.packed if packed else None
     weights = torch.linspace(-1.0, 1.0, rollout.response_mask.numel()).reshape(rollout.response_mask.shape)
     grads = {}
     for mode in ("none", "metric"):

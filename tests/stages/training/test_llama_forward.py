@@ -86,7 +86,7 @@ def test_packed_rows_give_the_padded_log_probs_entropy_and_gradients(name):
     forward: a key of the wrong sequence or a position not restarted moves these by >1e-2."""
     model = causal_lm(name)
     exp = rl_batch(seed=2, rows=7)
-    packed = exp.packed()
+    packed = exp.packed
     assert packed.input_ids.shape[0] < exp.input_ids.shape[0]  # some row holds two sequences
     weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
     logp, entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=True, packed=packed)
@@ -106,7 +106,7 @@ def test_critic_values_match_transformers():
     lean = token_values(critic, exp, lean=True)
     assert float((lean - plain).abs().max()) <= HIDDEN_FP32
     assert_grads_close(grads_of(critic, lean.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum()))
-    packed = token_values(critic, exp, packed=exp.packed())
+    packed = token_values(critic, exp, packed=exp.packed)
     assert float((packed - plain).abs().max()) <= HIDDEN_FP32
     assert_grads_close(grads_of(critic, packed.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum()))
 
