@@ -22,8 +22,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from alignflow.stages.rl.packing import pack_sequences
 from alignflow.stages.runtime import StageContext, StageInputError
 from alignflow.stages.tokenization import pad_right
+from alignflow.stages.training import llama_forward
 
 REWARD_INPUT_PREFIX = "reward_"
 SIDECAR = "alignflow_checkpoint.json"
@@ -106,18 +108,53 @@ def load_reward_models(ctx: StageContext, *, dtype: str | None = None, device: s
     return models
 
 
-@torch.no_grad()
-def raw_scores(model: Any, sequences: list[list[int]], pad_id: int, batch_size: int = 64) -> torch.Tensor:
-    """[N] float32 scalar scores of token sequences, right-padded as in reward training (stages/reward.score).
+def _read_out_positions(sequences: list[list[int]], pad_id: int) -> list[int]:
+    """transformers' sequence-classifier read-out: the index of each sequence's last token that is not `pad_id`
+    (0 when every token is), as it finds it in right-padded rows (a trailing pad-id token, e.g. an EOS that
+    doubles as the pad token, is skipped)."""
+    return [next((i for i in range(len(s) - 1, -1, -1) if s[i] != pad_id), 0) for s in sequences]
 
-    The head reads the last non-pad token, so every sequence must be non-empty.
+
+def _packed_scores(model: Any, sequences: list[list[int]], pad_id: int) -> torch.Tensor:
+    """[N] scores through llama_forward on packed rows (stages/rl/packing.py), the score head on the read-out
+    positions only: transformers' forward pads every sequence to the longest and runs the head on every position."""
+    device = next(model.parameters()).device
+    packed = pack_sequences(sequences)
+    hidden = llama_forward.llama_hidden_states(model.model, packed.input_ids.to(device),
+                                               packed.segment_ids.to(device), packed.position_ids.to(device))
+    at = packed.starts + torch.tensor(_read_out_positions(sequences, pad_id), dtype=torch.long)
+    return model.score(hidden.reshape(-1, hidden.shape[-1])[at.to(device)]).squeeze(-1).float().cpu()
+
+
+def runs_packed(model: Any, pad_id: int) -> bool:
+    """Whether raw_scores takes the packed llama_forward path for this model: a transformers Llama-family
+    classifier llama_forward supports, whose config pads with `pad_id` (the read-out transformers would make)."""
+    backbone = getattr(model, "model", None)
+    return (backbone is not None and hasattr(model, "score") and getattr(model.config, "pad_token_id", None) == pad_id
+            and llama_forward.supports(backbone) is None)
+
+
+@torch.no_grad()
+def raw_scores(model: Any, sequences: list[list[int]], pad_id: int, batch_size: int = 64,
+               packed: bool | None = None) -> torch.Tensor:
+    """[N] float32 scalar scores of token sequences, read out as in reward training (stages/reward.score: the
+    last non-pad token of right-padded rows).
+
+    packed: None runs llama_forward on packed rows where `runs_packed` says it reads out what transformers'
+    forward would (the demo's RL iteration: 9 vs 16 ms for 32 sequences); False forces transformers' forward
+    on the padded rows (the reference). Equal up to float summation order. Every sequence must be non-empty.
     """
     if any(len(s) == 0 for s in sequences):
         raise ValueError("cannot score an empty sequence; every sequence needs at least the prompt's tokens")
+    if packed is None:
+        packed = runs_packed(model, pad_id)
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(sequences), batch_size):
         part = sequences[start:start + batch_size]
+        if packed:
+            out.append(_packed_scores(model, part, pad_id))
+            continue
         input_ids = pad_right(part, pad_id).to(device)
         attention_mask = pad_right([[1] * len(s) for s in part], 0).to(device)
         out.append(model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float().cpu())

@@ -80,6 +80,22 @@ def _ragged(lengths: Tensor) -> tuple[Tensor, Tensor]:
     return rows, torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths)[rows]
 
 
+def _layout(lengths: Tensor, capacity: int | None) -> tuple[int, int, Tensor, Tensor, Tensor]:
+    """Sequences of these lengths placed in rows: (capacity, rows, start, owner, within), where start[b] is the
+    flat slot (row * capacity + column) of sequence b's first token and owner/within (_ragged) name every token."""
+    capacity = capacity or choose_capacity(lengths.tolist())
+    if capacity < int(lengths.max()):
+        raise ValueError(f"capacity {capacity} is less than the longest sequence ({int(lengths.max())} tokens)")
+    placed = torch.tensor(first_fit_decreasing(lengths.tolist(), capacity), dtype=torch.long).view(-1, 2)
+    owner, within = _ragged(lengths)
+    return capacity, int(placed[:, 0].max()) + 1, placed[:, 0] * capacity + placed[:, 1], owner, within
+
+
+def _rows(values: Tensor, slot: Tensor, rows: int, capacity: int) -> Tensor:
+    """(rows, capacity) long: `values` at the flat `slot`s, 0 elsewhere."""
+    return torch.zeros(rows * capacity, dtype=torch.long).index_put_((slot,), values).view(rows, capacity)
+
+
 def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, prompt_width: int,
          capacity: int | None = None) -> PackedRows:
     """Pack the `[left-padded prompt | right-padded response]` rows (experience.assemble's layout).
@@ -89,34 +105,43 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
     """
     device = input_ids.device
     input_ids, attention_mask, response_mask = input_ids.cpu(), attention_mask.cpu(), response_mask.cpu()
-    batch, width = input_ids.shape
+    width = input_ids.shape[1]
     response_width = response_mask.shape[1]
     prompt_lengths = attention_mask[:, :prompt_width].sum(-1).long()
     response_lengths = response_mask.sum(-1).long()
     if bool((prompt_lengths == 0).any()):
         row = int((prompt_lengths == 0).nonzero()[0])
         raise ValueError(f"row {row} has no prompt token: nothing predicts its first response token")
-    lengths = prompt_lengths + response_lengths
-    capacity = capacity or choose_capacity(lengths.tolist())
-    if capacity < int(lengths.max()):
-        raise ValueError(f"capacity {capacity} is less than the longest sequence ({int(lengths.max())} tokens)")
-    placed = torch.tensor(first_fit_decreasing(lengths.tolist(), capacity), dtype=torch.long).view(batch, 2)
-    bins, offsets = placed[:, 0], placed[:, 1]
-    rows = int(bins.max()) + 1
+    capacity, rows, start, owner, within = _layout(prompt_lengths + response_lengths, capacity)
     # Every real token: row r's are the contiguous columns [P - prompt_len, P + response_len) of the padded layout.
-    owner, within = _ragged(lengths)
     source = owner * width + (prompt_width - prompt_lengths)[owner] + within
-    slot = bins[owner] * capacity + offsets[owner] + within
-    packed_ids = input_ids.new_zeros(rows * capacity)
-    packed_ids[slot] = input_ids.reshape(-1)[source]
-    positions = torch.zeros(rows * capacity, dtype=torch.long)
-    positions[slot] = within
-    segments = torch.zeros(rows * capacity, dtype=torch.long)
-    segments[slot] = owner + 1
+    slot = start[owner] + within
     # Response token t of row r is predicted by its sequence's position prompt_len - 1 + t.
     speaker, t = _ragged(response_lengths)
-    predicts = bins[speaker] * capacity + offsets[speaker] + prompt_lengths[speaker] - 1 + t
-    return PackedRows(input_ids=packed_ids.view(rows, capacity).to(device),
-                      position_ids=positions.view(rows, capacity).to(device),
-                      segment_ids=segments.view(rows, capacity).to(device), predicts=predicts.to(device),
-                      targets=(speaker * response_width + t).to(device), shape=(batch, response_width))
+    predicts = start[speaker] + prompt_lengths[speaker] - 1 + t
+    return PackedRows(input_ids=_rows(input_ids.reshape(-1)[source], slot, rows, capacity).to(device),
+                      position_ids=_rows(within, slot, rows, capacity).to(device),
+                      segment_ids=_rows(owner + 1, slot, rows, capacity).to(device), predicts=predicts.to(device),
+                      targets=(speaker * response_width + t).to(device), shape=(input_ids.shape[0], response_width))
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """Whole token sequences packed end to end (no prompt/response split): what a reward model reads."""
+
+    input_ids: Tensor      # (rows, W) long; 0 where no sequence is
+    position_ids: Tensor   # (rows, W) long: 0..n-1 within each sequence
+    segment_ids: Tensor    # (rows, W) long: 1 + the sequence's index; 0 where no sequence is
+    starts: Tensor         # (B,) long: flat index into (rows * W) of each sequence's first token
+
+
+def pack_sequences(sequences: list[list[int]], capacity: int | None = None) -> PackedSequences:
+    """Pack non-empty token lists into rows of `capacity` (default: choose_capacity), on the CPU."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    if bool((lengths == 0).any()):
+        raise ValueError(f"sequence {int((lengths == 0).nonzero()[0])} is empty: there is nothing to pack")
+    capacity, rows, start, owner, within = _layout(lengths, capacity)
+    slot = start[owner] + within
+    tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    return PackedSequences(input_ids=_rows(tokens, slot, rows, capacity), position_ids=_rows(within, slot, rows, capacity),
+                           segment_ids=_rows(owner + 1, slot, rows, capacity), starts=start)

@@ -15,6 +15,7 @@ from alignflow.stages.reward_scoring import (
     combine,
     load_reward_models,
     raw_scores,
+    runs_packed,
     score_with_reward_models,
 )
 from alignflow.stages.runtime import StageContext, StageInputError
@@ -47,6 +48,23 @@ def test_raw_scores_match_the_reward_stage_read_out():
     assert got.std() > 1e-4  # different sequences, different scores: the check above is not constant == constant
     with pytest.raises(ValueError, match="empty sequence"):
         raw_scores(model, [[0, 1], []], PAD)
+
+
+def test_packed_llama_forward_scores_equal_transformers_padded_forward():
+    model = _classifier(3)
+    assert runs_packed(model, PAD)  # so the comparison below really takes the packed path
+    # Trailing pad-id tokens (an EOS that doubles as the pad token) and an all-pad sequence: transformers reads
+    # the last non-pad token, index 0 when there is none; the packed path must read the same positions.
+    sequences = [*SEQUENCES, [0, 5, PAD, PAD], [PAD, PAD, PAD], [0, 6, PAD, 9, 1, 3, 4, 7, 8, 10, 12, 13, 14]]
+    reference = raw_scores(model, sequences, PAD, batch_size=4, packed=False)
+    got = raw_scores(model, sequences, PAD, batch_size=4)
+    # Same arithmetic in another summation order (SDPA vs eager softmax, packed rows): fp32, measured 2e-7.
+    torch.testing.assert_close(got, reference, rtol=0, atol=2e-6)
+    assert reference.std() > 1e-3
+    shifted = raw_scores(model, [[0, 5]], PAD)  # reading [0, 5, PAD, PAD] at its last slot would differ from this
+    torch.testing.assert_close(got[len(SEQUENCES)], shifted[0], rtol=0, atol=2e-6)
+    # A config that pads with another id: transformers would read other positions, so the padded path runs.
+    assert not runs_packed(model, PAD + 1)
 
 
 def test_total_is_the_weighted_sum_of_z_scores():

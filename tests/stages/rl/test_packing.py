@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from alignflow.stages.rl.experience import Experience
-from alignflow.stages.rl.packing import choose_capacity, first_fit_decreasing, pack
+from alignflow.stages.rl.packing import choose_capacity, first_fit_decreasing, pack, pack_sequences
 
 
 def batch(prompt_lengths: list[int], response_lengths: list[int], seed: int = 0) -> Experience:
@@ -75,3 +75,18 @@ def test_choose_capacity_widens_rows_only_while_it_pays():
     width = choose_capacity(lengths)
     rows = 1 + max(b for b, _ in first_fit_decreasing(lengths, width))
     assert rows * width < len(lengths) * max(lengths)
+
+
+def test_pack_sequences_puts_each_token_list_in_its_segment_from_its_start():
+    sequences = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
+    packed = pack_sequences(sequences, capacity=6)
+    assert packed.input_ids.shape == (2, 6)
+    flat_ids, flat_pos, flat_seg = (t.reshape(-1) for t in (packed.input_ids, packed.position_ids, packed.segment_ids))
+    for index, tokens in enumerate(sequences):
+        span = slice(int(packed.starts[index]), int(packed.starts[index]) + len(tokens))
+        assert flat_ids[span].tolist() == tokens
+        assert flat_pos[span].tolist() == list(range(len(tokens)))
+        assert (flat_seg[span] == index + 1).all()
+    assert int((flat_seg > 0).sum()) == sum(map(len, sequences))  # nothing else is marked as a sequence
+    with pytest.raises(ValueError, match="sequence 1 is empty"):
+        pack_sequences([[1], []])
