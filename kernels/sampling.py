@@ -139,7 +139,7 @@ def sample_tokens(
         from alignflow.kernels import _chunked_sampling
 
         tokens, logprobs, _ = _chunked_sampling.sample(
-            logits, rows, flags or batch_flags(rows, logits.shape[1]), thresholds
+            logits, rows, flags or batch_flags(rows, logits.shape[1]), thresholds, want_tau=False
         )
     else:
         tokens, logprobs, _ = sample_torch(logits, rows, flags, thresholds)
@@ -170,13 +170,14 @@ class BatchFlags(NamedTuple):
     all_greedy: bool  # every row has temperature 0: no noise at all
     any_top_k: bool  # some sampled row has 0 < top_k < V
     any_top_p: bool  # some sampled row has top_p < 1
+    any_greedy: bool = True  # some row has temperature 0 (True when unknown: the paths then check per row)
 
 
 def uniform_flags(temperature: float, top_k: int, top_p: float, vocab: int) -> BatchFlags:
     """BatchFlags of a batch whose rows all share these sampling values (no tensor, no sync)."""
     greedy = temperature == 0
     return BatchFlags(all_greedy=greedy, any_top_k=not greedy and 0 < top_k < vocab,
-                      any_top_p=not greedy and top_p < 1)
+                      any_top_p=not greedy and top_p < 1, any_greedy=greedy)
 
 
 def batch_flags(rows: SamplingRows, vocab: int) -> BatchFlags:
@@ -184,8 +185,8 @@ def batch_flags(rows: SamplingRows, vocab: int) -> BatchFlags:
     greedy = rows.temperature == 0
     use_k = ~greedy & (rows.top_k > 0) & (rows.top_k < vocab)
     use_p = ~greedy & (rows.top_p < 1)
-    all_greedy, any_k, any_p = torch.stack([greedy.all(), use_k.any(), use_p.any()]).tolist()
-    return BatchFlags(all_greedy, any_k, any_p)
+    all_greedy, any_k, any_p, any_greedy = torch.stack([greedy.all(), use_k.any(), use_p.any(), greedy.any()]).tolist()
+    return BatchFlags(all_greedy, any_k, any_p, any_greedy)
 
 
 # --------------------------------------------------------------------------------------------------

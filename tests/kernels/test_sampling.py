@@ -407,9 +407,17 @@ def test_chunked_sampler_equals_the_reference_bit_for_bit(batch, vocab, dtype):
         for step in (0, 3, 2**40):
             rows = _rows(logits, temperature, top_k, top_p, seeds, step)
             ref = sampling.sample_torch(logits, rows)
-            got = _chunked_sampling.sample(logits, rows, sampling.batch_flags(rows, vocab))
+            flags = sampling.batch_flags(rows, vocab)
+            got = _chunked_sampling.sample(logits, rows, flags)
             for name, a, b in zip(("tokens", "logprobs", "thresholds"), got, ref, strict=True):
                 assert torch.equal(a, b), f"{name} differ at step {step}"
+            # The engine's call: no thresholds asked (with no greedy row and no cut, only 1/T and no order
+            # keys), with the noise hashed per chunk or given for the whole row.
+            noise = rng.gumbel_noise(*rng.row_keys(rows.seeds, rows.steps), vocab)
+            for given in (None, noise):
+                lean = _chunked_sampling.sample(logits, rows._replace(noise=given), flags, want_tau=False)
+                assert torch.equal(lean[0], ref[0]) and torch.equal(lean[1], ref[1]), f"step {step}, noise {given is not None}"
+                assert (lean[2] is None) == (not flags.any_top_k and not flags.any_top_p)
 
 
 def test_chunked_sampler_ties_go_to_the_lowest_index_across_chunks():
