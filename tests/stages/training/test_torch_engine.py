@@ -89,3 +89,31 @@ def test_settings_it_cannot_honour_are_errors():
 def test_model_attributes_reach_through_like_deepspeed():
     engine = TorchTrainEngine(tiny_model(), SETTINGS)
     assert engine.model is engine.module.model and engine.config.hidden_size == 32
+
+
+def test_saving_a_torch_trained_model_does_not_import_deepspeed(tmp_path):
+    """transformers' save_pretrained asks accelerate whether the model is a DeepSpeed engine, and accelerate
+    imports deepspeed (and mlflow) to ask: 2.6 s at the end of every plain-torch stage. Fresh interpreter,
+    since this test session has imported deepspeed already."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from alignflow.stages.training.lora import save_trained
+from alignflow.stages.training.deepspeed_setup import OptimSettings
+from alignflow.stages.training.torch_engine import TorchTrainEngine
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=64, max_position_embeddings=32))
+settings = OptimSettings(lr=1e-2, weight_decay=0.0, warmup_steps=0, total_steps=1, micro_batch_size=1, grad_accum=1,
+                         zero_stage=0, grad_clip=1.0, schedule="constant")
+save_trained(TorchTrainEngine(model, settings), {str(tmp_path)!r})
+assert 'deepspeed' not in sys.modules, 'save_trained imported deepspeed'
+loaded = LlamaForCausalLM.from_pretrained({str(tmp_path)!r})
+assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+print('ok')
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
