@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/tiny.yaml
 PYTEST_ARGS ?=
 
-.PHONY: demo test fault-test lint clean-demo
+.PHONY: demo test heavy-test ci-heavy-test fault-test lint clean-demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,24 @@ demo: $(VENV)/.installed-runtime
 	$(BIN)/alignflow run $(CONFIG)
 
 # Unbuffered, so a CI log that is cut off still shows the last test that ran; the slowest tests are listed last.
-# The long part of the fault-injection suite (marker `faults`) is left out: `make fault-test` runs it.
+# The long part of the fault-injection suite (marker `faults`) is left out: `make fault-test` runs it. So are the
+# 9 longest runs (marker `heavy`, 21 min together on the 2-core CI box, where the whole suite took 49.6 min):
+# `make heavy-test` runs them, and CI runs the three of them that nothing shorter covers (CI_HEAVY_TESTS): the
+# compiled decode step through a refit, the pipeline on S3 and an MLflow server with the registry gate, and a run
+# started from the Prefect UI and inspected in the MLflow UI in a browser.
 test: $(VENV)/.installed-dev
-	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=15 -m "not faults" $(PYTEST_ARGS)
+	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=15 -m "not faults and not heavy" $(PYTEST_ARGS)
+
+CI_HEAVY_TESTS = \
+	tests/stages/generation/test_engine_lifecycle.py::test_compiled_decode_step_matches_eager_and_survives_refit \
+	tests/flows/test_production.py::test_pipeline_on_s3_and_mlflow_server_with_registry_gate \
+	tests/ui/test_browser.py::test_run_from_prefect_ui_then_inspect_in_mlflow_ui
+
+heavy-test: $(VENV)/.installed-dev
+	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=15 -m heavy $(PYTEST_ARGS)
+
+ci-heavy-test: $(VENV)/.installed-dev
+	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=5 -m heavy $(CI_HEAVY_TESTS) $(PYTEST_ARGS)
 
 # The whole fault-injection suite (tests/faults/, README "Faults survived"): S3 faults through a proxy,
 # stages killed at seeded random points, a full disk. Needs root for the tmpfs of the disk-full test.

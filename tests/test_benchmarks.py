@@ -20,6 +20,7 @@ def _run(script: str, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.heavy
 def test_sampler_bench_reports_every_impl():
     from alignflow.kernels._triton_dispatch import cpp_available
 
@@ -138,6 +139,7 @@ def test_cpu_kernels_bench_times_every_implementation_and_checks_them():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_lora_vs_full_reports_both_stages_and_both_variants(tmp_path):
     """On the test-size model (2 PPO iterations): LoRA trains a small share and refits fewer bytes."""
     small = ["model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=1",

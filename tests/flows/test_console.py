@@ -47,6 +47,7 @@ def run_cli(workdir: Path, *flags: str) -> str:
     return console
 
 
+@pytest.mark.heavy
 def test_run_is_quiet_by_default_and_verbose_brings_the_noise_back(tmp_path, prefect_harness):
     quiet = run_cli(tmp_path / "quiet")
     assert {name: marker for name, marker in NOISE.items() if marker in quiet} == {}

@@ -188,6 +188,7 @@ def mlflow_server(tmp_path_factory, s3_server):
         _stop(server)
 
 
+@pytest.mark.heavy
 def test_pipeline_on_s3_and_mlflow_server_with_registry_gate(mlflow_server, prefect_harness, tmp_path, monkeypatch):
     import boto3
     from mlflow.tracking import MlflowClient

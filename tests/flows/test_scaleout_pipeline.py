@@ -47,6 +47,7 @@ def gold_gain(rows: dict[str, dict]) -> float:
 
 # Above the suite's 600 s: two pipelines of the demo config (the second reuses everything before PPO).
 @pytest.mark.timeout(1800)
+@pytest.mark.heavy
 def test_tiny_config_on_two_ranks_and_a_tp_replica_gains_like_one_process(tmp_path, prefect_harness, monkeypatch):
     # One code version for both runs: output keys include it, and a checkout edited between the two (other work
     # in progress) would otherwise re-run every stage of the second.

@@ -53,6 +53,7 @@ print(json.dumps({"path": str(path), "mtime": path.stat().st_mtime_ns,
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_build_ahead_compiles_without_loading_and_a_new_process_finds_that_build_up_to_date():
     # A fresh process each time: the build host (and /proc/self/maps) has never seen the extension.
     # Loading the AVX-512 library on an AVX2-only host is what died with SIGILL in the image build.

@@ -184,6 +184,7 @@ def test_bad_lora_settings_are_one_line_errors(upstream, name, ppo, message):
     assert result.message.startswith(message), result.message
 
 
+@pytest.mark.heavy
 def test_compiled_lora_backbone_trains_like_eager_and_its_reference_is_the_base(tmp_path):
     """ppo.compile_train with LoRA compiles the HF backbone under the peft wrapper (its LoRA layers inside): the
     loss and the adapters' gradients are eager's, and the reference forward (adapters disabled: a flag dynamo

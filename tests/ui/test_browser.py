@@ -115,6 +115,7 @@ def deployment(mlflow_server, prefect_server, tmp_path_factory):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_MS // 1000 + 300)   # above the suite's 600 s: the run alone may take 15 min
+@pytest.mark.heavy
 def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screenshots_dir):
     started = time.time()
     ui, shots = deployment["ui"], screenshots_dir

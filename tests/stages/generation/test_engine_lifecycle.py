@@ -132,6 +132,7 @@ def test_padded_view_of_a_generation(tiny_checkpoints):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_compiled_decode_step_matches_eager_and_survives_refit(tiny_checkpoints, tmp_path):
     """torch.compile of the decode step and sampler (engine.compile) changes speed, not results; the
     compiled graphs read the weight buffers as inputs, so an in-place refit needs no recompile."""
