@@ -48,13 +48,18 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 LAYOUTS = ("blocked", "onednn")
 
-# Smallest weight oneDNN packs. Packing pays for weights streamed from memory; one that stays in L2
-# is read as fast in the plain layout, and the packed op's fixed cost wins. Measured on the AVX2
-# EPYC CI box, fp32, 1 thread, us per call, F.linear / packed: [64 x 176] 12 / 32 at 32 rows,
-# [256 x 512] (512 KiB) 124 / 179, [256 x 1024] (1 MiB) 250 / 256, [768 x 2304] (6.9 MiB) 1056 / 563
-# at 8 rows. On the demo model (every weight < 0.2 MiB) packing made a 32-row, 32-token generate
+# Smallest weight oneDNN packs. Packing pays for weights streamed from L3 or memory; one that stays in L2
+# is read as fast in the plain layout, and the packed op's fixed cost (~40 us) wins. Measured on the
+# AVX2 EPYC CI box (1 MiB L2 per core), fp32, us per call with the weight in cache, F.linear / packed:
+# 1 thread, [64 x 176] 12 / 32 at 32 rows, [256 x 512] (512 KiB) 124 / 179; 2 threads, 16 rows,
+# [256 x 256] 53 / 85, [768 x 256] 127 / 131, [2048 x 256] 325 / 252. In a decode step the weights
+# do not stay in cache: the 17 linears of the 4.7M RL-benchmark model (19 MB) took 4.35 ms per step
+# with this floor at 1 MiB (its 256 and 768 KiB weights plain), 3.65 ms at 256 KiB (all packed), 6.1 ms
+# all plain (2 threads, 16 rows; 5.42 vs 4.72 ms at 32 rows, 7.5 either way at 64; /tmp-free harness in
+# the stop-27 note), and its compiled 16 x 32-token generate went 248-303 -> 220-239 ms. On the
+# demo model (every weight < 0.2 MiB, the whole model in L2) packing made a 32-row, 32-token generate
 # 0.158 s against 0.121 s plain. The blocked kernel has no floor: its layout is what makes it fast.
-MIN_PACKED_BYTES = {"onednn": 1 << 20, "blocked": 0}
+MIN_PACKED_BYTES = {"onednn": 256 << 10, "blocked": 0}
 
 _Key = tuple[int, tuple[int, ...], torch.dtype]
 # (address, shape, dtype) of a weight view -> (packed copy, or None for a weight left plain because it is
