@@ -2,14 +2,18 @@
 
 Linears, the ~110M engine's 49 weights (~440 MB, distinct tensors so every call reads its weight from
 memory, as a decode step does): `skinny` (alignflow.kernels.skinny_linear, AVX-512 C++), `onednn` (the
-packed copy oneDNN reorders for that row count), `F.linear` (MKL on the plain [N, K] weight).
-Attention, the model's 12 layers with --kv-len of 88 cache slots filled: `kernel`
+packed copy oneDNN reorders for that row count), `F.linear` (MKL on the plain [N, K] weight), `engine`
+(what the engine runs without the AVX-512 kernel: oneDNN for the weights of at least
+prepack.MIN_PACKED_BYTES, F.linear for the rest). Without AVX-512 the skinny column and the attention
+table are left out. Attention, the model's 12 layers with --kv-len of 88 cache slots filled: `kernel`
 (alignflow.kernels.decode_attention), `torch` (its reference, eager), `compiled` (the reference under
 torch.compile, what the compiled engine ran before). Best of --repeats; every implementation's output
 is checked against F.linear / the reference first.
 
     python benchmarks/cpu_kernels_bench.py                    # two tables
     python benchmarks/cpu_kernels_bench.py --rows 8,64 --json
+    python benchmarks/cpu_kernels_bench.py --model rl-4.7m --rows 4,16,32,64   # the RL benchmark's model
+    python benchmarks/cpu_kernels_bench.py --model rl-4.7m --engine-floor-kib 1024   # another packing floor
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_roofline import best_seconds  # noqa: E402  (sibling scripts, not a package)
-from engine_throughput import MODELS  # noqa: E402
+from engine_throughput import MODELS as ENGINE_MODELS  # noqa: E402
+from rl_setup import BENCH_MODEL  # noqa: E402
+
+MODELS = {**ENGINE_MODELS, "rl-4.7m": {k: v for k, v in BENCH_MODEL.items() if k != "max_position_embeddings"}}
 
 CACHE_SLOTS = 88  # the benchmark engine's max_seq_len: 24 prompt + 64 new tokens
 
@@ -35,16 +42,20 @@ def step_shapes(model: dict) -> list[tuple[int, int]]:
     return layer * model["num_hidden_layers"] + [(model["vocab_size"], hidden)]
 
 
-def bench_linears(model: dict, rows_list: list[int], repeats: int) -> list[dict]:
+def bench_linears(model: dict, rows_list: list[int], repeats: int, with_skinny: bool = True,
+                  floor: int | None = None) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
     from alignflow.kernels import skinny_linear as skinny
+    from alignflow.stages.generation.native.prepack import MIN_PACKED_BYTES
 
     torch.manual_seed(0)
     shapes = step_shapes(model)
     weights = [torch.randn(n, k) / k**0.5 for n, k in shapes]
-    blocked = [skinny.block_weight(w) for w in weights]
+    blocked = [skinny.block_weight(w) for w in weights] if with_skinny else []
+    floor = MIN_PACKED_BYTES["onednn"] if floor is None else floor
+    engine_packs = [w.nbytes >= floor for w in weights]
     megabytes = sum(w.numel() * 4 for w in weights) / 1e6
     out = []
     for rows in rows_list:
@@ -55,7 +66,12 @@ def bench_linears(model: dict, rows_list: list[int], repeats: int) -> list[dict]
             "onednn": lambda i, x, packed=packed: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none",
                                                                                      [], ""),
             "F.linear": lambda i, x: F.linear(x, weights[i]),
+            "engine": lambda i, x, packed=packed: (
+                torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "") if engine_packs[i]
+                else F.linear(x, weights[i])),
         }
+        if not with_skinny:
+            del kernels["skinny"]
         row: dict = {"rows": rows, "weights_mb": megabytes}
         for name, kernel in kernels.items():
             worst = max((kernel(i, xs[k]) - F.linear(xs[k], weights[i])).abs().max().item()
@@ -108,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="llama-100m", choices=list(MODELS))
+    parser.add_argument("--engine-floor-kib", type=int, default=None,
+                        help="the engine column with this packing floor instead of prepack.MIN_PACKED_BYTES")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -116,14 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     from alignflow.kernels import _cpu_extension
 
     torch.set_num_threads(args.threads)
-    if _cpu_extension.extension() is None:
-        print(f"the CPU kernels are not available here: {_cpu_extension.unavailable_reason()}", file=sys.stderr)
-        return 1
+    kernels = _cpu_extension.extension() is not None
+    if not kernels:
+        print(f"the CPU kernels are not available here ({_cpu_extension.unavailable_reason()}): no skinny column, "
+              "no attention table", file=sys.stderr)
     model = MODELS[args.model]
     result = {"model": args.model, "threads": args.threads,
-              "linears": bench_linears(model, [int(r) for r in args.rows.split(",")], args.repeats),
+              "linears": bench_linears(model, [int(r) for r in args.rows.split(",")], args.repeats, kernels,
+                                       None if args.engine_floor_kib is None else args.engine_floor_kib << 10),
               "attention": bench_attention(model, [int(r) for r in args.attention_rows.split(",")], args.kv_len,
-                                           args.repeats)}
+                                           args.repeats) if kernels else []}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -134,13 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     mb = result["linears"][0]["weights_mb"]
     table = Table(title=f"fp32 linears of one {args.model} decode step ({mb:.0f} MB of weights), "
                         f"{args.threads} threads, best of {args.repeats}")
-    for column in ("rows", "skinny ms", "onednn ms", "F.linear ms", "skinny GB/s", "skinny x onednn"):
+    columns = (("rows", "skinny ms", "onednn ms", "F.linear ms", "engine ms", "skinny GB/s", "skinny x onednn")
+               if kernels else ("rows", "onednn ms", "F.linear ms", "engine ms", "onednn GB/s"))
+    for column in columns:
         table.add_column(column, justify="right")
     for row in result["linears"]:
-        table.add_row(str(row["rows"]), f"{row['skinny_ms']:.1f}", f"{row['onednn_ms']:.1f}",
-                      f"{row['F.linear_ms']:.1f}", f"{mb / row['skinny_ms']:.1f}",
-                      f"{row['onednn_ms'] / row['skinny_ms']:.2f}")
+        times = [f"{row['onednn_ms']:.2f}", f"{row['F.linear_ms']:.2f}", f"{row['engine_ms']:.2f}"]
+        if kernels:
+            table.add_row(str(row["rows"]), f"{row['skinny_ms']:.1f}", *times, f"{mb / row['skinny_ms']:.1f}",
+                          f"{row['onednn_ms'] / row['skinny_ms']:.2f}")
+        else:
+            table.add_row(str(row["rows"]), *times, f"{mb / row['onednn_ms']:.1f}")
     console.print(table)
+    if not kernels:
+        return 0
     table = Table(title=f"fp32 decode attention of one {args.model} step, {args.kv_len} of {CACHE_SLOTS} cache "
                         f"slots filled, {args.threads} threads, best of {args.repeats}")
     for column in ("rows", "cache MB", "kernel ms", "torch ms", "compiled ms", "kernel GB/s", "kernel x compiled"):

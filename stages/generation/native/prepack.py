@@ -55,8 +55,9 @@ LAYOUTS = ("blocked", "onednn")
 # [256 x 256] 53 / 85, [768 x 256] 127 / 131, [2048 x 256] 325 / 252. In a decode step the weights
 # do not stay in cache: the 17 linears of the 4.7M RL-benchmark model (19 MB) took 4.35 ms per step
 # with this floor at 1 MiB (its 256 and 768 KiB weights plain), 3.65 ms at 256 KiB (all packed), 6.1 ms
-# all plain (2 threads, 16 rows; 5.42 vs 4.72 ms at 32 rows, 7.5 either way at 64; /tmp-free harness in
-# the stop-27 note), and its compiled 16 x 32-token generate went 248-303 -> 220-239 ms. On the
+# all plain (2 threads, 16 rows, median of 60 steps; 5.42 vs 4.72 ms at 32 rows, 7.5 either way at 64;
+# `benchmarks/cpu_kernels_bench.py --model rl-4.7m --engine-floor-kib 1024` times the two floors), and
+# its compiled 16 x 32-token generate went 248-303 -> 220-239 ms (3 interleaved pairs). On the
 # demo model (every weight < 0.2 MiB, the whole model in L2) packing made a 32-row, 32-token generate
 # 0.158 s against 0.121 s plain. The blocked kernel has no floor: its layout is what makes it fast.
 MIN_PACKED_BYTES = {"onednn": 256 << 10, "blocked": 0}
