@@ -61,17 +61,16 @@ def bench_linears(model: dict, rows_list: list[int], repeats: int, with_skinny: 
     for rows in rows_list:
         xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-        kernels = {
-            "skinny": lambda i, x: skinny.skinny_linear(x, blocked[i], shapes[i][0]),
-            "onednn": lambda i, x, packed=packed: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none",
-                                                                                     [], ""),
-            "F.linear": lambda i, x: F.linear(x, weights[i]),
-            "engine": lambda i, x, packed=packed: (
-                torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "") if engine_packs[i]
-                else F.linear(x, weights[i])),
-        }
-        if not with_skinny:
-            del kernels["skinny"]
+        kernels = {"skinny": lambda i, x: skinny.skinny_linear(x, blocked[i], shapes[i][0])} if with_skinny else {}
+
+        def onednn(i, x, packed=packed):
+            return torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+
+        def plain(i, x):
+            return F.linear(x, weights[i])
+
+        kernels |= {"onednn": onednn, "F.linear": plain,
+                    "engine": lambda i, x, onednn=onednn: (onednn if engine_packs[i] else plain)(i, x)}
         row: dict = {"rows": rows, "weights_mb": megabytes}
         for name, kernel in kernels.items():
             worst = max((kernel(i, xs[k]) - F.linear(xs[k], weights[i])).abs().max().item()
