@@ -119,10 +119,10 @@ def _packed_scores(model: Any, sequences: list[list[int]], pad_id: int, device: 
     """[N] scores through llama_forward on packed rows (stages/rl/packing.py), the score head on the read-out
     positions only: transformers' forward pads every sequence to the longest and runs the head on every position."""
     packed = pack_sequences(sequences)
-    hidden = llama_forward.llama_hidden_states(model.model, packed.input_ids.to(device),
-                                               packed.segment_ids.to(device), packed.position_ids.to(device))
     at = packed.starts + torch.tensor(_read_out_positions(sequences, pad_id), dtype=torch.long)
-    return model.score(hidden.reshape(-1, hidden.shape[-1])[at.to(device)]).squeeze(-1).float().cpu()
+    hidden = llama_forward.llama_hidden_states(model.model, packed.input_ids.to(device), packed.segment_ids.to(device),
+                                               packed.position_ids.to(device), keep=at.to(device))
+    return model.score(hidden).squeeze(-1).float().cpu()
 
 
 def runs_packed(model: Any, pad_id: int) -> bool:

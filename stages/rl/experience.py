@@ -128,6 +128,13 @@ def _lean_backbone(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     return (hf, backbone) if llama_forward.supports(backbone) is None else None
 
 
+def _response_predicting(batch: int, width: int, width_p: int, device: torch.device) -> Tensor:
+    """Flat indices into [batch, width] of the columns width_p - 1 .. width - 2 of every row: the positions
+    whose outputs predict the response tokens (llama_forward's `keep`)."""
+    columns = torch.arange(width_p - 1, width - 1, device=device)
+    return (torch.arange(batch, device=device)[:, None] * width + columns).reshape(-1)
+
+
 def _response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, width_p: int,
                      head_on_response_only: bool = True, lean: bool = False) -> Tensor:
     """(B, R, V) logits at the columns that predict the response tokens.
@@ -140,8 +147,10 @@ def _response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_
     resolved = _lean_backbone(model) if lean and head_on_response_only else None
     if resolved is not None:
         hf, backbone = resolved
-        hidden = llama_forward.llama_hidden_states(backbone, input_ids, attention_mask, position_ids)
-        return hf.lm_head(hidden[:, width_p - 1:-1])
+        batch, width = input_ids.shape
+        hidden = llama_forward.llama_hidden_states(backbone, input_ids, attention_mask, position_ids,
+                                                   keep=_response_predicting(batch, width, width_p, input_ids.device))
+        return hf.lm_head(hidden.reshape(batch, width - width_p, -1))
     if not head_on_response_only:
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
                      ).logits[:, width_p - 1:-1]
@@ -171,8 +180,8 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
     if resolved is not None:
         hf, backbone = resolved
         hidden = llama_forward.llama_hidden_states(backbone, packed.input_ids, packed.segment_ids,
-                                                   packed.position_ids)
-        logits = hf.lm_head(hidden.reshape(-1, hidden.shape[-1])[packed.predicts])  # (N, V)
+                                                   packed.position_ids, keep=packed.predicts)
+        logits = hf.lm_head(hidden)  # (N, V)
         targets = exp.response_ids.reshape(-1)[packed.targets]
         if entropy == "none":
             return packed.scatter(selective_log_softmax(logits, targets, temperature=temperature)), None
@@ -197,13 +206,16 @@ def token_values(critic, exp: Experience, lean: bool = False, packed: PackedRows
     runs_lean = (lean or packed is not None) and _lean_backbone(model) is not None
     if runs_lean and packed is not None:
         hidden = llama_forward.llama_hidden_states(model.base_model, packed.input_ids, packed.segment_ids,
-                                                   packed.position_ids)
-        return packed.scatter(model.score(hidden.reshape(-1, hidden.shape[-1])[packed.predicts]).squeeze(-1).float())
+                                                   packed.position_ids, keep=packed.predicts)
+        return packed.scatter(model.score(hidden).squeeze(-1).float())
     if runs_lean:
+        batch, width = exp.input_ids.shape
         hidden = llama_forward.llama_hidden_states(model.base_model, exp.input_ids, exp.attention_mask,
-                                                   exp.position_ids)
-    else:
-        hidden = model.base_model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
-                                  position_ids=exp.position_ids).last_hidden_state
+                                                   exp.position_ids,
+                                                   keep=_response_predicting(batch, width, exp.prompt_width,
+                                                                             exp.input_ids.device))
+        return model.score(hidden).squeeze(-1).float().reshape(batch, -1) * exp.response_mask
+    hidden = model.base_model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
+                              position_ids=exp.position_ids).last_hidden_state
     values = model.score(hidden).squeeze(-1).float()
     return values[:, exp.prompt_width - 1:-1] * exp.response_mask

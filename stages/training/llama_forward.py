@@ -87,11 +87,18 @@ def attention_biases(spec: LlamaFamilySpec, segment_ids: Tensor, dtype: torch.dt
     return biases
 
 
-def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                        keep: Tensor | None = None) -> Tensor:
     """The final-norm hidden states [B, T, H] of a transformers Llama/Qwen2/Mistral backbone (`model.model`).
 
     attention_mask: 1 on real tokens, or the segment ids of packed rows (stages/rl/packing.py: each
     position attends to its own sequence only).
+    keep: flat indices into the B * T positions that the caller reads (the response-predicting positions
+    of an RL batch, a classifier's read-out): returns their rows, [N, H], equal to
+    `llama_hidden_states(...).reshape(-1, H)[keep]`. Every layer's keys and values still need every
+    position, but only the read positions' queries feed the output, so the last layer computes its
+    attention for all and its o_proj, MLP and the final norm for the kept rows only. On the RL
+    benchmark's 4.7M model (prompts ~half the tokens) a fwd+bwd went 159.5 -> 147.3 ms (2 threads).
 
     Callers check `supports(backbone)` first. Arithmetic as transformers': RMSNorm in float32, rotate-half
     RoPE with the same tables, softmax(QK^T * scaling + mask) V, SwiGLU MLP.
@@ -109,6 +116,7 @@ def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor
     biases = attention_biases(spec, attention_mask, dtype)
     heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     eps = spec.rms_norm_eps
+    last = len(backbone.layers) - 1
     for index, layer in enumerate(backbone.layers):
         attention = layer.self_attn
         h = rms_norm(x, layer.input_layernorm.weight, eps)
@@ -117,8 +125,14 @@ def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor
         v = attention.v_proj(h).view(batch, width, kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=biases[spec.sliding_windows[index]],
                                            scale=attention.scaling, enable_gqa=kv_heads != heads)
-        x = x + attention.o_proj(o.transpose(1, 2).reshape(batch, width, heads * head_dim))
+        o = o.transpose(1, 2).reshape(batch, width, heads * head_dim)
+        if keep is not None and index == last:
+            x, o = x.reshape(batch * width, -1)[keep], o.reshape(batch * width, -1)[keep]
+        x = x + attention.o_proj(o)
         h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp
         x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-    return rms_norm(x, backbone.norm.weight, eps)
+    hidden = rms_norm(x, backbone.norm.weight, eps)
+    if keep is not None and not backbone.layers:  # no layer to select in
+        hidden = hidden.reshape(batch * width, -1)[keep]
+    return hidden

@@ -81,6 +81,25 @@ def test_hidden_states_and_gradients_match_transformers(name):
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_kept_rows_equal_the_selected_rows_of_the_full_forward_with_their_gradients(name):
+    """`keep` skips the last layer's o_proj, MLP and norm on the positions nobody reads: the kept rows and
+    the gradients through them must be those of the full forward (measured equal bit for bit on these
+    models; the bound allows another summation order). A row selected before the last layer's attention
+    would lose its keys and values and move the result by >1e-2."""
+    model = causal_lm(name)
+    exp = rl_batch(seed=3, rows=6)
+    packed = exp.packed
+    weights = torch.linspace(-1, 1, packed.predicts.numel())[:, None]
+    full = llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids, packed.position_ids)
+    full = full.reshape(-1, full.shape[-1])[packed.predicts]
+    kept = llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids, packed.position_ids,
+                                             keep=packed.predicts)
+    assert kept.shape == full.shape
+    assert float((kept - full).abs().max()) <= HIDDEN_FP32
+    assert_grads_close(grads_of(model, (kept * weights).sum()), grads_of(model, (full * weights).sum()))
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_packed_rows_give_the_padded_log_probs_entropy_and_gradients(name):
     """Several sequences per row (stages/rl/packing.py), each masked to itself, against transformers' padded
     forward: a key of the wrong sequence or a position not restarted moves these by >1e-2."""
