@@ -147,6 +147,8 @@ class NativeEngine(Engine):
         self.cache: KVCache | None = self._new_cache()
         self._weights_valid = False  # set once a full weight stream has been copied in
         self._busy = False
+        # Prefill rows with the same prompt once (_prefill); False: every row's own, the reference.
+        self.share_prompt_prefill = True
         self._graphs: dict[int, _GraphedStep] = {}
         self._graph_pool = None
         # Tensor parallel decodes eagerly (module docstring): compile and CUDA graphs for one device only.
@@ -355,8 +357,7 @@ class NativeEngine(Engine):
         pad = (S - lens).to(dev)
         lens = lens.to(dev)
         positions = (torch.arange(S, device=dev)[None, :] - pad[:, None]).clamp(min=0)
-        logits = self.model.forward(cache, tokens, positions, 0, prefill_masks(self.spec, pad, S, self.dtype),
-                                    pad=pad)
+        logits = self._prefill(cache, prompts, tokens, positions, pad)
         masks = DecodeMasks(self.spec, pad, self.max_seq_len, self.dtype)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -442,6 +443,33 @@ class NativeEngine(Engine):
             metrics={"timing/prefill_s": prefill_s, "timing/generate_s": elapsed, "perf/decode_steps": steps,
                      "perf/generated_tokens": generated, "perf/gen_tokens_per_s": generated / max(elapsed, 1e-9)},
         )
+
+    def _prefill(self, cache: KVCache, prompts: list[list[int]], tokens: torch.Tensor, positions: torch.Tensor,
+                 pad: torch.Tensor) -> torch.Tensor:
+        """The last position's logits [B, V] of every prompt, its keys and values written to cache rows 0..B-1.
+
+        Rows with the same prompt (GRPO's group of completions per prompt, n samples) are computed once
+        (share_prompt_prefill) and their cache rows copied: the prefill's work goes with the distinct prompts.
+        """
+        first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct ones
+        heads: list[int] = []  # the row each distinct prompt first appears in
+        inverse = []
+        for row, prompt in enumerate(prompts):
+            if tuple(prompt) not in first:
+                first[tuple(prompt)] = len(heads)
+                heads.append(row)
+            inverse.append(first[tuple(prompt)])
+        width = tokens.shape[1]
+        if not self.share_prompt_prefill or len(heads) == len(prompts):
+            return self.model.forward(cache, tokens, positions, 0, prefill_masks(self.spec, pad, width, self.dtype),
+                                      pad=pad)
+        distinct = torch.tensor(heads, device=tokens.device)
+        logits = self.model.forward(cache, tokens[distinct], positions[distinct], 0,
+                                    prefill_masks(self.spec, pad[distinct], width, self.dtype), pad=pad[distinct])
+        index = torch.tensor(inverse, device=tokens.device)
+        for layer in cache.k + cache.v:
+            layer[: len(prompts), :, :width] = layer[index, :, :width]  # the gather copies before the write
+        return logits[index]
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, masks: DecodeMasks) -> torch.Tensor:
         """Logits [B, V] of one decode step: tokens, positions [B]; the new keys go to cache slot `slot`."""

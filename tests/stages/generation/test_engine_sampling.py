@@ -197,6 +197,23 @@ def test_same_seed_same_output_and_batch_position_does_not_matter(native):
     assert len({tuple(r) for r in group.response_token_ids}) == 4
 
 
+@pytest.mark.parametrize("name", ["llama_mha_untied", "qwen2_bias_window"])
+def test_rows_with_one_prompt_prefill_it_once_with_every_rows_own_result(tiny_checkpoints, name):
+    """GRPO's groups (each prompt n times, rows interleaved, prompts of different lengths so rows are
+    left-padded): the prefill of the distinct prompts, copied to their rows' cache, samples what every
+    row's own prefill samples. A cache row copied from the wrong prompt changes the tokens."""
+    engine = NativeEngine.build(tiny_checkpoints[name], engine_config())
+    distinct = random_prompts(3, seed=12)
+    prompts = [distinct[i] for i in (0, 1, 2, 0, 2, 1, 0, 2)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+    shared = engine.generate(prompts, sampling)
+    engine.share_prompt_prefill = False
+    own = engine.generate(prompts, sampling)
+    assert shared.response_token_ids == own.response_token_ids
+    for got, want in zip(shared.logprobs, own.logprobs, strict=True):
+        assert got == pytest.approx(want, abs=TOLERANCES["logprobs_across_batches_fp32"])
+
+
 def test_more_prompts_than_cache_rows_run_in_chunks_with_the_same_result(tiny_checkpoints):
     path = tiny_checkpoints["qwen2_bias_window"]
     prompts = random_prompts(11, seed=9)
