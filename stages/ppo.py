@@ -311,8 +311,11 @@ def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, row
 
 
 def packing_for(exp: Experience, cfg: PPOConfig) -> PackedRows | None:
-    """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step), else None: padded."""
-    return exp.packed if cfg.fast_train_step and cfg.pack_sequences else None
+    """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step; rows with one prompt sharing
+    it unless ppo.share_prompts is off), else None: padded."""
+    if not (cfg.fast_train_step and cfg.pack_sequences):
+        return None
+    return exp.packed if cfg.share_prompts else exp.packed_separately
 
 
 def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:

@@ -66,10 +66,15 @@ class Experience:
 
     @cached_property
     def packed(self) -> PackedRows:
-        """These rows packed end to end (stages/rl/packing.py), for policy_logprobs and token_values; computed
-        once per Experience (the reference, old-log-prob and value passes share it). The sequences it is
+        """These rows packed end to end (stages/rl/packing.py), rows with the same prompt sharing one copy of it,
+        for policy_logprobs and token_values; computed once per Experience (the reference, old-log-prob and value passes share it). The sequences it is
         computed from are never reassigned after construction; select and trimmed make new Experiences."""
         return pack(self.input_ids, self.attention_mask, self.response_mask, self.prompt_width)
+
+    @cached_property
+    def packed_separately(self) -> PackedRows:
+        """As `packed`, every sequence with its own copy of its prompt (ppo.share_prompts off)."""
+        return pack(self.input_ids, self.attention_mask, self.response_mask, self.prompt_width, share_prompts=False)
 
     def trimmed(self) -> Experience:
         """The same rows without the columns that are padding in every row (left of the longest prompt,
@@ -180,7 +185,8 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
     if resolved is not None:
         hf, backbone = resolved
         hidden = llama_forward.llama_hidden_states(backbone, packed.input_ids, packed.segment_ids,
-                                                   packed.position_ids, keep=packed.predicts)
+                                                   packed.position_ids, keep=packed.predicts,
+                                                   prefix_ids=packed.prefix_ids)
         logits = hf.lm_head(hidden)  # (N, V)
         targets = exp.response_ids.reshape(-1)[packed.targets]
         if entropy == "none":
@@ -206,7 +212,8 @@ def token_values(critic, exp: Experience, lean: bool = False, packed: PackedRows
     runs_lean = (lean or packed is not None) and _lean_backbone(model) is not None
     if runs_lean and packed is not None:
         hidden = llama_forward.llama_hidden_states(model.base_model, packed.input_ids, packed.segment_ids,
-                                                   packed.position_ids, keep=packed.predicts)
+                                                   packed.position_ids, keep=packed.predicts,
+                                                   prefix_ids=packed.prefix_ids)
         return packed.scatter(model.score(hidden).squeeze(-1).float())
     if runs_lean:
         batch, width = exp.input_ids.shape

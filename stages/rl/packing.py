@@ -9,6 +9,12 @@ head sees only the positions that predict a response token.
 Exactness: each sequence keeps its own positions (0..n-1, as the padded layout's position ids) and sees
 only its own earlier tokens (`segment_ids`: llama_forward's attention masks keys of other sequences), so
 every real position computes what it computes padded, up to float summation order.
+
+Shared prompts: rows with the same prompt (GRPO samples a group of completions per prompt) can share one
+copy of it, each response attending to the prompt and to itself at the positions it has padded (pack's
+share_prompts). Causal attention makes a prompt's hidden states independent of what follows, so the
+result is the same; the gradient through the prompt's positions sums the group's, as the padded layout's
+copies do. The ladder's GRPO minibatch (4 prompts x 4 completions) holds 632 tokens instead of 992.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ class PackedRows:
     predicts: Tensor       # (N,) long: flat index into (rows * W) of the position predicting each response token
     targets: Tensor        # (N,) long: flat index into (B * R) of that response token
     shape: tuple[int, int]  # (B, R)
+    # (rows, W) long, where rows share a prompt (pack's share_prompts): the segment each position may also
+    # attend to, its shared prompt's (a shared prompt's own segment is 1 + B + its unit); None: none shared
+    prefix_ids: Tensor | None = None
 
     def scatter(self, per_token: Tensor) -> Tensor:
         """(N,) values in `predicts` order -> (B, R), zero on response padding (differentiable)."""
@@ -61,13 +70,18 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, i
 ATTENTION_WIDTH = 128
 
 
+def _cost(lengths: list[int], capacity: int) -> float:
+    """The cost model above for these lengths in rows of `capacity`."""
+    rows = 1 + max(b for b, _ in first_fit_decreasing(lengths, capacity))
+    return rows * capacity * (1 + capacity / ATTENTION_WIDTH)
+
+
 def choose_capacity(lengths: list[int]) -> int:
     """The row width, from the longest sequence to twice it, that minimises the cost model above."""
     longest = max(lengths)
     best: tuple[float, int] | None = None
     for width in range(longest, 2 * longest + 1, max(1, longest // 8)):
-        rows = 1 + max(b for b, _ in first_fit_decreasing(lengths, width))
-        cost = rows * width * (1 + width / ATTENTION_WIDTH)
+        cost = _cost(lengths, width)
         if best is None or cost < best[0]:
             best = (cost, width)
     assert best is not None
@@ -96,33 +110,101 @@ def _rows(values: Tensor, slot: Tensor, rows: int, capacity: int) -> Tensor:
     return torch.zeros(rows * capacity, dtype=torch.long).index_put_((slot,), values).view(rows, capacity)
 
 
+def _prompt_units(prompts: list[tuple[int, ...]], response_lengths: list[int], limit: int) -> list[list[int]]:
+    """Rows grouped into units that share one copy of their (identical) prompt: rows with equal prompts in
+    order of first appearance, a unit growing while prompt + its responses stay within `limit` tokens (a
+    unit always takes at least one row)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, prompt in enumerate(prompts):
+        groups.setdefault(prompt, []).append(row)
+    units: list[list[int]] = []
+    for prompt, rows in groups.items():
+        unit: list[int] = []
+        used = len(prompt)
+        for row in rows:
+            if unit and used + response_lengths[row] > limit:
+                units.append(unit)
+                unit, used = [], len(prompt)
+            unit.append(row)
+            used += response_lengths[row]
+        units.append(unit)
+    return units
+
+
+# Unit limits tried, in multiples of the longest sequence: a GRPO group of 4 x 32-token responses to a
+# 30-token prompt is 158 tokens against 62 for one sequence (2.5x), and its 16 rows 632 tokens instead of 992.
+SHARING_LIMITS = (1, 2, 3)
+
+
 def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, prompt_width: int,
-         capacity: int | None = None) -> PackedRows:
+         capacity: int | None = None, share_prompts: bool = True) -> PackedRows:
     """Pack the `[left-padded prompt | right-padded response]` rows (experience.assemble's layout).
 
     Every row needs at least one prompt token (the position that predicts its first response token).
     capacity: the packed rows' width (default: choose_capacity).
+    share_prompts: rows with the same prompt (GRPO's group, n samples per prompt) share one copy of it: the
+    prompt's tokens, then each row's response, every response attending to the prompt and to itself
+    (`prefix_ids`) at the positions it has alone, so every real position computes what it computes
+    padded; the last prompt position predicts each row's first response token. A unit of shared rows grows
+    to at most SHARING_LIMITS x the longest sequence, the multiple (and the width) the cost model prefers.
     """
     device = input_ids.device
     input_ids, attention_mask, response_mask = input_ids.cpu(), attention_mask.cpu(), response_mask.cpu()
-    width = input_ids.shape[1]
+    batch, width = input_ids.shape
     response_width = response_mask.shape[1]
     prompt_lengths = attention_mask[:, :prompt_width].sum(-1).long()
     response_lengths = response_mask.sum(-1).long()
     if bool((prompt_lengths == 0).any()):
         row = int((prompt_lengths == 0).nonzero()[0])
         raise ValueError(f"row {row} has no prompt token: nothing predicts its first response token")
-    capacity, rows, start, owner, within = _layout(prompt_lengths + response_lengths, capacity)
-    # Every real token: row r's are the contiguous columns [P - prompt_len, P + response_len) of the padded layout.
-    source = owner * width + (prompt_width - prompt_lengths)[owner] + within
-    slot = start[owner] + within
-    # Response token t of row r is predicted by its sequence's position prompt_len - 1 + t.
-    speaker, t = _ragged(response_lengths)
-    predicts = start[speaker] + prompt_lengths[speaker] - 1 + t
-    return PackedRows(input_ids=_rows(input_ids.reshape(-1)[source], slot, rows, capacity).to(device),
-                      position_ids=_rows(within, slot, rows, capacity).to(device),
-                      segment_ids=_rows(owner + 1, slot, rows, capacity).to(device), predicts=predicts.to(device),
-                      targets=(speaker * response_width + t).to(device), shape=(input_ids.shape[0], response_width))
+    plens, rlens = prompt_lengths.tolist(), response_lengths.tolist()
+    prompts = [tuple(input_ids[row, prompt_width - plens[row]:prompt_width].tolist()) if share_prompts else (row,)
+               for row in range(batch)]
+    longest = max(p + r for p, r in zip(plens, rlens, strict=True))
+    candidates = []
+    for multiple in SHARING_LIMITS if share_prompts else (1,):
+        limit = multiple * longest if capacity is None else min(multiple * longest, capacity)
+        units = _prompt_units(prompts, rlens, limit)
+        lengths = [plens[unit[0]] + sum(rlens[row] for row in unit) for unit in units]
+        width_of_rows = capacity or choose_capacity(lengths)
+        cost = _cost(lengths, width_of_rows) if capacity is None else sum(lengths)  # fixed width: fewest tokens
+        candidates.append((cost, multiple, units, width_of_rows))
+        if len(units) == batch:  # nothing shared: a larger limit shares nothing either
+            break
+    _, _, units, capacity = min(candidates, key=lambda c: c[:2])
+    lengths = torch.tensor([plens[unit[0]] + sum(rlens[row] for row in unit) for unit in units], dtype=torch.long)
+    capacity, rows, start, _, _ = _layout(lengths, capacity)
+    # Pieces: a unit's prompt (read from its first row), then each row's response, in slot order.
+    source, slot, length, position, segment, prefix, member, first_predict = ([] for _ in range(8))
+    for index, unit in enumerate(units):
+        head = unit[0]
+        prompt_segment = 1 + head if len(unit) == 1 else 1 + batch + index
+        offset = int(start[index])
+        pieces = [(head * width + prompt_width - plens[head], plens[head], 0, prompt_segment, -1)]
+        pieces += [(row * width + prompt_width, rlens[row], plens[head], 1 + row, row) for row in unit]
+        for src, n, pos, seg, owner in pieces:
+            source.append(src), slot.append(offset), length.append(n), position.append(pos)
+            segment.append(seg), prefix.append(prompt_segment), member.append(owner)
+            first_predict.append(int(start[index]) + plens[head] - 1)
+            offset += n
+    lengths_of = torch.tensor(length, dtype=torch.long)
+    piece, within = _ragged(lengths_of)
+    as_tensor = {name: torch.tensor(values, dtype=torch.long) for name, values in
+                 (("source", source), ("slot", slot), ("position", position), ("segment", segment),
+                  ("prefix", prefix), ("member", member), ("first_predict", first_predict))}
+    token_slot = as_tensor["slot"][piece] + within
+    response = as_tensor["member"][piece] >= 0
+    speaker, t, at = as_tensor["member"][piece][response], within[response], token_slot[response]
+    # Response token t is predicted by the position before it; the first by its prompt's last position.
+    predicts = torch.where(t == 0, as_tensor["first_predict"][piece][response], at - 1)
+    shared = any(len(unit) > 1 for unit in units)
+    return PackedRows(
+        input_ids=_rows(input_ids.reshape(-1)[as_tensor["source"][piece] + within], token_slot, rows, capacity).to(device),
+        position_ids=_rows(as_tensor["position"][piece] + within, token_slot, rows, capacity).to(device),
+        segment_ids=_rows(as_tensor["segment"][piece], token_slot, rows, capacity).to(device),
+        prefix_ids=_rows(as_tensor["prefix"][piece], token_slot, rows, capacity).to(device) if shared else None,
+        predicts=predicts.to(device), targets=(speaker * response_width + t).to(device),
+        shape=(batch, response_width))
 
 
 @dataclass(frozen=True)

@@ -90,3 +90,58 @@ def test_pack_sequences_puts_each_token_list_in_its_segment_from_its_start():
     assert int((flat_seg > 0).sum()) == sum(map(len, sequences))  # nothing else is marked as a sequence
     with pytest.raises(ValueError, match="sequence 1 is empty"):
         pack_sequences([[1], []])
+
+
+def grouped_batch(seed: int = 0) -> Experience:
+    """Three prompts with 3, 1 and 4 completions (rows interleaved, one response empty): GRPO's layout."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 100, (n,), generator=generator).tolist() for n in (5, 2, 7)]
+    owners = [0, 1, 0, 2, 2, 0, 2, 2]
+    responses = [torch.randint(3, 100, (n,), generator=generator).tolist() for n in (4, 6, 3, 5, 0, 2, 6, 1)]
+    return Experience.of_sequences([prompts[o] for o in owners], responses, 0)
+
+
+def real_sequence(exp: Experience, row: int) -> torch.Tensor:
+    return exp.input_ids[row][exp.attention_mask[row].bool()]
+
+
+def test_rows_with_one_prompt_share_one_copy_and_every_prediction_reads_the_token_before_it():
+    exp = grouped_batch()
+    shared = exp.packed
+    separate = exp.packed_separately
+    assert separate.prefix_ids is None
+    assert shared.prefix_ids is not None
+    real = int((shared.segment_ids > 0).sum())
+    # Prompts of 5 (x3), 2 (x1), 7 (x4) tokens: every prompt once instead of once per row.
+    assert real == int(exp.attention_mask.sum()) - 2 * 5 - 3 * 7
+    assert int((separate.segment_ids > 0).sum()) == int(exp.attention_mask.sum())
+    flat_ids, flat_positions = shared.input_ids.reshape(-1), shared.position_ids.reshape(-1)
+    flat_segments, flat_prefix = shared.segment_ids.reshape(-1), shared.prefix_ids.reshape(-1)
+    width_r = exp.response_ids.shape[1]
+    rows, t = shared.targets // width_r, shared.targets % width_r
+    prompt_lengths = exp.attention_mask[:, : exp.prompt_width].sum(-1)
+    for row, step, at in zip(rows.tolist(), t.tolist(), shared.predicts.tolist(), strict=True):
+        sequence = real_sequence(exp, row)
+        position = int(prompt_lengths[row]) - 1 + step
+        assert int(flat_ids[at]) == int(sequence[position])  # the token before the predicted one
+        assert int(flat_positions[at]) == position  # at the position it has padded
+        # The response's own tokens, or its prompt's (the segment its prefix names).
+        assert int(flat_segments[at]) == (row + 1 if step > 0 else int(flat_prefix[at]))
+    assert torch.equal(shared.scatter(torch.ones(len(shared.targets))), exp.response_mask)
+    # Every response's tokens sit in its own segment, in order, after its prompt's positions; the row whose
+    # prompt nobody shares (row 1) keeps its prompt in its own segment.
+    for row in range(len(exp.input_ids)):
+        where = shared.segment_ids == row + 1
+        sequence = real_sequence(exp, row)
+        own = len(sequence) if row == 1 else len(sequence) - int(prompt_lengths[row])
+        assert torch.equal(shared.input_ids[where], sequence[len(sequence) - own:])
+        assert torch.equal(shared.position_ids[where], torch.arange(len(sequence) - own, len(sequence)))
+
+
+def test_a_shared_unit_stays_within_the_width_asked_for():
+    exp = grouped_batch(seed=1)
+    packed = pack(exp.input_ids, exp.attention_mask, exp.response_mask, exp.prompt_width, capacity=14)
+    assert packed.input_ids.shape[1] == 14
+    assert torch.equal(packed.scatter(torch.ones(len(packed.targets))), exp.response_mask)
+    # The 7-token prompt's 4 responses (5, 0, 6, 1 tokens) cannot share one row of 14: two copies of it.
+    assert int((packed.segment_ids > 0).sum()) == int(exp.attention_mask.sum()) - 2 * 5 - 2 * 7

@@ -116,6 +116,36 @@ def test_packed_rows_give_the_padded_log_probs_entropy_and_gradients(name):
                        grads_of(model, (plain_logp * weights).sum() + plain_entropy.sum()))
 
 
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_rows_sharing_a_prompt_give_the_padded_log_probs_values_and_gradients(name):
+    """GRPO's layout (completions of one prompt) packed with one copy of each prompt: a response that saw
+    another response's tokens, or a sliding window counted in slots instead of positions (the Qwen2 and
+    Mistral variants' 6- and 8-token windows), moves these by >1e-2."""
+    model = causal_lm(name)
+    generator = torch.Generator().manual_seed(4)
+    prompts = random_prompts(3, seed=4, vocab=256)
+    owners = [0, 1, 0, 2, 2, 0, 2]
+    responses = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (9, 4, 7, 8, 0, 9, 3)]
+    exp = Experience.of_sequences([prompts[o] for o in owners], responses, 0)
+    packed = exp.packed
+    assert packed.prefix_ids is not None  # prompts shared
+    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
+    logp, entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=True, packed=packed)
+    plain_logp, plain_entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=False)
+    assert float((logp - plain_logp).abs().max()) <= HIDDEN_FP32
+    assert float((entropy - plain_entropy).abs().max()) <= HIDDEN_FP32
+    assert_grads_close(grads_of(model, (logp * weights).sum() + entropy.sum()),
+                       grads_of(model, (plain_logp * weights).sum() + plain_entropy.sum()))
+
+    torch.manual_seed(0)
+    critic = AutoModelForSequenceClassification.from_config(tiny_config(name, num_labels=1),
+                                                            attn_implementation="eager")
+    values = token_values(critic, exp, packed=packed)
+    plain = token_values(critic, exp, lean=False)
+    assert float((values - plain).abs().max()) <= HIDDEN_FP32
+    assert_grads_close(grads_of(critic, (values * weights).sum()), grads_of(critic, (plain * weights).sum()))
+
+
 def test_critic_values_match_transformers():
     torch.manual_seed(0)
     critic = AutoModelForSequenceClassification.from_config(
