@@ -51,7 +51,7 @@ from alignflow.stages.reward_scoring import load_reward_models, score_with_rewar
 from alignflow.stages.rl import algorithms as rl
 from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
 from alignflow.stages.rl.kl_control import make_kl_controller
-from alignflow.stages.rl.packing import PackedRows
+from alignflow.stages.rl.packing import PackedRows, attention_width
 from alignflow.stages.rl.reward_functions import call_reward_function, load_reward_function
 from alignflow.stages.rl.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.rl.rollout_workers import RolloutWorkers
@@ -310,12 +310,13 @@ def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, row
     return "recompute"
 
 
-def packing_for(exp: Experience, cfg: PPOConfig) -> PackedRows | None:
+def packing_for(exp: Experience, cfg: PPOConfig, actor) -> PackedRows | None:
     """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step; rows with one prompt sharing
-    it unless ppo.share_prompts is off), else None: padded."""
+    it unless ppo.share_prompts is off; the row width costed for the actor's hidden size), else None: padded."""
     if not (cfg.fast_train_step and cfg.pack_sequences):
         return None
-    return exp.packed if cfg.share_prompts else exp.packed_separately
+    hidden = unwrap_lora(getattr(actor, "module", actor)).config.hidden_size
+    return exp.packing(share_prompts=cfg.share_prompts, width_of_attention=attention_width(hidden))
 
 
 def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
@@ -403,7 +404,7 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 mb = exp.select(index)
                 counts = rl.minibatch_token_counts(mb.response_mask) if world > 1 else None  # sums over ranks
                 mb = mb.trimmed() if fast else mb
-                packed = packing_for(mb, cfg)
+                packed = packing_for(mb, cfg, actor)
                 with precision.forward():
                     logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode,
                                                     head_on_response_only=fast, lean=fast, packed=packed)
@@ -768,15 +769,15 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         if with_reference:
             with profiler.phase("reference"):
                 exp.ref_logprobs = over_rows(exp, lambda part: policy_logprobs(
-                    reference, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg))[0])
+                    reference, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg, actor))[0])
         if source == "recompute":
             with profiler.phase("old_logprobs"):
                 exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(
-                    actor.module, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg))[0])
+                    actor.module, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg, actor))[0])
         if critic is not None:
             with profiler.phase("values"):
                 exp.values = over_rows(exp, lambda part: token_values(critic.module, part, lean=lean,
-                                                                      packed=packing_for(part, cfg)))
+                                                                      packed=packing_for(part, cfg, actor)))
     if off_policy:
         exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
                                                      cfg.async_weight_cap)
@@ -808,7 +809,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
             state.old_logprobs_fallback, source = True, "recompute"
             with torch.no_grad(), precision.forward():
                 exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(
-                    actor.module, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg))[0])
+                    actor.module, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg, actor))[0])
             _advantages(exp, cfg, kl_coef, with_reference, iteration)
             seq_kl = rl.sequence_kl(exp.kl, mask)
             loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)

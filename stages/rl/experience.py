@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from alignflow.kernels import logprobs_and_entropy, selective_log_softmax
-from alignflow.stages.rl.packing import PackedRows, pack
+from alignflow.stages.rl.packing import ATTENTION_WIDTH, PackedRows, pack
 from alignflow.stages.training import llama_forward
 from alignflow.stages.training.lora import AdaptersDisabled, unwrap_lora
 
@@ -65,16 +65,25 @@ class Experience:
         return Experience(**values)
 
     @cached_property
-    def packed(self) -> PackedRows:
-        """These rows packed end to end (stages/rl/packing.py), rows with the same prompt sharing one copy of it,
-        for policy_logprobs and token_values; computed once per Experience (the reference, old-log-prob and value passes share it). The sequences it is
-        computed from are never reassigned after construction; select and trimmed make new Experiences."""
-        return pack(self.input_ids, self.attention_mask, self.response_mask, self.prompt_width)
+    def _packings(self) -> dict[tuple[bool, int], PackedRows]:
+        return {}
 
-    @cached_property
-    def packed_separately(self) -> PackedRows:
-        """As `packed`, every sequence with its own copy of its prompt (ppo.share_prompts off)."""
-        return pack(self.input_ids, self.attention_mask, self.response_mask, self.prompt_width, share_prompts=False)
+    @property
+    def packed(self) -> PackedRows:
+        """`packing()` with its defaults."""
+        return self.packing()
+
+    def packing(self, share_prompts: bool = True, width_of_attention: int = ATTENTION_WIDTH) -> PackedRows:
+        """These rows packed end to end (stages/rl/packing.py: rows with the same prompt sharing one copy of it
+        unless share_prompts is off; width_of_attention: the cost model's), for policy_logprobs and
+        token_values; computed once per Experience and arguments (the reference, old-log-prob and value
+        passes share it). The sequences it is computed from are never reassigned after construction; select
+        and trimmed make new Experiences."""
+        key = (share_prompts, width_of_attention)
+        if key not in self._packings:
+            self._packings[key] = pack(self.input_ids, self.attention_mask, self.response_mask, self.prompt_width,
+                                       share_prompts=share_prompts, width_of_attention=width_of_attention)
+        return self._packings[key]
 
     def trimmed(self) -> Experience:
         """The same rows without the columns that are padding in every row (left of the longest prompt,

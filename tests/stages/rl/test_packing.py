@@ -108,7 +108,7 @@ def real_sequence(exp: Experience, row: int) -> torch.Tensor:
 def test_rows_with_one_prompt_share_one_copy_and_every_prediction_reads_the_token_before_it():
     exp = grouped_batch()
     shared = exp.packed
-    separate = exp.packed_separately
+    separate = exp.packing(share_prompts=False)
     assert separate.prefix_ids is None
     assert shared.prefix_ids is not None
     real = int((shared.segment_ids > 0).sum())

@@ -164,7 +164,7 @@ def test_old_logprobs_from_the_first_forward_train_exactly_like_the_recomputatio
     recompute_exp, first_exp = copy.copy(rollout), copy.copy(rollout)
     with torch.no_grad():  # the stage's recomputation: the fast step's forward (lean, packed)
         recompute_exp.old_logprobs = policy_logprobs(recompute_actor.module, rollout, temperature=1.0, lean=True,
-                                                     packed=packing_for(rollout, cfg))[0]
+                                                     packed=packing_for(rollout, cfg, recompute_actor))[0]
     first_exp.old_logprobs = torch.full_like(rollout.old_logprobs, float("nan"))  # must be overwritten
     metrics_a = train_on(recompute_exp, recompute_actor, None, cfg, 0.0, 1, FP32)
     metrics_b = train_on(first_exp, first_forward_actor, None, cfg, 0.0, 1, FP32, old_from_first_forward=True)
