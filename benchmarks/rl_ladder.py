@@ -28,6 +28,7 @@ and its median reported. The bottleneck column is the profiler's sentence for th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -193,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     set_offline_defaults()
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="rl-ladder-"))).resolve()
-    up = rl_setup.prepare(workdir)
+    # What the upstream stages and DeepSpeed's import print goes to stderr: with --json, stdout is the JSON alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        up = rl_setup.prepare(workdir)
     scratch = workdir / "ladder"
     scratch.mkdir(exist_ok=True)
     trl_python = {"grpo": args.trl_python, "ppo": args.trl_ppo_python or args.trl_python}

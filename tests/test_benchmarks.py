@@ -210,3 +210,13 @@ def test_training_forward_times_both_forwards_and_they_agree():
     assert set(rows) == {"train step", "no-grad forward"}
     assert all(r["plain_ms"] > 0 and r["lean_ms"] > 0 and r["cpu_ratio"] > 0 for r in rows.values())
     assert all(r["max_abs_diff"] < 1e-4 and r["tokens"] > 16 * 20 for r in rows.values())
+
+
+def test_packing_layouts_times_every_layout_and_they_agree_with_the_padded_forward():
+    result = json.loads(_run("packing_layouts.py", "--rounds", "1", "--model", "bench", "--json"))
+    rows = {(r["batch"], r["layout"]): r for r in result["rows"]}
+    assert len(rows) == 6  # 2 batches x 3 layouts
+    assert all(r["ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in rows.values())
+    # The GRPO batch's 4 prompts go in once each when shared: 3 copies of each fewer.
+    grpo = {layout: r["tokens"] for (batch, layout), r in rows.items() if batch == "GRPO 4x4"}
+    assert grpo["shared prompts, width 512"] == grpo["separate, width 128"] - 3 * (24 + 30 + 33 + 36)
