@@ -14,7 +14,8 @@ Shared prompts: rows with the same prompt (GRPO samples a group of completions p
 copy of it, each response attending to the prompt and to itself at the positions it has padded (pack's
 share_prompts). Causal attention makes a prompt's hidden states independent of what follows, so the
 result is the same; the gradient through the prompt's positions sums the group's, as the padded layout's
-copies do. The ladder's GRPO minibatch (4 prompts x 4 completions) holds 632 tokens instead of 992.
+copies do. benchmarks/packing_layouts.py's GRPO minibatch (4 prompts of 24-36 tokens x 4 completions of 32)
+holds 635 tokens instead of 1,004.
 """
 
 from __future__ import annotations
@@ -119,21 +120,22 @@ def _rows(values: Tensor, slot: Tensor, rows: int, capacity: int) -> Tensor:
     return torch.zeros(rows * capacity, dtype=torch.long).index_put_((slot,), values).view(rows, capacity)
 
 
-def _prompt_units(prompts: list[tuple[int, ...]], response_lengths: list[int], limit: int) -> list[list[int]]:
-    """Rows grouped into units that share one copy of their (identical) prompt: rows with equal prompts in
-    order of first appearance, a unit growing while prompt + its responses stay within `limit` tokens (a
-    unit always takes at least one row)."""
+def _prompt_units(prompts: list[tuple[int, ...]], prompt_lengths: list[int], response_lengths: list[int],
+                  limit: int) -> list[list[int]]:
+    """Rows grouped into units that share one copy of their prompt: rows with equal `prompts` keys in order of
+    first appearance, a unit growing while prompt + its responses stay within `limit` tokens (a unit always
+    takes at least one row)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for row, prompt in enumerate(prompts):
         groups.setdefault(prompt, []).append(row)
     units: list[list[int]] = []
-    for prompt, rows in groups.items():
+    for rows in groups.values():
         unit: list[int] = []
-        used = len(prompt)
+        used = prompt_lengths[rows[0]]
         for row in rows:
             if unit and used + response_lengths[row] > limit:
                 units.append(unit)
-                unit, used = [], len(prompt)
+                unit, used = [], prompt_lengths[rows[0]]
             unit.append(row)
             used += response_lengths[row]
         units.append(unit)
@@ -141,7 +143,7 @@ def _prompt_units(prompts: list[tuple[int, ...]], response_lengths: list[int], l
 
 
 # Unit limits tried, in multiples of the longest sequence: a GRPO group of 4 x 32-token responses to a
-# 30-token prompt is 158 tokens against 62 for one sequence (2.5x), and its 16 rows 632 tokens instead of 992.
+# 30-token prompt is 158 tokens against 62 for one sequence (2.5x).
 SHARING_LIMITS = (1, 2, 3)
 
 
@@ -169,13 +171,14 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
         row = int((prompt_lengths == 0).nonzero()[0])
         raise ValueError(f"row {row} has no prompt token: nothing predicts its first response token")
     plens, rlens = prompt_lengths.tolist(), response_lengths.tolist()
+    # Rows share a unit only under equal keys: the prompt's tokens, or the row itself when nothing is shared.
     prompts = [tuple(input_ids[row, prompt_width - plens[row]:prompt_width].tolist()) if share_prompts else (row,)
                for row in range(batch)]
     longest = max(p + r for p, r in zip(plens, rlens, strict=True))
     candidates = []
     for multiple in SHARING_LIMITS if share_prompts else (1,):
         limit = multiple * longest if capacity is None else min(multiple * longest, capacity)
-        units = _prompt_units(prompts, rlens, limit)
+        units = _prompt_units(prompts, plens, rlens, limit)
         lengths = [plens[unit[0]] + sum(rlens[row] for row in unit) for unit in units]
         width_of_rows = capacity or choose_capacity(lengths, width_of_attention)
         cost = _cost(lengths, width_of_rows, width_of_attention) if capacity is None else sum(lengths)  # fixed width: fewest tokens

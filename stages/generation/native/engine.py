@@ -454,11 +454,11 @@ class NativeEngine(Engine):
         first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct ones
         heads: list[int] = []  # the row each distinct prompt first appears in
         inverse = []
-        for row, prompt in enumerate(prompts):
-            if tuple(prompt) not in first:
-                first[tuple(prompt)] = len(heads)
+        for row, prompt in enumerate(map(tuple, prompts)):
+            if prompt not in first:
+                first[prompt] = len(heads)
                 heads.append(row)
-            inverse.append(first[tuple(prompt)])
+            inverse.append(first[prompt])
         width = tokens.shape[1]
         if not self.share_prompt_prefill or len(heads) == len(prompts):
             return self.model.forward(cache, tokens, positions, 0, prefill_masks(self.spec, pad, width, self.dtype),
