@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from training_forward import MODELS  # noqa: E402
+from training_forward import MODELS, machine_info  # noqa: E402
 
 from alignflow.stages.rl.experience import Experience, policy_logprobs  # noqa: E402
 from alignflow.stages.rl.packing import attention_width  # noqa: E402
@@ -105,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = measure(args.model, args.rounds)
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-               "threads": torch.get_num_threads()}
+    machine = machine_info()
     if args.json:
         print(json.dumps({"machine": machine, "rows": rows}, indent=2))
         return 0

@@ -103,6 +103,12 @@ def measure(name: str, rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+def machine_info() -> dict[str, Any]:
+    """The CPU, its core count and the torch threads the timings ran with (the tables' and JSON's header)."""
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -114,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)} (choose from {', '.join(MODELS)})")
     rows = [row for name in names for row in measure(name, args.rounds)]
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-               "threads": torch.get_num_threads()}
+    machine = machine_info()
     if args.json:
         print(json.dumps({"machine": machine, "rows": rows}, indent=2))
         return 0

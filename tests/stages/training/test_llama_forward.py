@@ -60,6 +60,17 @@ def assert_grads_close(lean: dict[str, torch.Tensor], plain: dict[str, torch.Ten
         assert float((lean[name] - grad).abs().max()) <= GRAD_FP32 * scale, name
 
 
+def assert_packed_log_probs_match_padded(model, exp: Experience, packed) -> None:
+    """Log-probs, entropy and their gradients on the packed rows against transformers' padded forward."""
+    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
+    logp, entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=True, packed=packed)
+    plain_logp, plain_entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=False)
+    assert float((logp - plain_logp).abs().max()) <= HIDDEN_FP32
+    assert float((entropy - plain_entropy).abs().max()) <= HIDDEN_FP32
+    assert_grads_close(grads_of(model, (logp * weights).sum() + entropy.sum()),
+                       grads_of(model, (plain_logp * weights).sum() + plain_entropy.sum()))
+
+
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_hidden_states_and_gradients_match_transformers(name):
     model = causal_lm(name)
@@ -107,13 +118,7 @@ def test_packed_rows_give_the_padded_log_probs_entropy_and_gradients(name):
     exp = rl_batch(seed=2, rows=7)
     packed = exp.packed
     assert packed.input_ids.shape[0] < exp.input_ids.shape[0]  # some row holds two sequences
-    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
-    logp, entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=True, packed=packed)
-    plain_logp, plain_entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=False)
-    assert float((logp - plain_logp).abs().max()) <= HIDDEN_FP32
-    assert float((entropy - plain_entropy).abs().max()) <= HIDDEN_FP32
-    assert_grads_close(grads_of(model, (logp * weights).sum() + entropy.sum()),
-                       grads_of(model, (plain_logp * weights).sum() + plain_entropy.sum()))
+    assert_packed_log_probs_match_padded(model, exp, packed)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
@@ -129,13 +134,7 @@ def test_rows_sharing_a_prompt_give_the_padded_log_probs_values_and_gradients(na
     exp = Experience.of_sequences([prompts[o] for o in owners], responses, 0)
     packed = exp.packed
     assert packed.prefix_ids is not None  # prompts shared
-    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
-    logp, entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=True, packed=packed)
-    plain_logp, plain_entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=False)
-    assert float((logp - plain_logp).abs().max()) <= HIDDEN_FP32
-    assert float((entropy - plain_entropy).abs().max()) <= HIDDEN_FP32
-    assert_grads_close(grads_of(model, (logp * weights).sum() + entropy.sum()),
-                       grads_of(model, (plain_logp * weights).sum() + plain_entropy.sum()))
+    assert_packed_log_probs_match_padded(model, exp, packed)
 
     torch.manual_seed(0)
     critic = AutoModelForSequenceClassification.from_config(tiny_config(name, num_labels=1),
@@ -143,6 +142,7 @@ def test_rows_sharing_a_prompt_give_the_padded_log_probs_values_and_gradients(na
     values = token_values(critic, exp, packed=packed)
     plain = token_values(critic, exp, lean=False)
     assert float((values - plain).abs().max()) <= HIDDEN_FP32
+    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
     assert_grads_close(grads_of(critic, (values * weights).sum()), grads_of(critic, (plain * weights).sum()))
 
 
