@@ -175,48 +175,46 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
     prompts = [tuple(input_ids[row, prompt_width - plens[row]:prompt_width].tolist()) if share_prompts else (row,)
                for row in range(batch)]
     longest = max(p + r for p, r in zip(plens, rlens, strict=True))
+    only_distinct = len(set(prompts)) == batch  # no two rows share a prompt: every limit gives the same units
     candidates = []
-    for multiple in SHARING_LIMITS if share_prompts else (1,):
+    for multiple in (1,) if only_distinct else SHARING_LIMITS:
         limit = multiple * longest if capacity is None else min(multiple * longest, capacity)
         units = _prompt_units(prompts, plens, rlens, limit)
         lengths = [plens[unit[0]] + sum(rlens[row] for row in unit) for unit in units]
         width_of_rows = capacity or choose_capacity(lengths, width_of_attention)
         cost = _cost(lengths, width_of_rows, width_of_attention) if capacity is None else sum(lengths)  # fixed width: fewest tokens
-        candidates.append((cost, multiple, units, width_of_rows))
-        if len(set(prompts)) == batch:  # no two rows share a prompt: every limit gives these units
-            break
-    _, _, units, capacity = min(candidates, key=lambda c: c[:2])
-    lengths = torch.tensor([plens[unit[0]] + sum(rlens[row] for row in unit) for unit in units], dtype=torch.long)
-    capacity, rows, start, _, _ = _layout(lengths, capacity)
-    # Pieces: a unit's prompt (read from its first row), then each row's response, in slot order.
-    source, slot, length, position, segment, prefix, member, first_predict = ([] for _ in range(8))
+        candidates.append((cost, multiple, units, lengths, width_of_rows))
+    _, _, units, lengths, capacity = min(candidates, key=lambda c: c[:2])
+    capacity, rows, start, _, _ = _layout(torch.tensor(lengths, dtype=torch.long), capacity)
+    # Pieces, in slot order: a unit's prompt (read from its first row), then each row's response. Per piece:
+    # source flat index, first slot, length, first position, segment, prefix segment, row (-1: the prompt),
+    # and the slot predicting the piece's first token (its prompt's last position).
+    pieces = []
     for index, unit in enumerate(units):
-        head = unit[0]
+        head, offset = unit[0], int(start[index])
         prompt_segment = 1 + head if len(unit) == 1 else 1 + batch + index
-        offset = int(start[index])
-        pieces = [(head * width + prompt_width - plens[head], plens[head], 0, prompt_segment, -1)]
-        pieces += [(row * width + prompt_width, rlens[row], plens[head], 1 + row, row) for row in unit]
-        for src, n, pos, seg, owner in pieces:
-            source.append(src), slot.append(offset), length.append(n), position.append(pos)
-            segment.append(seg), prefix.append(prompt_segment), member.append(owner)
-            first_predict.append(int(start[index]) + plens[head] - 1)
-            offset += n
-    lengths_of = torch.tensor(length, dtype=torch.long)
-    piece, within = _ragged(lengths_of)
-    as_tensor = {name: torch.tensor(values, dtype=torch.long) for name, values in
-                 (("source", source), ("slot", slot), ("position", position), ("segment", segment),
-                  ("prefix", prefix), ("member", member), ("first_predict", first_predict))}
-    token_slot = as_tensor["slot"][piece] + within
-    response = as_tensor["member"][piece] >= 0
-    speaker, t, at = as_tensor["member"][piece][response], within[response], token_slot[response]
+        last_prompt_slot = offset + plens[head] - 1
+        pieces.append((head * width + prompt_width - plens[head], offset, plens[head], 0, prompt_segment,
+                       prompt_segment, -1, last_prompt_slot))
+        offset += plens[head]
+        for row in unit:
+            pieces.append((row * width + prompt_width, offset, rlens[row], plens[head], 1 + row, prompt_segment, row,
+                           last_prompt_slot))
+            offset += rlens[row]
+    source, first_slot, length, first_position, segment, prefix, member, first_predict = \
+        torch.tensor(pieces, dtype=torch.long).T
+    piece, within = _ragged(length)
+    token_slot = first_slot[piece] + within
+    response = member[piece] >= 0
+    speaker, t, at = member[piece][response], within[response], token_slot[response]
     # Response token t is predicted by the position before it; the first by its prompt's last position.
-    predicts = torch.where(t == 0, as_tensor["first_predict"][piece][response], at - 1)
+    predicts = torch.where(t == 0, first_predict[piece][response], at - 1)
     shared = any(len(unit) > 1 for unit in units)
     return PackedRows(
-        input_ids=_rows(input_ids.reshape(-1)[as_tensor["source"][piece] + within], token_slot, rows, capacity).to(device),
-        position_ids=_rows(as_tensor["position"][piece] + within, token_slot, rows, capacity).to(device),
-        segment_ids=_rows(as_tensor["segment"][piece], token_slot, rows, capacity).to(device),
-        prefix_ids=_rows(as_tensor["prefix"][piece], token_slot, rows, capacity).to(device) if shared else None,
+        input_ids=_rows(input_ids.reshape(-1)[source[piece] + within], token_slot, rows, capacity).to(device),
+        position_ids=_rows(first_position[piece] + within, token_slot, rows, capacity).to(device),
+        segment_ids=_rows(segment[piece], token_slot, rows, capacity).to(device),
+        prefix_ids=_rows(prefix[piece], token_slot, rows, capacity).to(device) if shared else None,
         predicts=predicts.to(device), targets=(speaker * response_width + t).to(device),
         shape=(batch, response_width))
 
