@@ -18,11 +18,11 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -82,6 +82,7 @@ from alignflow.stages.training.torch_engine import TorchTrainEngine, initialize_
 from alignflow.storage import join_uri, open_store, remove_unfinished_writes
 
 CHECKPOINT_DIR = re.compile(r"/checkpoints/iter_(\d{5})/manifest\.json$")
+T = TypeVar("T")
 
 
 class NonFiniteError(RuntimeError):
@@ -332,9 +333,10 @@ def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
 
 @contextmanager
 def critic_thread(actor, critic, cfg: PPOConfig) -> Iterator[ThreadPoolExecutor | None]:
-    """The thread train_on runs the critic's updates on (None: they run in line, see overlaps_critic). Each thread
-    gets half the torch threads: on the demo model (2 cores) the train phase went 0.147-0.168 s (2 threads, one
-    after the other) -> 0.117 s (1 + 1); with 2 threads each it was slower (0.18 s, oversubscribed).
+    """The thread the critic's passes run on: its value pass beside the scoring and reference passes
+    (experience_passes), its updates beside the actor's (train_on); None: they run in line, see overlaps_critic.
+    Each thread gets half the torch threads: on the demo model (2 cores) the train phase went 0.147-0.168 s
+    (2 threads, one after the other) -> 0.117 s (1 + 1); with 2 threads each it was slower (0.18 s, oversubscribed).
     torch.set_num_threads is per OS thread under OpenMP, so the critic's thread sets its own."""
     if not overlaps_critic(actor, critic, cfg):
         yield None
@@ -345,9 +347,48 @@ def critic_thread(actor, critic, cfg: PPOConfig) -> Iterator[ThreadPoolExecutor 
     torch.set_num_threads(half)
     try:
         yield executor
-    finally:  # on an error too: the critic's queued updates end before the caller goes on
+    finally:  # on an error too: the critic's queued work ends before the caller goes on
         executor.shutdown(cancel_futures=True)
         torch.set_num_threads(threads)
+
+
+def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference, precision: Precision, source: str,
+                      profiler, score: Callable[[], T]) -> T:
+    """The no-grad passes that make the experience: score() (the reward models and functions; its result is
+    returned), then the reference's log-probs (when the KL needs them), the actor's old log-probs (source
+    'recompute') and the critic's values, filled into exp.
+
+    With ppo.overlap_critic (overlaps_critic) the critic's value pass runs on its own thread from the start,
+    beside score() and the reference and actor passes here, each thread with half the torch threads: the passes
+    share no state and each gives what it gives alone. Phase 'values' is then the wait for it after the others."""
+    lean = cfg.fast_train_step
+    packed = packing_for(exp, cfg, actor)  # once, before two threads would both compute it for exp's cache
+
+    def values() -> torch.Tensor:  # grad mode and autocast are per thread: set on the thread that runs it
+        with torch.no_grad(), precision.forward():
+            return over_rows(exp, lambda part: token_values(
+                critic.module, part, lean=lean, packed=packed if part is exp else packing_for(part, cfg, actor)))
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.no_grad(), precision.forward():
+            return over_rows(exp, lambda part: policy_logprobs(
+                model, part, cfg.temperature, lean=lean,
+                packed=packed if part is exp else packing_for(part, cfg, actor))[0])
+
+    with critic_thread(actor, critic, cfg) as beside:
+        pending = beside.submit(values) if beside is not None else None
+        with profiler.phase("score"):
+            scored = score()
+        if needs_reference(cfg):
+            with profiler.phase("reference"):
+                exp.ref_logprobs = logprobs(reference)
+        if source == "recompute":
+            with profiler.phase("old_logprobs"):
+                exp.old_logprobs = logprobs(actor.module)
+        if critic is not None:
+            with profiler.phase("values"):
+                exp.values = pending.result() if pending is not None else values()
+    return scored
 
 
 def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int, precision: Precision,
@@ -739,7 +780,17 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         batch_prompt_ids, generation.response_token_ids, pad_id)
     rollout_logprobs = generation.padded(pad_id)[1][:, : response_ids.shape[1]]
 
-    with profiler.phase("score"):
+    # Off-policy (async): the old log-probs are the proximal policy's (the actor now, before this update),
+    # and the engine's, the behaviour policy's, weight each token (the decoupled objective).
+    source = "recompute" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
+    lean = cfg.fast_train_step
+    exp = Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
+                     old_logprobs=rollout_logprobs * mask, ref_logprobs=torch.zeros_like(mask), values=None,
+                     scores=torch.zeros(len(rows)), token_rewards=torch.zeros_like(mask), kl=torch.zeros_like(mask),
+                     advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p)
+
+    def score() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
         scored = None
         if is_main():  # with N trainer ranks rank 0 scores and sends the scores (the others hold no reward model)
             raw, components = compute_scores(reward_models, reward_fns, texts, completions,
@@ -750,34 +801,13 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
             gold = (torch.tensor([gold_score(t, c) for t, c in zip(texts, completions, strict=True)]) if demo_task
                     else None)
             scored = (raw, components, gold)
-        raw, components, gold = from_main(scored)
-        check_finite("the reward", raw, iteration)
-        finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
-        scores = shape_scores(raw, finished, state, cfg)
+        return from_main(scored)
 
-    exp = Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
-                     old_logprobs=rollout_logprobs * mask, ref_logprobs=torch.zeros_like(mask), values=None,
-                     scores=scores, token_rewards=torch.zeros_like(mask), kl=torch.zeros_like(mask),
-                     advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p)
+    raw, components, gold = experience_passes(exp, cfg, actor, critic, reference, precision, source, profiler, score)
+    check_finite("the reward", raw, iteration)
+    finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
+    exp.scores = shape_scores(raw, finished, state, cfg)
     with_reference = needs_reference(cfg)
-    # Off-policy (async): the old log-probs are the proximal policy's (the actor now, before this update),
-    # and the engine's, the behaviour policy's, weight each token (the decoupled objective).
-    source = "recompute" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
-    lean = cfg.fast_train_step
-    with torch.no_grad(), precision.forward():
-        if with_reference:
-            with profiler.phase("reference"):
-                exp.ref_logprobs = over_rows(exp, lambda part: policy_logprobs(
-                    reference, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg, actor))[0])
-        if source == "recompute":
-            with profiler.phase("old_logprobs"):
-                exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(
-                    actor.module, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg, actor))[0])
-        if critic is not None:
-            with profiler.phase("values"):
-                exp.values = over_rows(exp, lambda part: token_values(critic.module, part, lean=lean,
-                                                                      packed=packing_for(part, cfg, actor)))
     if off_policy:
         exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
                                                      cfg.async_weight_cap)
@@ -827,7 +857,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     metrics: dict[str, float] = {
         "iteration": float(iteration),
         "rollout/score_mean": float(raw.mean()),
-        "rollout/reward_total_mean": float(scores.mean()),
+        "rollout/reward_total_mean": float(exp.scores.mean()),
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/eos_fraction": float(finished.float().mean()),
         "rollout/old_logprobs_recomputed": float(source != "engine"),
