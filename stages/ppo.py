@@ -333,8 +333,8 @@ def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
 
 @contextmanager
 def critic_thread(actor, critic, cfg: PPOConfig) -> Iterator[ThreadPoolExecutor | None]:
-    """The thread the critic's passes run on: its value pass beside the scoring and reference passes
-    (experience_passes), its updates beside the actor's (train_on); None: they run in line, see overlaps_critic.
+    """The second thread of overlaps_critic: one of the experience's passes runs there beside the others
+    (experience_passes), the critic's updates beside the actor's (train_on); None: they run in line.
     Each thread gets half the torch threads: on the demo model (2 cores) the train phase went 0.147-0.168 s
     (2 threads, one after the other) -> 0.117 s (1 + 1); with 2 threads each it was slower (0.18 s, oversubscribed).
     torch.set_num_threads is per OS thread under OpenMP, so the critic's thread sets its own."""
@@ -358,28 +358,34 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
     returned), then the reference's log-probs (when the KL needs them), the actor's old log-probs (source
     'recompute') and the critic's values, filled into exp.
 
-    With ppo.overlap_critic (overlaps_critic) the critic's value pass runs on its own thread from the start,
-    beside score() and the reference and actor passes here, each thread with half the torch threads: the passes
-    share no state and each gives what it gives alone. Phase 'values' is then the wait for it after the others."""
+    With ppo.overlap_critic (overlaps_critic) one pass runs on the critic's thread from the start, beside score()
+    and the others here, each thread with half the torch threads: the reference's when there is one, else the
+    critic's (the passes share no state and each gives what it gives alone). On the demo (2 cores, dispatch-bound)
+    score, reference and values took 8.3, 8.8 and 6.2 ms one after the other; with the values beside, the wait
+    for them was 0 and the two others 17 ms; the reference beside balances the threads better (9 vs 14 ms).
+    The phase of the pass on that thread is the wait for it after the others."""
     lean = cfg.fast_train_step
     packed = packing_for(exp, cfg, actor)  # once, before two threads would both compute it for exp's cache
 
-    def values() -> torch.Tensor:  # grad mode and autocast are per thread: set on the thread that runs it
-        with torch.no_grad(), precision.forward():
-            return over_rows(exp, lambda part: token_values(
-                critic.module, part, lean=lean, packed=packed if part is exp else packing_for(part, cfg, actor)))
-
-    def logprobs(model) -> torch.Tensor:
+    def logprobs(model) -> torch.Tensor:  # grad mode and autocast are per thread: set on the thread that runs it
         with torch.no_grad(), precision.forward():
             return over_rows(exp, lambda part: policy_logprobs(
                 model, part, cfg.temperature, lean=lean,
                 packed=packed if part is exp else packing_for(part, cfg, actor))[0])
 
+    def values() -> torch.Tensor:
+        with torch.no_grad(), precision.forward():
+            return over_rows(exp, lambda part: token_values(
+                critic.module, part, lean=lean, packed=packed if part is exp else packing_for(part, cfg, actor)))
+
+    with_reference = needs_reference(cfg)
     with critic_thread(actor, critic, cfg) as beside:
-        pending = beside.submit(values) if beside is not None else None
+        reference_beside = beside is not None and with_reference
+        if beside is not None:
+            pending = beside.submit(logprobs, reference) if reference_beside else beside.submit(values)
         with profiler.phase("score"):
             scored = score()
-        if needs_reference(cfg):
+        if with_reference and not reference_beside:
             with profiler.phase("reference"):
                 exp.ref_logprobs = logprobs(reference)
         if source == "recompute":
@@ -387,7 +393,10 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
                 exp.old_logprobs = logprobs(actor.module)
         if critic is not None:
             with profiler.phase("values"):
-                exp.values = pending.result() if pending is not None else values()
+                exp.values = pending.result() if beside is not None and not reference_beside else values()
+        if reference_beside:
+            with profiler.phase("reference"):
+                exp.ref_logprobs = pending.result()
     return scored
 
 

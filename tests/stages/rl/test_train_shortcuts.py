@@ -269,14 +269,16 @@ def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkp
             assert torch.equal(x, y), name
 
 
-def test_the_critics_value_pass_on_its_own_thread_gives_what_it_gives_in_line(checkpoint, rollout, monkeypatch):
-    """ppo.overlap_critic in experience_passes: the critic's value pass runs on the critic's thread (a wrapper
-    of token_values sees which) beside the scoring, reference and actor passes, and every result equals the in-line run's
-    bit for bit (the same forwards, one torch thread each); the stage's thread count is restored."""
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, rollout, monkeypatch, kl_coef):
+    """ppo.overlap_critic in experience_passes: one pass runs on the critic's thread beside the scoring and the
+    others (the reference's with a KL term, else the critic's; wrappers of the passes see which thread ran
+    them), and every result equals the in-line run's bit for bit (the same forwards, one torch thread each); the
+    stage's thread count is restored."""
     import threading
 
-    from alignflow.stages.models.loading import load_sequence_classifier
     from alignflow.stages import ppo
+    from alignflow.stages.models.loading import load_sequence_classifier
     from alignflow.stages.ppo import experience_passes, overlaps_critic
     from alignflow.stages.profiler import Profiler
     from alignflow.stages.training.deepspeed_setup import OptimSettings
@@ -291,34 +293,42 @@ def test_the_critics_value_pass_on_its_own_thread_gives_what_it_gives_in_line(ch
     with torch.no_grad():  # a reference unlike the actor, so that mixing the two up would show
         for weight in reference.parameters():
             weight.mul_(0.9)
-    value_threads: list[str] = []
+    ran_on: list[tuple[str, bool]] = []  # (pass, on the critic's thread)
 
-    def token_values(*args, **kwargs):
-        value_threads.append(threading.current_thread().name)
-        return original_token_values(*args, **kwargs)
+    def watched(name, function):
+        def run(model, *args, **kwargs):
+            who = "reference" if model is reference else name
+            ran_on.append((who, threading.current_thread().name.startswith("critic")))
+            return function(model, *args, **kwargs)
+        return run
 
-    original_token_values = ppo.token_values
-    monkeypatch.setattr(ppo, "token_values", token_values)
+    monkeypatch.setattr(ppo, "token_values", watched("values", ppo.token_values))
+    monkeypatch.setattr(ppo, "policy_logprobs", watched("old_logprobs", ppo.policy_logprobs))
     torch.set_num_threads(2)  # one thread each (the autouse fixture restores 1 after the test)
     runs = {}
     for overlap in (False, True):
-        cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, kl_coef=0.05, overlap_critic=overlap)
+        cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, kl_coef=kl_coef,
+                         overlap_critic=overlap)
         assert overlaps_critic(actor, critic, cfg) is overlap
         exp = copy.copy(rollout)
         profiler = Profiler("test")
+        ran_on.clear()
         scored = experience_passes(exp, cfg, actor, critic, reference, FP32, "recompute", profiler,
                                    lambda: threading.current_thread().name)
         assert scored == threading.current_thread().name  # score() runs here, its result returned
         assert torch.get_num_threads() == 2
-        assert {"score", "reference", "old_logprobs", "values"} <= set(profiler.phase_totals)
+        passes = {"values", "old_logprobs"} | ({"reference"} if kl_coef else set())
+        assert set(profiler.phase_totals) == passes | {"score"}
+        beside = {"reference" if kl_coef else "values"} if overlap else set()
+        assert sorted(ran_on) == sorted((name, name in beside) for name in passes)
         runs[overlap] = exp
-        assert value_threads.pop().startswith("critic") is overlap
     in_line, overlapped = runs[False], runs[True]
     for name in ("values", "ref_logprobs", "old_logprobs"):
         assert torch.equal(getattr(in_line, name), getattr(overlapped, name)), name
         assert not getattr(overlapped, name).requires_grad, name  # no_grad is per thread: set on each
-    assert not torch.equal(in_line.ref_logprobs, in_line.old_logprobs)
     assert float((in_line.values * in_line.response_mask).abs().sum()) > 0
+    if kl_coef:
+        assert not torch.equal(in_line.ref_logprobs, in_line.old_logprobs)
 
 
 @pytest.mark.parametrize("packed", [False, True])
