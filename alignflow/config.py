@@ -347,6 +347,13 @@ class PPOConfig(Section):
         "a second thread beside the actor's, each thread with half the torch threads (the two share no state: the "
         "same updates, in the same order, bit for bit). On the demo's 64-wide model on 2 cores the train phase "
         "went 0.15-0.17 -> 0.12 s. Elsewhere (DeepSpeed, several ranks, CUDA, one thread) it is sequential.")
+    overlap_passes: Literal["auto", "on", "off"] = Field(
+        "auto", description="Where ppo.overlap_critic applies: one of the no-grad passes that make the experience "
+        "(the reference's, else the critic's values) runs on the critic's thread beside the scoring and the "
+        "others. That pays where the passes are bound by operator dispatch (the demo's 64-wide model on 2 "
+        "cores: score, reference and values 23 -> 17 ms) and costs where they are bound by arithmetic (the "
+        "4.7M, 256-wide benchmark model: 143 -> 154 ms, three passes of one size on two half-speed threads). "
+        "auto: on for actors narrower than 256.")
     train_backend: Literal["auto", "torch", "deepspeed"] = Field(
         "auto", description="Who steps the actor and critic. deepspeed: DeepSpeed engines (ZeRO, several ranks, "
         "offload); torch: plain torch AdamW in this process, one rank without ZeRO (saves DeepSpeed's ~2.4 s of "

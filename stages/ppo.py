@@ -316,8 +316,12 @@ def packing_for(exp: Experience, cfg: PPOConfig, actor) -> PackedRows | None:
     it unless ppo.share_prompts is off; the row width costed for the actor's hidden size), else None: padded."""
     if not (cfg.fast_train_step and cfg.pack_sequences):
         return None
-    hidden = unwrap_lora(getattr(actor, "module", actor)).config.hidden_size
-    return exp.packing(share_prompts=cfg.share_prompts, width_of_attention=attention_width(hidden))
+    return exp.packing(share_prompts=cfg.share_prompts, width_of_attention=attention_width(actor_width(actor)))
+
+
+def actor_width(actor) -> int:
+    """The hidden size of the actor (a train engine, a LoRA-wrapped or a plain model)."""
+    return unwrap_lora(getattr(actor, "module", actor)).config.hidden_size
 
 
 def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
@@ -331,14 +335,26 @@ def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
                     for m in (actor, critic)))
 
 
+# Narrower actors overlap the experience's passes under ppo.overlap_passes: auto (see its description).
+OVERLAP_PASSES_BELOW_WIDTH = 256
+
+
+def overlaps_passes(actor, critic, cfg: PPOConfig) -> bool:
+    """Whether experience_passes runs one pass on the critic's thread (ppo.overlap_passes, where overlaps_critic)."""
+    if cfg.overlap_passes == "off" or not overlaps_critic(actor, critic, cfg):
+        return False
+    return cfg.overlap_passes == "on" or actor_width(actor) < OVERLAP_PASSES_BELOW_WIDTH
+
+
 @contextmanager
-def critic_thread(actor, critic, cfg: PPOConfig) -> Iterator[ThreadPoolExecutor | None]:
+def critic_thread(actor, critic, cfg: PPOConfig, enabled: bool | None = None) -> Iterator[ThreadPoolExecutor | None]:
     """The second thread of overlaps_critic: one of the experience's passes runs there beside the others
     (experience_passes), the critic's updates beside the actor's (train_on); None: they run in line.
+    enabled: whether to start it (default: overlaps_critic).
     Each thread gets half the torch threads: on the demo model (2 cores) the train phase went 0.147-0.168 s
     (2 threads, one after the other) -> 0.117 s (1 + 1); with 2 threads each it was slower (0.18 s, oversubscribed).
     torch.set_num_threads is per OS thread under OpenMP, so the critic's thread sets its own."""
-    if not overlaps_critic(actor, critic, cfg):
+    if not (overlaps_critic(actor, critic, cfg) if enabled is None else enabled):
         yield None
         return
     threads = torch.get_num_threads()
@@ -358,12 +374,12 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
     returned), then the reference's log-probs (when the KL needs them), the actor's old log-probs (source
     'recompute') and the critic's values, filled into exp.
 
-    With ppo.overlap_critic (overlaps_critic) one pass runs on the critic's thread from the start, beside score()
+    With ppo.overlap_passes (overlaps_passes) one pass runs on the critic's thread from the start, beside score()
     and the others here, each thread with half the torch threads: the reference's when there is one, else the
     critic's (the passes share no state and each gives what it gives alone). On the demo (2 cores, dispatch-bound)
-    score, reference and values took 8.3, 8.8 and 6.2 ms one after the other; with the values beside, the wait
-    for them was 0 and the two others 17 ms; the reference beside balances the threads better (9 vs 14 ms).
-    The phase of the pass on that thread is the wait for it after the others."""
+    score, reference and values took 7.6 + 9.3 + 6.1 ms one after the other; with the values beside, 9.6 + 8.6 ms
+    and no wait for them; with the reference beside, 9.0 + 7.5 ms and 0.3 ms of wait (medians of 5 interleaved
+    runs). The phase of the pass on that thread is the wait for it after the others."""
     lean = cfg.fast_train_step
     packed = packing_for(exp, cfg, actor)  # once, before two threads would both compute it for exp's cache
 
@@ -379,7 +395,7 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
                 critic.module, part, lean=lean, packed=packed if part is exp else packing_for(part, cfg, actor)))
 
     with_reference = needs_reference(cfg)
-    with critic_thread(actor, critic, cfg) as beside:
+    with critic_thread(actor, critic, cfg, overlaps_passes(actor, critic, cfg)) as beside:
         reference_beside = beside is not None and with_reference
         if beside is not None:
             pending = beside.submit(logprobs, reference) if reference_beside else beside.submit(values)

@@ -279,7 +279,7 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
 
     from alignflow.stages import ppo
     from alignflow.stages.models.loading import load_sequence_classifier
-    from alignflow.stages.ppo import experience_passes, overlaps_critic
+    from alignflow.stages.ppo import experience_passes, overlaps_critic, overlaps_passes
     from alignflow.stages.profiler import Profiler
     from alignflow.stages.training.deepspeed_setup import OptimSettings
     from alignflow.stages.training.torch_engine import TorchTrainEngine
@@ -310,6 +310,7 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
         cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, kl_coef=kl_coef,
                          overlap_critic=overlap)
         assert overlaps_critic(actor, critic, cfg) is overlap
+        assert overlaps_passes(actor, critic, cfg) is overlap  # auto: the 64-wide actor is narrower than 256
         exp = copy.copy(rollout)
         profiler = Profiler("test")
         ran_on.clear()
@@ -329,6 +330,11 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
     assert float((in_line.values * in_line.response_mask).abs().sum()) > 0
     if kl_coef:
         assert not torch.equal(in_line.ref_logprobs, in_line.old_logprobs)
+    wide = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6)
+    assert not overlaps_passes(actor, critic, wide.model_copy(update={"overlap_passes": "off"}))
+    monkeypatch.setattr(actor.module.config, "hidden_size", 256)  # bound by arithmetic: auto keeps them in line
+    assert overlaps_critic(actor, critic, wide) and not overlaps_passes(actor, critic, wide)
+    assert overlaps_passes(actor, critic, wide.model_copy(update={"overlap_passes": "on"}))
 
 
 @pytest.mark.parametrize("packed", [False, True])
