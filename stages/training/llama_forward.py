@@ -34,22 +34,45 @@ from alignflow.stages.generation.native.spec import LlamaFamilySpec, rope_tables
 # hashable, hence the id key; the reference proves the entry is that config's and not a dead one's whose id a new
 # config reused (a stale spec gave a critic the wrong KV-head count in CI), and drops the entry with the config.
 _TABLES: dict[int, tuple[weakref.ref, LlamaFamilySpec, Tensor, Tensor]] = {}
+# id(config) -> (a weak reference to it, why llama_hidden_states cannot run it, or None): supports' cache.
+_UNSUPPORTED: dict[int, tuple[weakref.ref, str | None]] = {}
 
 
 def supports(backbone: Any) -> str | None:
-    """None when `llama_hidden_states` runs this backbone exactly; else why not (one phrase)."""
+    """None when `llama_hidden_states` runs this backbone exactly; else why not (one phrase).
+
+    Every RL forward asks (11 times per demo iteration): the config's answer is kept per config object, as
+    _spec_and_rope's tables are (116 -> ~50 us per call on the demo model; spec_from_hf_config reads ~20 of
+    transformers' config attributes, each through its __getattribute__)."""
     config = getattr(backbone, "config", None)
     if config is None or not hasattr(backbone, "layers") or not hasattr(backbone, "embed_tokens"):
         return "not a transformers Llama-family backbone"
-    try:
-        spec_from_hf_config(config, config.max_position_embeddings)
-    except UnsupportedArchitectureError as exc:
-        return str(exc).split(": ", 1)[-1].split(". Use")[0]
+    entry = _UNSUPPORTED.get(id(config))
+    if entry is None or entry[0]() is not config:
+        try:
+            spec_from_hf_config(config, config.max_position_embeddings)
+            reason = None
+        except UnsupportedArchitectureError as exc:
+            reason = str(exc).split(": ", 1)[-1].split(". Use")[0]
+        entry = _UNSUPPORTED[id(config)] = (_forgetting_ref(config, _UNSUPPORTED), reason)
+    if entry[1] is not None:
+        return entry[1]
     if backbone.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         return f"attention_dropout={config.attention_dropout} in training"
     if any(hasattr(p, "ds_id") for p in backbone.parameters()):
         return "DeepSpeed ZeRO-3 partitions the parameters (gathered by module hooks)"
     return None
+
+
+def _forgetting_ref(config: Any, table: dict[int, tuple]) -> weakref.ref:
+    """A weak reference to `config` that drops table[id(config)] with the config (while the entry is its own)."""
+    key = id(config)
+
+    def forget(ref: weakref.ref) -> None:
+        if key in table and table[key][0] is ref:
+            del table[key]
+
+    return weakref.ref(config, forget)
 
 
 def _spec_and_rope(config: Any, device: torch.device) -> tuple[LlamaFamilySpec, Tensor, Tensor]:
@@ -60,12 +83,7 @@ def _spec_and_rope(config: Any, device: torch.device) -> tuple[LlamaFamilySpec, 
         spec = spec_from_hf_config(config, config.max_position_embeddings)
         cos, sin = rope_tables(config, spec, config.max_position_embeddings)
         sin = signed_sin(sin)  # apply_rope's table
-
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            if key in _TABLES and _TABLES[key][0] is ref:
-                del _TABLES[key]
-
-        entry = _TABLES[key] = (weakref.ref(config, forget), spec, cos.to(device), sin.to(device))
+        entry = _TABLES[key] = (_forgetting_ref(config, _TABLES), spec, cos.to(device), sin.to(device))
     return entry[1], entry[2], entry[3]
 
 

@@ -205,6 +205,22 @@ def test_refuses_what_it_does_not_run_exactly():
     assert "attention_dropout" in llama_forward.supports(dropout.model.train())
 
 
+def test_the_answer_of_supports_is_kept_per_config_and_dropped_with_it():
+    """supports() checks a config once: a second model's config gets its own answer (a refused architecture after
+    a supported one is still refused), and the entry goes when its config does."""
+    import gc
+
+    plain, gelu = causal_lm("llama_mha_untied"), causal_lm("llama_mha_untied", hidden_act="gelu")
+    for _ in range(2):
+        assert llama_forward.supports(plain.model) is None
+        assert "hidden_act" in llama_forward.supports(gelu.model)
+    key = id(gelu.config)
+    assert key in llama_forward._UNSUPPORTED
+    del gelu
+    gc.collect()
+    assert key not in llama_forward._UNSUPPORTED
+
+
 def test_unsupported_models_fall_back_to_transformers_forward():
     model = causal_lm("llama_mha_untied", hidden_act="gelu")
     exp = rl_batch(seed=4)
