@@ -237,9 +237,10 @@ class EngineConfig(Section):
         True, description="CPU: keep a packed copy of each linear weight (oneDNN's layout, or 16-column blocks for "
                           "the fp32 kernel of cpu_kernels): 1.2-3x faster decode GEMMs, twice the weight memory.")
     cpu_kernels: bool = Field(
-        True, description="CPU with AVX-512: run fp32 decode attention and (with cpu_prepack) fp32 linears in "
-                          "alignflow's C++ kernels, built with g++ on first use (~1 min on 2 cores, then "
-                          "cached); false: torch and oneDNN only.")
+        True, description="CPU with AVX-512: run fp32 decode attention, (with cpu_prepack) fp32 linears and the "
+                          "sampler in alignflow's C++ kernels, built with g++ on first use (~1 min on 2 cores, then "
+                          "cached); with AVX2 and no AVX-512, the sampler's AVX2 build (~30 s); false: torch and "
+                          "oneDNN only.")
     parity_prompts: int = Field(8, ge=1, description="Prompts of the build-time greedy parity check against hf.")
     parity_new_tokens: int = Field(16, ge=1)
     tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor-parallel ranks.")

@@ -84,7 +84,7 @@ RUN pip install --no-cache-dir --no-deps /src \
     && rm -rf /src \
     && chmod 0755 /usr/local/bin/alignflow-entrypoint
 
-# 2: compile alignflow's C++ CPU kernels (kernels/csrc: fp32 decode linears and attention) into
+# 2: compile alignflow's C++ CPU kernels (kernels/csrc: fp32 decode linears, attention, the sampler and its AVX2 build) into
 # TORCH_EXTENSIONS_DIR too. A stage container starts from the image every run, so otherwise every
 # engine and PPO stage on CPU spends 54-66 s (2 cores) compiling them. 0 skips it (GPU-only images).
 ARG ALIGNFLOW_CPU_KERNELS=1

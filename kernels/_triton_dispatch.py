@@ -22,10 +22,10 @@ CHUNKED_OPS = ("sample_tokens",)
 
 
 def cpp_available() -> bool:
-    """True when the C++ CPU kernels run here (AVX-512 CPU, extension built; the first call builds it)."""
+    """True when the C++ CPU sampler runs here (AVX-512 or AVX2 CPU, extension built; the first call builds it)."""
     from alignflow.kernels import _cpu_extension
 
-    return _cpu_extension.extension() is not None
+    return _cpu_extension.sampler() is not None
 
 
 @functools.cache
@@ -55,7 +55,7 @@ def resolve_impl(impl: str, device: torch.device, op: str) -> str:
         if not cpp_available():
             from alignflow.kernels import _cpu_extension
 
-            raise RuntimeError(f"{op}: impl='cpp' is not available here ({_cpu_extension.unavailable_reason()}); "
+            raise RuntimeError(f"{op}: impl='cpp' is not available here ({_cpu_extension.sampler_unavailable_reason()}); "
                                "use impl='chunked' or 'auto'")
         return "cpp"
     if impl == "auto":

@@ -131,7 +131,7 @@ def sample_tokens(
         flags = flags or batch_flags(rows, logits.shape[1])
         if thresholds is None and (flags.any_top_k or flags.any_top_p):
             thresholds = kept_set_thresholds(logits, rows.temperature, rows.top_k, rows.top_p, flags)
-        tokens, logprobs = _cpu_extension.extension().sample_tokens(
+        tokens, logprobs = _cpu_extension.sampler().sample_tokens(
             logits.to(torch.float32).contiguous(), rows.temperature.contiguous(), rows.seeds.contiguous(),
             rows.steps.contiguous(),
             thresholds.to(torch.int64).contiguous() if thresholds is not None else _NO_THRESHOLDS)

@@ -381,7 +381,9 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
     and no wait for them; with the reference beside, 9.0 + 7.5 ms and 0.3 ms of wait (medians of 5 interleaved
     runs). The phase of the pass on that thread is the wait for it after the others."""
     lean = cfg.fast_train_step
-    packed = packing_for(exp, cfg, actor)  # once, before two threads would both compute it for exp's cache
+    with_reference = needs_reference(cfg)
+    # Once, before two threads would both compute it for exp's cache; not at all when no pass runs (GRPO at KL 0).
+    packed = packing_for(exp, cfg, actor) if with_reference or source == "recompute" or critic is not None else None
 
     def logprobs(model) -> torch.Tensor:  # grad mode and autocast are per thread: set on the thread that runs it
         with torch.no_grad(), precision.forward():
@@ -394,7 +396,6 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
             return over_rows(exp, lambda part: token_values(
                 critic.module, part, lean=lean, packed=packed if part is exp else packing_for(part, cfg, actor)))
 
-    with_reference = needs_reference(cfg)
     with critic_thread(actor, critic, cfg, overlaps_passes(actor, critic, cfg)) as beside:
         reference_beside = beside is not None and with_reference
         if beside is not None:

@@ -62,8 +62,9 @@ def test_wheel_in_a_fresh_venv_imports_every_module(tmp_path):
     assert in_wheel == source_modules(), "pyproject's packages list is missing or has extra packages"
     with zipfile.ZipFile(wheel) as zf:
         sources = {n for n in zf.namelist() if n.endswith(".cpp")}
-    expected = {f"alignflow/kernels/csrc/{p.name}" for p in (REPO / "kernels" / "csrc").glob("*.cpp")}
-    assert len(expected) >= 3 and sources == expected, "the C++ kernel sources, compiled on first use, ship"
+    csrc = REPO / "kernels" / "csrc"
+    expected = {f"alignflow/kernels/csrc/{p.relative_to(csrc)}" for p in csrc.rglob("*.cpp")}
+    assert len(expected) >= 4 and sources == expected, "the C++ kernel sources, compiled on first use, ship"
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)

@@ -276,6 +276,17 @@ SAMPLER_PATHS = {"cpp": "sample_tokens (AVX-512 C++)", "chunked": "sample_tokens
                  "torch": "sample_tokens (torch reference)", "triton": "sample_tokens (Triton)"}
 
 
+def sampler_path(impl: str) -> str:
+    """What execution_paths says of a resolved sampler impl: the C++ one is the AVX-512 build or, on CPUs
+    without AVX-512, the AVX2 one (kernels/_cpu_extension.sampler)."""
+    if impl == "cpp":
+        from alignflow.kernels import _cpu_extension
+
+        if _cpu_extension.extension() is None:
+            return "sample_tokens (AVX2 C++)"
+    return SAMPLER_PATHS[impl]
+
+
 # Backend name -> "module:Class" (imported lazily so `base` stays torch-free). None: planned, not built yet.
 ENGINE_BACKENDS: dict[str, str | None] = {
     "native": "alignflow.stages.generation.native.engine:NativeEngine",

@@ -24,7 +24,6 @@ from alignflow.stages.generation.base import (
     ENGINE_CONFIG_FILE,
     ENGINE_FORMAT,
     ENGINE_LAYOUT_VERSION,
-    SAMPLER_PATHS,
     Engine,
     EngineError,
     FinishReason,
@@ -38,6 +37,7 @@ from alignflow.stages.generation.base import (
     read_engine_config,
     resolve_device,
     resolve_dtype,
+    sampler_path,
     validate_prompts,
     warn_if_cpu_emulates,
 )
@@ -133,7 +133,7 @@ class HFEngine(Engine):
         return {"backend": self.backend, "device": str(self.device),
                 "dtype": str(self.model.dtype).removeprefix("torch."), "decode_step": "transformers generate",
                 "attention": self.model.config._attn_implementation,
-                "sampler": SAMPLER_PATHS[resolve_impl("auto", self.device, "sample_tokens")]}
+                "sampler": sampler_path(resolve_impl("auto", self.device, "sample_tokens"))}
 
     @property
     def loaded(self) -> bool:

@@ -564,11 +564,27 @@ def test_cpp_sampler_uses_the_hash_constants_of_rng():
     import re
     from pathlib import Path
 
-    source = (Path(sampling.__file__).parent / "csrc" / "sampling.cpp").read_text()
-    for name, cpp_name in (("FMIX_M1", "kFmixM1"), ("FMIX_M2", "kFmixM2"), ("GOLDEN", "kGolden"),
-                           ("SEED_SALT", "kSeedSalt"), ("STEP_SALT", "kStepSalt")):
-        value = re.search(rf"constexpr uint32_t {cpp_name} = (0x[0-9A-F]+)u;", source).group(1)
-        assert int(value, 16) == getattr(rng, name), name
+    csrc = Path(sampling.__file__).parent / "csrc"
+    for path in (csrc / "sampling.cpp", csrc / "avx2" / "sampling_avx2.cpp"):  # the AVX-512 and AVX2 builds
+        source = path.read_text()
+        for name, cpp_name in (("FMIX_M1", "kFmixM1"), ("FMIX_M2", "kFmixM2"), ("GOLDEN", "kGolden"),
+                               ("SEED_SALT", "kSeedSalt"), ("STEP_SALT", "kStepSalt")):
+            value = re.search(rf"constexpr uint32_t {cpp_name} = (0x[0-9A-F]+)u;", source).group(1)
+            assert int(value, 16) == getattr(rng, name), (path.name, name)
+
+
+@needs_cpp
+def test_the_cpp_sampler_is_the_avx512_extension_or_else_the_avx2_build():
+    """sampler(): where the AVX-512 kernels run it is their extension; on an AVX2 CPU (torch's kernels AVX2 too,
+    so the same SLEEF log), the AVX2 sampler's own extension, which the tests above then check."""
+    from alignflow.kernels import _cpu_extension
+
+    module = _cpu_extension.sampler()
+    if _cpu_extension.extension() is not None:
+        assert module is _cpu_extension.extension()
+    else:
+        assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+        assert module.__name__ == _cpu_extension.AVX2_SAMPLER_NAME
 
 
 @needs_cpp
@@ -621,7 +637,7 @@ def test_cpp_sampler_handles_non_finite_logits_like_the_reference():
 def test_cpp_sampler_rejects_malformed_arguments_by_name():
     from alignflow.kernels import _cpu_extension
 
-    module = _cpu_extension.extension()
+    module = _cpu_extension.sampler()
     logits, rows = torch.randn(2, 8), (torch.ones(2), torch.arange(2), torch.zeros(2, dtype=torch.long))
     none = torch.empty(0, dtype=torch.long)
     with pytest.raises(RuntimeError, match=r"logits must be a contiguous float32 CPU \[B, V\]"):

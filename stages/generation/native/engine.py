@@ -46,7 +46,6 @@ from alignflow.stages.generation.base import (
     ENGINE_CONFIG_FILE,
     ENGINE_FORMAT,
     ENGINE_LAYOUT_VERSION,
-    SAMPLER_PATHS,
     Engine,
     EngineError,
     FinishReason,
@@ -60,6 +59,7 @@ from alignflow.stages.generation.base import (
     read_engine_config,
     resolve_device,
     resolve_dtype,
+    sampler_path,
     validate_prompts,
     warn_if_cpu_emulates,
 )
@@ -163,9 +163,10 @@ class NativeEngine(Engine):
         # (heads, head_dim, hidden, vocab) stay constants the C++ code is specialised for. Against
         # dynamic=True (every size symbolic) that made the decode step's attention 13.3 vs 14.2 ms at
         # batch 64 and 1.25 vs 1.56 ms at batch 8 (12 layers of the ~100M model, bf16, 57 cached keys).
-        # Sampler: on CPU with the C++ kernels (engine.cpu_kernels, AVX-512) both engines call the
-        # AVX-512 kernel eagerly (the reference's tokens; at [64, 32000] 3.98 ms against 8.70 for the
-        # compiled reference and 17.2 chunked, benchmarks/sampler_bench.py). Otherwise a compiled engine
+        # Sampler: on CPU with the C++ kernels (engine.cpu_kernels; AVX-512, or its AVX2 build on CPUs
+        # without it) both engines call the kernel eagerly (the reference's tokens; at [64, 32000] 3.98 ms
+        # against 8.70 for the compiled reference and 17.2 chunked, benchmarks/sampler_bench.py, AVX-512).
+        # Otherwise a compiled engine
         # compiles the torch reference (impl="torch": ~40 small integer/float ops over [B, V] that
         # inductor fuses into one loop) and an eager one takes the chunked CPU sampler (same tokens,
         # 3-6x faster than the eager reference), or on CUDA impl="auto": the Triton kernel.
@@ -206,7 +207,7 @@ class NativeEngine(Engine):
             attention = "torch (one query per row, KV groups folded)"
             if cpu and self.dtype == torch.float32 and config.cpu_kernels and skinny_linear.available():
                 attention += f"; the C++ kernel takes head_dim a multiple of 16 up to 256, not {self.spec.head_dim}"
-        sampler = SAMPLER_PATHS[resolve_impl(self._sample_impl, self.device, "sample_tokens")]
+        sampler = sampler_path(resolve_impl(self._sample_impl, self.device, "sample_tokens"))
         if self._sample is not sample_tokens:
             sampler += ", compiled"
         paths: dict[str, Any] = {"backend": self.backend, "device": str(self.device),

@@ -151,7 +151,8 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
     paths = engine.execution_paths()
     from alignflow.kernels._triton_dispatch import cpp_available
 
-    sampler = "sample_tokens (AVX-512 C++)" if cpp_available() else "sample_tokens (torch reference), compiled"
+    cpp = "sample_tokens (AVX-512 C++)" if skinny.available() else "sample_tokens (AVX2 C++)"
+    sampler = cpp if cpp_available() else "sample_tokens (torch reference), compiled"
     assert (paths["decode_step"], paths["sampler"]) == ("torch.compile", sampler)
 
 
@@ -216,6 +217,27 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     assert failed["sampler"] == "sample_tokens (chunked torch)"
     assert failed["cpu_kernels"].startswith("unavailable: building ")
     assert "error: command 'c++' failed" in failed["cpu_kernels"]
+
+
+def test_without_avx512_the_engines_sample_with_the_avx2_cpp_sampler_unless_cpu_kernels_is_off(tiny_checkpoints):
+    """On an AVX2 CPU the C++ kernels' AVX-512 build does not run, but the sampler's AVX2 build does: both
+    engines say so, and engine.cpu_kernels: false keeps the chunked torch sampler (same tokens)."""
+    from alignflow.kernels import _cpu_extension
+
+    if skinny.available() or _cpu_extension.sampler() is None:
+        pytest.skip("for CPUs with AVX2 and no AVX-512, where the AVX2 sampler builds")
+    path = tiny_checkpoints["llama_gqa_tied_llama3"]
+    prompts = random_prompts(5, seed=12)
+    native = NativeEngine.build(path, engine_config())
+    chunked = NativeEngine.build(path, engine_config(cpu_kernels=False))
+    assert native.execution_paths()["sampler"] == "sample_tokens (AVX2 C++)"
+    assert chunked.execution_paths()["sampler"] == "sample_tokens (chunked torch)"
+    assert build_engine(path, engine_config(backend="hf")).execution_paths()["sampler"] == "sample_tokens (AVX2 C++)"
+    a = native.generate(prompts, SAMPLED.model_copy(update={"seed": 5}))
+    b = chunked.generate(prompts, SAMPLED.model_copy(update={"seed": 5}))
+    assert a.response_token_ids == b.response_token_ids
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-5)
 
 
 def test_bf16_weights_are_packed_only_where_onednn_can():
