@@ -239,9 +239,11 @@ def test_llama_variants_the_native_engine_does_not_run_are_rejected(overrides, r
         spec_from_hf_config(tiny_config("llama_mha_untied", **overrides), max_seq_len=64)
 
 
-def test_noise_windows_cross_window_boundaries_with_the_same_noise_and_samples(native, monkeypatch):
-    """Windows of 3 steps (the demo gets one window per generate call) give every step the per-step noise,
-    and the engine the same tokens and log-probs as with one window for all steps."""
+def test_noise_windows_cross_window_boundaries_with_the_same_noise_and_samples(tiny_checkpoints, monkeypatch):
+    """Windows of 3 steps (an eager engine on the chunked sampler gets one window per generate call) give every
+    step the per-step noise, and the engine the same tokens and log-probs as with one window for all steps."""
+    native = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(cpu_kernels=False))
+    assert native._sample_impl == "chunked"  # the C++ samplers hash their own noise
     seeds = torch.tensor([3, 17, 40])
     monkeypatch.setattr(native_engine, "NOISE_WINDOW_ELEMENTS", 3 * 3 * 256)
     windows = native_engine.NoiseWindows(seeds, 10, 256)
