@@ -398,6 +398,7 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
 
     with critic_thread(actor, critic, cfg, overlaps_passes(actor, critic, cfg)) as beside:
         reference_beside = beside is not None and with_reference
+        values_beside = beside is not None and not with_reference
         if beside is not None:
             pending = beside.submit(logprobs, reference) if reference_beside else beside.submit(values)
         with profiler.phase("score"):
@@ -410,7 +411,7 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
                 exp.old_logprobs = logprobs(actor.module)
         if critic is not None:
             with profiler.phase("values"):
-                exp.values = pending.result() if beside is not None and not reference_beside else values()
+                exp.values = pending.result() if values_beside else values()
         if reference_beside:
             with profiler.phase("reference"):
                 exp.ref_logprobs = pending.result()
