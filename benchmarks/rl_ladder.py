@@ -154,13 +154,13 @@ def summarise(rounds: list[dict[str, Any]], shapes: list[str], levels: list[str]
                 "bottleneck": runs[-1]["bottleneck"],
                 "phases_s": runs[-1]["phases_s"],
             })
-        trl_runs = [r["trl"][shape] for r in rounds if r["trl"].get(shape)]
+        # (TRL run, the same round's baseline) for the rounds whose TRL run was not skipped
+        trl_runs = [(r["trl"][shape], b) for r, b in zip(rounds, base, strict=True) if r["trl"].get(shape)]
         if trl_runs:
-            rows.append({"shape": shape, "level": f"TRL {trl_runs[0].get('trl_version', '')}",
-                         "iteration_s": statistics.median(t["median_s"] for t in trl_runs),
-                         "completions_per_s": statistics.median(t["completions_per_s"] for t in trl_runs),
-                         "speedup_vs_baseline": statistics.median(t["completions_per_s"] / b
-                                                                  for t, b in zip(trl_runs, base, strict=False)),
+            rows.append({"shape": shape, "level": f"TRL {trl_runs[0][0].get('trl_version', '')}",
+                         "iteration_s": statistics.median(t["median_s"] for t, _ in trl_runs),
+                         "completions_per_s": statistics.median(t["completions_per_s"] for t, _ in trl_runs),
+                         "speedup_vs_baseline": statistics.median(t["completions_per_s"] / b for t, b in trl_runs),
                          "vs_trl": 1.0, "vs_trl_rounds": [], "bottleneck": "", "phases_s": {}})
     return rows
 

@@ -213,10 +213,72 @@ def test_training_forward_times_both_forwards_and_they_agree():
 
 
 def test_packing_layouts_times_every_layout_and_they_agree_with_the_padded_forward():
+    from alignflow.stages.rl.packing import attention_width
+
     result = json.loads(_run("packing_layouts.py", "--rounds", "1", "--model", "bench", "--json"))
     rows = {(r["batch"], r["layout"]): r for r in result["rows"]}
     assert len(rows) == 6  # 2 batches x 3 layouts
     assert all(r["ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in rows.values())
     # The GRPO batch's 4 prompts go in once each when shared: 3 copies of each fewer.
     grpo = {layout: r["tokens"] for (batch, layout), r in rows.items() if batch == "GRPO 4x4"}
-    assert grpo["shared prompts, width 512"] == grpo["separate, width 128"] - 3 * (24 + 30 + 33 + 36)
+    assert grpo[f"shared prompts, width {attention_width(256)}"] == grpo["separate, width 128"] - 3 * (24 + 30 + 33 + 36)
+
+
+def rl_ladder():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import rl_ladder
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return rl_ladder
+
+
+def test_rl_ladder_levels_add_to_the_ones_before():
+    ladder = rl_ladder()
+    engine, overrides = ladder.level_config("baseline")
+    assert engine == "hf" and overrides["old_logprobs"] == "recompute" and overrides["train_backend"] == "deepspeed"
+    engine, overrides = ladder.level_config("fast_step")
+    assert engine == "native_compiled"
+    assert overrides == {"old_logprobs": "auto", "kl_metric": False, "fast_train_step": True, "autocast": "auto",
+                         "train_backend": "auto", "async_rollouts": False}
+    assert ladder.level_config("async")[1]["async_rollouts"] is True
+    with pytest.raises(ValueError, match="unknown level 'fastest'; levels: baseline, native"):
+        ladder.level_config("fastest")
+
+
+def test_rl_ladder_takes_the_median_of_per_round_ratios_and_names_the_bounding_phase():
+    """Ratios are taken round by round (a box that drifts moves both runs of a round), then the median; a round
+    whose TRL run was skipped gives no ratio, and the later rounds' TRL runs still meet their own round's
+    baseline. The median of ratios differs from the ratio of medians here."""
+    ladder = rl_ladder()
+
+    def run(completions_per_s: float, train_s: float) -> dict:
+        return {"iteration_s": 16 / completions_per_s, "completions_per_s": completions_per_s,
+                "bottleneck": f"train {train_s}", "phases_s": {"train": train_s}}
+
+    ours = {"baseline": [10.0, 20.0, 12.0], "fast_step": [30.0, 30.0, 60.0]}
+    trl = [None, 15.0, 10.0]
+    rounds = [{"levels": {("grpo", level): run(ours[level][i], 0.1 * i) for level in ours},
+               "trl": {"grpo": {"median_s": 16 / t, "completions_per_s": t, "trl_version": "1.16.0"} if t else None}}
+              for i, t in enumerate(trl)]
+    rows = {r["level"]: r for r in ladder.summarise(rounds, ["grpo"], ["baseline", "fast_step"])}
+    assert set(rows) == {"baseline", "fast_step", "TRL 1.16.0"}
+    fast = rows["fast_step"]
+    assert fast["vs_trl_rounds"] == [2.0, 6.0] and fast["vs_trl"] == 4.0
+    assert fast["speedup_vs_baseline"] == 3.0  # rounds 3.0, 1.5, 5.0
+    assert fast["completions_per_s"] == 30.0 and fast["iteration_s"] == pytest.approx(16 / 30)
+    assert fast["phases_s"] == {"train": 0.2}  # the last round's
+    assert rows["TRL 1.16.0"]["completions_per_s"] == 12.5
+    assert rows["TRL 1.16.0"]["speedup_vs_baseline"] == pytest.approx((15 / 20 + 10 / 12) / 2)
+    iterations = [{"timing/iteration": 1.0, "timing/generate_engine": 0.9, "timing/generate": 0.2,
+                   "timing/train": 0.7}] * 3
+    assert ladder.bottleneck(iterations).startswith("train is 70% of each iteration")
+
+
+def test_rl_ladder_refuses_unknown_shapes_and_levels_before_running_anything():
+    for args, message in ((["--shapes", "dpo"], "unknown shape 'dpo'; shapes: grpo, ppo"),
+                          (["--levels", "turbo"], "unknown level 'turbo'"),
+                          (["--iterations", "1"], "--iterations must be >= 2")):
+        done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rl_ladder.py"), *args], capture_output=True,
+                              text=True, timeout=300, cwd=REPO)
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
