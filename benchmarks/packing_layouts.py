@@ -7,8 +7,8 @@ and PPO (16 prompts of 20-39 tokens, responses of 20-32). Layouts, interleaved r
 
 - `separate, width 128`: every row its own prompt, the cost model's attention width fixed at 128 (before
   packing.attention_width: what the demo's 64-wide model measured best);
-- `separate, width 2H`: the same with the width for this model (packing.attention_width);
-- `shared prompts, width 2H`: rows with one prompt share one copy of it (ppo.share_prompts, the default).
+- `separate, width A`: the same with the attention width for this model (packing.attention_width);
+- `shared prompts, width A`: rows with one prompt share one copy of it (ppo.share_prompts, the default).
 
 One step = llama_forward on the packed rows, selective log-softmax, backward, global-norm clip, fused
 AdamW: the stage's fast step. The table has the packed shape, the token slots, the median milliseconds and

@@ -87,12 +87,21 @@ ATTENTION_WIDTH = 128
 
 
 def attention_width(hidden_size: int) -> int:
-    """The cost model's attention width for a model `hidden_size` wide: per position the linear layers' work
-    grows with hidden^2 and attention's with W x hidden, so the width where they match grows with the hidden
-    size. 2 x hidden: 128 measured on the demo's 64-wide model (above); on the ladder's 256-wide model a
-    GRPO minibatch (4 prompts of 24-36 tokens x 4 completions of 32) was 267 ms fwd+bwd in 16 rows of 68,
-    210 in 6 of 132 and 187 in 4 of 164 (2 threads): 512 picks the 4 rows, 128 the 16."""
-    return 2 * hidden_size
+    """The cost model's attention width for a model `hidden_size` wide. Per position the linear layers' work
+    grows with hidden^2 and attention's with W x hidden, and CPU attention kernels grow more efficient with the
+    head size: hidden^2 / 64, at least ATTENTION_WIDTH, fits the two models measured.
+
+    - The demo's 64-wide model: 128 (above).
+    - The ladder's 256-wide model, 1,024, from a fwd+bwd+AdamW step (2 threads, medians of 7):
+      - 16 distinct rows of 622 tokens as 15 rows of 46 against 5 of 138 (the same 690 slots): 146 against
+        153 ms. 63k more attention pairs cost ~5%, so the width is ~1,600-1,900.
+      - A GRPO minibatch (4 prompts of 6-13 tokens x 4 completions of ~32) as 8 rows of 74-78 (two copies of
+        each prompt) against one whole group per row, 4 x 138-142: 147-150 against 144-145 ms. The 4-row
+        layout trades 40-56 fewer slots for 30k more pairs, so the width is ~850 or more.
+    - Earlier (2 x hidden, 512): a GRPO minibatch with prompts of 24-36 tokens took 267 ms in 16 rows of 68,
+      210 in 6 of 132 and 187 in 4 of 164.
+    """
+    return max(ATTENTION_WIDTH, hidden_size * hidden_size // 64)
 
 
 def _cost(lengths: list[int], capacity: int, width_of_attention: int = ATTENTION_WIDTH) -> float:
@@ -164,9 +173,10 @@ def _prompt_units(prompts: list[tuple[int, ...]], prompt_lengths: list[int], res
     return units
 
 
-# Unit limits tried, in multiples of the longest sequence: a GRPO group of 4 x 32-token responses to a
-# 30-token prompt is 158 tokens against 62 for one sequence (2.5x).
-SHARING_LIMITS = (1, 2, 3)
+# Unit limits tried, in multiples of the longest sequence; None: a whole group per unit. A GRPO group of 4 x
+# 32-token responses to a 30-token prompt is 158 tokens against 62 for one sequence (2.5x); to a 10-token
+# prompt, 138 against 42 (3.3x: the RL ladder's, whose 4 rows of a whole group each beat 8 of half a group).
+SHARING_LIMITS = (1, 2, 3, None)
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, prompt_width: int,
@@ -180,7 +190,8 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
     prompt's tokens, then each row's response, every response attending to the prompt and to itself
     (`prefix_ids`) at the positions it has alone, so every real position computes what it computes
     padded; the last prompt position predicts each row's first response token. A unit of shared rows grows
-    to at most SHARING_LIMITS x the longest sequence, the multiple (and the width) the cost model prefers.
+    to at most SHARING_LIMITS x the longest sequence, or to the whole group, whichever (and whatever width)
+    the cost model prefers; on a tie, the smaller units.
     width_of_attention: the cost model's (attention_width of the model that runs the rows).
     """
     device = input_ids.device
@@ -200,13 +211,14 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
     longest = max(p + r for p, r in zip(plens, rlens, strict=True))
     only_distinct = len(set(prompts)) == batch  # no two rows share a prompt: every limit gives the same units
     candidates = []
-    for multiple in (1,) if only_distinct else SHARING_LIMITS:
-        limit = multiple * longest if capacity is None else min(multiple * longest, capacity)
+    for preference, multiple in enumerate((1,) if only_distinct else SHARING_LIMITS):
+        limit = multiple * longest if multiple else sum(plens) + sum(rlens)  # None: a whole group per unit
+        limit = limit if capacity is None else min(limit, capacity)
         units = _prompt_units(prompts, plens, rlens, limit)
         lengths = [plens[unit[0]] + sum(rlens[row] for row in unit) for unit in units]
         width_of_rows = capacity or choose_capacity(lengths, width_of_attention)
         cost = _cost(lengths, width_of_rows, width_of_attention) if capacity is None else sum(lengths)  # fixed width: fewest tokens
-        candidates.append((cost, multiple, units, lengths, width_of_rows))
+        candidates.append((cost, preference, units, lengths, width_of_rows))  # ties: the smaller units
     _, _, units, lengths, capacity = min(candidates, key=lambda c: c[:2])
     capacity, rows, start, _, _ = _layout(torch.tensor(lengths, dtype=torch.long), capacity)
     # Pieces, in slot order: a unit's prompt (read from its first row), then each row's response. Per piece:
