@@ -215,6 +215,8 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
         limit = multiple * longest if multiple else sum(plens) + sum(rlens)  # None: a whole group per unit
         limit = limit if capacity is None else min(limit, capacity)
         units = _prompt_units(prompts, plens, rlens, limit)
+        if candidates and units == candidates[-1][2]:
+            continue  # the same units as the smaller limit (a group within it): costed already, and it wins ties
         lengths = [plens[unit[0]] + sum(rlens[row] for row in unit) for unit in units]
         width_of_rows = capacity or choose_capacity(lengths, width_of_attention)
         cost = _cost(lengths, width_of_rows, width_of_attention) if capacity is None else sum(lengths)  # fixed width: fewest tokens

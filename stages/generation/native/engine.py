@@ -166,10 +166,9 @@ class NativeEngine(Engine):
         # Sampler: on CPU with the C++ kernels (engine.cpu_kernels; AVX-512, or its AVX2 build on CPUs
         # without it) both engines call the kernel eagerly (the reference's tokens; at [64, 32000] 3.98 ms
         # against 8.70 for the compiled reference and 17.2 chunked, benchmarks/sampler_bench.py, AVX-512).
-        # Otherwise a compiled engine
-        # compiles the torch reference (impl="torch": ~40 small integer/float ops over [B, V] that
-        # inductor fuses into one loop) and an eager one takes the chunked CPU sampler (same tokens,
-        # 3-6x faster than the eager reference), or on CUDA impl="auto": the Triton kernel.
+        # Otherwise a compiled engine compiles the torch reference (impl="torch": ~40 small integer/float
+        # ops over [B, V] that inductor fuses into one loop) and an eager one takes the chunked CPU sampler
+        # (same tokens, 3-6x faster than the eager reference), or on CUDA impl="auto": the Triton kernel.
         cpp_sampler = device.type == "cpu" and engine_config.cpu_kernels and cpp_available()
         self._step = torch.compile(self.model.forward, dynamic=None) if self._compile else self.model.forward
         if cpp_sampler:
