@@ -1,11 +1,11 @@
 """Time of one fp32 decode step's linears and attention by implementation and batch rows (not a test).
 
 Linears, the ~110M engine's 49 weights (~440 MB, distinct tensors so every call reads its weight from
-memory, as a decode step does): `skinny` (alignflow.kernels.skinny_linear, AVX-512 C++), `onednn` (the
-packed copy oneDNN reorders for that row count), `F.linear` (MKL on the plain [N, K] weight), `engine`
-(what the engine runs without the AVX-512 kernel: oneDNN for the weights of at least
-prepack.MIN_PACKED_BYTES, F.linear for the rest). Without AVX-512 the skinny column and the attention
-table are left out. Attention, the model's 12 layers with --kv-len of 88 cache slots filled: `kernel`
+memory, as a decode step does): `skinny` (alignflow.kernels.skinny_linear, the AVX-512 or AVX2 C++
+build), `onednn` (the packed copy oneDNN reorders for that row count), `F.linear` (MKL on the plain [N, K]
+weight), `engine` (what the engine runs without the C++ kernel: oneDNN for the weights of at least
+prepack.MIN_PACKED_BYTES, F.linear for the rest). Where the kernel cannot run the skinny column is left
+out, and without AVX-512 the attention table (its kernel has no AVX2 build). Attention, the model's 12 layers with --kv-len of 88 cache slots filled: `kernel`
 (alignflow.kernels.decode_attention), `torch` (its reference, eager), `compiled` (the reference under
 torch.compile, what the compiled engine ran before). Best of --repeats; every implementation's output
 is checked against F.linear / the reference first.
@@ -131,18 +131,23 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from alignflow.kernels import _cpu_extension
+    from alignflow.kernels import skinny_linear as skinny
 
     torch.set_num_threads(args.threads)
-    kernels = _cpu_extension.extension() is not None
+    kernels = skinny.available()
     if not kernels:
-        print(f"the CPU kernels are not available here ({_cpu_extension.unavailable_reason()}): no skinny column, "
-              "no attention table", file=sys.stderr)
+        print(f"skinny_linear is not available here ({skinny.unavailable_reason()}): no skinny column",
+              file=sys.stderr)
+    attention = _cpu_extension.extension() is not None
+    if not attention:
+        print(f"the AVX-512 kernels are not available here ({_cpu_extension.unavailable_reason()}): no attention "
+              "table", file=sys.stderr)
     model = MODELS[args.model]
     result = {"model": args.model, "threads": args.threads,
               "linears": bench_linears(model, [int(r) for r in args.rows.split(",")], args.repeats, kernels,
                                        None if args.engine_floor_kib is None else args.engine_floor_kib << 10),
               "attention": bench_attention(model, [int(r) for r in args.attention_rows.split(",")], args.kv_len,
-                                           args.repeats) if kernels else []}
+                                           args.repeats) if attention else []}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             table.add_row(str(row["rows"]), *times, f"{mb / row['onednn_ms']:.1f}")
     console.print(table)
-    if not kernels:
+    if not attention:
         return 0
     table = Table(title=f"fp32 decode attention of one {args.model} step, {args.kv_len} of {CACHE_SLOTS} cache "
                         f"slots filled, {args.threads} threads, best of {args.repeats}")

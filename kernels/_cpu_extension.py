@@ -5,9 +5,10 @@ then cached in TORCH_EXTENSIONS_DIR and loaded from there. The kernels use AVX-5
 build fails, `extension()` is None and `unavailable_reason()` says why; the build failure also warns
 once, because the callers then fall back to slower torch paths.
 
-The sampler also has an AVX2 build (csrc/avx2/, its own extension): `sampler()` is the AVX-512 extension where it
-runs, else that one on CPUs with AVX2 and FMA. On the AVX2 EPYC the demo's sampling ([32, 512] logits) took
-~430 us of each ~1.6 ms decode step through the chunked torch path (Gumbel windows and ~20 operator calls).
+The sampler and skinny_linear also have an AVX2 build (csrc/avx2/, its own extension): `sampler()` and
+`linear_kernels()` are the AVX-512 extension where it runs, else that one on CPUs with AVX2 and FMA. On the
+AVX2 EPYC the demo's sampling ([32, 512] logits) took ~430 us of each ~1.6 ms decode step through the chunked
+torch path (Gumbel windows and ~20 operator calls); skinny_linear's figures are in kernels/skinny_linear.py.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ NAME = "alignflow_cpu_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
 
 
-AVX2_SAMPLER_SOURCES = sorted((Path(__file__).parent / "csrc" / "avx2").glob("*.cpp"))
-AVX2_SAMPLER_NAME = "alignflow_cpu_sampler_avx2"
+AVX2_SOURCES = sorted((Path(__file__).parent / "csrc" / "avx2").glob("*.cpp"))
+AVX2_NAME = "alignflow_cpu_kernels_avx2"
 _AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
@@ -62,7 +63,7 @@ def build_ahead() -> Path:
     from torch.utils import cpp_extension
 
     with mock.patch.object(cpp_extension, "_import_module_from_library", _library_path):
-        _compile(AVX2_SAMPLER_NAME, AVX2_SAMPLER_SOURCES, _AVX2_FLAGS)  # the sampler of AVX2-only hosts
+        _compile(AVX2_NAME, AVX2_SOURCES, _AVX2_FLAGS)  # the sampler and skinny_linear of AVX2-only hosts
         return Path(_compile())
 
 
@@ -93,7 +94,22 @@ def _load_sampler() -> tuple[object | None, str | None]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
         return None, f"{why}, and torch's CPU kernels are {capability}, not AVX2"
-    return _build(AVX2_SAMPLER_NAME, AVX2_SAMPLER_SOURCES, _AVX2_FLAGS)
+    return _load_avx2()
+
+
+@functools.cache
+def _load_avx2() -> tuple[object | None, str | None]:
+    if not torch.cpu._is_avx2_supported():
+        return None, "this CPU has neither AVX-512 nor AVX2"
+    return _build(AVX2_NAME, AVX2_SOURCES, _AVX2_FLAGS)
+
+
+@functools.cache
+def _load_linear() -> tuple[object | None, str | None]:
+    # On an AVX-512 CPU the AVX-512 build or its failure: the AVX2 build would fail the same way.
+    if torch.cpu._is_avx512_supported():
+        return _load()
+    return _load_avx2()
 
 
 def extension():
@@ -104,6 +120,16 @@ def extension():
 def unavailable_reason() -> str | None:
     """Why extension() is None (no AVX-512, or the compiler's error), else None."""
     return _load()[1]
+
+
+def linear_kernels():
+    """A compiled module with skinny_linear: the AVX-512 extension, else the AVX2 one's; None where neither runs."""
+    return _load_linear()[0]
+
+
+def linear_kernels_unavailable_reason() -> str | None:
+    """Why linear_kernels() is None, else None."""
+    return _load_linear()[1]
 
 
 def sampler():
@@ -120,3 +146,5 @@ def reset() -> None:
     """Forget the loaded modules or the failures (tests); the next call loads or builds again."""
     _load.cache_clear()
     _load_sampler.cache_clear()
+    _load_avx2.cache_clear()
+    _load_linear.cache_clear()

@@ -32,6 +32,11 @@ def available() -> bool:
     return _cpu_extension.extension() is not None
 
 
+def unavailable_reason() -> str | None:
+    """Why `available()` is False (no AVX-512: the kernel has no AVX2 build, or the compiler's error), else None."""
+    return _cpu_extension.unavailable_reason()
+
+
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel runs queries of this device, dtype and head size here (building it if needed)."""
     return (device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256

@@ -1,4 +1,4 @@
-"""A float32 x @ W.T for the few rows of a decode step on AVX-512 CPUs (C++ kernel), with F.linear as reference.
+"""A float32 x @ W.T for the few rows of a decode step on AVX-512 and AVX2 CPUs (C++ kernels), with F.linear as reference.
 
 Why: a decode step of batch B is a chain of [B, K] x [K, N] products that read every weight once.
 On the 2-core Ice Lake CI box oneDNN's packed fp32 kernel streams the ~110M engine's weights at
@@ -12,13 +12,28 @@ in 16-column blocks and keeps a tile of 3 blocks x 8 rows in registers. The 49 l
     F.linear       19.8 (16.7)  54.2 (47.3)  56.5 (50.0)  80.1 (85.9)  151.3 (113.2)  452.1
 
 From 64 rows on the product is compute-bound and the three are within run-to-run noise of each other;
-callers use this kernel up to MAX_ROWS and F.linear above. (At 1 row MKL's GEMV is as fast; the
-engine's decode batches are larger.) Numerics: each output is one float32 fused multiply-add chain
-over k, another summation order than MKL's; tests bound both against float64.
+callers use this kernel up to max_rows() (MAX_ROWS) and F.linear above. (At 1 row MKL's GEMV is as fast;
+the engine's decode batches are larger.)
 
-The C++ is built on first use (kernels/_cpu_extension.py). Where it cannot be built or the CPU lacks
-AVX-512, `available()` is False with the reason in `unavailable_reason()`, and callers keep their
-other path.
+The AVX2 build (csrc/avx2/skinny_linear_avx2.cpp: one 16-column block x 6 rows, 12 of the 16 registers)
+reads the same blocked layout. On the AVX2 EPYC (no AVX-512), the 17 linears of one decode step of the
+4.7M RL-benchmark model (4 layers of [768, 256, 2048 x 256] and [256 x 1024], a [2048 x 256] head; 19 MB),
+2 threads, best of 9, ms per step
+(`python benchmarks/cpu_kernels_bench.py --model rl-4.7m --rows 4,16,40,64,128,256 --repeats 9`):
+
+    rows               4       16       40       64      128      256
+    this kernel      0.6      1.3      2.8      4.2      7.9     14.5
+    oneDNN          1.36     2.16     3.91     5.39     9.97    18.23
+    F.linear        3.08     3.29     5.11     6.66    10.47    20.80
+
+There the kernel leads at every size up to 256 rows (a prefill of 16 prompts is ~190), so the AVX2
+build's limit is MAX_ROWS_AVX2. Numerics: each output is one float32 fused multiply-add chain over k in
+order in both builds (the same bits), another summation order than MKL's; tests bound both against
+float64.
+
+The C++ is built on first use (kernels/_cpu_extension.py). Where it cannot be built or the CPU has
+neither AVX-512 nor AVX2, `available()` is False with the reason in `unavailable_reason()`, and callers
+keep their other path.
 """
 
 from __future__ import annotations
@@ -30,16 +45,29 @@ from alignflow.kernels import _cpu_extension
 
 BLOCK = 16  # output columns per block of the blocked layout (one AVX-512 register of float32)
 MAX_ROWS = 128  # measured at least even with oneDNN and F.linear up to here (table above); above, F.linear
+MAX_ROWS_AVX2 = 256  # the AVX2 build led oneDNN and F.linear up to here (second table)
 
 
 def available() -> bool:
-    """True when the kernel can run here (AVX-512 CPU, extension built); builds it on the first call."""
-    return _cpu_extension.extension() is not None
+    """True when the kernel can run here (AVX-512 or AVX2 CPU, extension built); builds it on the first call."""
+    return _cpu_extension.linear_kernels() is not None
 
 
 def unavailable_reason() -> str | None:
-    """Why `available()` is False (no AVX-512, or the compiler's error), else None."""
-    return _cpu_extension.unavailable_reason()
+    """Why `available()` is False (neither AVX-512 nor AVX2, or the compiler's error), else None."""
+    return _cpu_extension.linear_kernels_unavailable_reason()
+
+
+def isa() -> str | None:
+    """The instruction set of the build that runs here ("AVX-512" or "AVX2"), None where none does."""
+    module = _cpu_extension.linear_kernels()
+    return None if module is None else {"avx512": "AVX-512", "avx2": "AVX2"}[module.isa]
+
+
+def max_rows() -> int:
+    """The most rows callers give the kernel (F.linear above): the limit measured for the build that runs here."""
+    module = _cpu_extension.linear_kernels()
+    return MAX_ROWS_AVX2 if getattr(module, "isa", None) == "avx2" else MAX_ROWS
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -55,9 +83,9 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., out_features] float32, W given as block_weight(W). Raises if not available()."""
-    module = _cpu_extension.extension()
+    module = _cpu_extension.linear_kernels()
     if module is None:
-        raise RuntimeError(f"skinny_linear is not available: {_cpu_extension.unavailable_reason()}; use F.linear")
+        raise RuntimeError(f"skinny_linear is not available: {unavailable_reason()}; use F.linear")
     rows = x.reshape(-1, x.shape[-1])
     return module.skinny_linear(rows.contiguous(), blocked, out_features).view(*x.shape[:-1], out_features)
 

@@ -584,7 +584,7 @@ def test_the_cpp_sampler_is_the_avx512_extension_or_else_the_avx2_build():
         assert module is _cpu_extension.extension()
     else:
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
-        assert module.__name__ == _cpu_extension.AVX2_SAMPLER_NAME
+        assert module.__name__ == _cpu_extension.AVX2_NAME
 
 
 @needs_cpp

@@ -1,4 +1,4 @@
-"""The AVX-512 skinny_linear kernel against F.linear and float64, on odd shapes; its layout and its errors."""
+"""The skinny_linear kernel (its AVX-512 or AVX2 build) against F.linear and float64, on odd shapes; layout, errors."""
 
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ def test_block_weight_layout_is_16_column_blocks_zero_padded():
         skinny.block_weight(weight.double())
 
 
-# Rows: 1, every tail of the 8-row tile, several tiles and the largest decode batch; columns: one partial
-# block, exact blocks, tiles of 1, 2 and 3 blocks with a partial last one, a vocabulary; K: 1, odd, real.
+# Rows: 1, every tail of the AVX-512 build's 8-row tile and of the AVX2 build's 6-row one, several tiles and
+# the largest decode batch; columns: one partial block, exact blocks, tiles of 1, 2 and 3 blocks with a
+# partial last one, a vocabulary; K: 1, odd, real.
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 17, 64, 130])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 8, 9, 12, 17, 64, 130])
 @pytest.mark.parametrize("out_features, in_features", [(5, 1), (16, 7), (33, 768), (50, 31), (2304, 768),
                                                        (32_001, 64)])
 def test_matches_f_linear_and_float64(rows, out_features, in_features):
@@ -65,7 +66,19 @@ def test_bad_inputs_name_what_is_wrong():
         skinny.skinny_linear(torch.randn(2, 8), blocked, 40)
 
 
-def test_a_failed_build_warns_once_and_callers_keep_their_torch_paths(monkeypatch):
+@needs_kernel
+def test_the_build_that_runs_is_the_cpus_and_sets_the_row_limit():
+    from alignflow.kernels import _cpu_extension
+
+    module = _cpu_extension.linear_kernels()
+    if torch.cpu._is_avx512_supported():
+        assert module is _cpu_extension.extension() and (skinny.isa(), skinny.max_rows()) == ("AVX-512", 128)
+    else:
+        assert module.__name__ == _cpu_extension.AVX2_NAME and (skinny.isa(), skinny.max_rows()) == ("AVX2", 256)
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_a_failed_build_warns_once_and_callers_keep_their_torch_paths(monkeypatch, avx512):
     import torch.utils.cpp_extension
 
     from alignflow.kernels import _cpu_extension
@@ -75,14 +88,17 @@ def test_a_failed_build_warns_once_and_callers_keep_their_torch_paths(monkeypatc
     def no_compiler(*args, **kwargs):
         raise RuntimeError("error: command 'c++' failed: No such file or directory")
 
-    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: True)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     _cpu_extension.reset()
     try:
         with pytest.warns(RuntimeWarning, match=r"fall back to torch.*Install g\+\+ and ninja"):
             assert not skinny.available()
         assert not da.available() and not da.supports(torch.device("cpu"), torch.float32, 64)
-        assert "skinny_linear.cpp failed: RuntimeError: error: command 'c++' failed" in skinny.unavailable_reason()
+        source = "skinny_linear.cpp" if avx512 else "skinny_linear_avx2.cpp"
+        assert f"{source} failed: RuntimeError: error: command 'c++' failed" in skinny.unavailable_reason()
+        assert skinny.isa() is None
         with pytest.raises(RuntimeError, match="skinny_linear is not available: building .* use F.linear"):
             skinny.skinny_linear(torch.randn(2, 8), torch.zeros(2, 8, 16), 32)
         if torch.backends.mkldnn.is_available():

@@ -220,7 +220,3 @@ std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits,
   });
   return {tokens, logprobs};
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("sample_tokens", &sample_tokens_cpu, "one sampled token and its log-prob per row of float32 logits (AVX2)");
-}

@@ -10,7 +10,7 @@ then reload() allocates fresh buffers and a full refit must follow). On CPU the 
 in host memory, so keep_weights=True leaves them in place.
 
 CPU speed (engine.cpu_prepack, on by default): every linear weight also has a packed copy
-(prepack.py: 16-column blocks for the AVX-512 skinny_linear kernel in fp32, oneDNN's layout in
+(prepack.py: 16-column blocks for the skinny_linear kernel in fp32 (AVX-512 or AVX2), oneDNN's layout in
 bf16), repacked at the end of each refit; the copies double the weight memory and make the decode
 GEMMs 1.2-3x faster than F.linear. With engine.compile the decode step and sampler are compiled
 during build/load (warmup), so "built" means ready to decode at full speed.
@@ -193,7 +193,8 @@ class NativeEngine(Engine):
             step = "torch.compile" if self._compile else "eager"
         layout = self._prepacked.layout if self._prepacked is not None else None
         linear = {
-            "blocked": f"skinny_linear (AVX-512 C++) up to {skinny_linear.MAX_ROWS} rows, F.linear above",
+            "blocked": (f"skinny_linear ({skinny_linear.isa()} C++) up to {skinny_linear.max_rows()} rows, "
+                        "F.linear above"),
             "onednn": "oneDNN prepacked",
             None: "F.linear",
         }[layout]
@@ -204,8 +205,11 @@ class NativeEngine(Engine):
             attention = "decode_attention (AVX-512 C++)"
         else:
             attention = "torch (one query per row, KV groups folded)"
-            if cpu and self.dtype == torch.float32 and config.cpu_kernels and skinny_linear.available():
-                attention += f"; the C++ kernel takes head_dim a multiple of 16 up to 256, not {self.spec.head_dim}"
+            if cpu and self.dtype == torch.float32 and config.cpu_kernels:
+                if cpu_decode_attention.available():
+                    attention += f"; the C++ kernel takes head_dim a multiple of 16 up to 256, not {self.spec.head_dim}"
+                else:
+                    attention += f"; no C++ kernel: {cpu_decode_attention.unavailable_reason()}"
         sampler = sampler_path(resolve_impl(self._sample_impl, self.device, "sample_tokens"))
         if self._sample is not sample_tokens:
             sampler += ", compiled"

@@ -3,8 +3,8 @@
 Why: a decode step is a chain of skinny GEMMs (M = batch) that stream every weight once, and the
 plain [out, in] layout F.linear reads streams slowly at small M. Two packed layouts:
 
-- "blocked" (float32 on AVX-512 CPUs): [ceil(N/16), K, 16] copies for alignflow.kernels.skinny_linear,
-  used up to skinny_linear.MAX_ROWS rows (decode); above that (prefill) F.linear on the plain weight.
+- "blocked" (float32 on AVX-512 and AVX2 CPUs): [ceil(N/16), K, 16] copies for alignflow.kernels.skinny_linear,
+  used up to skinny_linear.max_rows() rows (decode, small prefills); above that F.linear on the plain weight.
 - "onednn" (bfloat16, or float32 where the kernel cannot be built): oneDNN's blocked copies.
 
 12 layers of the ~110M model plus its 32000-row head, 2 threads, weights not in cache, ms per step
@@ -34,6 +34,7 @@ engine's 1e-4 parity tolerance.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator
 
@@ -62,6 +63,8 @@ LAYOUTS = ("blocked", "onednn")
 # 0.158 s against 0.121 s plain. The blocked kernel has no floor: its layout is what makes it fast.
 MIN_PACKED_BYTES = {"onednn": 256 << 10, "blocked": 0}
 
+_MAX_ROWS = functools.cache(skinny.max_rows)  # the build is fixed for the process; ~1 us a call matters here
+
 _Key = tuple[int, tuple[int, ...], torch.dtype]
 # (address, shape, dtype) of a weight view -> (packed copy, or None for a weight left plain because it is
 # under MIN_PACKED_BYTES; its buffer, the buffer's version when packed, the weight's out_features for a
@@ -79,9 +82,9 @@ def _key(weight: torch.Tensor) -> _Key:
 def layout_for(device: torch.device, dtype: torch.dtype, kernels: bool = True) -> str | None:
     """The packed layout for weights of `dtype` on `device`, or None where prepacking does not apply.
 
-    "blocked" for float32 where the skinny_linear kernel may and can run (`kernels`, AVX-512, extension
-    built; building it the first time takes ~1 min), "onednn" for float32 elsewhere and bfloat16 with
-    oneDNN on a CPU with AVX-512, else None.
+    "blocked" for float32 where the skinny_linear kernel may and can run (`kernels`, AVX-512 or AVX2,
+    extension built; building it the first time takes ~1 min), "onednn" for float32 elsewhere and bfloat16
+    with oneDNN on a CPU with AVX-512, else None.
     """
     if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
         return None
@@ -108,7 +111,7 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     packed, out_features = entry[0], entry[3]
     if out_features is not None:  # blocked
-        if x.numel() > skinny.MAX_ROWS * x.shape[-1]:
+        if x.numel() > _MAX_ROWS() * x.shape[-1]:
             calls["plain"] += 1
             return F.linear(x, weight)
         calls["packed"] += 1

@@ -68,12 +68,14 @@ def test_prepacked_engine_matches_the_plain_one(tiny_checkpoints, force_layout, 
 
 
 def test_blocked_layout_leaves_a_long_prefill_to_f_linear(tiny_checkpoints, force_layout):
-    """Beyond skinny_linear.MAX_ROWS rows the GEMM is compute-bound and MKL's F.linear is as fast: used by design."""
+    """Beyond skinny_linear.max_rows() rows (128 for the AVX-512 build, 256 for the AVX2 one) the GEMM is
+    compute-bound and MKL's F.linear is as fast: used by design."""
     force_layout("blocked")
     path = tiny_checkpoints["llama_mha_untied"]
-    prompts = random_prompts(8, seed=5, lengths=(17, 30))  # 8 x 29 = 232 rows > 128
-    packed = NativeEngine.build(path, engine_config())
-    plain = NativeEngine.build(path, engine_config(cpu_prepack=False))
+    prompts = random_prompts(8, seed=5, lengths=(30, 60))  # the prefill's rows are the prompts' tokens
+    assert sum(map(len, prompts)) > skinny.max_rows()
+    packed = NativeEngine.build(path, engine_config(max_seq_len=96))
+    plain = NativeEngine.build(path, engine_config(cpu_prepack=False, max_seq_len=96))
     before = _calls()
     got = packed.forward_logits(prompts)
     assert _delta(before) == {"packed": 0, "fallback": 0, "plain": 4 * 2 + 1}
@@ -149,9 +151,10 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
     delta = _delta(before)
     assert delta["fallback"] == 0 and delta["packed"] > 0
     paths = engine.execution_paths()
+    from alignflow.kernels import _cpu_extension
     from alignflow.kernels._triton_dispatch import cpp_available
 
-    cpp = "sample_tokens (AVX-512 C++)" if skinny.available() else "sample_tokens (AVX2 C++)"
+    cpp = "sample_tokens (AVX-512 C++)" if _cpu_extension.extension() is not None else "sample_tokens (AVX2 C++)"
     sampler = cpp if cpp_available() else "sample_tokens (torch reference), compiled"
     assert (paths["decode_step"], paths["sampler"]) == ("torch.compile", sampler)
 
@@ -159,13 +162,14 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
 def test_cpu_kernels_switch_selects_the_cpp_kernels_or_torch_and_onednn(tiny_checkpoints):
     from alignflow.kernels import decode_attention
 
-    if not (skinny.available() and decode_attention.available()):
+    if not skinny.available():
         pytest.skip(f"CPU kernels unavailable: {skinny.unavailable_reason()}")
     path = tiny_checkpoints["llama_gqa_tied_llama3"]  # head_dim 16: the attention kernel applies
     prompts = random_prompts(5, seed=12)
     fast = NativeEngine.build(path, engine_config())
     plain = NativeEngine.build(path, engine_config(cpu_kernels=False))
-    assert (fast._prepacked.layout, fast.model.cpu_attention) == ("blocked", True)
+    # The attention kernel has no AVX2 build: on an AVX2 CPU only the linears (and the sampler) switch.
+    assert (fast._prepacked.layout, fast.model.cpu_attention) == ("blocked", decode_attention.available())
     assert (plain._prepacked.layout, plain.model.cpu_attention) == ("onednn", False)
     a = fast.generate(prompts, SAMPLED.model_copy(update={"seed": 5}), return_logits=True)
     b = plain.generate(prompts, SAMPLED.model_copy(update={"seed": 5}), return_logits=True)
@@ -185,10 +189,14 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
         pytest.skip(f"CPU kernels unavailable: {skinny.unavailable_reason()}")
     path = tiny_checkpoints["llama_gqa_tied_llama3"]  # head_dim 16: the attention kernel applies
     fast = NativeEngine.build(path, engine_config()).execution_paths()
+    if _cpu_extension.extension() is not None:
+        isa, rows, attention = "AVX-512", 128, "decode_attention (AVX-512 C++)"
+    else:  # the AVX2 builds: linears and sampler, no attention kernel
+        isa, rows, attention = "AVX2", 256, "torch (one query per row, KV groups folded); no C++ kernel: this CPU has no AVX-512"
     assert fast == {"backend": "native", "device": "cpu", "dtype": "float32", "decode_step": "eager",
-                    "linear": "skinny_linear (AVX-512 C++) up to 128 rows, F.linear above",
-                    "decode_attention": "decode_attention (AVX-512 C++)", "prefill_attention": "sdpa",
-                    "sampler": "sample_tokens (AVX-512 C++)"}
+                    "linear": f"skinny_linear ({isa} C++) up to {rows} rows, F.linear above",
+                    "decode_attention": attention, "prefill_attention": "sdpa",
+                    "sampler": f"sample_tokens ({isa} C++)"}
     off = NativeEngine.build(path, engine_config(cpu_kernels=False)).execution_paths()
     assert off["linear"] == "oneDNN prepacked" and off["decode_attention"].startswith("torch")
     assert off["cpu_kernels"] == "off (engine.cpu_kernels: false)" and off["sampler"] == "sample_tokens (chunked torch)"
@@ -197,11 +205,12 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     assert plain["decode_attention"] == fast["decode_attention"]  # attention does not need the prepack
     hf = build_engine(path, engine_config(backend="hf")).execution_paths()
     assert hf == {"backend": "hf", "device": "cpu", "dtype": "float32", "decode_step": "transformers generate",
-                  "attention": "sdpa", "sampler": "sample_tokens (AVX-512 C++)"}
+                  "attention": "sdpa", "sampler": f"sample_tokens ({isa} C++)"}
     odd_head = save_tiny_model(tmp_path / "head24", "llama_mha_untied", head_dim=24)
     odd = NativeEngine.build(odd_head, engine_config()).execution_paths()
     assert odd["linear"] == fast["linear"]
-    assert odd["decode_attention"].endswith("takes head_dim a multiple of 16 up to 256, not 24")
+    if isa == "AVX-512":
+        assert odd["decode_attention"].endswith("takes head_dim a multiple of 16 up to 256, not 24")
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("error: command 'c++' failed: No such file or directory")
@@ -219,19 +228,22 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     assert "error: command 'c++' failed" in failed["cpu_kernels"]
 
 
-def test_without_avx512_the_engines_sample_with_the_avx2_cpp_sampler_unless_cpu_kernels_is_off(tiny_checkpoints):
-    """On an AVX2 CPU the C++ kernels' AVX-512 build does not run, but the sampler's AVX2 build does: both
-    engines say so, and engine.cpu_kernels: false keeps the chunked torch sampler (same tokens)."""
+def test_without_avx512_the_engines_run_the_avx2_cpp_kernels_unless_cpu_kernels_is_off(tiny_checkpoints):
+    """On an AVX2 CPU the C++ kernels' AVX-512 build does not run, but the AVX2 build of the sampler and of
+    skinny_linear does: the engines say so, and engine.cpu_kernels: false keeps the chunked torch sampler and
+    oneDNN's linears (same tokens)."""
     from alignflow.kernels import _cpu_extension
 
-    if skinny.available() or _cpu_extension.sampler() is None:
-        pytest.skip("for CPUs with AVX2 and no AVX-512, where the AVX2 sampler builds")
+    if _cpu_extension.extension() is not None or _cpu_extension.sampler() is None:
+        pytest.skip("for CPUs with AVX2 and no AVX-512, where the AVX2 kernels build")
     path = tiny_checkpoints["llama_gqa_tied_llama3"]
     prompts = random_prompts(5, seed=12)
     native = NativeEngine.build(path, engine_config())
     chunked = NativeEngine.build(path, engine_config(cpu_kernels=False))
     assert native.execution_paths()["sampler"] == "sample_tokens (AVX2 C++)"
+    assert native.execution_paths()["linear"] == "skinny_linear (AVX2 C++) up to 256 rows, F.linear above"
     assert chunked.execution_paths()["sampler"] == "sample_tokens (chunked torch)"
+    assert chunked.execution_paths()["linear"] == "oneDNN prepacked"
     assert build_engine(path, engine_config(backend="hf")).execution_paths()["sampler"] == "sample_tokens (AVX2 C++)"
     a = native.generate(prompts, SAMPLED.model_copy(update={"seed": 5}))
     b = chunked.generate(prompts, SAMPLED.model_copy(update={"seed": 5}))

@@ -1,0 +1,107 @@
+// The AVX2 build of csrc/skinny_linear.cpp: y[M, N] = x[M, K] @ W[N, K]^T in float32 for a decode step's few rows.
+//
+// The same blocked weight, [ceil(N / 16), K, 16] (kernels.skinny_linear.block_weight), so one layout serves
+// both builds: a 16-column block is two 8-float AVX2 registers. AVX2 has 16 of them, so a tile is one block x
+// up to 6 rows: 12 accumulators, 2 weight loads and 1 broadcast of x per k feed 12 fused multiply-adds (the
+// 6 x 16 shape of AVX2 GEMM micro-kernels). More rows run 6 at a time over the same block, by then in L1
+// (K = 256 gives 16 KiB). Each thread takes whole blocks. Each output is one fused multiply-add chain over k
+// in order, as in the AVX-512 build, so the two builds give the same bits. Why and how fast:
+// kernels/skinny_linear.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 16;     // output columns per block: two AVX2 registers
+constexpr int64_t kTileRows = 6;   // 6 rows x 2 registers = 12 accumulators of the 16 registers
+constexpr int64_t kPrefetch = 32;  // k steps ahead (2 KB of the block)
+
+inline void store_columns(float* y, __m256 low, __m256 high, int64_t columns_left) {
+  if (columns_left >= kBlock) {
+    _mm256_storeu_ps(y, low);
+    _mm256_storeu_ps(y + 8, high);
+    return;
+  }
+  alignas(32) float lanes[kBlock];
+  _mm256_store_ps(lanes, low);
+  _mm256_store_ps(lanes + 8, high);
+  for (int64_t c = 0; c < columns_left; ++c) y[c] = lanes[c];
+}
+
+// One block x `rows` (1-6) rows. Always 6 accumulator pairs in named registers (GCC kept an array of them on
+// the stack, storing all 12 every k, at half the speed); rows past `rows` repeat the last row's x and are not
+// stored.
+void tile(int rows, const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t column) {
+  const float* x0 = x;
+  const float* x1 = x + std::min(1, rows - 1) * K;
+  const float* x2 = x + std::min(2, rows - 1) * K;
+  const float* x3 = x + std::min(3, rows - 1) * K;
+  const float* x4 = x + std::min(4, rows - 1) * K;
+  const float* x5 = x + std::min(5, rows - 1) * K;
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0;
+  __m256 l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kBlock), _MM_HINT_T0);
+    const __m256 wl = _mm256_loadu_ps(wk);
+    const __m256 wh = _mm256_loadu_ps(wk + 8);
+    __m256 xr = _mm256_broadcast_ss(x0 + k);
+    l0 = _mm256_fmadd_ps(xr, wl, l0);
+    h0 = _mm256_fmadd_ps(xr, wh, h0);
+    xr = _mm256_broadcast_ss(x1 + k);
+    l1 = _mm256_fmadd_ps(xr, wl, l1);
+    h1 = _mm256_fmadd_ps(xr, wh, h1);
+    xr = _mm256_broadcast_ss(x2 + k);
+    l2 = _mm256_fmadd_ps(xr, wl, l2);
+    h2 = _mm256_fmadd_ps(xr, wh, h2);
+    xr = _mm256_broadcast_ss(x3 + k);
+    l3 = _mm256_fmadd_ps(xr, wl, l3);
+    h3 = _mm256_fmadd_ps(xr, wh, h3);
+    xr = _mm256_broadcast_ss(x4 + k);
+    l4 = _mm256_fmadd_ps(xr, wl, l4);
+    h4 = _mm256_fmadd_ps(xr, wh, h4);
+    xr = _mm256_broadcast_ss(x5 + k);
+    l5 = _mm256_fmadd_ps(xr, wl, l5);
+    h5 = _mm256_fmadd_ps(xr, wh, h5);
+  }
+  const int64_t columns_left = N - column;
+  store_columns(y + column, l0, h0, columns_left);
+  if (rows > 1) store_columns(y + N + column, l1, h1, columns_left);
+  if (rows > 2) store_columns(y + 2 * N + column, l2, h2, columns_left);
+  if (rows > 3) store_columns(y + 3 * N + column, l3, h3, columns_left);
+  if (rows > 4) store_columns(y + 4 * N + column, l4, h4, columns_left);
+  if (rows > 5) store_columns(y + 5 * N + column, l5, h5, columns_left);
+}
+
+}  // namespace
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
+              "skinny_linear: x must be a contiguous float32 CPU matrix [M, K], got sizes ", x.sizes(),
+              " dtype ", x.scalar_type());
+  TORCH_CHECK(blocked.dim() == 3 && blocked.size(2) == kBlock && blocked.size(1) == x.size(1) &&
+                  blocked.scalar_type() == torch::kFloat32 && blocked.is_contiguous() && blocked.device().is_cpu(),
+              "skinny_linear: the weight must be blocked as [ceil(N/16), K, 16] float32 with K = ", x.size(1),
+              " (kernels.skinny_linear.block_weight), got sizes ", blocked.sizes());
+  TORCH_CHECK(out_features > (blocked.size(0) - 1) * kBlock && out_features <= blocked.size(0) * kBlock,
+              "skinny_linear: out_features ", out_features, " does not fit ", blocked.size(0), " blocks of 16");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, blocks = blocked.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = blocked.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t block = first; block < last; ++block) {
+      const float* w = wp + block * K * kBlock;
+      for (int64_t row = 0; row < M; row += kTileRows) {
+        const int rows = static_cast<int>(std::min(kTileRows, M - row));
+        tile(rows, xp + row * K, K, w, yp + row * N, N, block * kBlock);
+      }
+    }
+  });
+  return y;
+}
