@@ -133,7 +133,7 @@ class NativeEngine(Engine):
         cos, sin = rope_tables(hf_config, self.spec, engine_config.max_seq_len)
         layout = prepack.layout_for(device, dtype, engine_config.cpu_kernels) if engine_config.cpu_prepack else None
         self._prepacked = prepack.Prepacked(self.weights, engine_config.max_batch_size, layout) if layout else None
-        # Every weight under the layout's MIN_PACKED_BYTES (the demo model): plain F.linear, without even the
+        # Every weight under the layout's prepack.min_packed_bytes (the demo model): plain F.linear, without even the
         # custom op's dispatch. execution_paths says so.
         self._prepack_skipped = layout if self._prepacked is not None and not self._prepacked.packs_any() else None
         if self._prepack_skipped:
@@ -199,7 +199,7 @@ class NativeEngine(Engine):
             None: "F.linear",
         }[layout]
         if self._prepack_skipped:
-            linear += (f" (every weight is under {prepack.MIN_PACKED_BYTES[self._prepack_skipped] >> 10} KiB, where "
+            linear += (f" (every weight is under {prepack.min_packed_bytes(self._prepack_skipped) >> 10} KiB, where "
                        f"{self._prepack_skipped} packing does not pay)")
         if self.model.cpu_attention:
             attention = "decode_attention (AVX-512 C++)"

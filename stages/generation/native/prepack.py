@@ -60,8 +60,18 @@ LAYOUTS = ("blocked", "onednn")
 # `benchmarks/cpu_kernels_bench.py --model rl-4.7m --engine-floor-kib 1024` times the two floors), and
 # its compiled 16 x 32-token generate went 248-303 -> 220-239 ms (3 interleaved pairs). On the
 # demo model (every weight < 0.2 MiB, the whole model in L2) packing made a 32-row, 32-token generate
-# 0.158 s against 0.121 s plain. The blocked kernel has no floor: its layout is what makes it fast.
-MIN_PACKED_BYTES = {"onednn": 256 << 10, "blocked": 0}
+# 0.158 s against 0.121 s plain. The AVX-512 blocked kernel has no floor: its layout is what makes it fast.
+# The AVX2 build ("blocked-avx2") has oneDNN's: on the AVX2 EPYC the demo's PPO iteration generated in
+# 50-51 ms with every weight plain and 57-62 ms with all of them blocked (3 interleaved rounds of
+# benchmarks/ppo_iteration.py), while the 4.7M model's smallest weight is 256 KiB and packs.
+MIN_PACKED_BYTES = {"onednn": 256 << 10, "blocked": 0, "blocked-avx2": 256 << 10}
+
+
+def min_packed_bytes(layout: str) -> int:
+    """The smallest weight this layout packs here (MIN_PACKED_BYTES; the blocked layout's floor is its build's)."""
+    if layout == "blocked" and skinny.isa() == "AVX2":
+        return MIN_PACKED_BYTES["blocked-avx2"]
+    return MIN_PACKED_BYTES[layout]
 
 _MAX_ROWS = functools.cache(skinny.max_rows)  # the build is fixed for the process; ~1 us a call matters here
 
@@ -166,14 +176,14 @@ class Prepacked:
         yield head, head
 
     def packs_any(self) -> bool:
-        """Whether any weight is large enough for this layout (MIN_PACKED_BYTES); else the engine keeps F.linear."""
-        return any(view.nbytes >= MIN_PACKED_BYTES[self.layout] for view, _ in self._views())
+        """Whether any weight is large enough for this layout (min_packed_bytes); else the engine keeps F.linear."""
+        return any(view.nbytes >= min_packed_bytes(self.layout) for view, _ in self._views())
 
     def refresh(self) -> None:
         """(Re)pack every linear weight from the plain buffers; call after any write to them."""
         self.clear()
         for view, buffer in self._views():
-            if view.nbytes < MIN_PACKED_BYTES[self.layout]:
+            if view.nbytes < min_packed_bytes(self.layout):
                 packed, out_features = None, None
             elif self.layout == "blocked":
                 packed, out_features = skinny.block_weight(view), view.shape[0]

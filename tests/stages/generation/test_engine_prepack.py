@@ -22,7 +22,10 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 def pack_small_weights(monkeypatch):
     """The tiny test models' weights are all under oneDNN's MIN_PACKED_BYTES floor: pack them anyway, so the
     packed paths run here. test_weights_under_the_floor_stay_plain puts the floor back."""
-    monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": 0, "blocked": 0})
+    monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": 0, "blocked": 0, "blocked-avx2": 0})
+
+
+REAL_ISA = skinny.isa
 
 
 def _calls() -> dict[str, int]:
@@ -267,7 +270,7 @@ def test_weights_under_the_floor_stay_plain(tiny_checkpoints, force_layout, monk
     path = tiny_checkpoints["qwen2_bias_window"]
     prompts = random_prompts(5, seed=2)
     plain = NativeEngine.build(path, engine_config(cpu_prepack=False))
-    monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": 1 << 20, "blocked": 0})
+    monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": 1 << 20, "blocked": 0, "blocked-avx2": 0})
     small = NativeEngine.build(path, engine_config())
     assert small._prepacked is None and small.model.linear is torch.nn.functional.linear
     assert small.execution_paths()["linear"] == (
@@ -276,7 +279,7 @@ def test_weights_under_the_floor_stay_plain(tiny_checkpoints, force_layout, monk
     # packed, the QKV and output projections are not.
     floor = plain.weights.buffers["gate_up_w"][0].nbytes
     assert plain.weights.buffers["qkv_w"][0].nbytes < floor and plain.weights.buffers["o_w"][0].nbytes < floor
-    monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": floor, "blocked": 0})
+    monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": floor, "blocked": 0, "blocked-avx2": 0})
     mixed = NativeEngine.build(path, engine_config())
     assert mixed._prepacked is not None
     before = _calls()
@@ -288,3 +291,21 @@ def test_weights_under_the_floor_stay_plain(tiny_checkpoints, force_layout, monk
     want = plain.forward_logits(prompts)
     assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= TOLERANCES["logits_fp32"]
     assert mixed.generate(prompts, SAMPLED).response_token_ids == plain.generate(prompts, SAMPLED).response_token_ids
+
+
+def test_the_avx2_blocked_kernel_has_onednns_floor_and_the_avx512_one_none(tiny_checkpoints, monkeypatch):
+    """The AVX2 skinny_linear lost to plain F.linear on the demo model's weights (all under 256 KiB, in L2), so its
+    blocked layout packs from prepack.MIN_PACKED_BYTES["blocked-avx2"]; the AVX-512 build packs every weight."""
+    monkeypatch.undo()  # pack_small_weights' zero floors
+    monkeypatch.setattr(skinny, "isa", lambda: "AVX2")
+    assert prepack.min_packed_bytes("blocked") == prepack.MIN_PACKED_BYTES["blocked-avx2"] == 256 << 10
+    monkeypatch.setattr(skinny, "isa", lambda: "AVX-512")
+    assert prepack.min_packed_bytes("blocked") == 0
+    assert prepack.min_packed_bytes("onednn") == 256 << 10
+    monkeypatch.setattr(skinny, "isa", REAL_ISA)
+    if skinny.isa() != "AVX2":
+        return
+    engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config())
+    assert engine._prepacked is None and engine.model.linear is torch.nn.functional.linear
+    assert engine.execution_paths()["linear"] == (
+        "F.linear (every weight is under 256 KiB, where blocked packing does not pay)")
