@@ -86,6 +86,8 @@ def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> 
     module = _cpu_extension.linear_kernels()
     if module is None:
         raise RuntimeError(f"skinny_linear is not available: {unavailable_reason()}; use F.linear")
+    if x.dim() == 2 and x.is_contiguous():  # a decode step's [B, K]: no reshape and view (~2 us of a ~75 us call)
+        return module.skinny_linear(x, blocked, out_features)
     rows = x.reshape(-1, x.shape[-1])
     return module.skinny_linear(rows.contiguous(), blocked, out_features).view(*x.shape[:-1], out_features)
 
