@@ -1,4 +1,4 @@
-"""A float32 x @ W.T for the few rows of a decode step on AVX-512 and AVX2 CPUs (C++ kernels), with F.linear as reference.
+"""A float32 x @ W.T for a decode step's few rows on AVX-512 and AVX2 CPUs (C++ kernels), F.linear the reference.
 
 Why: a decode step of batch B is a chain of [B, K] x [K, N] products that read every weight once.
 On the 2-core Ice Lake CI box oneDNN's packed fp32 kernel streams the ~110M engine's weights at
@@ -66,8 +66,7 @@ def isa() -> str | None:
 
 def max_rows() -> int:
     """The most rows callers give the kernel (F.linear above): the limit measured for the build that runs here."""
-    module = _cpu_extension.linear_kernels()
-    return MAX_ROWS_AVX2 if getattr(module, "isa", None) == "avx2" else MAX_ROWS
+    return MAX_ROWS_AVX2 if isa() == "AVX2" else MAX_ROWS
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -86,7 +85,7 @@ def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> 
     module = _cpu_extension.linear_kernels()
     if module is None:
         raise RuntimeError(f"skinny_linear is not available: {unavailable_reason()}; use F.linear")
-    if x.dim() == 2 and x.is_contiguous():  # a decode step's [B, K]: no reshape and view (~2 us of a ~75 us call)
+    if x.dim() == 2 and x.is_contiguous():  # a decode step's [B, K] goes in as it is, without reshape and view
         return module.skinny_linear(x, blocked, out_features)
     rows = x.reshape(-1, x.shape[-1])
     return module.skinny_linear(rows.contiguous(), blocked, out_features).view(*x.shape[:-1], out_features)

@@ -73,6 +73,7 @@ def min_packed_bytes(layout: str) -> int:
         return MIN_PACKED_BYTES["blocked-avx2"]
     return MIN_PACKED_BYTES[layout]
 
+
 _MAX_ROWS = functools.cache(skinny.max_rows)  # the build is fixed for the process; ~1 us a call matters here
 
 _Key = tuple[int, tuple[int, ...], torch.dtype]
