@@ -126,18 +126,20 @@ def test_cpu_roofline_refuses_a_batch_larger_than_its_prompt_set():
 
 
 def test_cpu_kernels_bench_times_every_implementation_and_checks_them():
-    """Every implementation is checked against F.linear and timed; without AVX-512 the C++ kernels' column and the
-    attention table are left out, the others still run (the engine's packing floor on the RL benchmark model)."""
+    """Every implementation is checked against F.linear and timed; where skinny_linear has no build its column is
+    left out, and without AVX-512 the attention table, the others still run (the engine's packing floor on the RL
+    benchmark model)."""
     from alignflow.kernels import _cpu_extension
+    from alignflow.kernels import skinny_linear as skinny
 
-    kernels = _cpu_extension.extension() is not None
+    skinny_column, attention = skinny.available(), _cpu_extension.extension() is not None
     result = json.loads(_run("cpu_kernels_bench.py", "--model", "tiny", "--rows", "3,9", "--attention-rows", "2,5",
                              "--kv-len", "7", "--repeats", "1", "--json"))
     assert [r["rows"] for r in result["linears"]] == [3, 9]
-    names = ("skinny", "onednn", "F.linear", "engine") if kernels else ("onednn", "F.linear", "engine")
+    names = ("onednn", "F.linear", "engine") + (("skinny",) if skinny_column else ())
     assert all(r[f"{k}_ms"] > 0 for r in result["linears"] for k in names)
-    assert all(("skinny_ms" in r) is kernels for r in result["linears"])
-    if kernels:
+    assert all(("skinny_ms" in r) is skinny_column for r in result["linears"])
+    if attention:
         assert [r["rows"] for r in result["attention"]] == [2, 5]
         assert all(r[f"{k}_ms"] > 0 for r in result["attention"] for k in ("kernel", "torch", "compiled"))
     else:
