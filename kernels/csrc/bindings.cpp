@@ -1,12 +1,5 @@
 // The Python module of the CPU kernels (kernels/_cpu_extension.py builds every .cpp here into it).
-#include <torch/extension.h>
-
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_features);
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor mask,
-                               double scale);
-std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits, torch::Tensor temperature,
-                                                           torch::Tensor seeds, torch::Tensor steps,
-                                                           torch::Tensor thresholds);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x @ W^T in float32, W blocked as [ceil(N/16), K, 16]");

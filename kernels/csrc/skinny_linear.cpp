@@ -11,6 +11,8 @@
 
 #include <algorithm>
 
+#include "kernels.h"
+
 namespace {
 
 constexpr int64_t kBlock = 16;      // output columns per AVX-512 register
@@ -68,15 +70,7 @@ void rows_of_tile(int rows, const float* x, int64_t K, const float* w, float* y,
 }  // namespace
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
-              "skinny_linear: x must be a contiguous float32 CPU matrix [M, K], got sizes ", x.sizes(),
-              " dtype ", x.scalar_type());
-  TORCH_CHECK(blocked.dim() == 3 && blocked.size(2) == kBlock && blocked.size(1) == x.size(1) &&
-                  blocked.scalar_type() == torch::kFloat32 && blocked.is_contiguous() && blocked.device().is_cpu(),
-              "skinny_linear: the weight must be blocked as [ceil(N/16), K, 16] float32 with K = ", x.size(1),
-              " (kernels.skinny_linear.block_weight), got sizes ", blocked.sizes());
-  TORCH_CHECK(out_features > (blocked.size(0) - 1) * kBlock && out_features <= blocked.size(0) * kBlock,
-              "skinny_linear: out_features ", out_features, " does not fit ", blocked.size(0), " blocks of 16");
+  check_skinny_linear_args(x, blocked, out_features);
   const int64_t M = x.size(0), K = x.size(1), N = out_features, blocks = blocked.size(0);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();

@@ -1,12 +1,5 @@
 // The Python module of the AVX2 CPU kernels (kernels/_cpu_extension.py builds every .cpp of csrc/avx2/ into it).
-#include <torch/extension.h>
-
-#include <tuple>
-
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_features);
-std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits, torch::Tensor temperature,
-                                                           torch::Tensor seeds, torch::Tensor steps,
-                                                           torch::Tensor thresholds);
+#include "../kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_tokens", &sample_tokens_cpu, "one sampled token and its log-prob per row of float32 logits (AVX2)");

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../kernels.h"
+
 namespace {
 
 constexpr int64_t kBlock = 16;     // output columns per block: two AVX2 registers
@@ -49,46 +51,25 @@ void tile(int rows, const float* x, int64_t K, const float* w, float* y, int64_t
     _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kBlock), _MM_HINT_T0);
     const __m256 wl = _mm256_loadu_ps(wk);
     const __m256 wh = _mm256_loadu_ps(wk + 8);
-    __m256 xr = _mm256_broadcast_ss(x0 + k);
-    l0 = _mm256_fmadd_ps(xr, wl, l0);
-    h0 = _mm256_fmadd_ps(xr, wh, h0);
-    xr = _mm256_broadcast_ss(x1 + k);
-    l1 = _mm256_fmadd_ps(xr, wl, l1);
-    h1 = _mm256_fmadd_ps(xr, wh, h1);
-    xr = _mm256_broadcast_ss(x2 + k);
-    l2 = _mm256_fmadd_ps(xr, wl, l2);
-    h2 = _mm256_fmadd_ps(xr, wh, h2);
-    xr = _mm256_broadcast_ss(x3 + k);
-    l3 = _mm256_fmadd_ps(xr, wl, l3);
-    h3 = _mm256_fmadd_ps(xr, wh, h3);
-    xr = _mm256_broadcast_ss(x4 + k);
-    l4 = _mm256_fmadd_ps(xr, wl, l4);
-    h4 = _mm256_fmadd_ps(xr, wh, h4);
-    xr = _mm256_broadcast_ss(x5 + k);
-    l5 = _mm256_fmadd_ps(xr, wl, l5);
-    h5 = _mm256_fmadd_ps(xr, wh, h5);
+    // One row: broadcast x[r, k], one fused multiply-add into each of its two accumulators.
+#define ALIGNFLOW_ROW(r)                                   \
+  {                                                        \
+    const __m256 xr = _mm256_broadcast_ss(x##r + k);       \
+    l##r = _mm256_fmadd_ps(xr, wl, l##r);                  \
+    h##r = _mm256_fmadd_ps(xr, wh, h##r);                  \
+  }
+    ALIGNFLOW_ROW(0) ALIGNFLOW_ROW(1) ALIGNFLOW_ROW(2) ALIGNFLOW_ROW(3) ALIGNFLOW_ROW(4) ALIGNFLOW_ROW(5)
+#undef ALIGNFLOW_ROW
   }
   const int64_t columns_left = N - column;
-  store_columns(y + column, l0, h0, columns_left);
-  if (rows > 1) store_columns(y + N + column, l1, h1, columns_left);
-  if (rows > 2) store_columns(y + 2 * N + column, l2, h2, columns_left);
-  if (rows > 3) store_columns(y + 3 * N + column, l3, h3, columns_left);
-  if (rows > 4) store_columns(y + 4 * N + column, l4, h4, columns_left);
-  if (rows > 5) store_columns(y + 5 * N + column, l5, h5, columns_left);
+  const __m256 lows[kTileRows] = {l0, l1, l2, l3, l4, l5}, highs[kTileRows] = {h0, h1, h2, h3, h4, h5};
+  for (int r = 0; r < rows; ++r) store_columns(y + r * N + column, lows[r], highs[r], columns_left);
 }
 
 }  // namespace
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
-              "skinny_linear: x must be a contiguous float32 CPU matrix [M, K], got sizes ", x.sizes(),
-              " dtype ", x.scalar_type());
-  TORCH_CHECK(blocked.dim() == 3 && blocked.size(2) == kBlock && blocked.size(1) == x.size(1) &&
-                  blocked.scalar_type() == torch::kFloat32 && blocked.is_contiguous() && blocked.device().is_cpu(),
-              "skinny_linear: the weight must be blocked as [ceil(N/16), K, 16] float32 with K = ", x.size(1),
-              " (kernels.skinny_linear.block_weight), got sizes ", blocked.sizes());
-  TORCH_CHECK(out_features > (blocked.size(0) - 1) * kBlock && out_features <= blocked.size(0) * kBlock,
-              "skinny_linear: out_features ", out_features, " does not fit ", blocked.size(0), " blocks of 16");
+  check_skinny_linear_args(x, blocked, out_features);
   const int64_t M = x.size(0), K = x.size(1), N = out_features, blocks = blocked.size(0);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
