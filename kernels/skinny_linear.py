@@ -69,15 +69,28 @@ def max_rows() -> int:
     return MAX_ROWS_AVX2 if isa() == "AVX2" else MAX_ROWS
 
 
-def block_weight(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] float32 -> [ceil(N / 16), K, 16]: block b, row k holds W[16b : 16b + 16, k] (zero-padded)."""
+def block_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W [N, K] float32 -> [ceil(N / 16), K, 16]: block b, row k holds W[16b : 16b + 16, k] (zero-padded).
+
+    out: a [ceil(N / 16), K, 16] float32 tensor to write into (an engine's refit repacks into the copies it
+    has): one strided copy instead of a zeroed, padded copy and a transposing one into fresh memory; the 17
+    weights of the 4.7M RL-benchmark model took 3.5-3.7 against 13.2-13.9 ms (2 threads, AVX2 EPYC).
+    """
     if weight.dim() != 2 or weight.dtype != torch.float32:
         raise ValueError(f"block_weight: expected a float32 [N, K] weight, got {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
-    blocks = -(-n // BLOCK)
-    padded = weight.new_zeros(blocks * BLOCK, k)
-    padded[:n] = weight
-    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    blocks, full = -(-n // BLOCK), n // BLOCK
+    if out is None:
+        out = weight.new_empty(blocks, k, BLOCK)
+    elif out.shape != (blocks, k, BLOCK) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"block_weight: out must be a contiguous float32 {(blocks, k, BLOCK)} tensor for a "
+                         f"{(n, k)} weight, got {tuple(out.shape)} {out.dtype}")
+    if full:
+        out[:full].copy_(weight[: full * BLOCK].view(full, BLOCK, k).transpose(1, 2))
+    if n % BLOCK:  # the last block's columns past N are zeros
+        out[full].zero_()
+        out[full, :, : n % BLOCK].copy_(weight[full * BLOCK:].t())
+    return out
 
 
 def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> torch.Tensor:

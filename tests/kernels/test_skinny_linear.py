@@ -21,6 +21,13 @@ def test_block_weight_layout_is_16_column_blocks_zero_padded():
     assert (blocked[1, :, 4:] == 0).all()
     with pytest.raises(ValueError, match="float32 \\[N, K\\]"):
         skinny.block_weight(weight.double())
+    # Into a given tensor (a refit's repack): every element written, the padding zeroed, whatever was there.
+    for rows in (20, 32, 5):
+        w = torch.randn(rows, 3)
+        out = torch.full((-(-rows // 16), 3, 16), float("nan"))
+        assert skinny.block_weight(w, out) is out and torch.equal(out, skinny.block_weight(w))
+    with pytest.raises(ValueError, match="out must be a contiguous float32 \\(2, 3, 16\\) tensor"):
+        skinny.block_weight(weight, torch.empty(1, 3, 16))
 
 
 # Rows: 1, every tail of the AVX-512 build's 8-row tile and of the AVX2 build's 6-row one, several tiles and

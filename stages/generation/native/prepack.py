@@ -181,13 +181,17 @@ class Prepacked:
         return any(view.nbytes >= min_packed_bytes(self.layout) for view, _ in self._views())
 
     def refresh(self) -> None:
-        """(Re)pack every linear weight from the plain buffers; call after any write to them."""
+        """(Re)pack every linear weight from the plain buffers; call after any write to them.
+
+        Blocked copies are rewritten in place where the weight's view is the one packed before (every refit
+        after the first): skinny.block_weight(view, out)."""
+        previous = {key: _TABLE[key][0] for key in self.keys if key in _TABLE}
         self.clear()
         for view, buffer in self._views():
             if view.nbytes < min_packed_bytes(self.layout):
                 packed, out_features = None, None
             elif self.layout == "blocked":
-                packed, out_features = skinny.block_weight(view), view.shape[0]
+                packed, out_features = skinny.block_weight(view, previous.get(_key(view))), view.shape[0]
             else:
                 packed, out_features = torch.ops.mkldnn._reorder_linear_weight(view, self.batch_hint), None
             key = _key(view)

@@ -111,9 +111,12 @@ def test_refit_repacks_and_the_table_empties_with_the_engine(tiny_checkpoints, t
     engine = NativeEngine.build(path, engine_config())
     keys = list(engine._prepacked.keys)
     assert keys and all(key in prepack._TABLE for key in keys)
+    copies = {key: prepack._TABLE[key][0] for key in keys}
 
     perturbed = perturbed_checkpoint(path, tmp_path / "p")
     engine.refit(checkpoint_tensors(perturbed))
+    if engine._prepacked.layout == "blocked":  # rewritten in place (skinny.block_weight's out), not reallocated
+        assert all(prepack._TABLE[key][0] is copies[key] for key in keys)
     before = _calls()
     got = engine.generate(prompts, SAMPLED).response_token_ids
     assert _delta(before)["fallback"] == 0  # refit left current packed copies behind
