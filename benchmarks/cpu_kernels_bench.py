@@ -5,7 +5,8 @@ memory, as a decode step does): `skinny` (alignflow.kernels.skinny_linear, the A
 build), `onednn` (the packed copy oneDNN reorders for that row count), `F.linear` (MKL on the plain [N, K]
 weight), `engine` (what the engine runs without the C++ kernel: oneDNN for the weights of at least
 prepack.MIN_PACKED_BYTES, F.linear for the rest). Where the kernel cannot run the skinny column is left
-out, and without AVX-512 the attention table (its kernel has no AVX2 build). Attention, the model's 12 layers with --kv-len of 88 cache slots filled: `kernel`
+out, and without AVX-512 the attention table (its kernel has no AVX2 build). Attention, the model's 12
+layers with --kv-len of 88 cache slots filled: `kernel`
 (alignflow.kernels.decode_attention), `torch` (its reference, eager), `compiled` (the reference under
 torch.compile, what the compiled engine ran before). Best of --repeats; every implementation's output
 is checked against F.linear / the reference first.

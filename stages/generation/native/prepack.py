@@ -74,7 +74,7 @@ def min_packed_bytes(layout: str) -> int:
     return MIN_PACKED_BYTES[layout]
 
 
-_MAX_ROWS = functools.cache(skinny.max_rows)  # the build is fixed for the process; ~1 us a call matters here
+_MAX_ROWS = functools.cache(skinny.max_rows)  # fixed for the process; read by every linear of a decode step
 
 _Key = tuple[int, tuple[int, ...], torch.dtype]
 # (address, shape, dtype) of a weight view -> (packed copy, or None for a weight left plain because it is
