@@ -61,7 +61,7 @@ def unavailable_reason() -> str | None:
 def isa() -> str | None:
     """The instruction set of the build that runs here ("AVX-512" or "AVX2"), None where none does."""
     module = _cpu_extension.linear_kernels()
-    return None if module is None else {"avx512": "AVX-512", "avx2": "AVX2"}[module.isa]
+    return None if module is None else module.isa
 
 
 def max_rows() -> int:

@@ -4,5 +4,5 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_tokens", &sample_tokens_cpu, "one sampled token and its log-prob per row of float32 logits (AVX2)");
   m.def("skinny_linear", &skinny_linear, "x @ W^T in float32, W blocked as [ceil(N/16), K, 16] (AVX2)");
-  m.attr("isa") = "avx2";
+  m.attr("isa") = "AVX2";
 }

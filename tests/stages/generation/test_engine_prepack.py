@@ -25,9 +25,6 @@ def pack_small_weights(monkeypatch):
     monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": 0, "blocked": 0, "blocked-avx2": 0})
 
 
-REAL_ISA = skinny.isa
-
-
 def _calls() -> dict[str, int]:
     return dict(prepack.calls)
 
@@ -198,7 +195,8 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     if _cpu_extension.extension() is not None:
         isa, rows, attention = "AVX-512", 128, "decode_attention (AVX-512 C++)"
     else:  # the AVX2 builds: linears and sampler, no attention kernel
-        isa, rows, attention = "AVX2", 256, "torch (one query per row, KV groups folded); no C++ kernel: this CPU has no AVX-512"
+        isa, rows = "AVX2", 256
+        attention = "torch (one query per row, KV groups folded); no C++ kernel: this CPU has no AVX-512"
     assert fast == {"backend": "native", "device": "cpu", "dtype": "float32", "decode_step": "eager",
                     "linear": f"skinny_linear ({isa} C++) up to {rows} rows, F.linear above",
                     "decode_attention": attention, "prefill_attention": "sdpa",
@@ -300,12 +298,12 @@ def test_the_avx2_blocked_kernel_has_onednns_floor_and_the_avx512_one_none(tiny_
     """The AVX2 skinny_linear lost to plain F.linear on the demo model's weights (all under 256 KiB, in L2), so its
     blocked layout packs from prepack.MIN_PACKED_BYTES["blocked-avx2"]; the AVX-512 build packs every weight."""
     monkeypatch.undo()  # pack_small_weights' zero floors
-    monkeypatch.setattr(skinny, "isa", lambda: "AVX2")
-    assert prepack.min_packed_bytes("blocked") == prepack.MIN_PACKED_BYTES["blocked-avx2"] == 256 << 10
-    monkeypatch.setattr(skinny, "isa", lambda: "AVX-512")
-    assert prepack.min_packed_bytes("blocked") == 0
-    assert prepack.min_packed_bytes("onednn") == 256 << 10
-    monkeypatch.setattr(skinny, "isa", REAL_ISA)
+    with monkeypatch.context() as patch:
+        patch.setattr(skinny, "isa", lambda: "AVX2")
+        assert prepack.min_packed_bytes("blocked") == prepack.MIN_PACKED_BYTES["blocked-avx2"] == 256 << 10
+        patch.setattr(skinny, "isa", lambda: "AVX-512")
+        assert prepack.min_packed_bytes("blocked") == 0
+        assert prepack.min_packed_bytes("onednn") == 256 << 10
     if skinny.isa() != "AVX2":
         return
     engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config())
