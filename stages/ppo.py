@@ -418,6 +418,12 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
     return scored
 
 
+def minibatch_weight(mb: Experience, counts, world: int) -> float:
+    """A minibatch's weight in the metrics' means: 1, or on N ranks this rank's share of the minibatch's tokens (x N),
+    so that the per-token means of the ranks average to the minibatch's."""
+    return 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
+
+
 def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int, precision: Precision,
              check_old_tolerance: float | None = None, old_from_first_forward: bool = False) -> dict[str, float]:
     """PPO epochs over shuffled minibatches; returns the mean of each loss metric.
@@ -446,6 +452,12 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
     fast = cfg.fast_train_step
     entropy_mode = "loss" if cfg.entropy_coef > 0 or not fast else "metric"
 
+    # Whether the critic's updates may step: they wait for the actor's check of the old log-probs, which may find
+    # them stale and send the caller back to train again from these weights (nothing may have moved then).
+    proceed: Future[bool] = Future()
+    if check_old_tolerance is None:
+        proceed.set_result(True)
+
     def critic_update(mb: Experience, counts, packed: PackedRows | None) -> dict[str, float]:
         with precision.forward():
             values = token_values(critic, mb, lean=fast, packed=packed)
@@ -453,6 +465,9 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                                                           cfg.value_clip_range, counts=counts)
         check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
         critic.backward(cfg.vf_coef * world * value_loss)
+        if not proceed.result():
+            critic.discard_gradients()
+            return {}
         critic.step()
         return value_metrics
 
@@ -460,19 +475,30 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if key in LOSS_SHARES else weight)
 
-    pending: list[tuple[Future, float]] = []
+    # Every epoch's minibatches up front: (their rows' indices, rows, token counts over ranks, packing).
+    minibatches: list[tuple[torch.Tensor, Experience, Any, PackedRows | None]] = []
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(rows, generator=generator)
+        for start in range(0, rows, cfg.minibatch_size):
+            index = order[start:start + cfg.minibatch_size]
+            if world > 1:  # this rank's share (minibatch_size is a multiple of the ranks: PPOConfig)
+                share = len(index) // world
+                index = index[rank() * share:(rank() + 1) * share]
+            mb = exp.select(index)
+            counts = rl.minibatch_token_counts(mb.response_mask) if world > 1 else None  # sums over ranks
+            mb = mb.trimmed() if fast else mb
+            minibatches.append((index, mb, counts, packing_for(mb, cfg, actor)))
+
     with critic_thread(actor, critic, cfg) as overlap:
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(rows, generator=generator)
-            for start in range(0, rows, cfg.minibatch_size):
-                index = order[start:start + cfg.minibatch_size]
-                if world > 1:  # this rank's share (minibatch_size is a multiple of the ranks: PPOConfig)
-                    share = len(index) // world
-                    index = index[rank() * share:(rank() + 1) * share]
-                mb = exp.select(index)
-                counts = rl.minibatch_token_counts(mb.response_mask) if world > 1 else None  # sums over ranks
-                mb = mb.trimmed() if fast else mb
-                packed = packing_for(mb, cfg, actor)
+        # The critic's updates depend on nothing the actor computes, so its thread takes them all now, in minibatch
+        # order (FIFO, one thread), instead of each after the actor's forward of its minibatch: that forward was
+        # the critic thread's idle start and its last update the actor's idle end. On the ladder's PPO shape (4.7M
+        # model, 4 epochs of one minibatch of 16, 1 + 1 threads, AVX2 EPYC) the train phase went 1.45 -> 1.32 s
+        # (medians of 3 interleaved runs of 10 iterations).
+        pending = [] if overlap is None else [(overlap.submit(critic_update, mb, counts, packed), mb, counts)
+                                              for _, mb, counts, packed in minibatches]
+        try:
+            for index, mb, counts, packed in minibatches:
                 with precision.forward():
                     logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode,
                                                     head_on_response_only=fast, lean=fast, packed=packed)
@@ -480,7 +506,9 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                     measured = float(((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max())
                     mb.old_logprobs = logp.detach()
                     exp.old_logprobs = torch.zeros_like(exp.response_mask)
-                    exp.old_logprobs[order, : logp.shape[1]] = mb.old_logprobs
+                    exp.old_logprobs[index, : logp.shape[1]] = mb.old_logprobs
+                    for later_index, later, _, _ in minibatches[1:]:  # selected before the old log-probs were known
+                        later.old_logprobs = exp.old_logprobs[later_index, : later.response_mask.shape[1]]
                     take_old = False
                 elif check_old_tolerance is not None and measured is None:
                     measured = float(((logp.detach() - mb.old_logprobs).abs() * mb.response_mask).max())
@@ -488,6 +516,7 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                         measured = _max_over_ranks(measured)
                     if not measured <= check_old_tolerance:
                         raise StaleOldLogprobs(measured)
+                    proceed.set_result(True)
                 if cfg.algorithm == "grpo":
                     loss, metrics = rl.policy_loss_grpo(
                         logp, mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
@@ -496,24 +525,23 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 else:
                     in_loss = not cfg.kl_in_reward
                     loss, metrics = rl.policy_loss_ppo(
-                        logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range, dual_clip=cfg.dual_clip,
-                        entropy=entropy, entropy_coef=cfg.entropy_coef, ref_logprobs=mb.ref_logprobs if in_loss else None,
-                        kl_coef=kl_coef if in_loss else 0.0, kl_estimator=cfg.kl_estimator,
-                        token_weights=mb.behaviour_weights, counts=counts)
+                        logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
+                        dual_clip=cfg.dual_clip, entropy=entropy, entropy_coef=cfg.entropy_coef,
+                        ref_logprobs=mb.ref_logprobs if in_loss else None, kl_coef=kl_coef if in_loss else 0.0,
+                        kl_estimator=cfg.kl_estimator, token_weights=mb.behaviour_weights, counts=counts)
                 check_finite("the policy loss", _finite_on_every_rank(loss), iteration)
-                # N ranks: a per-token mean of this rank's share, weighted by its share of the minibatch's tokens
-                # (x N), so the mean over ranks below is the minibatch's mean.
-                weight = 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
-                if overlap is not None:  # FIFO on one thread: the critic's updates in minibatch order
-                    pending.append((overlap.submit(critic_update, mb, counts, packed), weight))
-                elif critic is not None:
-                    add(critic_update(mb, counts, packed), weight)
+                if overlap is None and critic is not None:
+                    add(critic_update(mb, counts, packed), minibatch_weight(mb, counts, world))
                 actor.backward(loss * world)
                 actor.step()
-                add(metrics, weight)
+                add(metrics, minibatch_weight(mb, counts, world))
                 count += 1
-        for future, weight in pending:
-            add(future.result(), weight)
+        except BaseException:
+            if not proceed.done():  # the critic's thread must not wait for a check that will not come
+                proceed.set_result(False)
+            raise
+        for future, mb, counts in pending:
+            add(future.result(), minibatch_weight(mb, counts, world))
     out = {key: value / count for key, value in sums.items()}
     if world > 1:
         totals = sum_over_ranks(*out.values())

@@ -69,6 +69,11 @@ class TorchTrainEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def discard_gradients(self) -> None:
+        """Drop the gradients of a backward whose step must not happen (train_on's critic when the actor's check
+        of the old log-probs fails)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def save_checkpoint(self, save_dir: str, tag: str) -> None:
         folder = Path(save_dir) / tag
         folder.mkdir(parents=True, exist_ok=True)

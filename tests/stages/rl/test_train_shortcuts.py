@@ -269,6 +269,42 @@ def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkp
             assert torch.equal(x, y), name
 
 
+def test_stale_old_logprobs_stop_the_critics_thread_before_any_step(checkpoint, rollout):
+    """The critic's thread starts its updates before the actor's check of the old log-probs: when the check
+    fails neither model moves (the critic's gradients are dropped, its queued updates never step), and the
+    same models then train normally."""
+    from alignflow.stages.models.loading import load_sequence_classifier
+    from alignflow.stages.ppo import overlaps_critic
+    from alignflow.stages.training.deepspeed_setup import OptimSettings
+    from alignflow.stages.training.torch_engine import TorchTrainEngine
+
+    exp = copy.copy(rollout)
+    noise = torch.Generator().manual_seed(0)
+    exp.values = torch.randn(exp.response_mask.shape, generator=noise) * exp.response_mask
+    exp.returns = torch.randn(exp.response_mask.shape, generator=noise) * exp.response_mask
+    settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=3,
+                             grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    torch.set_num_threads(2)  # one thread each (the autouse fixture restores 1 after the test)
+    actor = TorchTrainEngine(load_causal_lm(checkpoint), settings)
+    critic = TorchTrainEngine(load_sequence_classifier(checkpoint, pad_token_id=PAD), settings)
+    cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=3)
+    assert overlaps_critic(actor, critic, cfg)
+    before = {f"{who}.{n}": p.detach().clone() for who, m in (("actor", actor), ("critic", critic))
+              for n, p in m.module.named_parameters()}
+    stale = copy.copy(exp)
+    stale.old_logprobs = exp.rollout_logprobs + 1e-2 * exp.response_mask
+    with pytest.raises(StaleOldLogprobs):
+        train_on(stale, actor, critic, cfg, 0.0, 1, FP32, check_old_tolerance=1e-4)
+    for who, model in (("actor", actor), ("critic", critic)):
+        for name, param in model.module.named_parameters():
+            assert torch.equal(param, before[f"{who}.{name}"]), f"{who}.{name} moved before the check"
+            assert param.grad is None, f"{who}.{name} kept a gradient"
+    assert torch.get_num_threads() == 2
+    metrics = train_on(copy.copy(exp), actor, critic, cfg, 0.0, 1, FP32, check_old_tolerance=1e-4)
+    assert metrics["rollout/logprob_engine_vs_actor_max"] <= 1e-4 and "losses/value_loss" in metrics
+    assert not torch.equal(next(critic.module.parameters()), before[f"critic.{next(critic.module.named_parameters())[0]}"])
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, rollout, monkeypatch, kl_coef):
     """ppo.overlap_critic in experience_passes: one pass runs on the critic's thread beside the scoring and the
