@@ -235,12 +235,20 @@ def shape_scores(raw: torch.Tensor, finished_with_eos: torch.Tensor, state: RLSt
     return rl.clip_scores(scores, cfg.reward_clip)
 
 
-def _advantages(exp: Experience, cfg: PPOConfig, kl_coef: float, with_reference: bool, iteration: int) -> None:
-    """KL to the reference (zero when the reference is skipped), then advantages; both checked for NaN."""
+def _advantages(exp: Experience, cfg: PPOConfig, kl_coef: float, with_reference: bool, iteration: int,
+                values_known: bool = True) -> None:
+    """KL to the reference (zero when the reference is skipped), then advantages; both checked for NaN.
+    values_known False: the KL only (train_on fills the advantages once the critic's first forward gave values)."""
     estimator = "k3" if cfg.algorithm == "grpo" else cfg.kl_estimator
     if with_reference:
         exp.kl = rl.kl_penalty(exp.old_logprobs, exp.ref_logprobs, estimator, exp.response_mask)
         check_finite("the KL to the reference", exp.kl, iteration)
+    if values_known:
+        checked_advantages(exp, cfg, kl_coef, iteration)
+
+
+def checked_advantages(exp: Experience, cfg: PPOConfig, kl_coef: float, iteration: int) -> None:
+    """advantages_for, then the NaN check."""
     advantages_for(exp, cfg, kl_coef)
     check_finite("the advantages", exp.advantages, iteration)
 
@@ -369,7 +377,7 @@ def critic_thread(actor, critic, cfg: PPOConfig, enabled: bool | None = None) ->
 
 
 def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference, precision: Precision, source: str,
-                      profiler, score: Callable[[], T]) -> T:
+                      profiler, score: Callable[[], T], with_values: bool = True) -> T:
     """The no-grad passes that make the experience: score() (the reward models and functions; its result is
     returned), then the reference's log-probs (when the KL needs them), the actor's old log-probs (source
     'recompute') and the critic's values, filled into exp.
@@ -379,11 +387,14 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
     critic's (the passes share no state and each gives what it gives alone). On the demo (2 cores, dispatch-bound)
     score, reference and values took 7.6 + 9.3 + 6.1 ms one after the other; with the values beside, 9.6 + 8.6 ms
     and no wait for them; with the reference beside, 9.0 + 7.5 ms and 0.3 ms of wait (medians of 5 interleaved
-    runs). The phase of the pass on that thread is the wait for it after the others."""
+    runs). The phase of the pass on that thread is the wait for it after the others.
+    with_values False: no values pass (values_from_first_forward: train_on takes them from the critic's first
+    forward)."""
     lean = cfg.fast_train_step
     with_reference = needs_reference(cfg)
     # Once, before two threads would both compute it for exp's cache; not at all when no pass runs (GRPO at KL 0).
-    packed = packing_for(exp, cfg, actor) if with_reference or source == "recompute" or critic is not None else None
+    with_values = with_values and critic is not None
+    packed = packing_for(exp, cfg, actor) if with_reference or source == "recompute" or with_values else None
 
     def logprobs(model) -> torch.Tensor:  # grad mode and autocast are per thread: set on the thread that runs it
         with torch.no_grad(), precision.forward():
@@ -396,7 +407,8 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
             return over_rows(exp, lambda part: token_values(
                 critic.module, part, lean=lean, packed=packed if part is exp else packing_for(part, cfg, actor)))
 
-    with critic_thread(actor, critic, cfg, overlaps_passes(actor, critic, cfg)) as beside:
+    beside_enabled = overlaps_passes(actor, critic, cfg) and (with_reference or with_values)
+    with critic_thread(actor, critic, cfg, beside_enabled) as beside:
         reference_beside = beside is not None and with_reference
         values_beside = beside is not None and not with_reference
         if beside is not None:
@@ -409,13 +421,37 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
         if source == "recompute":
             with profiler.phase("old_logprobs"):
                 exp.old_logprobs = logprobs(actor.module)
-        if critic is not None:
+        if with_values:
             with profiler.phase("values"):
                 exp.values = pending.result() if values_beside else values()
         if reference_beside:
             with profiler.phase("reference"):
                 exp.ref_logprobs = pending.result()
     return scored
+
+
+def values_from_first_forward(actor, critic, cfg: PPOConfig, rows: int) -> bool:
+    """Whether the critic's first training forward gives the iteration's values, instead of a no-grad values pass
+    before training (part of ppo.fast_train_step). That forward is the pass for free, at the same weights, when
+    one minibatch holds every row; and it costs the actor no wait only beside it (overlaps_critic): the
+    actor's first loss needs the advantages, which need the values, and the two forwards take about as long.
+    And the critic's training forward must compute what its no-grad one does: no dropout anywhere.
+    On the ladder's PPO shape (AVX2 EPYC, 3 interleaved runs of 10 iterations) the 57-62 ms values pass went and
+    the train phase grew by 0-30 ms (the actor's wait): iteration 1.85 -> 1.76 s (medians). Before the critic's
+    updates were queued up front (train_on) its first forward started after the actor's and this lost."""
+    if not (cfg.fast_train_step and cfg.minibatch_size >= rows and overlaps_critic(actor, critic, cfg)):
+        return False
+    model = critic.module
+    return (float(getattr(model.config, "attention_dropout", 0.0) or 0.0) == 0.0
+            and not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))
+
+
+def refill(minibatches: list[tuple[torch.Tensor, Experience, Any, PackedRows | None]], exp: Experience,
+           names: tuple[str, ...]) -> None:
+    """Copy exp's per-token fields `names` into minibatches selected before they were known (trimmed widths)."""
+    for index, mb, _, _ in minibatches:
+        for name in names:
+            setattr(mb, name, getattr(exp, name)[index, : mb.response_mask.shape[1]])
 
 
 def minibatch_weight(mb: Experience, counts, world: int) -> float:
@@ -425,7 +461,8 @@ def minibatch_weight(mb: Experience, counts, world: int) -> float:
 
 
 def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int, precision: Precision,
-             check_old_tolerance: float | None = None, old_from_first_forward: bool = False) -> dict[str, float]:
+             check_old_tolerance: float | None = None, old_from_first_forward: bool = False,
+             advantages_after_values: Callable[[Experience], None] | None = None) -> dict[str, float]:
     """PPO epochs over shuffled minibatches; returns the mean of each loss metric.
 
     check_old_tolerance: compare the first minibatch's log-probs (taken before any optimizer step, so at
@@ -433,6 +470,9 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
     The measured value is returned as rollout/logprob_engine_vs_actor_max.
     old_from_first_forward: fill `exp.old_logprobs` from the first minibatch's forward, which must hold
     every row (old_logprob_source's 'first_forward').
+    advantages_after_values: fill `exp.values` from the critic's first forward (values_from_first_forward: one
+    minibatch holding every row, the critic on its own thread), then call it on exp to fill the advantages and
+    returns, before the actor's first loss and the critic's first value loss.
 
     On N trainer ranks every rank holds the whole experience and trains on its contiguous 1/N of each
     minibatch: the losses are normalised by the minibatch's token counts summed over the ranks and
@@ -441,8 +481,10 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
     share of the minibatch loss), the per-token means (clip fractions, ratio, entropy...) token-weighted.
     """
     take_old = old_from_first_forward
-    if take_old and cfg.minibatch_size < exp.scores.shape[0]:
-        raise ValueError("old log-probs from the first forward need one minibatch holding every row")
+    if (take_old or advantages_after_values) and cfg.minibatch_size < exp.scores.shape[0]:
+        raise ValueError("old log-probs or values from the first forward need one minibatch holding every row")
+    if advantages_after_values is not None and not overlaps_critic(actor, critic, cfg):
+        raise ValueError("values from the critic's first forward need it on its own thread (overlaps_critic)")
     sums: dict[str, float] = {}
     count = 0
     measured: float | None = None
@@ -457,10 +499,24 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
     proceed: Future[bool] = Future()
     if check_old_tolerance is None:
         proceed.set_result(True)
+    # advantages_after_values: the critic's first forward hands its values to the actor's thread, which answers
+    # once the advantages and returns are in every minibatch (False: it failed, and the critic must not step).
+    first_values: Future[torch.Tensor] = Future()
+    advantages_ready: Future[bool] = Future()
 
-    def critic_update(mb: Experience, counts, packed: PackedRows | None) -> dict[str, float]:
-        with precision.forward():
-            values = token_values(critic, mb, lean=fast, packed=packed)
+    def critic_update(mb: Experience, counts, packed: PackedRows | None, hands_values: bool = False
+                      ) -> dict[str, float]:
+        try:
+            with precision.forward():
+                values = token_values(critic, mb, lean=fast, packed=packed)
+        except BaseException as exc:
+            if hands_values:
+                first_values.set_exception(exc)
+            raise
+        if hands_values:
+            first_values.set_result(values.detach())
+            if not advantages_ready.result():
+                return {}
         value_loss, value_metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
                                                           cfg.value_clip_range, counts=counts)
         check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
@@ -495,8 +551,9 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
         # the critic thread's idle start and its last update the actor's idle end. On the ladder's PPO shape (4.7M
         # model, 4 epochs of one minibatch of 16, 1 + 1 threads, AVX2 EPYC) the train phase went 1.45 -> 1.32 s
         # (medians of 3 interleaved runs of 10 iterations).
-        pending = [] if overlap is None else [(overlap.submit(critic_update, mb, counts, packed), mb, counts)
-                                              for _, mb, counts, packed in minibatches]
+        pending = [] if overlap is None else [
+            (overlap.submit(critic_update, mb, counts, packed, advantages_after_values is not None and i == 0), mb,
+             counts) for i, (_, mb, counts, packed) in enumerate(minibatches)]
         try:
             for index, mb, counts, packed in minibatches:
                 with precision.forward():
@@ -507,10 +564,16 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                     mb.old_logprobs = logp.detach()
                     exp.old_logprobs = torch.zeros_like(exp.response_mask)
                     exp.old_logprobs[index, : logp.shape[1]] = mb.old_logprobs
-                    for later_index, later, _, _ in minibatches[1:]:  # selected before the old log-probs were known
-                        later.old_logprobs = exp.old_logprobs[later_index, : later.response_mask.shape[1]]
+                    refill(minibatches[1:], exp, ("old_logprobs",))
                     take_old = False
-                elif check_old_tolerance is not None and measured is None:
+                if advantages_after_values is not None and not advantages_ready.done():  # the first minibatch
+                    values = first_values.result()
+                    exp.values = torch.zeros_like(exp.response_mask)
+                    exp.values[index, : values.shape[1]] = values
+                    advantages_after_values(exp)
+                    refill(minibatches, exp, ("values", "token_rewards", "advantages", "returns"))
+                    advantages_ready.set_result(True)
+                if check_old_tolerance is not None and measured is None:
                     measured = float(((logp.detach() - mb.old_logprobs).abs() * mb.response_mask).max())
                     if world > 1:  # every rank decides alike on the largest difference of any rank
                         measured = _max_over_ranks(measured)
@@ -537,8 +600,9 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 add(metrics, minibatch_weight(mb, counts, world))
                 count += 1
         except BaseException:
-            if not proceed.done():  # the critic's thread must not wait for a check that will not come
-                proceed.set_result(False)
+            for gate in (proceed, advantages_ready):  # the critic's thread must not wait for what will not come
+                if not gate.done():
+                    gate.set_result(False)
             raise
         for future, mb, counts in pending:
             add(future.result(), minibatch_weight(mb, counts, world))
@@ -858,7 +922,9 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
             scored = (raw, components, gold)
         return from_main(scored)
 
-    raw, components, gold = experience_passes(exp, cfg, actor, critic, reference, precision, source, profiler, score)
+    values_first = not off_policy and values_from_first_forward(actor, critic, cfg, len(rows))
+    raw, components, gold = experience_passes(exp, cfg, actor, critic, reference, precision, source, profiler, score,
+                                              with_values=not values_first)
     check_finite("the reward", raw, iteration)
     finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
     exp.scores = shape_scores(raw, finished, state, cfg)
@@ -868,14 +934,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                                                      cfg.async_weight_cap)
     kl_coef = state.kl_controller.value
     with profiler.phase("advantages"):
-        _advantages(exp, cfg, kl_coef, with_reference, iteration)
+        _advantages(exp, cfg, kl_coef, with_reference, iteration, values_known=not values_first)
     seq_kl = rl.sequence_kl(exp.kl, mask)
-
-    with profiler.phase("io"):  # the rows here; the file is written on rollout_writer's thread (rank 0)
-        if is_main():
-            rollout_writer.submit(_rollout_rows(iteration, rollout.weights_version, chosen, rows, prompts, texts,
-                                                completions, batch_prompt_ids, generation, exp, components, seq_kl,
-                                                with_reference), out / "rollouts" / f"iter_{iteration:05d}.parquet")
 
     with profiler.phase("train"):
         actor.train()
@@ -884,8 +944,11 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         check = (cfg.old_logprobs_tolerance if source == "engine" and cfg.old_logprobs == "auto" and not off_policy
                  else None)
         try:
-            loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision, check,
-                                    old_from_first_forward=source == "first_forward")
+            loss_metrics = train_on(
+                exp, actor, critic, cfg, kl_coef, iteration, precision, check,
+                old_from_first_forward=source == "first_forward",
+                advantages_after_values=(lambda e: checked_advantages(e, cfg, kl_coef, iteration)) if values_first
+                else None)
         except StaleOldLogprobs as stale:
             # No optimizer step ran: recompute at the same weights and train again; later iterations recompute.
             print(f"{cfg.algorithm}: iteration {iteration}: {stale} (more than ppo.old_logprobs_tolerance = "
@@ -899,6 +962,13 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
             seq_kl = rl.sequence_kl(exp.kl, mask)
             loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)
             loss_metrics["rollout/logprob_engine_vs_actor_max"] = stale.measured
+    # After training: the values (and so the advantages) may come from its first forward, and a stale-log-prob
+    # fallback recomputes the KL; the file is written on rollout_writer's thread (rank 0), beside what follows.
+    with profiler.phase("io"):
+        if is_main():
+            rollout_writer.submit(_rollout_rows(iteration, rollout.weights_version, chosen, rows, prompts, texts,
+                                                completions, batch_prompt_ids, generation, exp, components, seq_kl,
+                                                with_reference), out / "rollouts" / f"iter_{iteration:05d}.parquet")
     with profiler.phase("generate"):
         rollouts.wait_idle()  # async: the next iteration's rollout, still generating on the old weights
     if rollouts.unload_during_training:

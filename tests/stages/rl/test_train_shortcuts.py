@@ -305,6 +305,76 @@ def test_stale_old_logprobs_stop_the_critics_thread_before_any_step(checkpoint, 
     assert not torch.equal(next(critic.module.parameters()), before[f"critic.{next(critic.module.named_parameters())[0]}"])
 
 
+def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkpoint, rollout):
+    """values_from_first_forward: one minibatch holding every row, the critic on its own thread. Its first
+    training forward gives the values (and so the advantages and returns) that the no-grad values pass gives, and
+    the two ways train the actor and the critic to the same weights (2 epochs; fp32, 1e-6: float order)."""
+    from alignflow.stages.models.loading import load_sequence_classifier
+    from alignflow.stages.ppo import advantages_for, values_from_first_forward
+    from alignflow.stages.rl.experience import token_values
+    from alignflow.stages.training.deepspeed_setup import OptimSettings
+    from alignflow.stages.training.torch_engine import TorchTrainEngine
+
+    settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=6,
+                             grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=6)
+    torch.manual_seed(0)
+    critic_init = load_sequence_classifier(checkpoint, pad_token_id=PAD)
+    torch.set_num_threads(2)  # one thread each (the autouse fixture restores 1 after the test)
+    runs = {}
+    for first in (False, True):
+        actor = TorchTrainEngine(load_causal_lm(checkpoint), settings)
+        critic = TorchTrainEngine(copy.deepcopy(critic_init), settings)
+        assert values_from_first_forward(actor, critic, cfg, 6)
+        exp = copy.copy(rollout)
+        exp.scores = torch.linspace(-1.0, 2.0, 6)
+        if first:
+            metrics = train_on(exp, actor, critic, cfg, 0.0, 1, FP32,
+                               advantages_after_values=lambda e: advantages_for(e, cfg, 0.0))
+        else:
+            with torch.no_grad():
+                exp.values = token_values(critic.module, exp, lean=True, packed=packing_for(exp, cfg, actor))
+            advantages_for(exp, cfg, 0.0)
+            metrics = train_on(exp, actor, critic, cfg, 0.0, 1, FP32)
+        runs[first] = (exp, metrics, actor, critic)
+    (exp_a, metrics_a, actor_a, critic_a), (exp_b, metrics_b, actor_b, critic_b) = runs[False], runs[True]
+    for name in ("values", "advantages", "returns"):
+        assert torch.allclose(getattr(exp_a, name), getattr(exp_b, name), atol=1e-6, rtol=0), name
+    assert float(exp_b.values.abs().sum()) > 0
+    for key in ("losses/value_loss", "losses/policy_loss"):
+        assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-5, abs=1e-7), key
+    for a, b in ((actor_a, actor_b), (critic_a, critic_b)):
+        for (name, x), (_, y) in zip(a.module.named_parameters(), b.module.named_parameters(), strict=True):
+            assert torch.allclose(x, y, atol=1e-6, rtol=0), name
+
+
+def test_values_come_from_the_first_forward_only_where_it_is_the_values_pass(checkpoint):
+    """Not with several minibatches (later ones see an updated critic), without the critic's thread, or with
+    dropout in the critic (its training forward would differ from the no-grad pass)."""
+    from alignflow.stages.models.loading import load_sequence_classifier
+    from alignflow.stages.ppo import values_from_first_forward
+    from alignflow.stages.training.deepspeed_setup import OptimSettings
+    from alignflow.stages.training.torch_engine import TorchTrainEngine
+
+    settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=6,
+                             grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    actor = TorchTrainEngine(load_causal_lm(checkpoint), settings)
+    critic = TorchTrainEngine(load_sequence_classifier(checkpoint, pad_token_id=PAD), settings)
+    cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=6)
+    torch.set_num_threads(2)
+    assert values_from_first_forward(actor, critic, cfg, 6)
+    assert not values_from_first_forward(actor, critic, cfg, 12)
+    assert not values_from_first_forward(actor, critic, ppo_config(algorithm="ppo", minibatch_size=6,
+                                                                   overlap_critic=False), 6)
+    assert not values_from_first_forward(actor, critic, ppo_config(algorithm="ppo", minibatch_size=6,
+                                                                   fast_train_step=False), 6)
+    critic.module.config.attention_dropout = 0.1
+    assert not values_from_first_forward(actor, critic, cfg, 6)
+    torch.set_num_threads(1)
+    critic.module.config.attention_dropout = 0.0
+    assert not values_from_first_forward(actor, critic, cfg, 6)  # one thread: no critic's thread
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, rollout, monkeypatch, kl_coef):
     """ppo.overlap_critic in experience_passes: one pass runs on the critic's thread beside the scoring and the
