@@ -327,7 +327,8 @@ class PPOConfig(Section):
         "elsewhere. The choice is printed and logged as perf/autocast_bf16.")
     fast_train_step: bool = Field(
         True, description="Minibatches trimmed of all-padding columns, the LM head on response columns only, the "
-        "entropy differentiated only when entropy_coef > 0. false: the plain step on the padded batch, the "
+        "entropy differentiated only when entropy_coef > 0; with overlap_critic and one minibatch holding every row, "
+        "the critic's first training forward gives the values (no values pass). false: the plain step on the padded batch, the "
         "reference the fast one is tested and benchmarked against (same loss and gradients).")
     pack_sequences: bool = Field(
         True, description="With fast_train_step, on Llama-family models: the forwards of the training step and the "
