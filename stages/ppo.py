@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -446,18 +446,30 @@ def values_from_first_forward(actor, critic, cfg: PPOConfig, rows: int) -> bool:
             and not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))
 
 
-def refill(minibatches: list[tuple[torch.Tensor, Experience, Any, PackedRows | None]], exp: Experience,
-           names: tuple[str, ...]) -> None:
+class Minibatch(NamedTuple):
+    """One of train_on's minibatches, all selected before training starts."""
+
+    index: torch.Tensor            # its rows' indices in the Experience
+    rows: Experience               # those rows (trimmed under the fast step)
+    counts: Any                    # token counts summed over the ranks (rl.minibatch_token_counts), None on one rank
+    packed: PackedRows | None      # packing_for(rows)
+    # Its weight in the metrics' means: 1, or on N ranks this rank's share of the minibatch's tokens (x N), so
+    # that the per-token means of the ranks average to the minibatch's.
+    weight: float
+
+
+def refill(minibatches: list[Minibatch], exp: Experience, names: tuple[str, ...]) -> None:
     """Copy exp's per-token fields `names` into minibatches selected before they were known (trimmed widths)."""
-    for index, mb, _, _ in minibatches:
+    for minibatch in minibatches:
         for name in names:
-            setattr(mb, name, getattr(exp, name)[index, : mb.response_mask.shape[1]])
+            setattr(minibatch.rows, name, getattr(exp, name)[minibatch.index, : minibatch.rows.response_mask.shape[1]])
 
 
-def minibatch_weight(mb: Experience, counts, world: int) -> float:
-    """A minibatch's weight in the metrics' means: 1, or on N ranks this rank's share of the minibatch's tokens (x N),
-    so that the per-token means of the ranks average to the minibatch's."""
-    return 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
+def rows_into(exp: Experience, index: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor:
+    """A (B, R) tensor of exp's shape, zero but for a minibatch's per-token values (B_mb, <= R) at its rows `index`."""
+    out = torch.zeros_like(exp.response_mask)
+    out[index, : per_token.shape[1]] = per_token
+    return out
 
 
 def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, iteration: int, precision: Precision,
@@ -531,8 +543,7 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if key in LOSS_SHARES else weight)
 
-    # Every epoch's minibatches up front: (their rows' indices, rows, token counts over ranks, packing).
-    minibatches: list[tuple[torch.Tensor, Experience, Any, PackedRows | None]] = []
+    minibatches: list[Minibatch] = []  # every epoch's, up front
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(rows, generator=generator)
         for start in range(0, rows, cfg.minibatch_size):
@@ -543,7 +554,8 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
             mb = exp.select(index)
             counts = rl.minibatch_token_counts(mb.response_mask) if world > 1 else None  # sums over ranks
             mb = mb.trimmed() if fast else mb
-            minibatches.append((index, mb, counts, packing_for(mb, cfg, actor)))
+            weight = 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
+            minibatches.append(Minibatch(index, mb, counts, packing_for(mb, cfg, actor), weight))
 
     with critic_thread(actor, critic, cfg) as overlap:
         # The critic's updates depend on nothing the actor computes, so its thread takes them all now, in minibatch
@@ -552,24 +564,21 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
         # model, 4 epochs of one minibatch of 16, 1 + 1 threads, AVX2 EPYC) the train phase went 1.45 -> 1.32 s
         # (medians of 3 interleaved runs of 10 iterations).
         pending = [] if overlap is None else [
-            (overlap.submit(critic_update, mb, counts, packed, advantages_after_values is not None and i == 0), mb,
-             counts) for i, (_, mb, counts, packed) in enumerate(minibatches)]
+            (overlap.submit(critic_update, m.rows, m.counts, m.packed, advantages_after_values is not None and i == 0),
+             m.weight) for i, m in enumerate(minibatches)]
         try:
-            for index, mb, counts, packed in minibatches:
+            for index, mb, counts, packed, weight in minibatches:
                 with precision.forward():
                     logp, entropy = policy_logprobs(actor, mb, cfg.temperature, entropy=entropy_mode,
                                                     head_on_response_only=fast, lean=fast, packed=packed)
                 if take_old:  # the one minibatch of epoch 1, before any step (one rank): its log-probs are the old ones
                     measured = float(((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max())
                     mb.old_logprobs = logp.detach()
-                    exp.old_logprobs = torch.zeros_like(exp.response_mask)
-                    exp.old_logprobs[index, : logp.shape[1]] = mb.old_logprobs
+                    exp.old_logprobs = rows_into(exp, index, mb.old_logprobs)
                     refill(minibatches[1:], exp, ("old_logprobs",))
                     take_old = False
                 if advantages_after_values is not None and not advantages_ready.done():  # the first minibatch
-                    values = first_values.result()
-                    exp.values = torch.zeros_like(exp.response_mask)
-                    exp.values[index, : values.shape[1]] = values
+                    exp.values = rows_into(exp, index, first_values.result())
                     advantages_after_values(exp)
                     refill(minibatches, exp, ("values", "token_rewards", "advantages", "returns"))
                     advantages_ready.set_result(True)
@@ -594,18 +603,18 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                         kl_estimator=cfg.kl_estimator, token_weights=mb.behaviour_weights, counts=counts)
                 check_finite("the policy loss", _finite_on_every_rank(loss), iteration)
                 if overlap is None and critic is not None:
-                    add(critic_update(mb, counts, packed), minibatch_weight(mb, counts, world))
+                    add(critic_update(mb, counts, packed), weight)
                 actor.backward(loss * world)
                 actor.step()
-                add(metrics, minibatch_weight(mb, counts, world))
+                add(metrics, weight)
                 count += 1
         except BaseException:
             for gate in (proceed, advantages_ready):  # the critic's thread must not wait for what will not come
                 if not gate.done():
                     gate.set_result(False)
             raise
-        for future, mb, counts in pending:
-            add(future.result(), minibatch_weight(mb, counts, world))
+        for future, weight in pending:
+            add(future.result(), weight)
     out = {key: value / count for key, value in sums.items()}
     if world > 1:
         totals = sum_over_ranks(*out.values())
