@@ -19,6 +19,7 @@ from alignflow.stages.models.loading import load_causal_lm
 from alignflow.stages.ppo import RLState, StaleOldLogprobs, old_logprob_source, packing_for, train_on
 from alignflow.stages.rl import algorithms as rl
 from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs
+from alignflow.stages.training.deepspeed_setup import OptimSettings
 from alignflow.stages.training.precision import resolve_precision
 from tests.stages.generation.engine_test_models import engine_config, random_prompts, save_tiny_model
 
@@ -148,6 +149,12 @@ def test_lm_head_on_response_columns_equals_the_full_forward(checkpoint, rollout
     assert torch.allclose(logp, logp_full * rollout.response_mask, atol=1e-5)
 
 
+def trainer_settings(micro_batch_size: int) -> OptimSettings:
+    """The plain torch trainer's settings for these tests: AdamW at 1e-3, clipped at 1, no schedule."""
+    return OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=micro_batch_size,
+                         grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+
+
 def ppo_config(**overrides) -> PPOConfig:
     values = dict(algorithm="grpo", group_size=2, prompts_per_iteration=3, minibatch_size=6, ppo_epochs=2,
                   kl_coef=0.0, clip_range=0.2, seed=0)
@@ -241,7 +248,6 @@ def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkp
     with a critic, the plain torch trainer as one rank at ZeRO 0 runs it); the stage's thread count is restored."""
     from alignflow.stages.models.loading import load_sequence_classifier
     from alignflow.stages.ppo import overlaps_critic
-    from alignflow.stages.training.deepspeed_setup import OptimSettings
     from alignflow.stages.training.torch_engine import TorchTrainEngine
 
     exp = copy.copy(rollout)
@@ -250,8 +256,7 @@ def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkp
     exp.returns = torch.randn(exp.response_mask.shape, generator=noise) * exp.response_mask
     torch.manual_seed(0)
     critic_init = load_sequence_classifier(checkpoint, pad_token_id=PAD)
-    settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=3,
-                             grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    settings = trainer_settings(micro_batch_size=3)
     torch.set_num_threads(2)  # one thread each (the autouse fixture restores 1 after the test)
     runs = {}
     for overlap in (False, True):
@@ -275,15 +280,13 @@ def test_stale_old_logprobs_stop_the_critics_thread_before_any_step(checkpoint, 
     same models then train normally."""
     from alignflow.stages.models.loading import load_sequence_classifier
     from alignflow.stages.ppo import overlaps_critic
-    from alignflow.stages.training.deepspeed_setup import OptimSettings
     from alignflow.stages.training.torch_engine import TorchTrainEngine
 
     exp = copy.copy(rollout)
     noise = torch.Generator().manual_seed(0)
     exp.values = torch.randn(exp.response_mask.shape, generator=noise) * exp.response_mask
     exp.returns = torch.randn(exp.response_mask.shape, generator=noise) * exp.response_mask
-    settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=3,
-                             grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    settings = trainer_settings(micro_batch_size=3)
     torch.set_num_threads(2)  # one thread each (the autouse fixture restores 1 after the test)
     actor = TorchTrainEngine(load_causal_lm(checkpoint), settings)
     critic = TorchTrainEngine(load_sequence_classifier(checkpoint, pad_token_id=PAD), settings)
@@ -302,7 +305,8 @@ def test_stale_old_logprobs_stop_the_critics_thread_before_any_step(checkpoint, 
     assert torch.get_num_threads() == 2
     metrics = train_on(copy.copy(exp), actor, critic, cfg, 0.0, 1, FP32, check_old_tolerance=1e-4)
     assert metrics["rollout/logprob_engine_vs_actor_max"] <= 1e-4 and "losses/value_loss" in metrics
-    assert not torch.equal(next(critic.module.parameters()), before[f"critic.{next(critic.module.named_parameters())[0]}"])
+    name, param = next(critic.module.named_parameters())
+    assert not torch.equal(param, before[f"critic.{name}"]), "the critic did not train after the failed check"
 
 
 def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkpoint, rollout):
@@ -312,11 +316,9 @@ def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkp
     from alignflow.stages.models.loading import load_sequence_classifier
     from alignflow.stages.ppo import advantages_for, values_from_first_forward
     from alignflow.stages.rl.experience import token_values
-    from alignflow.stages.training.deepspeed_setup import OptimSettings
     from alignflow.stages.training.torch_engine import TorchTrainEngine
 
-    settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=6,
-                             grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    settings = trainer_settings(micro_batch_size=6)
     cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=6)
     torch.manual_seed(0)
     critic_init = load_sequence_classifier(checkpoint, pad_token_id=PAD)
@@ -353,11 +355,9 @@ def test_values_come_from_the_first_forward_only_where_it_is_the_values_pass(che
     dropout in the critic (its training forward would differ from the no-grad pass)."""
     from alignflow.stages.models.loading import load_sequence_classifier
     from alignflow.stages.ppo import values_from_first_forward
-    from alignflow.stages.training.deepspeed_setup import OptimSettings
     from alignflow.stages.training.torch_engine import TorchTrainEngine
 
-    settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=6,
-                             grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    settings = trainer_settings(micro_batch_size=6)
     actor = TorchTrainEngine(load_causal_lm(checkpoint), settings)
     critic = TorchTrainEngine(load_sequence_classifier(checkpoint, pad_token_id=PAD), settings)
     cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=6)
@@ -387,7 +387,6 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
     from alignflow.stages.models.loading import load_sequence_classifier
     from alignflow.stages.ppo import experience_passes, overlaps_critic, overlaps_passes
     from alignflow.stages.profiler import Profiler
-    from alignflow.stages.training.deepspeed_setup import OptimSettings
     from alignflow.stages.training.torch_engine import TorchTrainEngine
 
     settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=1, micro_batch_size=6,
