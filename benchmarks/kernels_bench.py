@@ -9,6 +9,11 @@ torch.cuda.max_memory_allocated and the Triton kernels.
     python benchmarks/kernels_bench.py               # table
     python benchmarks/kernels_bench.py --json        # one JSON list on stdout
     python benchmarks/kernels_bench.py --chunk-sweep # torch reference time vs its chunk size
+    python benchmarks/kernels_bench.py --rl --threads 1  # the RL training step's rows: torch reference vs C++
+
+`--rl` times the ladder's PPO minibatch (496 response rows of the 2,048-token vocabulary, fp32) through the
+torch reference and the C++ CPU kernel (impl="cpp", where it builds): selective_log_softmax, and
+logprobs_and_entropy with the entropy as a metric (what the training step computes, entropy_coef 0).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import time
 CASES = [(4, 256, 32_000), (2, 1024, 32_000), (1, 512, 128_256)]
 DTYPES = ["bfloat16", "float32"]
 METHODS = ["selective_log_softmax", "naive"]
+# --rl: one ladder PPO minibatch's response rows; "op[impl]" runs op with that impl.
+RL_CASE = (16, 31, 2048)
+RL_OPS = ("selective_log_softmax", "logprobs_and_entropy")
 MIB = 1024 * 1024
 
 
@@ -41,7 +49,7 @@ def _measure(
     import torch
 
     from alignflow.kernels import logprobs as logprobs_module
-    from alignflow.kernels import selective_log_softmax
+    from alignflow.kernels import logprobs_and_entropy, selective_log_softmax
 
     torch.set_num_threads(threads)
     if chunk is not None:
@@ -53,10 +61,15 @@ def _measure(
     index = torch.randint(0, vocab, (batch, tokens), generator=gen).to(device)
     grad_out = torch.randn(batch, tokens, generator=gen).to(device)
 
+    op, _, impl = method.partition("[")
+    impl = impl.rstrip("]") or "auto"
+
     def forward(x):
         if method == "naive":
             return torch.log_softmax(x.float(), dim=-1).gather(-1, index[..., None]).squeeze(-1)
-        return selective_log_softmax(x, index)
+        if op == "logprobs_and_entropy":
+            return logprobs_and_entropy(x, index, impl=impl)[0]  # the entropy as a metric: no gradient
+        return selective_log_softmax(x, index, impl=impl)
 
     def fwd():
         with torch.no_grad():
@@ -198,13 +211,14 @@ def _print_table(rows: list[dict]) -> None:
         for row in body:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
         return
-    table = Table(
-        title=f"selective_log_softmax vs log_softmax(fp32).gather on {rows[0]['device']}, {rows[0]['threads']} threads"
-    )
+    what = "torch reference vs C++ kernel" if "[" in rows[0]["method"] else "selective_log_softmax vs log_softmax(fp32).gather"
+    table = Table(title=f"{what} on {rows[0]['device']}, {rows[0]['threads']} threads")
     for h in headers:
         table.add_column(h, justify="right")
+    from rich.markup import escape
+
     for row in body:
-        table.add_row(*row)
+        table.add_row(*(escape(cell) for cell in row))  # "op[impl]" is not a style tag
     Console(width=170).print(table)
 
 
@@ -221,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-sweep", action="store_true", help="time the torch reference at several chunk sizes"
     )
+    parser.add_argument("--rl", action="store_true",
+                        help="the RL training step's rows (16 x 31 x 2048 fp32): torch reference vs C++ kernel")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -242,7 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     rows = []
-    if args.chunk_sweep:
+    if args.rl:
+        from alignflow.kernels._triton_dispatch import cpp_available
+
+        impls = ("torch", "cpp") if args.device == "cpu" and cpp_available("selective_log_softmax") else ("torch",)
+        for op in RL_OPS:
+            for impl in impls:
+                rows.append(_run_child(args, f"{op}[{impl}]", RL_CASE, "float32", None))
+    elif args.chunk_sweep:
         for chunk in (1 << 18, 1 << 20, 1 << 22, 1 << 24):
             rows.append(_run_child(args, "selective_log_softmax", (2, 1024, 32_000), "bfloat16", chunk))
     else:

@@ -5,7 +5,8 @@ then cached in TORCH_EXTENSIONS_DIR and loaded from there. The kernels use AVX-5
 build fails, `extension()` is None and `unavailable_reason()` says why; the build failure also warns
 once, because the callers then fall back to slower torch paths.
 
-The sampler and skinny_linear also have an AVX2 build (csrc/avx2/, its own extension): `sampler()` and
+The sampler and skinny_linear also have an AVX2 build (csrc/avx2/, its own extension, which alone has the
+training step's log-prob and entropy kernels, `logprob_kernels()`): `sampler()` and
 `linear_kernels()` are the AVX-512 extension where it runs, else that one on CPUs with AVX2 and FMA. On the
 AVX2 EPYC the demo's sampling ([32, 512] logits) took ~430 us of each ~1.6 ms decode step through the chunked
 torch path (Gumbel windows and ~20 operator calls); skinny_linear's figures are in kernels/skinny_linear.py.
@@ -130,6 +131,19 @@ def linear_kernels():
 def linear_kernels_unavailable_reason() -> str | None:
     """Why linear_kernels() is None, else None."""
     return _load_linear()[1]
+
+
+def logprob_kernels():
+    """The AVX2 extension (logprobs_entropy_forward/backward) on any CPU with AVX2 and FMA, AVX-512 ones included; else None.
+
+    Only the AVX2 build has these kernels: the row is in L1 either way, and 8 lanes already leave the
+    training step's log-probs bound by the memory they read (kernels/logprobs.py)."""
+    return _load_avx2()[0]
+
+
+def logprob_kernels_unavailable_reason() -> str | None:
+    """Why logprob_kernels() is None, else None."""
+    return _load_avx2()[1]
 
 
 def sampler():

@@ -1,8 +1,8 @@
 """Picks the torch reference, a CPU fast path or the Triton kernel for one call (the choice only).
 
 ``impl="auto"`` runs Triton when the tensor is on a CUDA (or ROCm) device and triton imports, else the
-eager CPU fast path where one exists (sample_tokens only: ``"cpp"`` where the C++ kernels build,
-otherwise ``"chunked"``) and the torch reference otherwise. ``impl="triton"`` on a CPU tensor only works in Triton's interpreter, which has to be
+C++ CPU kernel where the op has one and it builds (``"cpp"``: sample_tokens and the log-prob ops), else
+sample_tokens' ``"chunked"`` torch path, else the torch reference. ``impl="triton"`` on a CPU tensor only works in Triton's interpreter, which has to be
 switched on (``TRITON_INTERPRET=1``) before the ``_triton_*`` kernel modules are first imported,
 because ``@triton.jit`` reads that variable when it decorates a function.
 """
@@ -16,16 +16,24 @@ import os
 import torch
 
 IMPLS = ("auto", "torch", "triton")
-# Ops with eager CPU fast paths besides the reference: "chunked" (torch ops) and "cpp" (the AVX-512
-# C++ extension, kernels/csrc; "auto" takes it where it builds, else "chunked").
+# Ops with an eager CPU fast path of torch ops besides the reference.
 CHUNKED_OPS = ("sample_tokens",)
+# Ops with a C++ CPU kernel (kernels/csrc): "auto" takes it on CPU tensors where it builds.
+LOGPROB_OPS = ("selective_log_softmax", "entropy_from_logits", "logprobs_and_entropy")
+CPP_OPS = ("sample_tokens", *LOGPROB_OPS)
 
 
-def cpp_available() -> bool:
-    """True when the C++ CPU sampler runs here (AVX-512 or AVX2 CPU, extension built; the first call builds it)."""
+def _cpp_module_and_reason(op: str) -> tuple[object | None, str | None]:
     from alignflow.kernels import _cpu_extension
 
-    return _cpu_extension.sampler() is not None
+    if op in LOGPROB_OPS:
+        return _cpu_extension.logprob_kernels(), _cpu_extension.logprob_kernels_unavailable_reason()
+    return _cpu_extension.sampler(), _cpu_extension.sampler_unavailable_reason()
+
+
+def cpp_available(op: str = "sample_tokens") -> bool:
+    """True when `op`'s C++ CPU kernel runs here (AVX-512 or AVX2 CPU, extension built; the first call builds it)."""
+    return _cpp_module_and_reason(op)[0] is not None
 
 
 @functools.cache
@@ -41,7 +49,8 @@ def interpreter_requested() -> bool:
 
 def resolve_impl(impl: str, device: torch.device, op: str) -> str:
     """Returns "torch", "chunked", "cpp" or "triton" for ``op`` on ``device``; raises with the fix when ``impl`` cannot run."""
-    valid = ("auto", "torch", "chunked", "cpp", "triton") if op in CHUNKED_OPS else IMPLS
+    valid = ("auto", "torch", *(("chunked",) if op in CHUNKED_OPS else ()), *(("cpp",) if op in CPP_OPS else ()),
+             "triton")
     if impl not in valid:
         raise ValueError(f"{op}: impl={impl!r} is not one of {valid}")
     if impl == "torch":
@@ -52,18 +61,17 @@ def resolve_impl(impl: str, device: torch.device, op: str) -> str:
     if impl == "cpp":
         if on_gpu:
             raise RuntimeError(f"{op}: impl='cpp' runs on CPU tensors only; use impl='auto' or 'triton' on {device}")
-        if not cpp_available():
-            from alignflow.kernels import _cpu_extension
-
-            raise RuntimeError(f"{op}: impl='cpp' is not available here ({_cpu_extension.sampler_unavailable_reason()}); "
-                               "use impl='chunked' or 'auto'")
+        if not cpp_available(op):
+            other = "'chunked' or 'auto'" if op in CHUNKED_OPS else "'torch' or 'auto'"
+            raise RuntimeError(f"{op}: impl='cpp' is not available here ({_cpp_module_and_reason(op)[1]}); "
+                               f"use impl={other}")
         return "cpp"
     if impl == "auto":
         if on_gpu and triton_available():
             return "triton"
-        if op in CHUNKED_OPS:
-            return "cpp" if device.type == "cpu" and cpp_available() else "chunked"
-        return "torch"
+        if op in CPP_OPS and device.type == "cpu" and cpp_available(op):
+            return "cpp"
+        return "chunked" if op in CHUNKED_OPS else "torch"
     if not triton_available():
         raise RuntimeError(
             f"{op}: impl='triton' but triton is not installed; install triton or use impl='torch'"

@@ -118,6 +118,17 @@ def test_cpu_roofline_reads_the_throughput_json(tmp_path):
     assert row["native_share_of_floor"] == pytest.approx(150.0 / row["floor_tokens_per_s"], rel=1e-12)
 
 
+def test_kernels_bench_rl_times_the_reference_and_the_cpp_kernel():
+    from alignflow.kernels._triton_dispatch import cpp_available
+
+    rows = json.loads(_run("kernels_bench.py", "--rl", "--threads", "1", "--reps", "1", "--json"))
+    impls = ("torch", "cpp") if cpp_available("selective_log_softmax") else ("torch",)
+    assert [r["method"] for r in rows] == [f"{op}[{impl}]" for op in ("selective_log_softmax", "logprobs_and_entropy")
+                                           for impl in impls]
+    assert all((r["B"], r["T"], r["V"], r["dtype"]) == (16, 31, 2048, "float32") for r in rows)
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
+
+
 def test_cpu_roofline_refuses_a_batch_larger_than_its_prompt_set():
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_roofline.py"), "--batch-sizes", "8,128"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)

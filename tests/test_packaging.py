@@ -61,10 +61,11 @@ def test_wheel_in_a_fresh_venv_imports_every_module(tmp_path):
         in_wheel = {n[:-3].replace("/", ".").removesuffix(".__init__") for n in zf.namelist() if n.endswith(".py")}
     assert in_wheel == source_modules(), "pyproject's packages list is missing or has extra packages"
     with zipfile.ZipFile(wheel) as zf:
-        sources = {n for n in zf.namelist() if n.endswith(".cpp")}
+        sources = {n for n in zf.namelist() if n.endswith((".cpp", ".h"))}
     csrc = REPO / "kernels" / "csrc"
-    expected = {f"alignflow/kernels/csrc/{p.relative_to(csrc)}" for p in csrc.rglob("*.cpp")}
-    assert len(expected) >= 4 and sources == expected, "the C++ kernel sources, compiled on first use, ship"
+    expected = {f"alignflow/kernels/csrc/{p.relative_to(csrc)}" for p in csrc.rglob("*") if p.suffix in (".cpp", ".h")}
+    # Headers too: without kernels.h no .cpp of an installed wheel compiled.
+    assert len(expected) >= 4 and sources == expected, "the C++ kernel sources and headers, compiled on first use, ship"
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)

@@ -12,6 +12,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits, torch::Tensor temperature,
                                                            torch::Tensor seeds, torch::Tensor steps,
                                                            torch::Tensor thresholds);
+// AVX2 build only (csrc/avx2/logprobs_avx2.cpp): kernels/logprobs.py's "cpp" path.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_entropy_forward(torch::Tensor logits, torch::Tensor index,
+                                                                                 double temperature, bool want_entropy);
+torch::Tensor logprobs_entropy_backward(torch::Tensor logits, torch::Tensor index, torch::Tensor lse,
+                                        torch::Tensor entropy, torch::Tensor grad_logp, torch::Tensor grad_entropy,
+                                        double temperature);
 
 // skinny_linear's inputs: x a contiguous float32 CPU [M, K]; the weight blocked as [ceil(N/16), K, 16] by
 // kernels.skinny_linear.block_weight; out_features within its last block. Both builds read this layout.

@@ -1,5 +1,5 @@
 """selective_log_softmax / entropy_from_logits / logprobs_and_entropy: torch reference vs a plain fp32
-log_softmax oracle, and the Triton kernel (in Triton's CPU interpreter) vs the torch reference."""
+log_softmax oracle, and the Triton kernel (in Triton's CPU interpreter) and the C++ CPU kernel vs the torch reference."""
 
 import pytest
 import torch
@@ -7,8 +7,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from alignflow.kernels import entropy_from_logits, logprobs_and_entropy, selective_log_softmax
 from alignflow.kernels import logprobs as logprobs_module
-from alignflow.kernels._triton_dispatch import resolve_impl
+from alignflow.kernels._triton_dispatch import cpp_available, resolve_impl
 
+CPP = pytest.param("cpp", marks=pytest.mark.skipif(not cpp_available("selective_log_softmax"),
+                                                  reason="the C++ log-prob kernels are unavailable here"))
+needs_cpp = pytest.mark.skipif(not cpp_available("selective_log_softmax"),
+                               reason="the C++ log-prob kernels are unavailable here")
 ODD_SHAPES = [(6,), (3, 42), (2, 123, 431), (2, 32_771)]
 
 
@@ -80,7 +84,77 @@ def test_triton_matches_torch_reference_in_interpreter(shape, dtype, temperature
         _assert_grads(g, r, dtype, tol)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@needs_cpp
+@pytest.mark.parametrize("shape", [(6,), (3, 42), (2, 7, 431), (2, 32_771), (5, 2048)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_cpp_kernel_matches_torch_reference(shape, temperature, tol):
+    # V = 6 and 42 end inside one 8-lane vector, 431 and 32_771 in a ragged tail, 2048 is the RL models' vocabulary.
+    logits, index, g_lp, g_ent = _inputs(shape, torch.float32, seed=7)
+    ref = _ours(logits, index, temperature, g_lp, g_ent, impl="torch")
+    got = _ours(logits, index, temperature, g_lp, g_ent, impl="cpp")
+    torch.testing.assert_close(got[0], ref[0], **tol("value"))
+    torch.testing.assert_close(got[1], ref[1], **tol("value"))
+    for g, r in zip(got[2:], ref[2:], strict=True):
+        _assert_grads(g, r, torch.float32, tol)
+
+
+@needs_cpp
+def test_cpp_kernel_gives_the_same_bits_on_one_and_two_threads():
+    # overlap_critic trains the actor on one thread and the in-line run on two: each row is one thread's,
+    # reduced in one order, so the two runs must agree bit for bit.
+    logits, index, g_lp, g_ent = _inputs((37, 2048), torch.float32, seed=8)
+    results = []
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            results.append(_ours(logits, index, 1.0, g_lp, g_ent, impl="cpp"))
+        finally:
+            torch.set_num_threads(before)
+    for one, two in zip(*results, strict=True):
+        assert torch.equal(one, two)
+
+
+@needs_cpp
+def test_cpp_logprobs_equal_the_avx2_samplers_bit_for_bit():
+    # The engine's sampled log-prob and the training step's come from one log-sum-exp order, so the PPO
+    # stage's engine-vs-actor check sees only the forwards' differences (rollout/logprob_engine_vs_actor_max).
+    from alignflow.kernels import _cpu_extension, sample_tokens
+
+    sampler = _cpu_extension.sampler()
+    if sampler is None or sampler.isa != "AVX2":
+        pytest.skip("the sampler here is not the AVX2 build")
+    logits = _inputs((16, 2048), torch.float32, seed=9)[0]
+    rows = torch.arange(16)
+    sampled = sample_tokens(logits, torch.ones(16), torch.zeros(16, dtype=torch.long), torch.ones(16), rows, 3,
+                            impl="cpp")
+    ours = selective_log_softmax(logits, sampled.tokens, 1.0, impl="cpp")
+    assert torch.equal(ours, sampled.logprobs)
+
+
+@needs_cpp
+def test_auto_takes_the_cpp_kernel_for_float32_rows_only():
+    from alignflow.kernels import logprobs as module
+
+    calls = []
+    real = module._forward_cpp
+
+    def spy(*args):
+        calls.append(args[0].dtype)
+        return real(*args)
+
+    logits, index, _, _ = _inputs((4, 64), torch.float32, seed=10)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "_forward_cpp", spy)
+        selective_log_softmax(logits, index)
+        selective_log_softmax(logits.bfloat16(), index)  # bf16: the torch reference
+        selective_log_softmax(logits[:, :-1], index % 63)  # not contiguous: the chunked reference, no copy
+    assert calls == [torch.float32]
+    with pytest.raises(ValueError, match="impl='cpp' takes float32 logits, got torch.bfloat16"):
+        selective_log_softmax(logits.bfloat16(), index, impl="cpp")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton", CPP])
 def test_sliced_logits_need_no_copy_and_match(impl, tol):
     # The usual call: logits[:, :-1] (not viewable as [N, V]) against input_ids[:, 1:].
     logits, _, _, _ = _inputs((3, 9, 57), torch.float32, seed=2)
@@ -105,7 +179,7 @@ def test_chunk_boundaries_do_not_change_results(monkeypatch, tol):
         _assert_grads(g, w, torch.float32, tol)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", CPP])
 def test_minus_inf_logits_give_finite_entropy_and_gradients(impl, tol):
     # Masked vocab entries (-inf) must count as probability 0, not turn entropy or gradients into NaN.
     logits, index, g_lp, g_ent = _inputs((4, 50), torch.float32, seed=5)
@@ -156,7 +230,7 @@ def test_bf16_forward_and_backward_never_create_a_full_fp32_tensor(monkeypatch):
 def test_auto_picks_torch_on_cpu_and_rejects_unknown_impl():
     assert resolve_impl("auto", torch.device("cpu"), "op") == "torch"
     logits, index, _, _ = _inputs((2, 5), torch.float32)
-    with pytest.raises(ValueError, match=r"impl='cuda' is not one of \('auto', 'torch', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"impl='cuda' is not one of \('auto', 'torch', 'cpp', 'triton'\)"):
         selective_log_softmax(logits, index, impl="cuda")
 
 

@@ -442,21 +442,24 @@ def test_batch_flags_from_values_match_uniform_flags_and_leave_results_unchanged
         assert torch.equal(with_flags.tokens, without.tokens)
 
 
-def test_auto_picks_the_cpp_or_chunked_sampler_on_cpu_and_rejects_them_for_other_ops(monkeypatch):
+def test_auto_picks_the_cpp_or_chunked_sampler_on_cpu_and_rejects_them_where_they_do_not_apply(monkeypatch):
     from alignflow.kernels import _triton_dispatch
     from alignflow.kernels._triton_dispatch import resolve_impl
 
     want = "cpp" if cpp_available() else "chunked"
     assert resolve_impl("auto", torch.device("cpu"), "sample_tokens") == want
-    monkeypatch.setattr(_triton_dispatch, "cpp_available", lambda: False)
+    monkeypatch.setattr(_triton_dispatch, "cpp_available", lambda op="sample_tokens": False)
     assert resolve_impl("auto", torch.device("cpu"), "sample_tokens") == "chunked"
+    assert resolve_impl("auto", torch.device("cpu"), "selective_log_softmax") == "torch"
     with pytest.raises(RuntimeError, match="impl='cpp' is not available here .*use impl='chunked' or 'auto'"):
         resolve_impl("cpp", torch.device("cpu"), "sample_tokens")
+    with pytest.raises(RuntimeError, match="impl='cpp' is not available here .*use impl='torch' or 'auto'"):
+        resolve_impl("cpp", torch.device("cpu"), "logprobs_and_entropy")
     with pytest.raises(RuntimeError, match="impl='cpp' runs on CPU tensors only"):
         resolve_impl("cpp", torch.device("cuda"), "sample_tokens")
     with pytest.raises(ValueError, match=r"impl='cpp' is not one of \('auto', 'torch', 'triton'\)"):
-        resolve_impl("cpp", torch.device("cpu"), "selective_log_softmax")
-    with pytest.raises(ValueError, match=r"impl='chunked' is not one of \('auto', 'torch', 'triton'\)"):
+        resolve_impl("cpp", torch.device("cpu"), "op")
+    with pytest.raises(ValueError, match=r"impl='chunked' is not one of \('auto', 'torch', 'cpp', 'triton'\)"):
         resolve_impl("chunked", torch.device("cpu"), "selective_log_softmax")
 
 

@@ -17,10 +17,7 @@
 #include <limits>
 #include <tuple>
 
-extern "C" {
-__m256 Sleef_logf8_u10(__m256);
-__m256 Sleef_expf8_u10(__m256);
-}
+#include "rows_avx2.h"
 
 namespace {
 
@@ -31,7 +28,9 @@ constexpr uint32_t kGolden = 0x9E3779B1u;
 constexpr uint32_t kSeedSalt = 0x243F6A88u;
 constexpr uint32_t kStepSalt = 0x85A308D3u;
 constexpr float kUniformScale = 1.0f / 16777216.0f;  // 2**-24
-constexpr int64_t kLanes = 8;
+using avx2_rows::kLanes;
+using avx2_rows::lanes_in_row;
+using avx2_rows::load_row;
 
 uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
@@ -74,19 +73,6 @@ __m256i ordered_keys(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i flip = _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(0x7FFFFFFF));
   return _mm256_xor_si256(bits, flip);
-}
-
-// All-ones lanes for the row's columns j .. j + 7 that exist (left = V - j of them, at most 8 counted).
-__m256i lanes_in_row(int64_t left) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, kLanes))), lane);
-}
-
-// x[j .. j + 7], -inf in the lanes past the row's end (those are never read).
-__m256 load_row(const float* x, int64_t j, int64_t V, __m256i in_row) {
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  if (V - j >= kLanes) return _mm256_loadu_ps(x + j);
-  return _mm256_blendv_ps(neg_inf, _mm256_maskload_ps(x + j, in_row), _mm256_castsi256_ps(in_row));
 }
 
 struct RowResult {
@@ -134,10 +120,8 @@ RowResult sample_row(const float* x, int64_t V, float inv_t, bool noisy, uint32_
   }
   alignas(32) float best_values[kLanes];
   alignas(32) int32_t best_indices[kLanes];
-  alignas(32) float lane_max[kLanes];
   _mm256_store_ps(best_values, best);
   _mm256_store_si256(reinterpret_cast<__m256i*>(best_indices), best_index);
-  _mm256_store_ps(lane_max, z_max);
   int64_t token = std::numeric_limits<int32_t>::max();
   float top = neg_inf;
   bool top_nan = false;
@@ -155,11 +139,7 @@ RowResult sample_row(const float* x, int64_t V, float inv_t, bool noisy, uint32_
     }
   }
   // logsumexp(z) as torch computes it: shift by the max (by 0 where the max is infinite).
-  // (A NaN z makes the sum NaN whatever m is, so the max may skip NaN lanes.)
-  float m = lane_max[0];
-  for (int l = 1; l < kLanes; ++l) {
-    if (lane_max[l] > m) m = lane_max[l];
-  }
+  float m = avx2_rows::lane_max(z_max);
   if (std::isinf(m)) m = 0.0f;
   const __m256 shift = _mm256_set1_ps(m);
   __m256 total = _mm256_setzero_ps();
@@ -167,11 +147,7 @@ RowResult sample_row(const float* x, int64_t V, float inv_t, bool noisy, uint32_
     const __m256 z = _mm256_mul_ps(load_row(x, j, V, lanes_in_row(V - j)), scale);
     total = _mm256_add_ps(total, Sleef_expf8_u10(_mm256_sub_ps(z, shift)));  // exp(-inf) = 0 past the row's end
   }
-  alignas(32) float lane_total[kLanes];
-  _mm256_store_ps(lane_total, total);
-  float sum = 0.0f;
-  for (int l = 0; l < kLanes; ++l) sum += lane_total[l];
-  const float lse = std::log(sum) + m;
+  const float lse = std::log(avx2_rows::lane_sum(total)) + m;
   return {token, x[token] * inv_t - lse};
 }
 
