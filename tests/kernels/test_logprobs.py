@@ -116,7 +116,8 @@ def test_cpp_kernel_gives_the_same_bits_on_one_and_two_threads():
 
 
 @needs_cpp
-def test_cpp_logprobs_equal_the_avx2_samplers_bit_for_bit():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_cpp_logprobs_equal_the_avx2_samplers_bit_for_bit(temperature):
     # The engine's sampled log-prob and the training step's come from one log-sum-exp order, so the PPO
     # stage's engine-vs-actor check sees only the forwards' differences (rollout/logprob_engine_vs_actor_max).
     from alignflow.kernels import _cpu_extension, sample_tokens
@@ -126,9 +127,9 @@ def test_cpp_logprobs_equal_the_avx2_samplers_bit_for_bit():
         pytest.skip("the sampler here is not the AVX2 build")
     logits = _inputs((16, 2048), torch.float32, seed=9)[0]
     rows = torch.arange(16)
-    sampled = sample_tokens(logits, torch.ones(16), torch.zeros(16, dtype=torch.long), torch.ones(16), rows, 3,
-                            impl="cpp")
-    ours = selective_log_softmax(logits, sampled.tokens, 1.0, impl="cpp")
+    sampled = sample_tokens(logits, torch.full((16,), temperature), torch.zeros(16, dtype=torch.long), torch.ones(16),
+                            rows, 3, impl="cpp")
+    ours = selective_log_softmax(logits, sampled.tokens, temperature, impl="cpp")
     assert torch.equal(ours, sampled.logprobs)
 
 

@@ -110,7 +110,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_entropy_forward
   auto lse = torch::empty({N}, rows);
   auto logp = idx ? torch::empty({N}, rows) : torch::empty({0}, rows);
   auto entropy = want_entropy ? torch::empty({N}, rows) : torch::empty({0}, rows);
-  const float inv_t = static_cast<float>(1.0 / temperature);
+  const float inv_t = 1.0f / static_cast<float>(temperature);  // as the sampler: float32 T, then its reciprocal
   const float* x = logits.data_ptr<float>();
   float *lse_out = lse.data_ptr<float>(), *logp_out = logp.data_ptr<float>(), *ent_out = entropy.data_ptr<float>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t first, int64_t last) {
@@ -143,7 +143,7 @@ torch::Tensor logprobs_entropy_backward(torch::Tensor logits, torch::Tensor inde
   const auto* ent = static_cast<const float*>(optional_rows(entropy, N, torch::kFloat32, op, "entropy"));
   TORCH_CHECK(g_ent == nullptr || ent != nullptr, op, " (C++): grad_entropy needs the forward's entropy");
   auto grad = torch::empty({N, V}, logits.options());
-  const float inv_t = static_cast<float>(1.0 / temperature);
+  const float inv_t = 1.0f / static_cast<float>(temperature);  // as the sampler: float32 T, then its reciprocal
   const float* x = logits.data_ptr<float>();
   float* g = grad.data_ptr<float>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t first, int64_t last) {
