@@ -212,16 +212,9 @@ def _forward_cpp(
     return logp.view(lead) if want_logp else None, entropy.view(lead) if want_entropy else None, lse
 
 
-def _backward_cpp(
-    logits: torch.Tensor,
-    index: torch.Tensor | None,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    temperature: float,
-) -> torch.Tensor:
-    """d loss / d logits, float32, contiguous in logits' shape: one pass over each row from its saved log-sum-exp."""
+def _backward_cpp(logits: torch.Tensor, index: torch.Tensor | None, lse: torch.Tensor, entropy: torch.Tensor | None,
+                  grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """_backward_torch's contract, float32: one pass over each row from the log-sum-exp the forward kept."""
     from alignflow.kernels import _cpu_extension
 
     flat = logits.reshape(-1, logits.shape[-1]).contiguous()
