@@ -136,8 +136,8 @@ def linear_kernels_unavailable_reason() -> str | None:
 def logprob_kernels():
     """The AVX2 extension (logprobs_entropy_forward/backward) on any CPU with AVX2 and FMA, AVX-512 ones included; else None.
 
-    Only the AVX2 build has these kernels: the row is in L1 either way, and 8 lanes already leave the
-    training step's log-probs bound by the memory they read (kernels/logprobs.py)."""
+    Only the AVX2 build has these kernels; AVX-512 CPUs run it too. An AVX-512 build was not written: the
+    ones with bf16 arithmetic train in autocast, and bf16 logits keep the torch reference (kernels/logprobs.py)."""
     return _load_avx2()[0]
 
 
