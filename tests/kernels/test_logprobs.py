@@ -9,10 +9,9 @@ from alignflow.kernels import entropy_from_logits, logprobs_and_entropy, selecti
 from alignflow.kernels import logprobs as logprobs_module
 from alignflow.kernels._triton_dispatch import cpp_available, resolve_impl
 
-CPP = pytest.param("cpp", marks=pytest.mark.skipif(not cpp_available("selective_log_softmax"),
-                                                  reason="the C++ log-prob kernels are unavailable here"))
 needs_cpp = pytest.mark.skipif(not cpp_available("selective_log_softmax"),
                                reason="the C++ log-prob kernels are unavailable here")
+CPP = pytest.param("cpp", marks=needs_cpp)
 ODD_SHAPES = [(6,), (3, 42), (2, 123, 431), (2, 32_771)]
 
 
