@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -31,10 +32,34 @@ AVX2_SOURCES = sorted((Path(__file__).parent / "csrc" / "avx2").glob("*.cpp"))
 AVX2_NAME = "alignflow_cpu_kernels_avx2"
 _AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
+# A build holds <build dir>/lock while it compiles, and torch's `load` waits, without a time limit, for
+# that file to go. A process killed mid-build leaves it behind, and every later load then hangs (seen
+# here: a whole test run stuck at collection). The longest build measured is ~110 s (all three
+# extensions at once on 2 cores), so a lock 15 minutes old is taken to be a leftover and removed.
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def clear_stale_lock(name: str) -> Path | None:
+    """Remove `name`'s build lock if it is older than STALE_LOCK_SECONDS (warning); returns the path removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age < STALE_LOCK_SECONDS:
+        return None  # another process may be compiling now: torch's load waits for it
+    warnings.warn(f"removing the build lock {lock}, left {age / 60:.0f} minutes ago by a build that did not "
+                  f"finish (a killed process); the extension {name} is built again", RuntimeWarning, stacklevel=3)
+    lock.unlink(missing_ok=True)
+    return lock
+
 
 def _compile(name: str = NAME, sources: list[Path] = SOURCES, flags: list[str] = _FLAGS):
     from torch.utils.cpp_extension import load
 
+    clear_stale_lock(name)
     return load(name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                 verbose=False)
 

@@ -75,3 +75,36 @@ def test_build_ahead_compiles_without_loading_and_a_new_process_finds_that_build
     # The second process compiles nothing (ninja finds the build up to date): what `extension()` relies
     # on in a container, whose first `load` must only import the image's build.
     assert second == first
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_recent_one_kept(monkeypatch, tmp_path):
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "some_extension" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    # Another process may be compiling right now: torch's load waits for its lock.
+    assert _cpu_extension.clear_stale_lock("some_extension") is None and lock.exists()
+    old = time.time() - _cpu_extension.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match=r"removing the build lock .*some_extension/lock, left 16 minutes ago"):
+        assert _cpu_extension.clear_stale_lock("some_extension") == lock
+    assert not lock.exists()
+    assert _cpu_extension.clear_stale_lock("some_extension") is None  # nothing to remove
+
+
+def test_compiling_clears_a_stale_lock_before_torch_waits_on_it(monkeypatch, tmp_path):
+    import os
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "some_extension" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    os.utime(lock, (0, 0))
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda name, **kwargs: seen.append(lock.exists()))
+    with pytest.warns(RuntimeWarning, match="removing the build lock"):
+        _cpu_extension._compile("some_extension", [], [])
+    assert seen == [False]  # torch's load, which would wait on the lock forever, no longer sees it
