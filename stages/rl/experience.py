@@ -162,9 +162,10 @@ def _response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_
     if resolved is not None:
         hf, backbone = resolved
         batch, width = input_ids.shape
+        keep = _response_predicting(batch, width, width_p, input_ids.device)
         hidden = llama_forward.llama_hidden_states(backbone, input_ids, attention_mask, position_ids,
-                                                   keep=_response_predicting(batch, width, width_p, input_ids.device))
-        return hf.lm_head(hidden.reshape(batch, width - width_p, -1))
+                                                   keep=llama_forward.bucketed_keep(keep))
+        return hf.lm_head(hidden)[:keep.numel()].reshape(batch, width - width_p, -1)
     if not head_on_response_only:
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
                      ).logits[:, width_p - 1:-1]
@@ -194,9 +195,9 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
     if resolved is not None:
         hf, backbone = resolved
         hidden = llama_forward.llama_hidden_states(backbone, packed.input_ids, packed.segment_ids,
-                                                   packed.position_ids, keep=packed.predicts,
+                                                   packed.position_ids, keep=llama_forward.bucketed_keep(packed.predicts),
                                                    prefix_ids=packed.prefix_ids)
-        logits = hf.lm_head(hidden)  # (N, V)
+        logits = hf.lm_head(hidden)[:packed.predicts.numel()]  # (N, V)
         targets = exp.response_ids.reshape(-1)[packed.targets]
         if entropy == "none":
             return packed.scatter(selective_log_softmax(logits, targets, temperature=temperature)), None
@@ -221,16 +222,15 @@ def token_values(critic, exp: Experience, lean: bool = False, packed: PackedRows
     runs_lean = (lean or packed is not None) and _lean_backbone(model) is not None
     if runs_lean and packed is not None:
         hidden = llama_forward.llama_hidden_states(model.base_model, packed.input_ids, packed.segment_ids,
-                                                   packed.position_ids, keep=packed.predicts,
+                                                   packed.position_ids, keep=llama_forward.bucketed_keep(packed.predicts),
                                                    prefix_ids=packed.prefix_ids)
-        return packed.scatter(model.score(hidden).squeeze(-1).float())
+        return packed.scatter(model.score(hidden)[:packed.predicts.numel()].squeeze(-1).float())
     if runs_lean:
         batch, width = exp.input_ids.shape
+        keep = _response_predicting(batch, width, exp.prompt_width, exp.input_ids.device)
         hidden = llama_forward.llama_hidden_states(model.base_model, exp.input_ids, exp.attention_mask,
-                                                   exp.position_ids,
-                                                   keep=_response_predicting(batch, width, exp.prompt_width,
-                                                                             exp.input_ids.device))
-        return model.score(hidden).squeeze(-1).float().reshape(batch, -1) * exp.response_mask
+                                                   exp.position_ids, keep=llama_forward.bucketed_keep(keep))
+        return model.score(hidden)[:keep.numel()].squeeze(-1).float().reshape(batch, -1) * exp.response_mask
     hidden = model.base_model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
                               position_ids=exp.position_ids).last_hidden_state
     values = model.score(hidden).squeeze(-1).float()

@@ -115,8 +115,38 @@ def attention_biases(spec: LlamaFamilySpec, segment_ids: Tensor, dtype: torch.dt
     return biases
 
 
+def bucketed_rows(count: int) -> int:
+    """`count` rounded up to one of 8 sizes per octave (16 and less unchanged): at most 1/8 more rows."""
+    step = 1 << max(0, count.bit_length() - 4)
+    return -(-count // step) * step
+
+
+def pads_rows(pad_rows: bool | None, device: torch.device) -> bool:
+    """Whether the linear layers run on bucketed row counts: `pad_rows`, or when None, under CPU autocast.
+
+    Why: under CPU autocast torch runs bf16 matmuls through oneDNN, which compiles a kernel for every new
+    shape. On the 2-core Intel Xeon with AMX a bf16 [M, 1024] x [1024, 256] took 0.23 ms at an M it had seen
+    and 2.7 ms at a new one (fp32, MKL: 0.63 ms either way), and packed RL minibatches have a new token count
+    every iteration: the GRPO benchmark's step (4 x ~131 tokens) ran at 57 ms with one shape and 90 ms with a
+    new one each step. Rounded up to bucketed_rows, the counts repeat after a few iterations."""
+    if pad_rows is not None:
+        return pad_rows
+    return device.type == "cpu" and torch.is_autocast_enabled("cpu")
+
+
+def bucketed_keep(keep: Tensor, pad_rows: bool | None = None) -> Tensor:
+    """`keep` (llama_hidden_states' read positions) lengthened to bucketed_rows by repeating its first index,
+    where `pads_rows`: the heads after the backbone (LM, value, score) then also see a repeating row count.
+    Callers read the first len(keep) rows of what comes out; the repeats' outputs get no gradient."""
+    if not pads_rows(pad_rows, keep.device) or keep.numel() == 0:
+        return keep
+    extra = bucketed_rows(keep.numel()) - keep.numel()
+    return torch.cat((keep, keep[:1].expand(extra))) if extra else keep
+
+
 def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                        keep: Tensor | None = None, prefix_ids: Tensor | None = None) -> Tensor:
+                        keep: Tensor | None = None, prefix_ids: Tensor | None = None,
+                        pad_rows: bool | None = None) -> Tensor:
     """The final-norm hidden states [B, T, H] of a transformers Llama/Qwen2/Mistral backbone (`model.model`).
 
     attention_mask: 1 on real tokens, or the segment ids of packed rows (stages/rl/packing.py: each
@@ -130,16 +160,23 @@ def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor
     responses of 8-32) went 159.5 -> 147.3 ms (2 threads).
     prefix_ids: packed rows whose sequences share a prompt (PackedRows.prefix_ids; attention_biases).
 
+    pad_rows: the linear layers, norms and MLPs run on the B * T positions flattened and zero-padded to
+    bucketed_rows (attention on the real ones); None: where `pads_rows` (CPU autocast). The result is the same.
+
     Callers check `supports(backbone)` first. Arithmetic as transformers': RMSNorm in float32, rotate-half
     RoPE with the same tables, softmax(QK^T * scaling + mask) V, SwiGLU MLP.
     """
     config = backbone.config
     spec, cos_table, sin_table = _spec_and_rope(config, input_ids.device)
     batch, width = input_ids.shape
-    x = backbone.embed_tokens(input_ids)
+    positions = batch * width
+    x = backbone.embed_tokens(input_ids).reshape(positions, -1)
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")
+    padding = bucketed_rows(positions) - positions if pads_rows(pad_rows, x.device) else 0
+    if padding:
+        x = F.pad(x, (0, 0, 0, padding))  # zero rows: the norms give 0 there, nothing becomes NaN
     # [B, T, 1, D]: broadcast over heads in the [B, T, heads, D] layout the projections come out in.
     cos = cos_table[position_ids].to(dtype)[:, :, None]
     sin = sin_table[position_ids].to(dtype)[:, :, None]
@@ -150,19 +187,24 @@ def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor
     for index, layer in enumerate(backbone.layers):
         attention = layer.self_attn
         h = rms_norm(x, layer.input_layernorm.weight, eps)
-        q = apply_rope(attention.q_proj(h).view(batch, width, heads, head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(attention.k_proj(h).view(batch, width, kv_heads, head_dim), cos, sin).transpose(1, 2)
-        v = attention.v_proj(h).view(batch, width, kv_heads, head_dim).transpose(1, 2)
+        # [:positions] of a contiguous [rows, C] output is a view: the padding rows never reach attention.
+        q = apply_rope(attention.q_proj(h)[:positions].view(batch, width, heads, head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(attention.k_proj(h)[:positions].view(batch, width, kv_heads, head_dim), cos, sin).transpose(1, 2)
+        v = attention.v_proj(h)[:positions].view(batch, width, kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=biases[spec.sliding_windows[index]],
                                            scale=attention.scaling, enable_gqa=kv_heads != heads)
-        o = o.transpose(1, 2).reshape(batch, width, heads * head_dim)
+        o = o.transpose(1, 2).reshape(positions, heads * head_dim)
         if keep is not None and index == last:
-            x, o = x.reshape(batch * width, -1)[keep], o.reshape(batch * width, -1)[keep]
+            x, o = x[keep], o[keep]
+        elif padding:
+            o = F.pad(o, (0, 0, 0, padding))
         x = x + attention.o_proj(o)
         h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp
         x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
     hidden = rms_norm(x, backbone.norm.weight, eps)
-    if keep is not None and not backbone.layers:  # no layer to select in
-        hidden = hidden.reshape(batch * width, -1)[keep]
+    if keep is None:
+        return hidden[:positions].view(batch, width, -1)
+    if not backbone.layers:  # no layer to select in
+        hidden = hidden[keep]
     return hidden

@@ -191,6 +191,64 @@ def test_bf16_autocast_stays_within_bf16_rounding():
     assert float((lean - fp32).abs().max()) <= 2 * bf16_noise + 1e-3
 
 
+def test_bucketed_row_counts_add_at_most_an_eighth_and_repeat_in_8_sizes_an_octave():
+    assert [llama_forward.bucketed_rows(n) for n in (1, 16, 17, 31, 33, 449, 524, 1100)] == \
+        [1, 16, 18, 32, 36, 480, 576, 1152]
+    for n in range(1, 5000):
+        assert n <= llama_forward.bucketed_rows(n) <= n + n / 8
+    assert len({llama_forward.bucketed_rows(n) for n in range(513, 1025)}) == 8  # 576, 640, ..., 1024
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied_llama3", "qwen2_bias_window"])
+def test_rows_padded_to_a_bucket_give_the_same_log_probs_values_and_gradients(name):
+    """The linear layers on zero-padded row counts (pad_rows, bucketed_keep): the real rows' outputs and every
+    gradient as without padding (measured equal bit for bit here; the bound allows another summation order).
+    A padding row that reached attention, or a repeated read-out row that kept its gradient, moves them >1e-2."""
+    model = causal_lm(name)
+    exp = rl_batch(seed=5, rows=7)
+    packed = exp.packed
+    weights = torch.linspace(-1, 1, packed.predicts.numel())[:, None]
+    keep = llama_forward.bucketed_keep(packed.predicts, pad_rows=True)
+    assert keep.numel() > packed.predicts.numel()  # this batch's count is not a bucket size already
+
+    def hidden(pad: bool, keep_rows: torch.Tensor | None):
+        return llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids,
+                                                 packed.position_ids, keep=keep_rows, prefix_ids=packed.prefix_ids,
+                                                 pad_rows=pad)
+
+    plain = hidden(False, packed.predicts)
+    padded = hidden(True, keep)
+    assert padded.shape[0] == keep.numel()
+    padded = padded[:packed.predicts.numel()]
+    assert float((padded - plain).abs().max()) <= HIDDEN_FP32
+    assert_grads_close(grads_of(model, (padded * weights).sum()), grads_of(model, (plain * weights).sum()))
+    full_plain, full_padded = hidden(False, None), hidden(True, None)
+    assert full_padded.shape == full_plain.shape == (*packed.input_ids.shape, model.config.hidden_size)
+    assert float((full_padded - full_plain).abs().max()) <= HIDDEN_FP32
+
+
+def test_cpu_autocast_pads_every_linear_to_a_bucketed_row_count():
+    """Under CPU autocast (bf16 matmuls through oneDNN, a kernel compiled per shape) every linear layer and the
+    LM head see bucketed row counts, and the log-probs stay within bf16 rounding of the unpadded ones."""
+    model = causal_lm("llama_gqa_tied_llama3")
+    exp = rl_batch(seed=5, rows=7)
+    seen: list[int] = []
+    hooks = [module.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+             for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        padded = policy_logprobs(model, exp, 1.0, lean=True, packed=exp.packed)[0]
+    for hook in hooks:
+        hook.remove()
+    assert seen and all(rows == llama_forward.bucketed_rows(rows) for rows in seen)
+    assert {llama_forward.bucketed_rows(exp.packed.input_ids.numel()),
+            llama_forward.bucketed_rows(exp.packed.predicts.numel())} <= set(seen)
+    assert not llama_forward.pads_rows(None, torch.device("cpu"))  # outside autocast: no padding
+    fp32 = policy_logprobs(model, exp, 1.0, lean=False)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unpadded = policy_logprobs(model, exp, 1.0, lean=False)[0]
+    assert float((padded - fp32).abs().max()) <= 2 * float((unpadded - fp32).abs().max()) + 1e-3
+
+
 def test_refuses_what_it_does_not_run_exactly():
     from transformers import GPT2Config, GPT2LMHeadModel
 
