@@ -29,6 +29,8 @@ from torch import Tensor
 from alignflow.stages.generation.base import UnsupportedArchitectureError
 from alignflow.stages.generation.native.model import apply_rope, rms_norm, signed_sin
 from alignflow.stages.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
+from alignflow.stages.training import cpu_attention
+from alignflow.stages.training.precision import EAGER_ATTENTION_MAX_LEN
 
 # id(config) -> (a weak reference to that config, spec, cos, sin). PretrainedConfig defines __eq__ and so is not
 # hashable, hence the id key; the reference proves the entry is that config's and not a dead one's whose id a new
@@ -183,6 +185,9 @@ def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor
     biases = attention_biases(spec, attention_mask, dtype, prefix_ids, position_ids)
     heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     eps = spec.rms_norm_eps
+    # Under CPU autocast SDPA's bf16 backward is slow: fp32 matmuls up to the eager-attention length (cpu_attention).
+    explicit_attention = (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+                          and width <= EAGER_ATTENTION_MAX_LEN)
     last = len(backbone.layers) - 1
     for index, layer in enumerate(backbone.layers):
         attention = layer.self_attn
@@ -191,8 +196,11 @@ def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor
         q = apply_rope(attention.q_proj(h)[:positions].view(batch, width, heads, head_dim), cos, sin).transpose(1, 2)
         k = apply_rope(attention.k_proj(h)[:positions].view(batch, width, kv_heads, head_dim), cos, sin).transpose(1, 2)
         v = attention.v_proj(h)[:positions].view(batch, width, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=biases[spec.sliding_windows[index]],
-                                           scale=attention.scaling, enable_gqa=kv_heads != heads)
+        if explicit_attention:
+            o = cpu_attention.attention(q, k, v, biases[spec.sliding_windows[index]], attention.scaling)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=biases[spec.sliding_windows[index]],
+                                               scale=attention.scaling, enable_gqa=kv_heads != heads)
         o = o.transpose(1, 2).reshape(positions, heads * head_dim)
         if keep is not None and index == last:
             x, o = x[keep], o[keep]
