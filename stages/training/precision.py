@@ -75,7 +75,8 @@ def resolve_precision(setting: str, model_dtype: str, device: torch.device,
     return Precision(torch.bfloat16, device.type, f"auto: {device.type} has bf16 arithmetic")
 
 
-# Longest sequence for which the RL trainer's models use eager (matmul + softmax) attention instead of SDPA.
+# Longest sequence for which the RL trainer's models use eager (matmul + softmax) attention instead of SDPA:
+# transformers' 'eager' where their own forward runs, and llama_forward's cpu_attention under CPU autocast.
 # On 2 CPU cores SDPA's CPU flash-attention backward took 19 ms of a 116 ms bf16 step of the 4.7M benchmark
 # model at 16 x ~50 tokens, and the whole step ran at 112 ms with SDPA against 103 ms eager (fp32: 183 vs
 # 172 ms; log-probs equal to 1e-6). Eager materialises B x heads x T x T scores, so long sequences keep SDPA.
