@@ -38,6 +38,17 @@ class _Attention(torch.autograd.Function):
         return torch.matmul(grad_scores, k), torch.matmul(grad_scores.transpose(-1, -2), q), grad_v, None, None
 
 
+# The backward keeps the fp32 probabilities, batch x heads x width^2 x 4 bytes a layer (SDPA keeps a log-sum-exp
+# per row): the RL benchmark's PPO minibatch (8 rows of ~150, 4 heads) keeps 2.9 MB a layer. Past this, SDPA:
+# a 7B model's 32 heads over 16 rows of 512 would keep 512 MiB a layer.
+MAX_PROBABILITY_BYTES = 64 * 2**20
+
+
+def fits(batch: int, heads: int, width: int) -> bool:
+    """Whether a layer's saved probabilities stay within MAX_PROBABILITY_BYTES."""
+    return batch * heads * width * width * 4 <= MAX_PROBABILITY_BYTES
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """softmax(q k^T * scale + bias) v in fp32, [B, heads, T, D] (k, v with fewer heads under GQA; bias
     [B, 1, T, T] additive, no row all -inf). Returns fp32; autocast casts it where the next matmul runs."""

@@ -189,7 +189,7 @@ def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor
     eps = spec.rms_norm_eps
     # Under CPU autocast SDPA's bf16 backward is slow: fp32 matmuls up to the eager-attention length (cpu_attention).
     explicit_attention = (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-                          and width <= EAGER_ATTENTION_MAX_LEN)
+                          and width <= EAGER_ATTENTION_MAX_LEN and cpu_attention.fits(batch, heads, width))
     last = len(backbone.layers) - 1
     for index, layer in enumerate(backbone.layers):
         attention = layer.self_attn

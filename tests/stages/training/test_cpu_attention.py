@@ -105,3 +105,15 @@ def test_llama_forward_takes_it_under_cpu_autocast_up_to_the_eager_length(monkey
     with torch.autocast("cpu", dtype=torch.bfloat16):
         run()
     assert len(calls) == model.config.num_hidden_layers  # longer rows keep SDPA (scores are width^2)
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    batch, width = packed.input_ids.shape
+    monkeypatch.setattr(cpu_attention, "MAX_PROBABILITY_BYTES", batch * model.config.num_attention_heads * width ** 2 * 4 - 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run()
+    assert len(calls) == model.config.num_hidden_layers  # and so do batches whose probabilities would not fit
+
+
+def test_fits_bounds_the_probabilities_kept_for_the_backward():
+    assert cpu_attention.fits(8, 4, 150)  # the RL benchmark's PPO minibatch: 2.9 MB a layer
+    assert not cpu_attention.fits(16, 32, 512)  # 512 MiB a layer
