@@ -51,7 +51,8 @@ def fits(batch: int, heads: int, width: int) -> bool:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """softmax(q k^T * scale + bias) v in fp32, [B, heads, T, D] (k, v with fewer heads under GQA; bias
-    [B, 1, T, T] additive, no row all -inf). Returns fp32; autocast casts it where the next matmul runs."""
+    [B, 1, T, T] additive, no row all -inf; fp32 spares a cast per call). Returns fp32; autocast casts it where
+    the next matmul runs."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if kv_heads != heads:  # GQA: each KV head serves heads // kv_heads query heads; autograd sums them back
         k = k.repeat_interleave(heads // kv_heads, dim=1)

@@ -125,6 +125,12 @@ def bucketed_rows(count: int) -> int:
     return -(-count // step) * step
 
 
+def under_cpu_autocast(device: torch.device) -> bool:
+    """Whether matmuls on `device` run in CPU autocast (bf16 through oneDNN): where bucketed rows and
+    cpu_attention pay."""
+    return device.type == "cpu" and torch.is_autocast_enabled("cpu")
+
+
 def pads_rows(pad_rows: bool | None, device: torch.device) -> bool:
     """Whether the linear layers run on bucketed row counts: `pad_rows`, or when None, under CPU autocast.
 
@@ -133,9 +139,7 @@ def pads_rows(pad_rows: bool | None, device: torch.device) -> bool:
     and 2.7 ms at a new one (fp32, MKL: 0.63 ms either way), and packed RL minibatches have a new token count
     every iteration: the GRPO benchmark's step (4 x ~131 tokens) ran at 57 ms with one shape and 90 ms with a
     new one each step. Rounded up to bucketed_rows, the counts repeat after a few iterations."""
-    if pad_rows is not None:
-        return pad_rows
-    return device.type == "cpu" and torch.is_autocast_enabled("cpu")
+    return under_cpu_autocast(device) if pad_rows is None else pad_rows
 
 
 def bucketed_keep(keep: Tensor, pad_rows: bool | None = None) -> Tensor:
@@ -184,12 +188,14 @@ def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor
     # [B, T, 1, D]: broadcast over heads in the [B, T, heads, D] layout the projections come out in.
     cos = cos_table[position_ids].to(dtype)[:, :, None]
     sin = sin_table[position_ids].to(dtype)[:, :, None]
-    biases = attention_biases(spec, attention_mask, dtype, prefix_ids, position_ids)
     heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     eps = spec.rms_norm_eps
-    # Under CPU autocast SDPA's bf16 backward is slow: fp32 matmuls up to the eager-attention length (cpu_attention).
-    explicit_attention = (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-                          and width <= EAGER_ATTENTION_MAX_LEN and cpu_attention.fits(batch, heads, width))
+    # Under CPU autocast SDPA's bf16 backward is slow: fp32 matmuls up to the eager-attention length (cpu_attention),
+    # whose masks are built in fp32 once rather than cast in every layer.
+    explicit_attention = (under_cpu_autocast(x.device) and width <= EAGER_ATTENTION_MAX_LEN
+                          and cpu_attention.fits(batch, heads, width))
+    biases = attention_biases(spec, attention_mask, torch.float32 if explicit_attention else dtype, prefix_ids,
+                              position_ids)
     last = len(backbone.layers) - 1
     for index, layer in enumerate(backbone.layers):
         attention = layer.self_attn

@@ -86,32 +86,29 @@ def test_gives_the_same_bits_on_one_and_two_threads():
         assert torch.equal(a, b)
 
 
-def test_llama_forward_takes_it_under_cpu_autocast_up_to_the_eager_length(monkeypatch):
+def test_llama_forward_takes_it_under_cpu_autocast_within_the_eager_length_and_the_memory_bound(monkeypatch):
     from tests.stages.training.test_llama_forward import causal_lm, rl_batch
 
-    calls = []
     real = cpu_attention.attention
-    monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a[0].shape) or real(*a))
     model = causal_lm("llama_gqa_tied_llama3")
     packed = rl_batch(seed=1).packed
-    run = lambda: llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids,  # noqa: E731
-                                                    packed.position_ids)
-    run()
-    assert calls == []  # fp32: SDPA
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        run()
-    assert len(calls) == model.config.num_hidden_layers
-    monkeypatch.setattr(llama_forward, "EAGER_ATTENTION_MAX_LEN", packed.input_ids.shape[1] - 1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        run()
-    assert len(calls) == model.config.num_hidden_layers  # longer rows keep SDPA (scores are width^2)
-    monkeypatch.undo()
-    monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a[0].shape) or real(*a))
     batch, width = packed.input_ids.shape
-    monkeypatch.setattr(cpu_attention, "MAX_PROBABILITY_BYTES", batch * model.config.num_attention_heads * width ** 2 * 4 - 1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        run()
-    assert len(calls) == model.config.num_hidden_layers  # and so do batches whose probabilities would not fit
+
+    def layers_through_it(autocast: bool = True) -> int:
+        calls = []
+        monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or real(*a))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids, packed.position_ids)
+        return len(calls)
+
+    assert layers_through_it(autocast=False) == 0  # fp32: SDPA
+    assert layers_through_it() == model.config.num_hidden_layers
+    with monkeypatch.context() as patch:
+        patch.setattr(llama_forward, "EAGER_ATTENTION_MAX_LEN", width - 1)
+        assert layers_through_it() == 0  # longer rows keep SDPA (scores are width^2)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_attention, "MAX_PROBABILITY_BYTES", batch * model.config.num_attention_heads * width**2 * 4 - 1)
+        assert layers_through_it() == 0  # and so do batches whose probabilities would not fit
 
 
 def test_fits_bounds_the_probabilities_kept_for_the_backward():
