@@ -1024,6 +1024,16 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
 
 def _rollout_rows(iteration, policy_version, chosen, rows, prompts, texts, completions, prompt_ids, generation,
                   exp: Experience, components, seq_kl, with_reference: bool) -> list[dict[str, Any]]:
+    # Each tensor to Python lists in one call, then sliced per row: a .tolist() of each row's slice was ~1,400
+    # operator calls on the demo's 32 rows (1.6 ms profiled).
+    def lists(tensor: torch.Tensor | None) -> list[list[float]] | None:
+        return None if tensor is None else tensor.tolist()
+
+    per_token = {"logprobs": lists(exp.rollout_logprobs), "ref_logprobs": lists(exp.ref_logprobs) if with_reference
+                 else None, "values": lists(exp.values), "token_rewards": lists(exp.token_rewards),
+                 "advantages": lists(exp.advantages), "returns": lists(exp.returns)}
+    rewards = {name: v.tolist() for name, v in components.items()}
+    totals, kls = exp.scores.tolist(), seq_kl.tolist()
     out = []
     for b, prompt_index in enumerate(rows):
         n = len(generation.response_token_ids[b])
@@ -1033,12 +1043,9 @@ def _rollout_rows(iteration, policy_version, chosen, rows, prompts, texts, compl
             "prompt_id": str(getattr(record, "id", None) or prompt_index), "prompt": texts[b],
             "response": completions[b], "prompt_token_ids": prompt_ids[b],
             "response_token_ids": generation.response_token_ids[b],
-            "logprobs": exp.rollout_logprobs[b, :n].tolist(), "ref_logprobs": exp.ref_logprobs[b, :n].tolist() if with_reference else None,
-            "values": exp.values[b, :n].tolist() if exp.values is not None else None,
-            "token_rewards": exp.token_rewards[b, :n].tolist(), "advantages": exp.advantages[b, :n].tolist(),
-            "returns": exp.returns[b, :n].tolist() if exp.returns is not None else None,
-            "rewards": {name: float(v[b]) for name, v in components.items()},
-            "reward_total": float(exp.scores[b]), "kl": float(seq_kl[b]), "length": n,
+            **{column: None if values is None else values[b][:n] for column, values in per_token.items()},
+            "rewards": {name: float(v[b]) for name, v in rewards.items()},
+            "reward_total": float(totals[b]), "kl": float(kls[b]), "length": n,
             "finish_reason": generation.finish_reasons[b]})
     return out
 

@@ -68,8 +68,9 @@ def test_capacity_and_prompt_checks():
 
 
 def test_choose_capacity_widens_rows_only_while_it_pays():
-    # Equal lengths pair up exactly at twice the length, but attention cost makes that dearer than one per row.
-    assert choose_capacity([60] * 16) == 60
+    # Equal lengths pair up exactly at twice the length, but attention cost makes that dearer than one per row
+    # (in rows of 64: the widths are multiples of 16, where CPU flash attention is fastest).
+    assert choose_capacity([60] * 16) == 64
     # The demo's shape (lengths 15-49): wider rows hold the short sequences of two rows.
     lengths = [26, 40, 30, 32, 34, 38, 30, 15, 26, 34, 36, 18, 32, 44, 38, 39]
     width = choose_capacity(lengths)
@@ -79,7 +80,8 @@ def test_choose_capacity_widens_rows_only_while_it_pays():
 
 def test_choose_capacity_picks_the_width_a_full_search_picks():
     """choose_capacity counts bins without placing items and skips widths whose fewest possible rows cannot
-    win: on random minibatches it returns the width that costing every width with first_fit_decreasing does."""
+    win: on random minibatches it returns the width that costing every width with first_fit_decreasing does:
+    the multiples of 16 from the longest sequence to twice it, in steps of an eighth of it (whole blocks)."""
     generator = torch.Generator().manual_seed(0)
     for trial in range(300):
         count = int(torch.randint(1, 40, (1,), generator=generator))
@@ -87,12 +89,26 @@ def test_choose_capacity_picks_the_width_a_full_search_picks():
         attention = (64, 128, 512)[trial % 3]
         longest = max(lengths)
         best = None
-        for width in range(longest, 2 * longest + 1, max(1, longest // 8)):
+        first = (longest + 15) // 16 * 16
+        for width in range(first, max(first, 2 * longest) + 1, max(16, longest // 8 // 16 * 16)):
             rows = 1 + max(b for b, _ in first_fit_decreasing(lengths, width))
             cost = rows * width * (1 + width / attention)
             if best is None or cost < best[0]:
                 best = (cost, width)
         assert choose_capacity(lengths, attention) == best[1], (lengths, attention)
+
+
+def test_rows_are_a_whole_number_of_attention_blocks_wide_unless_the_width_is_given():
+    generator = torch.Generator().manual_seed(1)
+    for count in (1, 5, 16):
+        lengths = torch.randint(1, 90, (count,), generator=generator).tolist()
+        assert choose_capacity(lengths) % 16 == 0 and choose_capacity(lengths) >= max(lengths)
+        packed = pack_sequences([[3] * n for n in lengths])
+        assert packed.input_ids.shape[1] % 16 == 0
+    exp = batch([3, 1, 5, 2, 4], [4, 1, 2, 6, 1])
+    assert exp.packing().input_ids.shape[1] == 16
+    assert pack(exp.input_ids, exp.attention_mask, exp.response_mask, exp.prompt_width, capacity=13
+                ).input_ids.shape[1] == 13
 
 
 def test_pack_sequences_puts_each_token_list_in_its_segment_from_its_start():

@@ -1,13 +1,16 @@
-"""The background rollout writer: files land whole and in order, uploads go to a remote store, and an error in
-a write is raised by the next call instead of being lost."""
+"""The rollout writer: files land whole and in order, in the background or in line, uploads go to a remote store,
+an error in a write is raised by the next call (in line: by the call itself) instead of being lost, and the
+thread is used where a core is free for it or an upload waits on the network."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
-from alignflow.stages.rl.rollout_writer import RolloutWriter
+from alignflow.stages.rl import rollout_writer
+from alignflow.stages.rl.rollout_writer import RolloutWriter, writes_in_background
 from alignflow.stages.rollouts import RolloutSchemaError, read_rollouts
 from tests.stages.test_rollouts import make_row
 
@@ -29,8 +32,9 @@ class RemoteStore:
         self.uploaded.append((path.name, uri))
 
 
-def test_files_are_written_in_the_background_and_whole_after_wait(tmp_path):
-    writer = RolloutWriter(LocalStore(), str(tmp_path))
+@pytest.mark.parametrize("background", [True, False])
+def test_files_are_written_whole_after_wait_in_the_background_or_in_line(tmp_path, background):
+    writer = RolloutWriter(LocalStore(), str(tmp_path), background=background)
     for iteration in (1, 2, 3):
         writer.submit([make_row(i) for i in range(4)], tmp_path / "rollouts" / f"iter_{iteration:05d}.parquet")
     writer.close()
@@ -41,6 +45,7 @@ def test_files_are_written_in_the_background_and_whole_after_wait(tmp_path):
 def test_a_remote_store_gets_each_file_after_it_is_written(tmp_path):
     store = RemoteStore()
     writer = RolloutWriter(store, "s3://bucket/run/ppo")
+    assert writer.background
     writer.submit([make_row(0)], tmp_path / "iter_00001.parquet")
     writer.submit([make_row(1)], tmp_path / "iter_00002.parquet")
     writer.close()
@@ -51,13 +56,74 @@ def test_a_remote_store_gets_each_file_after_it_is_written(tmp_path):
 def test_a_failed_write_is_raised_by_the_next_call(tmp_path):
     bad = make_row(0)
     bad["length"] = 99  # per-token lists of another length: the schema check refuses the row
-    writer = RolloutWriter(LocalStore(), str(tmp_path))
+    writer = RolloutWriter(LocalStore(), str(tmp_path), background=True)
     writer.submit([bad], tmp_path / "iter_00001.parquet")
     with pytest.raises(RolloutSchemaError):
         writer.submit([make_row(1)], tmp_path / "iter_00002.parquet")
     writer.close()
     assert not (tmp_path / "iter_00001.parquet").exists()
-    bad_again = RolloutWriter(LocalStore(), str(tmp_path))
+    bad_again = RolloutWriter(LocalStore(), str(tmp_path), background=True)
     bad_again.submit([bad], tmp_path / "iter_00003.parquet")
     with pytest.raises(RolloutSchemaError):
         bad_again.close()
+
+
+def test_in_line_a_failed_write_is_raised_by_its_own_submit_and_leaves_no_file(tmp_path):
+    bad = make_row(0)
+    bad["length"] = 99
+    writer = RolloutWriter(LocalStore(), str(tmp_path), background=False)
+    with pytest.raises(RolloutSchemaError):
+        writer.submit([bad], tmp_path / "iter_00001.parquet")
+    writer.submit([make_row(1)], tmp_path / "iter_00002.parquet")  # still usable
+    writer.close()
+    assert not (tmp_path / "iter_00001.parquet").exists()
+    assert read_rollouts(tmp_path / "iter_00002.parquet").num_rows == 1
+
+
+def test_the_thread_is_used_for_uploads_and_where_a_core_is_left_over(monkeypatch):
+    monkeypatch.setattr(rollout_writer.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not writes_in_background(LocalStore(), "/tmp/run")  # 2 cores, both torch's: in line
+        assert writes_in_background(RemoteStore(), "s3://bucket/run")  # an upload: in the background
+        assert not RolloutWriter(LocalStore(), "/tmp/run").background
+        torch.set_num_threads(1)
+        assert writes_in_background(LocalStore(), "/tmp/run")  # a core left over
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("with_reference,critic", [(True, True), (False, False)])
+def test_rollout_rows_hold_each_rows_own_slice_of_the_iterations_tensors(tmp_path, with_reference, critic):
+    from alignflow.stages.generation.base import Generation
+    from alignflow.stages.ppo import _rollout_rows
+    from alignflow.stages.rl.experience import Experience
+
+    torch.manual_seed(0)
+    lengths, width = [3, 5, 1], 5
+    rand = lambda: torch.randn(len(lengths), width)  # noqa: E731
+    exp = Experience(input_ids=torch.zeros(3, 7, dtype=torch.long), attention_mask=torch.ones(3, 7, dtype=torch.long),
+                     position_ids=torch.zeros(3, 7, dtype=torch.long), response_ids=torch.zeros(3, 5, dtype=torch.long),
+                     response_mask=torch.ones(3, 5), rollout_logprobs=rand(), old_logprobs=rand(), ref_logprobs=rand(),
+                     values=rand() if critic else None, scores=torch.randn(3), token_rewards=rand(), kl=rand(),
+                     advantages=rand(), returns=rand() if critic else None, prompt_width=2)
+    generation = Generation(response_token_ids=[[7] * n for n in lengths], logprobs=[[0.0] * n for n in lengths],
+                            finish_reasons=["eos", "length", "eos"])
+    components, seq_kl = {"rm": torch.randn(3), "len": torch.randn(3)}, torch.randn(3)
+    rows = _rollout_rows(4, 3, None, [2, 0, 1], [None, None, None], ["a", "b", "c"], ["x", "y", "z"],
+                         [[1, 2]] * 3, generation, exp, components, seq_kl, with_reference)
+    for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+        assert row["logprobs"] == exp.rollout_logprobs[b, :n].tolist()
+        assert row["ref_logprobs"] == (exp.ref_logprobs[b, :n].tolist() if with_reference else None)
+        assert row["values"] == (exp.values[b, :n].tolist() if critic else None)
+        assert row["returns"] == (exp.returns[b, :n].tolist() if critic else None)
+        assert row["advantages"] == exp.advantages[b, :n].tolist()
+        assert row["token_rewards"] == exp.token_rewards[b, :n].tolist()
+        assert row["rewards"] == {name: float(v[b]) for name, v in components.items()}
+        assert (row["reward_total"], row["kl"], row["length"]) == (float(exp.scores[b]), float(seq_kl[b]), n)
+        assert row["prompt_id"] == str([2, 0, 1][b])
+    writer = RolloutWriter(LocalStore(), str(tmp_path), background=False)
+    writer.submit(rows, tmp_path / "iter_00004.parquet")  # the schema takes them
+    writer.close()
+    assert read_rollouts(tmp_path / "iter_00004.parquet").num_rows == 3
