@@ -18,6 +18,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_entropy_forward
 torch::Tensor logprobs_entropy_backward(torch::Tensor logits, torch::Tensor index, torch::Tensor lse,
                                         torch::Tensor entropy, torch::Tensor grad_logp, torch::Tensor grad_entropy,
                                         double temperature);
+// AVX2 build only (csrc/avx2/rms_norm_avx2.cpp): kernels/rms_norm.py's "cpp" path.
+std::tuple<torch::Tensor, torch::Tensor> rms_norm_forward(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> rms_norm_backward(torch::Tensor grad, torch::Tensor x, torch::Tensor weight,
+                                                           torch::Tensor rstd, bool want_weight_grad);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);  // the two as one C++ autograd node
 
 // skinny_linear's inputs: x a contiguous float32 CPU [M, K]; the weight blocked as [ceil(N/16), K, 16] by
 // kernels.skinny_linear.block_weight; out_features within its last block. Both builds read this layout.

@@ -5,7 +5,7 @@ hundred tiny operator calls and Python, not arithmetic, sets the time. transform
 spends much of them outside the math: the mask factory, the rotary module (cos/sin recomputed per
 call), per-layer attention dispatch, repeat_kv copies for GQA, output records. This forward does the
 same arithmetic in fewer calls: cos/sin gathered from a cached table, one additive mask shared by
-every layer, F.rms_norm, SDPA with native GQA (measured in tests/stages/training/test_llama_forward.py
+every layer, one-node RMSNorm (kernels/rms_norm.py), SDPA with native GQA (measured in tests/stages/training/test_llama_forward.py
 and benchmarks/rl_setup.py --lean). Under CPU autocast (bf16 on CPUs with bf16 arithmetic) two more things
 pay: fp32 attention for rows up to EAGER_ATTENTION_MAX_LEN (cpu_attention: SDPA's bf16 backward is slow),
 and row counts bucketed for oneDNN (pads_rows).

@@ -8,5 +8,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(log-prob at index or empty, entropy or empty, log-sum-exp) per row of float32 logits / T (AVX2)");
   m.def("logprobs_entropy_backward", &logprobs_entropy_backward,
         "d loss / d logits from the forward's log-sum-exp and the log-prob and entropy grads (AVX2)");
+  // Without the GIL, as torch's own operators run: the PPO critic's thread trains beside the actor's.
+  m.def("rms_norm_forward", &rms_norm_forward, "(RMSNorm(x) * weight, 1 / rms per row) of float32 rows [N, H] (AVX2)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_backward", &rms_norm_backward,
+        "(d loss / d x, d loss / d weight or empty) from the forward's 1 / rms per row (AVX2)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight over the last dim, differentiable, its backward in C++ (AVX2)",
+        py::call_guard<py::gil_scoped_release>());
   m.attr("isa") = "AVX2";
 }
