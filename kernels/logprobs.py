@@ -16,7 +16,8 @@ The torch reference below runs on CPU and is what the kernels are tested against
 On CPU, for float32 logits laid out as contiguous rows, a C++ kernel (``csrc/avx2/logprobs_avx2.cpp``,
 ``impl="cpp"``, what ``"auto"`` takes where it builds) does the same per row with the row in L1: two passes in
 the forward (max; exp-sum with the entropy's sum beside it), one in the backward from the saved log-sum-exp,
-where the reference makes ~6 passes, each into a fresh [r, V] tensor. Its log-sum-exp is the AVX2 sampler's
+where the reference makes ~6 passes, each into a fresh [r, V] tensor. The two are one C++ autograd node, whose
+backward does not take the GIL (a Python Function's does: see kernels/rms_norm.py). Its log-sum-exp is the AVX2 sampler's
 (same lanes and order), so at equal logits the training log-probs equal the engine's bit for bit. Why: the
 PPO training step computes log-probs and the entropy (a metric) for every minibatch. The ladder's PPO
 minibatch (496 rows x 2,048, fp32), 1 thread, AVX2 EPYC, best of 20 (``benchmarks/kernels_bench.py --rl
@@ -148,6 +149,8 @@ def _run(
         chosen = "torch"
     if chosen == "cpp" and impl == "auto" and not logits.is_contiguous():
         chosen = "torch"  # the kernel would need a contiguous copy of every logit; the reference works in chunks
+    if chosen == "cpp":
+        return _apply_cpp(logits, index, float(temperature), want_logp, want_entropy)
     return _LogprobsEntropy.apply(logits, index, float(temperature), chosen, want_logp, want_entropy)
 
 
@@ -160,8 +163,6 @@ class _LogprobsEntropy(torch.autograd.Function):
             from alignflow.kernels import _triton_logprobs
 
             logp, entropy, lse = _triton_logprobs.forward(logits, index, temperature, want_logp, want_entropy)
-        elif impl == "cpp":
-            logp, entropy, lse = _forward_cpp(logits, index, temperature, want_logp, want_entropy)
         else:
             logp, entropy, lse = _forward_torch(logits, index, temperature, want_logp, want_entropy)
         ctx.set_materialize_grads(False)
@@ -181,8 +182,6 @@ class _LogprobsEntropy(torch.autograd.Function):
             grad = _triton_logprobs.backward(
                 logits, index, lse, entropy, grad_logp, grad_entropy, ctx.temperature
             )
-        elif ctx.impl == "cpp":
-            grad = _backward_cpp(logits, index, lse, entropy, grad_logp, grad_entropy, ctx.temperature)
         else:
             grad = _backward_torch(logits, index, lse, entropy, grad_logp, grad_entropy, ctx.temperature)
         return grad, None, None, None, None, None
@@ -199,30 +198,18 @@ def _rows(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     return t.reshape(-1).to(dtype).contiguous()
 
 
-def _forward_cpp(
+def _apply_cpp(
     logits: torch.Tensor, index: torch.Tensor | None, temperature: float, want_logp: bool, want_entropy: bool
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Returns (logp, entropy, lse) like _forward_torch, with each row's log-sum-exp kept for the backward."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(logp, entropy) through the C++ autograd node (forward and backward kernels, the backward without the GIL:
+    a Python Function's backward takes it, and the PPO critic's thread trains beside the actor's)."""
     from alignflow.kernels import _cpu_extension
 
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1]).contiguous()  # a copy only where impl="cpp" was asked for by name
-    logp, entropy, lse = _cpu_extension.logprob_kernels().logprobs_entropy_forward(
+    logp, entropy = _cpu_extension.logprob_kernels().logprobs_entropy(
         flat, _rows(index if want_logp else None, torch.int64), temperature, want_entropy)
-    return logp.view(lead) if want_logp else None, entropy.view(lead) if want_entropy else None, lse
-
-
-def _backward_cpp(logits: torch.Tensor, index: torch.Tensor | None, lse: torch.Tensor, entropy: torch.Tensor | None,
-                  grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """_backward_torch's contract, float32: one pass over each row from the log-sum-exp the forward kept."""
-    from alignflow.kernels import _cpu_extension
-
-    flat = logits.reshape(-1, logits.shape[-1]).contiguous()
-    grad = _cpu_extension.logprob_kernels().logprobs_entropy_backward(
-        flat, _rows(index if grad_logp is not None else None, torch.int64), lse,
-        _rows(entropy if grad_entropy is not None else None, torch.float32),
-        _rows(grad_logp, torch.float32), _rows(grad_entropy, torch.float32), temperature)
-    return grad.view(logits.shape)
+    return logp.view(lead) if want_logp else None, entropy.view(lead) if want_entropy else None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_entropy_forward
 torch::Tensor logprobs_entropy_backward(torch::Tensor logits, torch::Tensor index, torch::Tensor lse,
                                         torch::Tensor entropy, torch::Tensor grad_logp, torch::Tensor grad_entropy,
                                         double temperature);
+// The two as one C++ autograd node: (log-prob or empty, entropy or empty).
+std::tuple<torch::Tensor, torch::Tensor> logprobs_entropy(torch::Tensor logits, torch::Tensor index, double temperature,
+                                                          bool want_entropy);
 // AVX2 build only (csrc/avx2/rms_norm_avx2.cpp): kernels/rms_norm.py's "cpp" path.
 std::tuple<torch::Tensor, torch::Tensor> rms_norm_forward(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm_backward(torch::Tensor grad, torch::Tensor x, torch::Tensor weight,

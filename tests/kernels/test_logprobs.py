@@ -137,7 +137,7 @@ def test_auto_takes_the_cpp_kernel_for_float32_rows_only():
     from alignflow.kernels import logprobs as module
 
     calls = []
-    real = module._forward_cpp
+    real = module._apply_cpp
 
     def spy(*args):
         calls.append(args[0].dtype)
@@ -145,7 +145,7 @@ def test_auto_takes_the_cpp_kernel_for_float32_rows_only():
 
     logits, index, _, _ = _inputs((4, 64), torch.float32, seed=10)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, "_forward_cpp", spy)
+        patch.setattr(module, "_apply_cpp", spy)
         selective_log_softmax(logits, index)
         selective_log_softmax(logits.bfloat16(), index)  # bf16: the torch reference
         selective_log_softmax(logits[:, :-1], index % 63)  # not contiguous: the chunked reference, no copy
@@ -263,3 +263,17 @@ def test_bad_arguments_are_named(kwargs, error, message):
     args.update(kwargs)
     with pytest.raises(error, match=message):
         selective_log_softmax(**args)
+
+
+@needs_cpp
+def test_cpp_node_with_one_output_unused_gives_that_outputs_gradient_alone():
+    # The C++ autograd node leaves an unused output's gradient undefined: the backward then skips its term.
+    logits, index, g_lp, g_ent = _inputs((5, 70), torch.float32, seed=11)
+    for used in ("logp", "entropy"):
+        got_x = logits.detach().clone().requires_grad_()
+        logp, entropy = logprobs_and_entropy(got_x, index, 1.5, impl="cpp")
+        ((logp * g_lp).sum() if used == "logp" else (entropy * g_ent).sum()).backward()
+        want_x = logits.detach().clone().requires_grad_()
+        want_logp, want_entropy = logprobs_and_entropy(want_x, index, 1.5, impl="torch")
+        ((want_logp * g_lp).sum() if used == "logp" else (want_entropy * g_ent).sum()).backward()
+        torch.testing.assert_close(got_x.grad, want_x.grad, rtol=1e-5, atol=1e-6)

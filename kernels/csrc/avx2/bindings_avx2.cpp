@@ -8,6 +8,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(log-prob at index or empty, entropy or empty, log-sum-exp) per row of float32 logits / T (AVX2)");
   m.def("logprobs_entropy_backward", &logprobs_entropy_backward,
         "d loss / d logits from the forward's log-sum-exp and the log-prob and entropy grads (AVX2)");
+  m.def("logprobs_entropy", &logprobs_entropy,
+        "(log-prob at index or empty, entropy or empty) per row of float32 logits / T, differentiable, its backward "
+        "in C++ (AVX2)", py::call_guard<py::gil_scoped_release>());
   // Without the GIL, as torch's own operators run: the PPO critic's thread trains beside the actor's.
   m.def("rms_norm_forward", &rms_norm_forward, "(RMSNorm(x) * weight, 1 / rms per row) of float32 rows [N, H] (AVX2)",
         py::call_guard<py::gil_scoped_release>());

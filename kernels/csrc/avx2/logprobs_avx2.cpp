@@ -157,3 +157,43 @@ torch::Tensor logprobs_entropy_backward(torch::Tensor logits, torch::Tensor inde
   });
   return grad;
 }
+
+namespace {
+
+// The two kernels as one autograd node whose backward runs in C++ (kernels/logprobs.py's "cpp" path): a Python
+// autograd.Function's backward takes the GIL, which the PPO critic's thread, training beside the actor's, holds
+// much of the time (the same change to RMSNorm: kernels/rms_norm.py).
+struct LogprobsEntropyFunction : public torch::autograd::Function<LogprobsEntropyFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor logits,
+                                                torch::Tensor index, double temperature, bool want_entropy) {
+    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined: no pass for it
+    auto [logp, entropy, lse] = logprobs_entropy_forward(logits, index, temperature, want_entropy);
+    ctx->save_for_backward({logits, index, lse, entropy});
+    ctx->saved_data["temperature"] = temperature;
+    return {logp, entropy};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &logits = saved[0], &index = saved[1], &lse = saved[2], &entropy = saved[3];
+    const torch::Tensor none;
+    const bool with_logp = grads[0].defined() && index.numel() > 0;
+    const bool with_entropy = grads[1].defined() && entropy.numel() > 0;
+    if (!ctx->needs_input_grad(0) || (!with_logp && !with_entropy)) return {none, none, none, none};
+    const auto no_rows = torch::empty({0}, lse.options());
+    auto grad = logprobs_entropy_backward(
+        logits, with_logp ? index : torch::empty({0}, index.options()), lse, with_entropy ? entropy : no_rows,
+        with_logp ? grads[0].reshape({-1}).contiguous() : no_rows,
+        with_entropy ? grads[1].reshape({-1}).contiguous() : no_rows, ctx->saved_data["temperature"].toDouble());
+    return {grad, none, none, none};
+  }
+};
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> logprobs_entropy(torch::Tensor logits, torch::Tensor index, double temperature,
+                                                          bool want_entropy) {
+  auto outputs = LogprobsEntropyFunction::apply(logits, index, temperature, want_entropy);
+  return {outputs[0], outputs[1]};
+}
