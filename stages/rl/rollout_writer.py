@@ -8,7 +8,7 @@ store slows the loop instead of piling up iterations in memory, and an error in 
 the next submit, wait or close, never lost.
 
 But a thread is not free where the torch threads already take every core: the write then takes its CPU
-time from the loop, and its Python steps the GIL from the loop's many short operator calls. On the demo
+time from the loop, and its Python takes the GIL from the loop's many short operator calls. On the demo
 (2 cores, 2 torch threads, Intel Xeon with AMX, 30 iterations, medians) the 5 ms write took 11 ms in the
 background and made the refit and generation that ran beside it 3.7 and 3 ms slower: the iteration took
 104.6 / 111.5 ms with it in the background against 99.1 / 109.9 ms written in line. So a local file is
