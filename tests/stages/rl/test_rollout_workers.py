@@ -461,8 +461,10 @@ def test_rl_stage_on_two_workers_fails_in_seconds_when_one_is_killed_and_the_rer
     from tests.stages.test_ppo import finish, local, ppo_spec, start_stage
 
     workdir, _, _ = upstream
+    # 10 iterations: the kill must land while the stage still runs, and an iteration of this model takes ~0.1 s, so
+    # with 3 the stage can finish the two after the first checkpoint before the kill lands.
     spec = ppo_spec(upstream, "workers", algorithm="grpo", group_size=4, prompts_per_iteration=4, minibatch_size=16,
-                    iterations=3, checkpoint_every=1, autocast="off")
+                    iterations=10, checkpoint_every=1, autocast="off")
     spec = spec.model_copy(update={"config": {**spec.config, "engine": {
         **spec.config["engine"], "rollout_workers": 2, "queue_chunk": 4, "unload_during_training": True}}})
     first_checkpoint = local(spec.output_uri) / "checkpoints" / "iter_00001" / "manifest.json"
@@ -485,9 +487,9 @@ def test_rl_stage_on_two_workers_fails_in_seconds_when_one_is_killed_and_the_rer
     code, result, stderr = finish(start_stage(spec, workdir))
     assert code == 0, stderr[-3000:]
     assert "2 rollout worker processes" in stderr
-    assert result.metrics["iterations"] == 3
+    assert result.metrics["iterations"] == 10
     history = [json.loads(line) for line in (local(result.output_uri) / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in history] == [1, 2, 3]
+    assert [m["iteration"] for m in history] == list(range(1, 11))
     resumed = history[-1]
     assert resumed["refit/bytes_sent"] == 2 * resumed["refit/bytes"] > 0
     assert resumed["perf/rollout_workers"] == 2 and resumed["perf/rollout_chunks"] == 4
