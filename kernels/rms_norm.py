@@ -22,29 +22,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from alignflow.kernels import _cpu_extension
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight over the last dim; x [..., H], weight [H]. impl: auto, cpp, torch."""
-    if impl not in ("auto", "cpp", "torch"):
-        raise ValueError(f"rms_norm: impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
-    if impl == "cpp" or (impl == "auto" and _kernel_applies(x, weight)):
-        from alignflow.kernels import _cpu_extension
-
+    if impl == "auto":
+        kernels = _kernels_for(x, weight)
+    elif impl == "cpp":
         kernels = _cpu_extension.logprob_kernels()
         if kernels is None:
             raise RuntimeError(f"rms_norm impl='cpp': {_cpu_extension.logprob_kernels_unavailable_reason()}")
         if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(f"rms_norm impl='cpp' takes float32 CPU tensors, got x {x.dtype} on {x.device} and "
                              f"weight {weight.dtype}; use impl='auto'")
-        return kernels.rms_norm(x, weight, float(eps))
-    return F.rms_norm(x, weight.shape, weight, eps)
+    elif impl == "torch":
+        kernels = None
+    else:
+        raise ValueError(f"rms_norm: impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+    if kernels is None:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return kernels.rms_norm(x, weight, float(eps))
 
 
-def _kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _kernels_for(x: torch.Tensor, weight: torch.Tensor):
+    """The AVX2 extension where "auto" takes it for these tensors, else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return False
+        return None
     if torch.compiler.is_compiling():
-        return False
-    from alignflow.kernels import _cpu_extension
-
-    return _cpu_extension.logprob_kernels() is not None
+        return None
+    return _cpu_extension.logprob_kernels()

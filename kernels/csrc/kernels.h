@@ -12,20 +12,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits, torch::Tensor temperature,
                                                            torch::Tensor seeds, torch::Tensor steps,
                                                            torch::Tensor thresholds);
-// AVX2 build only (csrc/avx2/logprobs_avx2.cpp): kernels/logprobs.py's "cpp" path.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_entropy_forward(torch::Tensor logits, torch::Tensor index,
-                                                                                 double temperature, bool want_entropy);
-torch::Tensor logprobs_entropy_backward(torch::Tensor logits, torch::Tensor index, torch::Tensor lse,
-                                        torch::Tensor entropy, torch::Tensor grad_logp, torch::Tensor grad_entropy,
-                                        double temperature);
-// The two as one C++ autograd node: (log-prob or empty, entropy or empty).
+// AVX2 build only (csrc/avx2/logprobs_avx2.cpp): kernels/logprobs.py's "cpp" path, the forward and backward
+// kernels as one C++ autograd node: (log-prob or empty, entropy or empty).
 std::tuple<torch::Tensor, torch::Tensor> logprobs_entropy(torch::Tensor logits, torch::Tensor index, double temperature,
                                                           bool want_entropy);
-// AVX2 build only (csrc/avx2/rms_norm_avx2.cpp): kernels/rms_norm.py's "cpp" path.
-std::tuple<torch::Tensor, torch::Tensor> rms_norm_forward(torch::Tensor x, torch::Tensor weight, double eps);
-std::tuple<torch::Tensor, torch::Tensor> rms_norm_backward(torch::Tensor grad, torch::Tensor x, torch::Tensor weight,
-                                                           torch::Tensor rstd, bool want_weight_grad);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);  // the two as one C++ autograd node
+// AVX2 build only (csrc/avx2/rms_norm_avx2.cpp): kernels/rms_norm.py's "cpp" path, one C++ autograd node.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 
 // skinny_linear's inputs: x a contiguous float32 CPU [M, K]; the weight blocked as [ceil(N/16), K, 16] by
 // kernels.skinny_linear.block_weight; out_features within its last block. Both builds read this layout.

@@ -101,7 +101,7 @@ const void* optional_rows(const torch::Tensor& t, int64_t N, torch::ScalarType t
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_entropy_forward(torch::Tensor logits, torch::Tensor index,
+static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_entropy_forward(torch::Tensor logits, torch::Tensor index,
                                                                                  double temperature, bool want_entropy) {
   constexpr const char* op = "logprobs_entropy_forward";
   check_logits(logits, op);
@@ -129,7 +129,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_entropy_forward
   return {logp, entropy, lse};
 }
 
-torch::Tensor logprobs_entropy_backward(torch::Tensor logits, torch::Tensor index, torch::Tensor lse,
+static torch::Tensor logprobs_entropy_backward(torch::Tensor logits, torch::Tensor index, torch::Tensor lse,
                                         torch::Tensor entropy, torch::Tensor grad_logp, torch::Tensor grad_entropy,
                                         double temperature) {
   constexpr const char* op = "logprobs_entropy_backward";

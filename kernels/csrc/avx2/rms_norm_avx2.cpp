@@ -68,7 +68,7 @@ inline float row_dot3(const float* g, const float* w, const float* x, int64_t H)
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> rms_norm_forward(torch::Tensor x, torch::Tensor weight, double eps) {
+static std::tuple<torch::Tensor, torch::Tensor> rms_norm_forward(torch::Tensor x, torch::Tensor weight, double eps) {
   constexpr const char* op = "rms_norm_forward";
   TORCH_CHECK(x.dim() == 2, op, " (C++): x must be [N, H], got sizes ", x.sizes());
   const int64_t N = x.size(0), H = x.size(1);
@@ -97,7 +97,7 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm_forward(torch::Tensor x, torch
   return {y, rstd};
 }
 
-std::tuple<torch::Tensor, torch::Tensor> rms_norm_backward(torch::Tensor grad, torch::Tensor x, torch::Tensor weight,
+static std::tuple<torch::Tensor, torch::Tensor> rms_norm_backward(torch::Tensor grad, torch::Tensor x, torch::Tensor weight,
                                                            torch::Tensor rstd, bool want_weight_grad) {
   constexpr const char* op = "rms_norm_backward";
   TORCH_CHECK(x.dim() == 2, op, " (C++): x must be [N, H], got sizes ", x.sizes());

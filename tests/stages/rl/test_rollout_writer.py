@@ -93,37 +93,3 @@ def test_the_thread_is_used_for_uploads_and_where_a_core_is_left_over(monkeypatc
     finally:
         torch.set_num_threads(threads)
 
-
-@pytest.mark.parametrize("with_reference,critic", [(True, True), (False, False)])
-def test_rollout_rows_hold_each_rows_own_slice_of_the_iterations_tensors(tmp_path, with_reference, critic):
-    from alignflow.stages.generation.base import Generation
-    from alignflow.stages.ppo import _rollout_rows
-    from alignflow.stages.rl.experience import Experience
-
-    torch.manual_seed(0)
-    lengths, width = [3, 5, 1], 5
-    rand = lambda: torch.randn(len(lengths), width)  # noqa: E731
-    exp = Experience(input_ids=torch.zeros(3, 7, dtype=torch.long), attention_mask=torch.ones(3, 7, dtype=torch.long),
-                     position_ids=torch.zeros(3, 7, dtype=torch.long), response_ids=torch.zeros(3, 5, dtype=torch.long),
-                     response_mask=torch.ones(3, 5), rollout_logprobs=rand(), old_logprobs=rand(), ref_logprobs=rand(),
-                     values=rand() if critic else None, scores=torch.randn(3), token_rewards=rand(), kl=rand(),
-                     advantages=rand(), returns=rand() if critic else None, prompt_width=2)
-    generation = Generation(response_token_ids=[[7] * n for n in lengths], logprobs=[[0.0] * n for n in lengths],
-                            finish_reasons=["eos", "length", "eos"])
-    components, seq_kl = {"rm": torch.randn(3), "len": torch.randn(3)}, torch.randn(3)
-    rows = _rollout_rows(4, 3, None, [2, 0, 1], [None, None, None], ["a", "b", "c"], ["x", "y", "z"],
-                         [[1, 2]] * 3, generation, exp, components, seq_kl, with_reference)
-    for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
-        assert row["logprobs"] == exp.rollout_logprobs[b, :n].tolist()
-        assert row["ref_logprobs"] == (exp.ref_logprobs[b, :n].tolist() if with_reference else None)
-        assert row["values"] == (exp.values[b, :n].tolist() if critic else None)
-        assert row["returns"] == (exp.returns[b, :n].tolist() if critic else None)
-        assert row["advantages"] == exp.advantages[b, :n].tolist()
-        assert row["token_rewards"] == exp.token_rewards[b, :n].tolist()
-        assert row["rewards"] == {name: float(v[b]) for name, v in components.items()}
-        assert (row["reward_total"], row["kl"], row["length"]) == (float(exp.scores[b]), float(seq_kl[b]), n)
-        assert row["prompt_id"] == str([2, 0, 1][b])
-    writer = RolloutWriter(LocalStore(), str(tmp_path), background=False)
-    writer.submit(rows, tmp_path / "iter_00004.parquet")  # the schema takes them
-    writer.close()
-    assert read_rollouts(tmp_path / "iter_00004.parquet").num_rows == 3
