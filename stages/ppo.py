@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -37,7 +37,7 @@ from alignflow.stages.generation.base import (
     UnsupportedArchitectureError,
     load_engine,
 )
-from alignflow.stages.models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
+from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.ranks import (
     barrier,
     from_main,
@@ -49,6 +49,7 @@ from alignflow.stages.ranks import (
 )
 from alignflow.stages.reward_scoring import load_reward_models, score_with_reward_models
 from alignflow.stages.rl import algorithms as rl
+from alignflow.stages.rl.critic_worker import CriticSpec, CriticWorker, Update, load_critic_model
 from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
 from alignflow.stages.rl.kl_control import make_kl_controller
 from alignflow.stages.rl.packing import PackedRows, attention_width
@@ -343,6 +344,40 @@ def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
                     for m in (actor, critic)))
 
 
+def critic_in_process(actor, cfg: PPOConfig, backend: str) -> bool:
+    """Whether the critic runs in its own process (ppo.critic_process): where overlaps_critic would give it a thread
+    (decided before the critic is built, from the actor's model or engine: the plain torch trainer on CPU, one
+    rank, > 1 thread)."""
+    model = getattr(actor, "module", actor)
+    return (cfg.algorithm == "ppo" and cfg.critic_process != "off" and cfg.overlap_critic and not cfg.async_rollouts
+            and world_size() == 1 and torch.get_num_threads() > 1 and backend == "torch"
+            and next(model.parameters()).device.type == "cpu"
+            and (cfg.critic_process == "on" or actor_width(model) < OVERLAP_PASSES_BELOW_WIDTH))
+
+
+@contextmanager
+def closing_on_error(worker: CriticWorker | None) -> Iterator[None]:
+    """Close `worker` if the block raises (before the stage's main block takes it over)."""
+    try:
+        yield
+    except BaseException:
+        if worker is not None:
+            worker.close()
+        raise
+
+
+@contextmanager
+def half_threads(enabled: bool) -> Iterator[None]:
+    """This thread's torch threads halved while the critic's process trains beside it on the other half."""
+    threads = torch.get_num_threads()
+    if enabled:
+        torch.set_num_threads(max(1, threads // 2))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 # Narrower actors overlap the experience's passes under ppo.overlap_passes: auto (see its description).
 OVERLAP_PASSES_BELOW_WIDTH = 256
 
@@ -387,7 +422,8 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
     critic's (the passes share no state and each gives what it gives alone). On the demo (2 cores, dispatch-bound)
     score, reference and values took 7.6 + 9.3 + 6.1 ms one after the other; with the values beside, 9.6 + 8.6 ms
     and no wait for them; with the reference beside, 9.0 + 7.5 ms and 0.3 ms of wait (medians of 5 interleaved
-    runs). The phase of the pass on that thread is the wait for it after the others.
+    runs). The phase of the pass on that thread is the wait for it after the others. With the critic in its own
+    process (ppo.critic_process) the values pass runs there from the start, beside the others here.
     with_values False: no values pass (values_from_first_forward: train_on takes them from the critic's first
     forward)."""
     lean = cfg.fast_train_step
@@ -408,10 +444,16 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
                 critic.module, part, lean=lean, packed=packed if part is exp else packing_for(part, cfg, actor)))
 
     beside_enabled = overlaps_passes(actor, critic, cfg) and (with_reference or with_values)
-    with critic_thread(actor, critic, cfg, beside_enabled) as beside:
+    # With the critic in its own process (ppo.critic_process) its values pass runs there from the start, beside
+    # score() and the reference's pass here; each side has half the torch threads. On the demo (2 cores, 3 interleaved
+    # rounds of 40 iterations) the reference's pass there too was slower: 17.7 ms for both after score()'s 6.
+    remote = isinstance(critic, CriticWorker) and with_values
+    with critic_thread(actor, critic, cfg, beside_enabled) as beside, half_threads(remote):
         reference_beside = beside is not None and with_reference
         values_beside = beside is not None and not with_reference
-        if beside is not None:
+        if remote:
+            pending: Any = critic.values_async(exp, packed)
+        elif beside is not None:
             pending = beside.submit(logprobs, reference) if reference_beside else beside.submit(values)
         with profiler.phase("score"):
             scored = score()
@@ -422,8 +464,8 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
             with profiler.phase("old_logprobs"):
                 exp.old_logprobs = logprobs(actor.module)
         if with_values:
-            with profiler.phase("values"):
-                exp.values = pending.result() if values_beside else values()
+            with profiler.phase("values"):  # beside: the wait for the critic's thread or process
+                exp.values = pending.result() if values_beside or remote else values()
         if reference_beside:
             with profiler.phase("reference"):
                 exp.ref_logprobs = pending.result()
@@ -557,7 +599,8 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
             weight = 1.0 if counts is None else float(mb.response_mask.sum()) * world / max(counts.tokens, 1.0)
             minibatches.append(Minibatch(index, mb, counts, packing_for(mb, cfg, actor), weight))
 
-    with critic_thread(actor, critic, cfg) as overlap:
+    remote = critic if isinstance(critic, CriticWorker) else None
+    with critic_thread(actor, critic, cfg) as overlap, half_threads(remote is not None):
         # The critic's updates depend on nothing the actor computes, so its thread takes them all now, in minibatch
         # order (FIFO, one thread), instead of each after the actor's forward of its minibatch: that forward was
         # the critic thread's idle start and its last update the actor's idle end. On the ladder's PPO shape (4.7M
@@ -566,6 +609,12 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
         pending = [] if overlap is None else [
             (overlap.submit(critic_update, m.rows, m.counts, m.packed, advantages_after_values is not None and i == 0),
              m.weight) for i, m in enumerate(minibatches)]
+        # In its own process (ppo.critic_process) the critic takes them all at once too; its first step waits for
+        # the gate, which this process sends when the check below resolves it.
+        remote_updates = None if remote is None else remote.train_async(
+            [Update(m.rows, m.packed) for m in minibatches], iteration, gated=not proceed.done())
+        if remote is not None and not proceed.done():
+            proceed.add_done_callback(lambda gate: remote.proceed(gate.result()))
         try:
             for index, mb, counts, packed, weight in minibatches:
                 with precision.forward():
@@ -602,7 +651,7 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                         ref_logprobs=mb.ref_logprobs if in_loss else None, kl_coef=kl_coef if in_loss else 0.0,
                         kl_estimator=cfg.kl_estimator, token_weights=mb.behaviour_weights, counts=counts)
                 check_finite("the policy loss", _finite_on_every_rank(loss), iteration)
-                if overlap is None and critic is not None:
+                if overlap is None and remote is None and critic is not None:
                     add(critic_update(mb, counts, packed), weight)
                 actor.backward(loss * world)
                 actor.step()
@@ -612,9 +661,15 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
             for gate in (proceed, advantages_ready):  # the critic's thread must not wait for what will not come
                 if not gate.done():
                     gate.set_result(False)
+            if remote_updates is not None:  # its reply read, so the next request's is the next one on the pipe
+                with suppress(Exception):
+                    remote_updates.result()
             raise
         for future, weight in pending:
             add(future.result(), weight)
+        if remote_updates is not None:
+            for metrics, minibatch in zip(remote_updates.result(), minibatches, strict=True):
+                add(metrics, minibatch.weight)
     out = {key: value / count for key, value in sums.items()}
     if world > 1:
         totals = sum_over_ranks(*out.values())
@@ -677,36 +732,43 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         reward_models = (load_reward_models(ctx) if is_main() and any(k.startswith("reward_") for k in spec.inputs)
                          else [])
         actor_model = apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "ppo.lora")
-        reference = None  # not even loaded when the KL plays no part (kl_coef 0)
-        if needs_reference(cfg):
-            # With LoRA the reference is the actor with its adapters off: the frozen base is the SFT model.
-            reference = (AdaptersDisabled(actor_model) if cfg.lora.enabled
-                         else load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False))
-        critic_model = None
-        if cfg.algorithm == "ppo":
-            critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
-            critic_model = apply_lora(load_sequence_classifier(critic_dir, dtype=model_cfg.dtype), cfg.lora,
-                                      "ppo.lora", classifier=True)
-        trainable, total = parameter_counts(actor_model)
-    with profiler.phase("trainer_init"):
+        try:
+            backend = resolve_train_backend(cfg.train_backend, cfg.zero_stage)
+        except ValueError as exc:
+            raise StageInputError(str(exc)) from None
+        # Every sequence fits the engine's cache (prompt + response <= engine.max_seq_len).
+        attention = training_attention(engine_cfg.max_seq_len) if cfg.fast_train_step else "sdpa"
+        precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor_model.parameters()).device,
+                                      getattr(actor_model.config, "hidden_size", None))
         steps = cfg.iterations * cfg.ppo_epochs * math.ceil(cfg.prompts_per_iteration * cfg.group_size
                                                             / cfg.minibatch_size)
         common = dict(weight_decay=0.0, warmup_steps=0, total_steps=steps,
                       micro_batch_size=cfg.minibatch_size // world_size(),  # each rank trains its share
                       grad_accum=1, zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=model_cfg.dtype,
                       schedule="constant")
-        try:
-            backend = resolve_train_backend(cfg.train_backend, cfg.zero_stage)
-        except ValueError as exc:
-            raise StageInputError(str(exc)) from None
+        critic: Any = None
+        critic_dir = (ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
+                      if cfg.algorithm == "ppo" else None)
+        # The critic's process (ppo.critic_process) loads it while this process loads the rest.
+        if critic_dir is not None and critic_in_process(actor_model, cfg, backend):
+            critic = CriticWorker(CriticSpec(str(critic_dir), cfg, model_cfg.dtype,
+                                             OptimSettings(lr=cfg.critic_lr, **common), attention, precision,
+                                             threads=max(1, torch.get_num_threads() // 2)))
+        reference = None  # not even loaded when the KL plays no part (kl_coef 0)
+        if needs_reference(cfg):
+            with closing_on_error(critic if isinstance(critic, CriticWorker) else None):
+                # With LoRA the reference is the actor with its adapters off: the frozen base is the SFT model.
+                reference = (AdaptersDisabled(actor_model) if cfg.lora.enabled
+                             else load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False))
+        trainable, total = parameter_counts(actor_model)
+    with profiler.phase("trainer_init"), closing_on_error(critic if isinstance(critic, CriticWorker) else None):
         actor = initialize_trainer(actor_model, OptimSettings(lr=cfg.actor_lr, **common), backend)
-        critic = None
-        if critic_model is not None:
-            critic = initialize_trainer(critic_model, OptimSettings(lr=cfg.critic_lr, **common), backend)
-        # Every sequence fits the engine's cache (prompt + response <= engine.max_seq_len).
-        attention = training_attention(engine_cfg.max_seq_len) if cfg.fast_train_step else "sdpa"
+        if critic_dir is not None and critic is None:
+            critic = initialize_trainer(load_critic_model(critic_dir, cfg, model_cfg.dtype),
+                                        OptimSettings(lr=cfg.critic_lr, **common), backend)
+        local_critic = critic is not None and not isinstance(critic, CriticWorker)
         for model in (None if cfg.lora.enabled else reference, unwrap_lora(actor.module),
-                      unwrap_lora(critic.module) if critic is not None else None, *(rm.model for rm in reward_models)):
+                      unwrap_lora(critic.module) if local_critic else None, *(rm.model for rm in reward_models)):
             if model is not None:
                 model.set_attn_implementation(attention)
         if cfg.compile_train:
@@ -714,18 +776,17 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             # With LoRA: the HF backbone under peft's wrapper, its LoRA layers inside the graph; the reference
             # forward (adapters disabled) flips a flag dynamo guards on, so a second graph is compiled once
             # (tests/stages/test_ppo_lora.py checks loss, gradients and reference against eager).
-            for trained in (actor, critic):
+            for trained in (actor, critic if local_critic else None):
                 if trained is not None:
                     unwrap_lora(trained.module).base_model.compile(dynamic=True)
-        overlapped = overlaps_critic(actor, critic, cfg)
-        precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device,
-                                      getattr(actor.module.config, "hidden_size", None))
+        overlapped = overlaps_critic(actor, critic, cfg) or isinstance(critic, CriticWorker)
         print(f"{cfg.algorithm}: {backend} trainer{f' on {world_size()} ranks' if world_size() > 1 else ''}, "
               f"{attention} attention, forwards in {precision.label} "
               f"({precision.reason}); reference forward "
               f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}; trains "
               f"{trainable:,} of {total:,} actor parameters"
-              + ("; critic updates on their own thread (ppo.overlap_critic)" if overlapped else "")
+              + ("; the critic in its own process (ppo.critic_process)" if isinstance(critic, CriticWorker)
+                 else "; critic updates on their own thread (ppo.overlap_critic)" if overlapped else "")
               + (f" (LoRA rank {cfg.lora.rank}: the refit sends the adapted modules' merged weights only)"
                  if cfg.lora.enabled else ""), file=sys.stderr, flush=True)
         if ctx.tracker is not None:
@@ -733,13 +794,17 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                                      "perf/trainable_parameters": float(trainable),
                                      "perf/overlap_critic": float(overlapped),
                                      "perf/trainable_share": trainable / total})
-    with profiler.phase("engine_load"):
+    with profiler.phase("engine_load"), closing_on_error(critic if isinstance(critic, CriticWorker) else None):
         # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.
         if world_size() > 1:  # rank 0 generates (and scores) for every trainer rank
             rollouts = RanksRollouts(open_rollouts(ctx, cfg, engine_cfg) if is_main() else None, is_main(), from_main)
         else:
             rollouts = open_rollouts(ctx, cfg, engine_cfg)
-    with closing(rollouts):  # every exit path closes it: no rollout worker process outlives the stage
+    # Every exit path closes them: no rollout or critic worker process outlives the stage.
+    with closing(rollouts), closing(critic) if isinstance(critic, CriticWorker) else nullcontext():
+        if isinstance(critic, CriticWorker):
+            with profiler.phase("critic_load"):  # loaded beside this process's own loads; waits only for the rest
+                critic.wait_ready()
         if resume is not None:
             load_checkpoint(ctx, resume[1], state, actor, critic)
             with profiler.phase("refit"):
@@ -1083,7 +1148,10 @@ def _write_final(out: Path, state: RLState, actor, critic, tokenizer, cfg: PPOCo
     if critic is not None:
         critic_dir = out / "critic"
         critic_dir.mkdir(parents=True, exist_ok=True)
-        save_trained(critic, critic_dir)
+        if isinstance(critic, CriticWorker):
+            critic.save_trained(critic_dir)
+        else:
+            save_trained(critic, critic_dir)
     if not is_main():
         return
     tokenizer.save_pretrained(policy_dir)
