@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 class Section(BaseModel):
@@ -387,11 +395,14 @@ class PPOConfig(Section):
         default_factory=ResourcesConfig, description="Trainer ranks (torchrun, one node): rank 0 generates and "
         "scores, every rank trains on its share of each minibatch, DeepSpeed averages the gradients.")
 
-    @field_validator("autocast", mode="before")
+    @field_validator("autocast", "critic_process", "overlap_passes", mode="before")
     @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        # YAML 1.1 reads an unquoted `off` as false (`autocast: off`, `--set ppo.autocast=off`).
-        return "off" if value is False else value
+    def _yaml_off(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML 1.1 reads an unquoted `off` as false and `on` as true (`autocast: off`, `--set ppo.critic_process=off`);
+        # autocast has no "on" (bf16 names what it turns on), so a true there stays an error.
+        if value is False:
+            return "off"
+        return "on" if value is True and info.field_name != "autocast" else value
 
     @model_validator(mode="after")
     def _consistent(self) -> PPOConfig:

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing, contextmanager, nullcontext, suppress
+from contextlib import closing, contextmanager, suppress
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -344,26 +344,14 @@ def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
                     for m in (actor, critic)))
 
 
-def critic_in_process(actor, cfg: PPOConfig, backend: str) -> bool:
+def critic_in_process(actor_width: int, cfg: PPOConfig, backend: str) -> bool:
     """Whether the critic runs in its own process (ppo.critic_process): where overlaps_critic would give it a thread
-    (decided before the critic is built, from the actor's model or engine: the plain torch trainer on CPU, one
-    rank, > 1 thread)."""
-    model = getattr(actor, "module", actor)
+    (decided before any model loads, so the process starts first: one rank, > 1 thread, the plain torch trainer,
+    which trains where the models load, on the CPU), and under auto for actors narrower than 256 (as overlap_passes:
+    there the work is bound by operator dispatch, which the two processes do in parallel)."""
     return (cfg.algorithm == "ppo" and cfg.critic_process != "off" and cfg.overlap_critic and not cfg.async_rollouts
             and world_size() == 1 and torch.get_num_threads() > 1 and backend == "torch"
-            and next(model.parameters()).device.type == "cpu"
-            and (cfg.critic_process == "on" or actor_width(model) < OVERLAP_PASSES_BELOW_WIDTH))
-
-
-@contextmanager
-def closing_on_error(worker: CriticWorker | None) -> Iterator[None]:
-    """Close `worker` if the block raises (before the stage's main block takes it over)."""
-    try:
-        yield
-    except BaseException:
-        if worker is not None:
-            worker.close()
-        raise
+            and (cfg.critic_process == "on" or actor_width < OVERLAP_PASSES_BELOW_WIDTH))
 
 
 @contextmanager
@@ -443,11 +431,13 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
             return over_rows(exp, lambda part: token_values(
                 critic.module, part, lean=lean, packed=packed if part is exp else packing_for(part, cfg, actor)))
 
-    beside_enabled = overlaps_passes(actor, critic, cfg) and (with_reference or with_values)
     # With the critic in its own process (ppo.critic_process) its values pass runs there from the start, beside
-    # score() and the reference's pass here; each side has half the torch threads. On the demo (2 cores, 3 interleaved
-    # rounds of 40 iterations) the reference's pass there too was slower: 17.7 ms for both after score()'s 6.
+    # score() and then the reference's pass here, each side with half the torch threads. On the demo (2 cores,
+    # interleaved runs of 40 iterations, medians) the alternatives were slower: the reference's pass in that process
+    # too, 17.7 ms for both after score()'s 6; the reference's on a second thread here (3 streams on 2 cores), 0.9-1.2x
+    # the passes' time and 6-12 ms more training after them.
     remote = isinstance(critic, CriticWorker) and with_values
+    beside_enabled = overlaps_passes(actor, critic, cfg) and (with_reference or with_values)
     with critic_thread(actor, critic, cfg, beside_enabled) as beside, half_threads(remote):
         reference_beside = beside is not None and with_reference
         values_beside = beside is not None and not with_reference
@@ -712,12 +702,53 @@ def run(spec: StageSpec) -> StageResult:
     out = working_dir(ctx)
     state = RLState(cfg)
     resume = latest_checkpoint(spec)
-    with tracked(ctx):
-        return _train(ctx, spec, cfg, model_cfg, engine_cfg, reward_fns, out, state, resume)
+    # The critic's process (ppo.critic_process) starts first: its interpreter, imports and model load (~3.4 s on 2
+    # cores, most of it transformers' imports) run beside this process's setup, loads and first rollout; its first
+    # request (iteration 1's values, or a resume's checkpoint) waits for the rest. Closed on every exit.
+    with started_critic(ctx, cfg, model_cfg, engine_cfg) as remote_critic, tracked(ctx):
+        return _train(ctx, spec, cfg, model_cfg, engine_cfg, reward_fns, out, state, resume, remote_critic)
+
+
+@contextmanager
+def started_critic(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig
+                   ) -> Iterator[CriticWorker | None]:
+    """The critic's process where critic_in_process puts it (None: the critic lives in this process), closed after."""
+    try:
+        backend = resolve_train_backend(cfg.train_backend, cfg.zero_stage)
+    except ValueError:
+        backend = "deepspeed"  # _train reports the bad setting
+    reward_inputs = sorted(k for k in ctx.spec.inputs if k.startswith("reward_"))
+    width = int(json.loads((ctx.input("sft") / "config.json").read_text()).get("hidden_size", 0) or 0)
+    if not (reward_inputs and width and critic_in_process(width, cfg, backend)):
+        yield None
+        return
+    # The torch trainer keeps its models on the CPU, where they load: the precision the actor's resolves to.
+    precision = resolve_precision(cfg.autocast, model_cfg.dtype, torch.device("cpu"), width)
+    worker = CriticWorker(CriticSpec(str(ctx.input(reward_inputs[0])), cfg, model_cfg.dtype,
+                                     optim_settings(cfg, model_cfg, cfg.critic_lr), training_attention_for(cfg, engine_cfg),
+                                     precision, threads=max(1, torch.get_num_threads() // 2)))
+    with closing(worker):
+        yield worker
+
+
+def optim_settings(cfg: PPOConfig, model_cfg: ModelConfig, lr: float) -> OptimSettings:
+    """The actor's or critic's optimizer settings: constant learning rate, one step per minibatch."""
+    steps = cfg.iterations * cfg.ppo_epochs * math.ceil(cfg.prompts_per_iteration * cfg.group_size / cfg.minibatch_size)
+    return OptimSettings(lr=lr, weight_decay=0.0, warmup_steps=0, total_steps=steps,
+                         micro_batch_size=cfg.minibatch_size // world_size(),  # each rank trains its share
+                         grad_accum=1, zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=model_cfg.dtype,
+                         schedule="constant")
+
+
+def training_attention_for(cfg: PPOConfig, engine_cfg: EngineConfig) -> str:
+    """The training forwards' attention implementation (every sequence fits the engine's cache: prompt + response
+    <= engine.max_seq_len)."""
+    return training_attention(engine_cfg.max_seq_len) if cfg.fast_train_step else "sdpa"
 
 
 def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,
-           reward_fns, out: Path, state: RLState, resume: tuple[int, str] | None) -> StageResult:
+           reward_fns, out: Path, state: RLState, resume: tuple[int, str] | None,
+           remote_critic: CriticWorker | None = None) -> StageResult:
     profiler = ctx.profiler
     with profiler.phase("setup"):
         sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
@@ -732,40 +763,26 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         reward_models = (load_reward_models(ctx) if is_main() and any(k.startswith("reward_") for k in spec.inputs)
                          else [])
         actor_model = apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "ppo.lora")
+        reference = None  # not even loaded when the KL plays no part (kl_coef 0)
+        if needs_reference(cfg):
+            # With LoRA the reference is the actor with its adapters off: the frozen base is the SFT model.
+            reference = (AdaptersDisabled(actor_model) if cfg.lora.enabled
+                         else load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False))
+        trainable, total = parameter_counts(actor_model)
+    with profiler.phase("trainer_init"):
         try:
             backend = resolve_train_backend(cfg.train_backend, cfg.zero_stage)
         except ValueError as exc:
             raise StageInputError(str(exc)) from None
-        # Every sequence fits the engine's cache (prompt + response <= engine.max_seq_len).
-        attention = training_attention(engine_cfg.max_seq_len) if cfg.fast_train_step else "sdpa"
-        precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor_model.parameters()).device,
-                                      getattr(actor_model.config, "hidden_size", None))
-        steps = cfg.iterations * cfg.ppo_epochs * math.ceil(cfg.prompts_per_iteration * cfg.group_size
-                                                            / cfg.minibatch_size)
-        common = dict(weight_decay=0.0, warmup_steps=0, total_steps=steps,
-                      micro_batch_size=cfg.minibatch_size // world_size(),  # each rank trains its share
-                      grad_accum=1, zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=model_cfg.dtype,
-                      schedule="constant")
-        critic: Any = None
-        critic_dir = (ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
-                      if cfg.algorithm == "ppo" else None)
-        # The critic's process (ppo.critic_process) loads it while this process loads the rest.
-        if critic_dir is not None and critic_in_process(actor_model, cfg, backend):
-            critic = CriticWorker(CriticSpec(str(critic_dir), cfg, model_cfg.dtype,
-                                             OptimSettings(lr=cfg.critic_lr, **common), attention, precision,
-                                             threads=max(1, torch.get_num_threads() // 2)))
-        reference = None  # not even loaded when the KL plays no part (kl_coef 0)
-        if needs_reference(cfg):
-            with closing_on_error(critic if isinstance(critic, CriticWorker) else None):
-                # With LoRA the reference is the actor with its adapters off: the frozen base is the SFT model.
-                reference = (AdaptersDisabled(actor_model) if cfg.lora.enabled
-                             else load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False))
-        trainable, total = parameter_counts(actor_model)
-    with profiler.phase("trainer_init"), closing_on_error(critic if isinstance(critic, CriticWorker) else None):
-        actor = initialize_trainer(actor_model, OptimSettings(lr=cfg.actor_lr, **common), backend)
-        if critic_dir is not None and critic is None:
+        actor = initialize_trainer(actor_model, optim_settings(cfg, model_cfg, cfg.actor_lr), backend)
+        attention = training_attention_for(cfg, engine_cfg)
+        precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device,
+                                      getattr(actor.module.config, "hidden_size", None))
+        critic: Any = remote_critic  # in its own process (started_critic), or here
+        if cfg.algorithm == "ppo" and critic is None:
+            critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
             critic = initialize_trainer(load_critic_model(critic_dir, cfg, model_cfg.dtype),
-                                        OptimSettings(lr=cfg.critic_lr, **common), backend)
+                                        optim_settings(cfg, model_cfg, cfg.critic_lr), backend)
         local_critic = critic is not None and not isinstance(critic, CriticWorker)
         for model in (None if cfg.lora.enabled else reference, unwrap_lora(actor.module),
                       unwrap_lora(critic.module) if local_critic else None, *(rm.model for rm in reward_models)):
@@ -794,17 +811,13 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                                      "perf/trainable_parameters": float(trainable),
                                      "perf/overlap_critic": float(overlapped),
                                      "perf/trainable_share": trainable / total})
-    with profiler.phase("engine_load"), closing_on_error(critic if isinstance(critic, CriticWorker) else None):
+    with profiler.phase("engine_load"):
         # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.
         if world_size() > 1:  # rank 0 generates (and scores) for every trainer rank
             rollouts = RanksRollouts(open_rollouts(ctx, cfg, engine_cfg) if is_main() else None, is_main(), from_main)
         else:
             rollouts = open_rollouts(ctx, cfg, engine_cfg)
-    # Every exit path closes them: no rollout or critic worker process outlives the stage.
-    with closing(rollouts), closing(critic) if isinstance(critic, CriticWorker) else nullcontext():
-        if isinstance(critic, CriticWorker):
-            with profiler.phase("critic_load"):  # loaded beside this process's own loads; waits only for the rest
-                critic.wait_ready()
+    with closing(rollouts):  # every exit path closes it: no rollout worker process outlives the stage
         if resume is not None:
             load_checkpoint(ctx, resume[1], state, actor, critic)
             with profiler.phase("refit"):
@@ -1013,7 +1026,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
 
     with profiler.phase("train"):
         actor.train()
-        if critic is not None:
+        if critic is not None and not isinstance(critic, CriticWorker):  # the process sets it with each train request
             critic.train()
         check = (cfg.old_logprobs_tolerance if source == "engine" and cfg.old_logprobs == "auto" and not off_policy
                  else None)

@@ -1,28 +1,34 @@
 """The PPO critic in its own process: its values pass and its updates run beside the trainer's actor, sharing no GIL.
 
-Why: on one rank of a CPU box the critic's updates already run beside the actor's, on a second thread
-(ppo.overlap_critic), but the two threads share one interpreter lock, and at the demo's size (hidden 64, a few
-hundred operator calls per step) both are mostly Python and dispatch. Measured on the 2-core Intel Xeon (AMX),
-demo config, medians of 30 iterations: the train phase took 51-53 ms with the critic on a thread, 47-48 ms with
-it in a process (the actor alone on one thread: 43-44 ms). In a process the critic also makes the iteration's
-values while the trainer scores and computes the reference's log-probs.
+Why: on one rank of a CPU box the critic's updates already ran beside the actor's, on a second thread
+(ppo.overlap_critic), but two threads share one interpreter lock, and at the demo's size (hidden 64, a few hundred
+operator calls per step) both are mostly Python and operator dispatch. Measured on the 2-core Intel Xeon (AMX), demo
+config, 4 interleaved pairs of runs of 40 iterations (medians): the train phase took 51-63 ms with the critic on a
+thread and 43-55 ms with it here, the iteration 99-123 ms and 88-110 ms (median ratio 1.10x; the actor alone on one
+thread trains in 43-44 ms). The values pass runs here too, beside the trainer's scoring and reference pass.
 
 What it is: `CriticWorker`, a `spawn`ed process that builds the critic exactly as the trainer would
-(`load_critic_model` + `initialize_trainer` with the same settings, the same attention implementation), and a
-proxy the PPO stage uses where it held the critic: `values_async` (the no-grad values pass), `train_async`
-(every minibatch's update of an iteration, queued at once, as the critic's thread takes them), `proceed`
-(the gate of the actor's check of the old log-probs: the critic's first update waits for it before stepping,
-and a False drops its gradients, so a stale check leaves the critic's weights untouched), `save_checkpoint`,
-`load_checkpoint`, `save_trained`, `close`.
+(`load_critic_model` + `initialize_trainer` with the same settings, the same attention implementation, LoRA and
+compile per ppo.*), and a proxy the PPO stage holds where it held the critic: `values_async` (the no-grad values
+pass), `train_async` (every minibatch's update of an iteration, queued at once, as the critic's thread takes them),
+`proceed` (the gate of the actor's check of the old log-probs: the first update waits for it before stepping, and
+a False drops its gradients and ends the iteration's updates, so a stale check leaves the critic untouched),
+`save_checkpoint`, `load_checkpoint`, `save_trained`, `train`, `close`. The same updates in the same order as on
+the thread, one torch thread each way: the tests compare weights and metrics bit for bit.
 
-Protocol: one duplex pipe; each request gets exactly one reply, in order (`proceed` is one-way). Payloads are
-pickled with plain `pickle` (tensors by value): the multiprocessing pickler moves every tensor it sends into
-shared memory, and the demo's four minibatches cost the actor ~15 ms per iteration that way.
-Failure: a request that raises in the worker is re-raised in the trainer with the worker's traceback as a note
-(NaN losses keep their type, so the stage's last-good-checkpoint path still applies); a worker that dies makes
-the next wait raise `CriticWorkerError` naming its pid and exit code or signal within POLL_S; a trainer that dies
-closes the pipe, and the worker exits on the EOF. What it is not: a critic on other ranks or hosts (one rank,
-the plain torch trainer, CPU: where overlap_critic applies).
+Start-up: the stage starts the process before anything else (~3.4 s on 2 cores: interpreter, torch, then
+transformers' model classes, ~2 s of imports the trainer has already paid for itself); its first request waits for
+the rest, so the first iteration is ~1 s longer than with the thread. That pays after ~100 iterations at the demo's size.
+
+Protocol: one duplex pipe; each request gets exactly one reply, in order (`proceed` is one-way). Payloads are plain
+pickle with CPU tensors as numpy arrays (`_Pickler`): the multiprocessing pickler moves every tensor it sends into
+shared memory, and torch's own reduction took 0.6 ms to dump and 0.9 ms to load an iteration's experience.
+Failure: a request that raises in the worker is re-raised in the trainer with the worker's traceback as a note (a
+NaN value loss keeps its type, so the stage's last-good-checkpoint path applies); a worker that dies makes the next
+wait raise `CriticWorkerError` naming its pid and exit code or signal within POLL_S; a failed start is named at the
+first request; a trainer that dies closes the pipe, and the worker exits on the EOF.
+What it is not: a critic on other ranks or hosts (one rank, the plain torch trainer, CPU: where overlap_critic
+applies), or a GPU one.
 """
 
 from __future__ import annotations
@@ -210,6 +216,7 @@ def _train(conn, critic, updates: list[Update], iteration: int, gated: bool, cfg
             gate.append(bool(message[1]))
         return gate[0]
 
+    critic.train()  # as the trainer sets its own critic before each iteration's updates
     results = []
     for update in updates:
         metrics = critic_update(critic, update, cfg, precision, iteration, proceed if gated else lambda: True)

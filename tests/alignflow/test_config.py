@@ -159,6 +159,8 @@ def test_rl_trainer_ranks_need_equal_shares_on_one_node():
 
 def test_unquoted_yaml_off_means_autocast_off():
     assert load_config(REPO / "configs/tiny.yaml", ["ppo.autocast=off"]).ppo.autocast == "off"  # YAML: false
+    ppo = load_config(REPO / "configs/tiny.yaml", ["ppo.critic_process=off", "ppo.overlap_passes=on"]).ppo  # and true
+    assert (ppo.critic_process, ppo.overlap_passes) == ("off", "on")
     with pytest.raises(ConfigError, match=r"ppo.autocast: Input should be 'auto', 'bf16' or 'off' \(got true\)"):
         load_config(REPO / "configs/tiny.yaml", ["ppo.autocast=on"])
 

@@ -17,7 +17,6 @@ from alignflow.stages.ppo import StaleOldLogprobs, critic_in_process, overlaps_c
 from alignflow.stages.rl.critic_worker import CriticSpec, CriticWorker, CriticWorkerError
 from alignflow.stages.rl.experience import token_values
 from alignflow.stages.training.torch_engine import STATE_FILE, TorchTrainEngine
-from tests.stages.generation.engine_test_models import save_tiny_model
 from tests.stages.rl.test_train_shortcuts import FP32, PAD, checkpoint, ppo_config, rollout, trainer_settings
 
 __all__ = ["checkpoint", "rollout"]  # module fixtures shared with the shortcut tests
@@ -78,7 +77,7 @@ def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(critic_folder
     on_thread = train_on(copy.copy(exp), actor, critic, cfg, 0.0, 1, FP32)
 
     remote_actor = TorchTrainEngine(load_causal_lm(checkpoint), settings)
-    assert critic_in_process(remote_actor, cfg, "torch")
+    assert critic_in_process(remote_actor.module.config.hidden_size, cfg, "torch")
     with closing(remote_critic(critic_folder, cfg)) as worker:
         worker.wait_ready()
         assert torch.equal(worker.values_async(exp, packed).result(), values_here)
@@ -139,18 +138,16 @@ def test_a_dead_worker_is_named_with_its_signal_and_close_is_safe(critic_folder,
     worker.close()
 
 
-def test_the_critic_goes_to_its_process_only_where_it_would_get_a_thread(checkpoint, tmp_path):
-    """One rank, the plain torch trainer, CPU, PPO, more than one thread, no async rollouts, both options on."""
-    actor = TorchTrainEngine(load_causal_lm(checkpoint), trainer_settings(micro_batch_size=3))
-    assert critic_in_process(actor, ppo_with_critic(), "torch")
-    assert not critic_in_process(actor, ppo_with_critic(), "deepspeed")
-    assert not critic_in_process(actor, ppo_with_critic(critic_process="off"), "torch")
-    assert not critic_in_process(actor, ppo_with_critic(overlap_critic=False), "torch")
-    assert not critic_in_process(actor, ppo_with_critic(async_rollouts=True), "torch")
-    wide_checkpoint = save_tiny_model(tmp_path / "wide", "llama_mha_untied", hidden_size=256, num_hidden_layers=1)
-    wide = TorchTrainEngine(load_causal_lm(wide_checkpoint), trainer_settings(micro_batch_size=3))
-    assert not critic_in_process(wide, ppo_with_critic(), "torch")  # auto: dispatch-bound widths only
-    assert critic_in_process(wide, ppo_with_critic(critic_process="on"), "torch")
+def test_the_critic_goes_to_its_process_only_where_it_would_get_a_thread():
+    """One rank, the plain torch trainer, PPO, more than one thread, no async rollouts, overlap_critic on, and under
+    auto an actor narrower than 256."""
+    assert critic_in_process(64, ppo_with_critic(), "torch")
+    assert not critic_in_process(64, ppo_with_critic(), "deepspeed")
+    assert not critic_in_process(64, ppo_with_critic(critic_process="off"), "torch")
+    assert not critic_in_process(64, ppo_with_critic(overlap_critic=False), "torch")
+    assert not critic_in_process(64, ppo_with_critic(async_rollouts=True), "torch")
+    assert not critic_in_process(64, ppo_config(), "torch")  # GRPO: no critic
+    assert not critic_in_process(256, ppo_with_critic(), "torch")  # auto: dispatch-bound widths only
+    assert critic_in_process(256, ppo_with_critic(critic_process="on"), "torch")
     torch.set_num_threads(1)
-    assert not critic_in_process(actor, ppo_with_critic(), "torch")
-
+    assert not critic_in_process(64, ppo_with_critic(), "torch")
