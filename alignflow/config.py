@@ -358,11 +358,12 @@ class PPOConfig(Section):
         "same updates, in the same order, bit for bit). On the demo's 64-wide model on 2 cores the train phase "
         "went 0.15-0.17 -> 0.12 s. Elsewhere (DeepSpeed, several ranks, CUDA, one thread) it is sequential.")
     critic_process: Literal["auto", "on", "off"] = Field(
-        "auto", description="Where ppo.overlap_critic applies: the critic lives in its own process "
-        "(stages/rl/critic_worker.py), with the reference when there is one and no LoRA, instead of on a second "
-        "thread: its updates and its values and reference passes share no interpreter lock with the actor's work "
-        "(the same updates in the same order, bit for bit). That pays where they are bound by operator dispatch "
-        "(the demo's 64-wide model on 2 cores); auto: on for actors narrower than 256, as ppo.overlap_passes.")
+        "auto", description="Where ppo.overlap_critic applies (not with compile_train): the critic lives in its own "
+        "process (stages/rl/critic_worker.py) instead of on a second thread, so its updates and its values pass share "
+        "no interpreter lock with the actor's training, scoring and reference pass (the same updates in the same "
+        "order, bit for bit). On the demo's 64-wide model on 2 cores, dispatch-bound, the iteration went 99-123 -> "
+        "88-110 ms, for ~1 s more in the first iteration (the process's imports). auto: on for actors narrower than "
+        "256, as ppo.overlap_passes.")
     overlap_passes: Literal["auto", "on", "off"] = Field(
         "auto", description="Where ppo.overlap_critic applies: one of the no-grad passes that make the experience "
         "(the reference's, else the critic's values) runs on the critic's thread beside the scoring and the "

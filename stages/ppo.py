@@ -347,10 +347,11 @@ def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
 def critic_in_process(actor_width: int, cfg: PPOConfig, backend: str) -> bool:
     """Whether the critic runs in its own process (ppo.critic_process): where overlaps_critic would give it a thread
     (decided before any model loads, so the process starts first: one rank, > 1 thread, the plain torch trainer,
-    which trains where the models load, on the CPU), and under auto for actors narrower than 256 (as overlap_passes:
-    there the work is bound by operator dispatch, which the two processes do in parallel)."""
+    which trains where the models load, on the CPU), not with ppo.compile_train (the critic would compile in the
+    worker, untested there), and under auto for actors narrower than 256 (as overlap_passes: there the work is bound
+    by operator dispatch, which the two processes do in parallel)."""
     return (cfg.algorithm == "ppo" and cfg.critic_process != "off" and cfg.overlap_critic and not cfg.async_rollouts
-            and world_size() == 1 and torch.get_num_threads() > 1 and backend == "torch"
+            and not cfg.compile_train and world_size() == 1 and torch.get_num_threads() > 1 and backend == "torch"
             and (cfg.critic_process == "on" or actor_width < OVERLAP_PASSES_BELOW_WIDTH))
 
 
@@ -810,6 +811,7 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
             ctx.tracker.log_metrics({"perf/autocast_bf16": float(precision.autocast_dtype is not None),
                                      "perf/trainable_parameters": float(trainable),
                                      "perf/overlap_critic": float(overlapped),
+                                     "perf/critic_process": float(isinstance(critic, CriticWorker)),
                                      "perf/trainable_share": trainable / total})
     with profiler.phase("engine_load"):
         # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.

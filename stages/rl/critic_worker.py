@@ -8,8 +8,8 @@ thread and 43-55 ms with it here, the iteration 99-123 ms and 88-110 ms (median 
 thread trains in 43-44 ms). The values pass runs here too, beside the trainer's scoring and reference pass.
 
 What it is: `CriticWorker`, a `spawn`ed process that builds the critic exactly as the trainer would
-(`load_critic_model` + `initialize_trainer` with the same settings, the same attention implementation, LoRA and
-compile per ppo.*), and a proxy the PPO stage holds where it held the critic: `values_async` (the no-grad values
+(`load_critic_model` + `initialize_trainer` with the same settings, the same attention implementation and LoRA
+per ppo.lora), and a proxy the PPO stage holds where it held the critic: `values_async` (the no-grad values
 pass), `train_async` (every minibatch's update of an iteration, queued at once, as the critic's thread takes them),
 `proceed` (the gate of the actor's check of the old log-probs: the first update waits for it before stepping, and
 a False drops its gradients and ends the iteration's updates, so a stale check leaves the critic untouched),
@@ -94,11 +94,9 @@ class Update:
 
 
 def build_critic(spec: CriticSpec):
-    """The critic's training engine (plain torch trainer), its attention and compile as the trainer sets them."""
+    """The critic's training engine (plain torch trainer), its attention as the trainer sets it."""
     critic = initialize_trainer(load_critic_model(spec.folder, spec.cfg, spec.dtype), spec.optim, "torch")
     unwrap_lora(critic.module).set_attn_implementation(spec.attention)
-    if spec.cfg.compile_train:
-        unwrap_lora(critic.module).base_model.compile(dynamic=True)
     return critic
 
 
@@ -307,8 +305,11 @@ class CriticWorker:
     def close(self) -> None:
         """Stop the worker (after its pending replies, unless it is broken); safe after a failure and twice."""
         if self.process.exitcode is None:
-            if self._broken is None:
+            if self._broken is None:  # its pending replies first, for at most CLOSE_WAIT_S: a stuck worker is killed
+                deadline = time.monotonic() + CLOSE_WAIT_S
                 for pending in list(self._outstanding):
+                    if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+                        break
                     with suppress(BaseException):  # an error nobody read: closing still stops the worker
                         pending.result()
             with suppress(CriticWorkerError, OSError):

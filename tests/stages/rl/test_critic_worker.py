@@ -139,13 +139,14 @@ def test_a_dead_worker_is_named_with_its_signal_and_close_is_safe(critic_folder,
 
 
 def test_the_critic_goes_to_its_process_only_where_it_would_get_a_thread():
-    """One rank, the plain torch trainer, PPO, more than one thread, no async rollouts, overlap_critic on, and under
-    auto an actor narrower than 256."""
+    """One rank, the plain torch trainer, PPO, more than one thread, no async rollouts or compile_train,
+    overlap_critic on, and under auto an actor narrower than 256."""
     assert critic_in_process(64, ppo_with_critic(), "torch")
     assert not critic_in_process(64, ppo_with_critic(), "deepspeed")
     assert not critic_in_process(64, ppo_with_critic(critic_process="off"), "torch")
     assert not critic_in_process(64, ppo_with_critic(overlap_critic=False), "torch")
     assert not critic_in_process(64, ppo_with_critic(async_rollouts=True), "torch")
+    assert not critic_in_process(64, ppo_with_critic(compile_train=True), "torch")
     assert not critic_in_process(64, ppo_config(), "torch")  # GRPO: no critic
     assert not critic_in_process(256, ppo_with_critic(), "torch")  # auto: dispatch-bound widths only
     assert critic_in_process(256, ppo_with_critic(critic_process="on"), "torch")
