@@ -830,8 +830,7 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                 start_resumed_run(ctx, state)
             state.mlflow_run_id = ctx.tracker.run_id
         last_checkpoint = resume[1] if resume else None
-        rollout_writer = RolloutWriter(open_store(spec.output_uri, spec.storage), spec.output_uri,
-                                       worker=critic if isinstance(critic, CriticWorker) else None)
+        rollout_writer = RolloutWriter(open_store(spec.output_uri, spec.storage), spec.output_uri)
         in_flight = None
         startup = startup_metrics(ctx)
         if is_main():
@@ -1053,8 +1052,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
             loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)
             loss_metrics["rollout/logprob_engine_vs_actor_max"] = stale.measured
     # After training: the values (and so the advantages) may come from its first forward, and a stale-log-prob
-    # fallback recomputes the KL; the file is written by rollout_writer (rank 0): in line, on its thread, or in the
-    # critic's process, beside the refit and generation that follow.
+    # fallback recomputes the KL; the file is written on rollout_writer's thread (rank 0), beside what follows.
     with profiler.phase("io"):
         if is_main():
             rollout_writer.submit(_rollout_rows(iteration, rollout.weights_version, chosen, rows, prompts, texts,

@@ -177,11 +177,6 @@ def _serve(conn, spec: CriticSpec) -> None:
                 result: Any = critic_values(critic, *args, cfg, precision)
             elif kind == "train":
                 result = _train(conn, critic, *args, cfg, precision)
-            elif kind == "write_rollouts":
-                from alignflow.stages.rollouts import write_rollouts
-
-                write_rollouts(*args)
-                result = None
             elif kind == "save_checkpoint":
                 critic.save_checkpoint(*args)
                 result = None
@@ -289,10 +284,6 @@ class CriticWorker:
     def train_async(self, updates: list[Update], iteration: int, gated: bool) -> Pending:
         """Every update of an iteration; with `gated` the first waits for proceed() before stepping."""
         return self._request("training the critic", "train", updates, iteration, gated)
-
-    def write_rollouts_async(self, rows: list[dict[str, Any]], path: Path) -> Pending:
-        """stages/rollouts.write_rollouts(rows, path) in the worker (a local path: it shares the trainer's disk)."""
-        return self._request(f"writing {path.name}", "write_rollouts", rows, path)
 
     def proceed(self, go: bool) -> None:
         """Answer the gate of the pending gated train_async: True steps, False drops the first update's gradients."""

@@ -13,18 +13,13 @@ time from the loop, and its Python takes the GIL from the loop's many short oper
 background and made the refit and generation that ran beside it 3.7 and 3 ms slower: the iteration took
 104.6 / 111.5 ms with it in the background against 99.1 / 109.9 ms written in line. So a local file is
 written in line unless a core is left over (writes_in_background); an upload, waiting on the network with
-the GIL released, always goes to the thread. Where the PPO critic has its own process (stages/rl/critic_worker.py)
-that process writes a local output's files, while the trainer refits and generates: it shares no GIL with the loop,
-and it is idle then. On the demo (3 interleaved pairs of 40 iterations) the loop's io went 6.1-6.3 -> 0.7-0.8 ms
-(the rows are still built here) and the generation beside the write 20-22 -> 23-25 ms (one of its two threads'
-cores is busy): iteration 84-90 -> 82-91 ms, median ratio 1.08x. Handed over before training instead, the write
-made the critic's process the longer side of the train phase (+5 ms) and gained nothing.
+the GIL released, always goes to the thread.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,28 +38,19 @@ def writes_in_background(store: Any, output_uri: str) -> bool:
 
 class RolloutWriter:
     """write_rollouts(rows, path), then the file goes to `output_uri` when that is not a local folder (the
-    store's put_file): in the PPO critic's process when `worker` is given and the output is local (in_worker),
-    else behind a one-thread queue when `background` (default: writes_in_background), else in submit itself."""
+    store's put_file): behind a one-thread queue when `background` (default: writes_in_background), else in
+    submit itself."""
 
-    def __init__(self, store: Any, output_uri: str, background: bool | None = None, worker: Any = None):
+    def __init__(self, store: Any, output_uri: str, background: bool | None = None):
         self._store, self._output_uri = store, output_uri
-        self._worker = worker if worker is not None and store.local_path(output_uri) is not None else None
-        self.background = (self._worker is None and (writes_in_background(store, output_uri) if background is None
-                                                      else background))
+        self.background = writes_in_background(store, output_uri) if background is None else background
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-writer") if self.background else None
-        self._pending: Any = None  # a Future of the thread, or a Pending of the worker
-
-    @property
-    def in_worker(self) -> bool:
-        """Whether the critic's process writes the files (stages/rl/critic_worker.py)."""
-        return self._worker is not None
+        self._pending: Future | None = None
 
     def submit(self, rows: list[dict[str, Any]], path: Path) -> None:
         """Write one file, or queue it; first waits for (and raises the error of) the one before."""
         self.wait()
-        if self._worker is not None:
-            self._pending = self._worker.write_rollouts_async(rows, path)
-        elif self._executor is None:
+        if self._executor is None:
             self._write(rows, path)
         else:
             self._pending = self._executor.submit(self._write, rows, path)

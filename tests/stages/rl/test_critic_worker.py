@@ -152,28 +152,3 @@ def test_the_critic_goes_to_its_process_only_where_it_would_get_a_thread():
     assert critic_in_process(256, ppo_with_critic(critic_process="on"), "torch")
     torch.set_num_threads(1)
     assert not critic_in_process(64, ppo_with_critic(), "torch")
-
-
-def test_the_critics_process_writes_the_rollout_files_for_a_local_output(critic_folder, tmp_path):
-    """RolloutWriter(worker=...): the file the worker writes reads back as the one written in line; a bad row's
-    schema error comes back by the next call, naming the column; an upload (a remote output) stays in this process."""
-    from alignflow.stages.rl.rollout_writer import RolloutWriter
-    from alignflow.stages.rollouts import RolloutSchemaError, read_rollouts
-    from tests.stages.rl.test_rollout_writer import LocalStore, RemoteStore
-    from tests.stages.test_rollouts import make_row
-
-    rows = [make_row(i) for i in range(4)]
-    RolloutWriter(LocalStore(), str(tmp_path), background=False).submit(rows, tmp_path / "here.parquet")
-    bad = make_row(0)
-    bad["length"] = 99
-    with closing(remote_critic(critic_folder, ppo_with_critic())) as worker:
-        assert not RolloutWriter(RemoteStore(), "s3://bucket/run/ppo", worker=worker).in_worker
-        writer = RolloutWriter(LocalStore(), str(tmp_path), worker=worker)
-        assert writer.in_worker and not writer.background
-        writer.submit(rows, tmp_path / "there.parquet")
-        writer.submit([bad], tmp_path / "bad.parquet")
-        with pytest.raises(RolloutSchemaError, match="length"):
-            writer.wait()
-        writer.close()
-    assert read_rollouts(tmp_path / "there.parquet").equals(read_rollouts(tmp_path / "here.parquet"))
-    assert not (tmp_path / "bad.parquet").exists()
