@@ -344,6 +344,28 @@ def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
                     for m in (actor, critic)))
 
 
+def value_update(critic, mb: Experience, packed: PackedRows | None, cfg: PPOConfig, precision: Precision,
+                 iteration: int, proceed: Callable[[], bool], counts=None,
+                 hand_values: Callable[[torch.Tensor], bool] | None = None) -> dict[str, float]:
+    """One minibatch's critic update, wherever it runs (train_on in line or on the critic's thread, the critic's
+    process): forward, clipped value loss (normalised by `counts` on N ranks), backward, and a step if `proceed()`
+    (else the gradients are dropped and {} returned). hand_values: given the forward's values first; False stops
+    there ({})."""
+    with precision.forward():
+        values = token_values(critic, mb, lean=cfg.fast_train_step, packed=packed)
+    if hand_values is not None and not hand_values(values.detach()):
+        return {}
+    value_loss, metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask, cfg.value_clip_range,
+                                                counts=counts)
+    check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
+    critic.backward(cfg.vf_coef * world_size() * value_loss)
+    if not proceed():
+        critic.discard_gradients()
+        return {}
+    critic.step()
+    return metrics
+
+
 def critic_in_process(actor_width: int, cfg: PPOConfig, backend: str) -> bool:
     """Whether the critic runs in its own process (ppo.critic_process): where overlaps_critic would give it a thread
     (decided before any model loads, so the process starts first: one rank, > 1 thread, the plain torch trainer,
@@ -357,7 +379,7 @@ def critic_in_process(actor_width: int, cfg: PPOConfig, backend: str) -> bool:
 
 @contextmanager
 def half_threads(enabled: bool) -> Iterator[None]:
-    """This thread's torch threads halved while the critic's process trains beside it on the other half."""
+    """This thread's torch threads halved (enabled) while the critic's thread or process works on the other half."""
     threads = torch.get_num_threads()
     if enabled:
         torch.set_num_threads(max(1, threads // 2))
@@ -389,15 +411,13 @@ def critic_thread(actor, critic, cfg: PPOConfig, enabled: bool | None = None) ->
     if not (overlaps_critic(actor, critic, cfg) if enabled is None else enabled):
         yield None
         return
-    threads = torch.get_num_threads()
-    half = max(1, threads // 2)
-    executor = ThreadPoolExecutor(1, thread_name_prefix="critic", initializer=torch.set_num_threads, initargs=(half,))
-    torch.set_num_threads(half)
-    try:
-        yield executor
-    finally:  # on an error too: the critic's queued work ends before the caller goes on
-        executor.shutdown(cancel_futures=True)
-        torch.set_num_threads(threads)
+    with half_threads(True):
+        executor = ThreadPoolExecutor(1, thread_name_prefix="critic", initializer=torch.set_num_threads,
+                                      initargs=(torch.get_num_threads(),))
+        try:
+            yield executor
+        finally:  # on an error too: the critic's queued work ends before the caller goes on
+            executor.shutdown(cancel_futures=True)
 
 
 def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference, precision: Precision, source: str,
@@ -551,26 +571,17 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
 
     def critic_update(mb: Experience, counts, packed: PackedRows | None, hands_values: bool = False
                       ) -> dict[str, float]:
+        def hand(values: torch.Tensor) -> bool:
+            first_values.set_result(values)
+            return advantages_ready.result()
+
         try:
-            with precision.forward():
-                values = token_values(critic, mb, lean=fast, packed=packed)
+            return value_update(critic, mb, packed, cfg, precision, iteration, proceed.result, counts,
+                                hand if hands_values else None)
         except BaseException as exc:
-            if hands_values:
+            if hands_values and not first_values.done():
                 first_values.set_exception(exc)
             raise
-        if hands_values:
-            first_values.set_result(values.detach())
-            if not advantages_ready.result():
-                return {}
-        value_loss, value_metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
-                                                          cfg.value_clip_range, counts=counts)
-        check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
-        critic.backward(cfg.vf_coef * world * value_loss)
-        if not proceed.result():
-            critic.discard_gradients()
-            return {}
-        critic.step()
-        return value_metrics
 
     def add(metrics: dict[str, float], weight: float) -> None:
         for key, value in metrics.items():

@@ -13,7 +13,7 @@ per ppo.lora), and a proxy the PPO stage holds where it held the critic: `values
 pass), `train_async` (every minibatch's update of an iteration, queued at once, as the critic's thread takes them),
 `proceed` (the gate of the actor's check of the old log-probs: the first update waits for it before stepping, and
 a False drops its gradients and ends the iteration's updates, so a stale check leaves the critic untouched),
-`save_checkpoint`, `load_checkpoint`, `save_trained`, `train`, `close`. The same updates in the same order as on
+`save_checkpoint`, `load_checkpoint`, `save_trained`, `close`. The same updates in the same order as on
 the thread, one torch thread each way: the tests compare weights and metrics bit for bit.
 
 Start-up: the stage starts the process before anything else (~3.4 s on 2 cores: interpreter, torch, then
@@ -38,7 +38,6 @@ import multiprocessing as mp
 import pickle
 import time
 import traceback
-from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,6 @@ from typing import Any
 import torch
 
 from alignflow.config import PPOConfig
-from alignflow.stages.rl import algorithms as rl
 from alignflow.stages.rl.experience import Experience, token_values
 from alignflow.stages.rl.packing import PackedRows
 from alignflow.stages.rl.rollout_workers import describe_exit
@@ -105,26 +103,6 @@ def critic_values(critic, exp: Experience, packed: PackedRows | None, cfg: PPOCo
     """The no-grad values pass: (B, R) V(s_t) of exp's rows, as the PPO stage's own pass computes them on one rank."""
     with torch.no_grad(), precision.forward():
         return token_values(critic.module, exp, lean=cfg.fast_train_step, packed=packed)
-
-
-def critic_update(critic, update: Update, cfg: PPOConfig, precision: Precision, iteration: int,
-                  proceed: Callable[[], bool] = lambda: True) -> dict[str, float]:
-    """One minibatch's clipped value loss, backward and (if `proceed()`) step; returns its metrics ({} when not)."""
-    # The stage's check: its NonFiniteError, raised where the critic's thread raises it.
-    from alignflow.stages.ppo import check_finite
-
-    mb = update.rows
-    with precision.forward():
-        values = token_values(critic, mb, lean=cfg.fast_train_step, packed=update.packed)
-    value_loss, metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask,
-                                                cfg.value_clip_range)
-    check_finite("the value loss", value_loss, iteration)
-    critic.backward(cfg.vf_coef * value_loss)
-    if not proceed():
-        critic.discard_gradients()
-        return {}
-    critic.step()
-    return {key: float(value) for key, value in metrics.items()}
 
 
 class _Pickler(pickle.Pickler):
@@ -186,9 +164,6 @@ def _serve(conn, spec: CriticSpec) -> None:
             elif kind == "save_trained":
                 save_trained(critic, Path(args[0]))
                 result = None
-            elif kind == "train_mode":
-                critic.train(*args)
-                result = None
             else:
                 raise CriticWorkerError(f"unknown request {kind!r}")
             reply: tuple = ("ok", result)
@@ -214,13 +189,16 @@ def _train(conn, critic, updates: list[Update], iteration: int, gated: bool, cfg
             gate.append(bool(message[1]))
         return gate[0]
 
+    from alignflow.stages.ppo import value_update  # the stage's own update (its checks and NonFiniteError)
+
     critic.train()  # as the trainer sets its own critic before each iteration's updates
     results = []
     for update in updates:
-        metrics = critic_update(critic, update, cfg, precision, iteration, proceed if gated else lambda: True)
+        metrics = value_update(critic, update.rows, update.packed, cfg, precision, iteration,
+                               proceed if gated else lambda: True)
         if gated and not gate[0]:
             break
-        results.append(metrics)
+        results.append({key: float(value) for key, value in metrics.items()})
     return results
 
 
@@ -297,10 +275,6 @@ class CriticWorker:
 
     def save_trained(self, out: Path) -> None:
         self._request("saving the trained critic", "save_trained", str(out)).result()
-
-    def train(self, mode: bool = True) -> CriticWorker:
-        self._request("setting the critic's mode", "train_mode", mode).result()
-        return self
 
     def close(self) -> None:
         """Stop the worker (after its pending replies, unless it is broken); safe after a failure and twice."""

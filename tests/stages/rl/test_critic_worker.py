@@ -116,7 +116,8 @@ def test_an_error_inside_the_worker_is_raised_here_with_its_traceback(critic_fol
         with pytest.raises(FileNotFoundError) as raised:
             worker.load_checkpoint(str(tmp_path / "nowhere"), tag="state")
         assert any(f"critic worker (pid {worker.pid})" in note for note in raised.value.__notes__)
-        worker.train()  # the worker goes on answering after an error
+        worker.save_checkpoint(str(tmp_path / "critic"), tag="state")  # the worker goes on answering after an error
+        assert (tmp_path / "critic" / "state" / STATE_FILE).exists()
 
 
 def test_a_critic_that_cannot_load_names_why(tmp_path):
@@ -124,7 +125,7 @@ def test_a_critic_that_cannot_load_names_why(tmp_path):
         with pytest.raises(CriticWorkerError, match="could not start"):
             worker.wait_ready()
         with pytest.raises(CriticWorkerError, match="could not start"):  # and stays broken
-            worker.train()
+            worker.save_checkpoint(str(tmp_path / "critic"), tag="state")
 
 
 def test_a_dead_worker_is_named_with_its_signal_and_close_is_safe(critic_folder, rollout):
