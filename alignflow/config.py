@@ -249,6 +249,12 @@ class EngineConfig(Section):
                           "sampler in alignflow's C++ kernels, built with g++ on first use (~1 min on 2 cores, then "
                           "cached); with AVX2 and no AVX-512, the sampler's AVX2 build (~30 s); false: torch and "
                           "oneDNN only.")
+    cpu_decode_loop: bool = Field(
+        True, description="CPU with AVX-512, float32, one device: run each generate's whole decode loop (sampling, "
+                          "stop check, forward) in one C++ call of cpu_kernels instead of ~280 torch calls per step "
+                          "(the demo's 32-token generate 2-3x faster); for plain Llama layouts (no sliding windows, "
+                          "no o_proj bias, head_dim a multiple of 16) and sampling without top-k/top-p, else the "
+                          "torch step (execution_paths says which and why).")
     parity_prompts: int = Field(8, ge=1, description="Prompts of the build-time greedy parity check against hf.")
     parity_new_tokens: int = Field(16, ge=1)
     tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor-parallel ranks.")

@@ -15,6 +15,8 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -45,6 +47,68 @@ inline __mmask16 tail_mask(int64_t left) {
 
 }  // namespace
 
+void attend_pair(const float* qbh, int64_t G, int64_t D, const float* kbh, int64_t ksl, const float* vbh,
+                 int64_t vsl, const float* mb, int64_t L, float fscale, float* scores, float* obh) {
+  const int chunks = static_cast<int>(D / kLanes);
+  const int64_t padded_l = (L + kLanes - 1) / kLanes * kLanes;
+  // Scores: each key row is read once and scored against every query of the group.
+  for (int64_t l = 0; l < L; ++l) {
+    // Software prefetch: the next key rows, and this row's values for the output pass below (the
+    // hardware prefetcher stops at 4 KB pages, and a (b, h) block is only a few pages long).
+    for (int c = 0; c < chunks; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(kbh + (l + kPrefetchRows) * ksl + c * kLanes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vbh + l * vsl + c * kLanes), _MM_HINT_T0);
+    }
+    __m512 k[kMaxChunks];
+    for (int c = 0; c < chunks; ++c) k[c] = _mm512_loadu_ps(kbh + l * ksl + c * kLanes);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qbh + g * D), k[0]);
+      for (int c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qbh + g * D + c * kLanes), k[c], acc);
+      scores[g * padded_l + l] = _mm512_reduce_add_ps(acc) * fscale + mb[l];
+    }
+  }
+  // Softmax per query, vectorised over keys.
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * padded_l;
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t l = 0; l < L; l += kLanes) {
+      vmax = _mm512_mask_max_ps(vmax, tail_mask(L - l), vmax, _mm512_maskz_loadu_ps(tail_mask(L - l), s + l));
+    }
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t l = 0; l < L; l += kLanes) {
+      const __mmask16 m = tail_mask(L - l);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), row_max)));
+      _mm512_mask_storeu_ps(s + l, m, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+    for (int64_t l = 0; l < L; l += kLanes) {
+      const __mmask16 m = tail_mask(L - l);
+      _mm512_mask_storeu_ps(s + l, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + l), _mm512_set1_ps(inv)));
+    }
+  }
+  // Output: the values are streamed once for all G queries, 4 queries' accumulators at a time.
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gn = std::min<int64_t>(4, G - g0);
+    __m512 acc[4][kMaxChunks];
+    for (int64_t g = 0; g < gn; ++g) {
+      for (int c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      for (int c = 0; c < chunks; ++c) {
+        const __m512 v = _mm512_loadu_ps(vbh + l * vsl + c * kLanes);
+        for (int64_t g = 0; g < gn; ++g) {
+          acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(g0 + g) * padded_l + l]), v, acc[g][c]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < gn; ++g) {
+      for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(obh + (g0 + g) * D + c * kLanes, acc[g][c]);
+    }
+  }
+}
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor mask,
                                double scale) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && mask.dim() == 2,
@@ -70,7 +134,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   float* op = out.data_ptr<float>();
   const int64_t ksb = keys.stride(0), ksh = keys.stride(1), ksl = keys.stride(2);
   const int64_t vsb = values.stride(0), vsh = values.stride(1), vsl = values.stride(2);
-  const int chunks = static_cast<int>(D / kLanes);
   const float fscale = static_cast<float>(scale);
   const int64_t padded_l = (L + kLanes - 1) / kLanes * kLanes;
 
@@ -78,66 +141,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
     std::vector<float> scores(G * padded_l);
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t b = pair / H, h = pair % H;
-      const float* qbh = qp + (b * H + h) * G * D;
-      const float* kbh = kp + b * ksb + h * ksh;
-      const float* vbh = vp + b * vsb + h * vsh;
-      const float* mb = mp + b * L;
-      // Scores: each key row is read once and scored against every query of the group.
-      for (int64_t l = 0; l < L; ++l) {
-        // Software prefetch: the next key rows, and this row's values for the output pass below (the
-        // hardware prefetcher stops at 4 KB pages, and a (b, h) block is only a few pages long).
-        for (int c = 0; c < chunks; ++c) {
-          _mm_prefetch(reinterpret_cast<const char*>(kbh + (l + kPrefetchRows) * ksl + c * kLanes), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vbh + l * vsl + c * kLanes), _MM_HINT_T0);
-        }
-        __m512 k[kMaxChunks];
-        for (int c = 0; c < chunks; ++c) k[c] = _mm512_loadu_ps(kbh + l * ksl + c * kLanes);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qbh + g * D), k[0]);
-          for (int c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qbh + g * D + c * kLanes), k[c], acc);
-          scores[g * padded_l + l] = _mm512_reduce_add_ps(acc) * fscale + mb[l];
-        }
-      }
-      // Softmax per query, vectorised over keys.
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * padded_l;
-        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t l = 0; l < L; l += kLanes) {
-          vmax = _mm512_mask_max_ps(vmax, tail_mask(L - l), vmax, _mm512_maskz_loadu_ps(tail_mask(L - l), s + l));
-        }
-        const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 vsum = _mm512_setzero_ps();
-        for (int64_t l = 0; l < L; l += kLanes) {
-          const __mmask16 m = tail_mask(L - l);
-          const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), row_max)));
-          _mm512_mask_storeu_ps(s + l, m, e);
-          vsum = _mm512_add_ps(vsum, e);
-        }
-        const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
-        for (int64_t l = 0; l < L; l += kLanes) {
-          const __mmask16 m = tail_mask(L - l);
-          _mm512_mask_storeu_ps(s + l, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + l), _mm512_set1_ps(inv)));
-        }
-      }
-      // Output: the values are streamed once for all G queries, 4 queries' accumulators at a time.
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t gn = std::min<int64_t>(4, G - g0);
-        __m512 acc[4][kMaxChunks];
-        for (int64_t g = 0; g < gn; ++g) {
-          for (int c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
-        }
-        for (int64_t l = 0; l < L; ++l) {
-          for (int c = 0; c < chunks; ++c) {
-            const __m512 v = _mm512_loadu_ps(vbh + l * vsl + c * kLanes);
-            for (int64_t g = 0; g < gn; ++g) {
-              acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(g0 + g) * padded_l + l]), v, acc[g][c]);
-            }
-          }
-        }
-        for (int64_t g = 0; g < gn; ++g) {
-          for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(op + ((b * H + h) * G + g0 + g) * D + c * kLanes, acc[g][c]);
-        }
-      }
+      attend_pair(qp + (b * H + h) * G * D, G, D, kp + b * ksb + h * ksh, ksl, vp + b * vsb + h * vsh, vsl,
+                  mp + b * L, L, fscale, scores.data(), op + (b * H + h) * G * D);
     }
   });
   return out;

@@ -4,7 +4,9 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <climits>
 #include <tuple>
+#include <vector>
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_features);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor mask,
@@ -12,12 +14,33 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits, torch::Tensor temperature,
                                                            torch::Tensor seeds, torch::Tensor steps,
                                                            torch::Tensor thresholds);
+// AVX-512 build only (csrc/decode_loop.cpp): the fused decode loop; its arguments are in decode_loop.cpp.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t> decode_loop(
+    torch::Tensor first_logits, std::vector<torch::Tensor> layers, torch::Tensor embed, torch::Tensor norm,
+    torch::Tensor lm_head, std::vector<torch::Tensor> k_cache, std::vector<torch::Tensor> v_cache, torch::Tensor cos,
+    torch::Tensor sin_signed, torch::Tensor mask, torch::Tensor positions, int64_t first_slot,
+    torch::Tensor temperature, torch::Tensor seeds, torch::Tensor ends, int64_t max_new_tokens, int64_t num_heads,
+    int64_t num_kv_heads, double eps, torch::Tensor kept_logits);
 // AVX2 build only (csrc/avx2/logprobs_avx2.cpp): kernels/logprobs.py's "cpp" path, the forward and backward
 // kernels as one C++ autograd node: (log-prob or empty, entropy or empty).
 std::tuple<torch::Tensor, torch::Tensor> logprobs_entropy(torch::Tensor logits, torch::Tensor index, double temperature,
                                                           bool want_entropy);
 // AVX2 build only (csrc/avx2/rms_norm_avx2.cpp): kernels/rms_norm.py's "cpp" path, one C++ autograd node.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+
+// The AVX-512 build's raw-pointer pieces, which decode_loop chains without a tensor or a dispatch in between.
+// skinny_linear over tiles [first_tile, last_tile) of 3 column blocks: y [M, N] (row stride N) = x [M, K] @ W^T.
+int64_t skinny_linear_tile_count(int64_t blocks);
+void skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float* blocked, int64_t blocks, float* y,
+                         int64_t N, int64_t first_tile, int64_t last_tile);
+// decode_attention for one (row, KV head): q [G, D], keys/values rows `stride` apart, mask [L] additive,
+// scores a scratch of G * round_up(L, 16) floats, out [G, D]. D a multiple of 16, at most 256.
+void attend_pair(const float* q, int64_t G, int64_t D, const float* keys, int64_t key_stride, const float* values,
+                 int64_t value_stride, const float* mask, int64_t L, float scale, float* scores, float* out);
+// sample_tokens for one row of V logits (threshold kKeepAll: no kept set); writes the token and its log-prob.
+constexpr int64_t kKeepAll = INT64_MIN;
+void sample_token_row(const float* logits, int64_t V, float temperature, int64_t seed, int64_t step, int64_t threshold,
+                      int64_t* token, float* logprob);
 
 // skinny_linear's inputs: x a contiguous float32 CPU [M, K]; the weight blocked as [ceil(N/16), K, 16] by
 // kernels.skinny_linear.block_weight; out_features within its last block. Both builds read this layout.

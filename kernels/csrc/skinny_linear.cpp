@@ -69,6 +69,29 @@ void rows_of_tile(int rows, const float* x, int64_t K, const float* w, float* y,
 
 }  // namespace
 
+int64_t skinny_linear_tile_count(int64_t blocks) { return (blocks + kTileBlocks - 1) / kTileBlocks; }
+
+void skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float* blocked, int64_t blocks, float* y,
+                         int64_t N, int64_t first_tile, int64_t last_tile) {
+  for (int64_t t = first_tile; t < last_tile; ++t) {
+    const int64_t block = t * kTileBlocks;
+    const int64_t width = std::min(kTileBlocks, blocks - block);
+    const float* w = blocked + block * K * kBlock;
+    for (int64_t row = 0; row < M; row += kTileRows) {
+      const int rows = static_cast<int>(std::min(kTileRows, M - row));
+      const float* xr = x + row * K;
+      float* yr = y + row * N;
+      if (width == 3) {
+        rows_of_tile<3>(rows, xr, K, w, yr, N, block * kBlock);
+      } else if (width == 2) {
+        rows_of_tile<2>(rows, xr, K, w, yr, N, block * kBlock);
+      } else {
+        rows_of_tile<1>(rows, xr, K, w, yr, N, block * kBlock);
+      }
+    }
+  }
+}
+
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_features) {
   check_skinny_linear_args(x, blocked, out_features);
   const int64_t M = x.size(0), K = x.size(1), N = out_features, blocks = blocked.size(0);
@@ -76,25 +99,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_
   const float* xp = x.data_ptr<float>();
   const float* wp = blocked.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
-  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      const int64_t block = t * kTileBlocks;
-      const int64_t width = std::min(kTileBlocks, blocks - block);
-      const float* w = wp + block * K * kBlock;
-      for (int64_t row = 0; row < M; row += kTileRows) {
-        const int rows = static_cast<int>(std::min(kTileRows, M - row));
-        const float* xr = xp + row * K;
-        float* yr = yp + row * N;
-        if (width == 3) {
-          rows_of_tile<3>(rows, xr, K, w, yr, N, block * kBlock);
-        } else if (width == 2) {
-          rows_of_tile<2>(rows, xr, K, w, yr, N, block * kBlock);
-        } else {
-          rows_of_tile<1>(rows, xr, K, w, yr, N, block * kBlock);
-        }
-      }
-    }
+  at::parallel_for(0, skinny_linear_tile_count(blocks), 1, [&](int64_t first, int64_t last) {
+    skinny_linear_tiles(xp, M, K, wp, blocks, yp, N, first, last);
   });
   return y;
 }

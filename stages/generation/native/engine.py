@@ -63,7 +63,7 @@ from alignflow.stages.generation.base import (
     validate_prompts,
     warn_if_cpu_emulates,
 )
-from alignflow.stages.generation.native import prepack
+from alignflow.stages.generation.native import decode_loop, prepack
 from alignflow.stages.generation.native.model import DecodeMasks, KVCache, LlamaFamilyModel, prefill_masks
 from alignflow.stages.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
 from alignflow.stages.generation.native.tensor_parallel import TensorParallel, check_tensor_parallel
@@ -144,6 +144,11 @@ class NativeEngine(Engine):
             cpu_attention=engine_config.cpu_kernels and cpu_decode_attention.supports(device, dtype, self.spec.head_dim),
             tp=self.tp,
         )
+        # The whole decode loop in one C++ call where it applies (decode_loop.py); None: the torch step below.
+        self._decode_loop_reason = decode_loop.unsupported_reason(self.local_spec, dtype, device, engine_config,
+                                                                  self.tp is not None)
+        self._decode_loop = decode_loop.CppDecodeLoop(self.local_spec, self.weights) \
+            if self._decode_loop_reason is None else None
         self.cache: KVCache | None = self._new_cache()
         self._weights_valid = False  # set once a full weight stream has been copied in
         self._busy = False
@@ -213,6 +218,8 @@ class NativeEngine(Engine):
         sampler = sampler_path(resolve_impl(self._sample_impl, self.device, "sample_tokens"))
         if self._sample is not sample_tokens:
             sampler += ", compiled"
+        if self._decode_loop is not None:
+            step = f"C++ decode loop (kernels/decode_loop.py); with top-k/top-p sampling {step}"
         paths: dict[str, Any] = {"backend": self.backend, "device": str(self.device),
                                  "dtype": str(self.dtype).removeprefix("torch."), "decode_step": step,
                                  "linear": linear, "decode_attention": attention, "prefill_attention": "sdpa",
@@ -222,6 +229,8 @@ class NativeEngine(Engine):
                 f"rank {self.tp.rank} of {self.tp.size} ({self.tp.backend}): column-parallel QKV and gate/up, "
                 "row-parallel o_proj and down (all_reduce), vocab-parallel embedding and LM head (all_gather); "
                 "eager decode (no compile, no CUDA graphs)")
+        if cpu and self._decode_loop is None:
+            paths["decode_loop"] = f"not used: {self._decode_loop_reason}"
         if cpu and self.dtype == torch.float32:
             if not config.cpu_kernels:
                 paths["cpu_kernels"] = "off (engine.cpu_kernels: false)"
@@ -299,6 +308,8 @@ class NativeEngine(Engine):
         """The plain buffers hold a complete, consistent set of weights: derived copies follow them."""
         if self._prepacked is not None:
             self._prepacked.refresh()
+        if self._decode_loop is not None:
+            self._decode_loop.refresh()
         self._weights_valid = True
 
     @property
@@ -378,6 +389,15 @@ class NativeEngine(Engine):
             ends[sampling.stop_token_ids] = True
 
         new = sampling.max_new_tokens
+        flags = uniform_flags(sampling.temperature, sampling.top_k, sampling.top_p, self.vocab_size)
+        if self._decode_loop is not None and not (flags.any_top_k or flags.any_top_p):
+            # Every step in one C++ call: the loop below, through the same kernels, without Python per step.
+            kept = torch.empty((B, new, self.vocab_size), dtype=torch.float32) if return_logits else None
+            out_tokens, out_logprobs, lengths, steps = self._decode_loop.run(
+                logits, cache.k, cache.v, self.model.cos, self.model.sin, masks.bias, lens, S, temperature, seed_t,
+                ends, new, kept)
+            return self._generation(started, prefill_s, sampling, out_tokens, out_logprobs, lengths, steps,
+                                    None if kept is None else kept[:, :steps])
         out_tokens = torch.zeros((B, new), dtype=torch.long, device=dev)
         out_logprobs = torch.zeros((B, new), dtype=torch.float32, device=dev)
         lengths = torch.full((B,), new, dtype=torch.long, device=dev)
@@ -385,9 +405,8 @@ class NativeEngine(Engine):
         kept_logits: list[torch.Tensor] = []
         check_every = GPU_STOP_CHECK_EVERY if dev.type == "cuda" else 1
         steps = 0
-        # One SamplingParams for the whole batch: its flags let the sampler branch on Python values
+        # One SamplingParams for the whole batch: its flags (above) let the sampler branch on Python values
         # (no per-step host sync, no graph break in the compiled sampler).
-        flags = uniform_flags(sampling.temperature, sampling.top_k, sampling.top_p, self.vocab_size)
         self._mark_dynamic(temperature, top_k, top_p, seed_t)  # once: they live for the whole batch
         # The compiled torch sampler would sort every row for top-k/top-p (at [64, 32000]: a 72 ms
         # sampler against 8 ms without truncation); eagerly its thresholds come from sorted prefixes.
@@ -423,7 +442,14 @@ class NativeEngine(Engine):
             if t + 1 == new or ((t + 1) % check_every == 0 and bool(finished.all())):
                 break
             logits = self._decode(sample.tokens, lens + t, S + t, masks)
+        stacked = torch.stack(kept_logits, dim=1) if return_logits else None  # [B, steps, V]
+        return self._generation(started, prefill_s, sampling, out_tokens, out_logprobs, lengths, steps, stacked)
 
+    def _generation(self, started: float, prefill_s: float, sampling: SamplingParams, out_tokens: torch.Tensor,
+                    out_logprobs: torch.Tensor, lengths: torch.Tensor, steps: int,
+                    stacked_logits: torch.Tensor | None) -> Generation:
+        """The Generation of a decode loop's outputs: tokens, log-probs [B, new], lengths [B], logits [B, steps, V]."""
+        dev = self.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         elapsed = time.perf_counter() - started
@@ -432,16 +458,14 @@ class NativeEngine(Engine):
         logprobs_l = out_logprobs.tolist()
         responses, logprobs, reasons = [], [], []
         eos = set(self._eos) if not sampling.ignore_eos else set()
-        for b in range(B):
-            n = lengths_l[b]
+        for b, n in enumerate(lengths_l):
             responses.append(tokens_l[b][:n])
             logprobs.append(logprobs_l[b][:n])
             reasons.append(_finish_reason(tokens_l[b][n - 1], eos, sampling.stop_token_ids))
         generated = sum(lengths_l)
         per_row_logits = None
-        if return_logits:
-            stacked = torch.stack(kept_logits, dim=1)  # [B, steps, V]
-            per_row_logits = [stacked[b, : lengths_l[b]] for b in range(B)]
+        if stacked_logits is not None:
+            per_row_logits = [stacked_logits[b, :n] for b, n in enumerate(lengths_l)]
         return Generation(
             response_token_ids=responses, logprobs=logprobs, finish_reasons=reasons, logits=per_row_logits,
             metrics={"timing/prefill_s": prefill_s, "timing/generate_s": elapsed, "perf/decode_steps": steps,
@@ -621,6 +645,8 @@ class NativeEngine(Engine):
         if not keep_weights:
             if self._prepacked is not None:
                 self._prepacked.clear()
+            if self._decode_loop is not None:
+                self._decode_loop.clear()
             self.weights.discard()
             self._weights_valid = False
         elif self.weights.device.type != "cpu":

@@ -118,7 +118,10 @@ def random_prompts(batch: int, seed: int = 0, vocab: int = 256, lengths: tuple[i
 def engine_config(**overrides):
     from alignflow.config import EngineConfig
 
-    values = {"max_batch_size": 8, "max_seq_len": 64, "cuda_graphs": False}
+    # The C++ decode loop (engine.cpu_decode_loop, on by default) replaces the torch step on AVX-512 CPUs: off here,
+    # so these tests keep testing the torch step on every CPU; test_engine_decode_loop.py turns it on and checks
+    # the loop against that step.
+    values = {"max_batch_size": 8, "max_seq_len": 64, "cuda_graphs": False, "cpu_decode_loop": False}
     values.update(overrides)
     return EngineConfig(**values)
 

@@ -200,7 +200,8 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     assert fast == {"backend": "native", "device": "cpu", "dtype": "float32", "decode_step": "eager",
                     "linear": f"skinny_linear ({isa} C++) up to {rows} rows, F.linear above",
                     "decode_attention": attention, "prefill_attention": "sdpa",
-                    "sampler": f"sample_tokens ({isa} C++)"}
+                    "sampler": f"sample_tokens ({isa} C++)",
+                    "decode_loop": "not used: off (engine.cpu_decode_loop: false)"}
     off = NativeEngine.build(path, engine_config(cpu_kernels=False)).execution_paths()
     assert off["linear"] == "oneDNN prepacked" and off["decode_attention"].startswith("torch")
     assert off["cpu_kernels"] == "off (engine.cpu_kernels: false)" and off["sampler"] == "sample_tokens (chunked torch)"
