@@ -13,6 +13,7 @@ Each level adds to the one before:
   baseline        hf engine, old and reference log-probs recomputed, plain training step on DeepSpeed, fp32
   native          the native engine (eager)
   compiled        compiled decode step + C++ CPU kernels
+  decode_loop     the whole decode loop in one C++ call (engine.cpu_decode_loop) instead of the compiled step
   no_redundant    engine log-probs as old log-probs, no reference forward at KL 0
   fast_step       trimmed minibatches, LM head on response columns, entropy not differentiated, eager
                   attention, plain torch AdamW instead of DeepSpeed (one rank), bf16 autocast where
@@ -59,9 +60,10 @@ LEVELS: dict[str, tuple[str, dict[str, Any]]] = {
                             train_backend="deepspeed", async_rollouts=False)),
     "native": ("native", {}),
     "compiled": ("native_compiled", {}),
-    "no_redundant": ("native_compiled", dict(old_logprobs="auto", kl_metric=False)),
-    "fast_step": ("native_compiled", dict(fast_train_step=True, autocast="auto", train_backend="auto")),
-    "async": ("native_compiled", dict(async_rollouts=True)),
+    "decode_loop": ("native_loop", {}),
+    "no_redundant": ("native_loop", dict(old_logprobs="auto", kl_metric=False)),
+    "fast_step": ("native_loop", dict(fast_train_step=True, autocast="auto", train_backend="auto")),
+    "async": ("native_loop", dict(async_rollouts=True)),
 }
 
 

@@ -6,8 +6,8 @@
 FFN 1024, byte-level BPE vocab 2048, tied embeddings, 256 positions: 4.72M parameters, the model of
 the TRL comparison in the RL-speed issue) into `<workdir>/bench-model`, then runs the pipeline's
 data, base (`model.base` pointing at that folder), SFT, reward and engine stages once per engine
-variant (hf, native eager, native compiled). Everything is cached by the manifests, so a second call
-costs seconds. `ppo_spec` then writes a PPO-stage spec for any RL config over those outputs.
+variant (hf, native eager, native compiled, native with the C++ decode loop). Everything is cached by the
+manifests, so a second call costs seconds. `ppo_spec` then writes a PPO-stage spec for any RL config over those outputs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ BENCH_MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers
 ENGINES: dict[str, dict[str, Any]] = {
     "hf": {"backend": "hf"},
     "native": {"backend": "native", "compile": False, "cpu_kernels": False, "cpu_prepack": False},
-    "native_compiled": {"backend": "native", "compile": True, "cpu_kernels": True, "cpu_prepack": True},
+    "native_compiled": {"backend": "native", "compile": True, "cpu_kernels": True, "cpu_prepack": True,
+                        "cpu_decode_loop": False},
+    "native_loop": {"backend": "native", "compile": False, "cpu_kernels": True, "cpu_prepack": True,
+                    "cpu_decode_loop": True},
 }
 
 

@@ -250,8 +250,9 @@ def test_rl_ladder_levels_add_to_the_ones_before():
     ladder = rl_ladder()
     engine, overrides = ladder.level_config("baseline")
     assert engine == "hf" and overrides["old_logprobs"] == "recompute" and overrides["train_backend"] == "deepspeed"
+    assert ladder.level_config("compiled")[0] == "native_compiled" and ladder.level_config("decode_loop")[0] == "native_loop"
     engine, overrides = ladder.level_config("fast_step")
-    assert engine == "native_compiled"
+    assert engine == "native_loop"
     assert overrides == {"old_logprobs": "auto", "kl_metric": False, "fast_train_step": True, "autocast": "auto",
                          "train_backend": "auto", "async_rollouts": False}
     assert ladder.level_config("async")[1]["async_rollouts"] is True
