@@ -3,8 +3,10 @@
 Same random model, prompts and sampling (temperature 1, top-k/top-p from --top-k/--top-p, off by
 default; EOS ignored so every sequence generates exactly --new-tokens tokens) for every engine:
 
-    native            alignflow native engine, eager decode step
-    native+compile    the same with engine.compile (torch.compile of the decode step)
+    native            alignflow native engine as configured by default: on AVX-512 CPUs in float32 its C++
+                      decode loop (engine.cpu_decode_loop), elsewhere the eager decode step
+    native step       the eager torch decode step (engine.cpu_decode_loop: false); only where the loop applies
+    native+compile    the torch step with engine.compile (torch.compile of the decode step)
     hf                alignflow hf backend: transformers generate + alignflow's sampler
     transformers      plain transformers generate(do_sample=True, top_k=0), its own multinomial sampling
 
@@ -39,7 +41,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "llama-100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                        num_key_value_heads=12, vocab_size=32000, tie_word_embeddings=True),
 }
-ENGINES = ("native", "native+compile", "hf", "transformers")
+ENGINES = ("native", "native step", "native+compile", "hf", "transformers")
 
 
 def machine() -> dict[str, Any]:
@@ -136,10 +138,14 @@ def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: ar
 
     log(f"[{name} {dtype}] {n_params / 1e6:.1f}M parameters: building engines")
     engines: dict[str, Any] = {"native": NativeEngine.build(path, config, dtype=dtype)}
+    torch_step = config.model_copy(update={"cpu_decode_loop": False})
+    if engines["native"]._decode_loop is not None:
+        engines["native step"] = NativeEngine.build(path, torch_step, dtype=dtype)
     compile_build_s = None
     if not args.no_compile:
         started = time.perf_counter()
-        engines["native+compile"] = NativeEngine.build(path, config.model_copy(update={"compile": True}), dtype=dtype)
+        engines["native+compile"] = NativeEngine.build(path, torch_step.model_copy(update={"compile": True}),
+                                                       dtype=dtype)
         compile_build_s = time.perf_counter() - started  # includes the compile warm-up (NativeEngine.warmup)
     hf = HFEngine.build(path, config, dtype=dtype)
     engines["hf"] = hf
