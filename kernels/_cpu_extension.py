@@ -28,7 +28,9 @@ NAME = "alignflow_cpu_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
 
 
-AVX2_SOURCES = sorted((Path(__file__).parent / "csrc" / "avx2").glob("*.cpp"))
+# The decode loop (csrc/decode_loop.cpp) is written over both builds' pieces and compiled into each.
+AVX2_SOURCES = [Path(__file__).parent / "csrc" / "decode_loop.cpp",
+                *sorted((Path(__file__).parent / "csrc" / "avx2").glob("*.cpp"))]
 AVX2_NAME = "alignflow_cpu_kernels_avx2"
 _AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 

@@ -1,11 +1,12 @@
-"""A Llama-family float32 model's whole decode loop in one C++ call on AVX-512 CPUs; the engine's eager loop the reference.
+"""A Llama-family float32 model's whole decode loop in one C++ call (AVX-512 or AVX2); the engine's loop its reference.
 
 Why: the eager decode step is ~280 operator calls, each paying Python and the dispatcher, and on a small
 model that is nearly all of the step (the demo model, hidden 64, 2 layers, 32 rows: ~0.7 ms per step, a
 32-token generate 23-25 ms on 2 threads, Intel Xeon with AMX). csrc/decode_loop.cpp runs sampling, the
 stop check and the forward of every step by pointer through the same kernels (skinny_linear's tiles,
-decode_attention's body, the sampler's row function), in one OpenMP team.
-stages/generation/native/decode_loop.py decides where the engine uses it. Tokens/s of a 64-token generate, 2
+decode_attention's body, the sampler's row function), in one OpenMP team. The same loop is compiled into the
+AVX2 extension over its own pieces (csrc/avx2/: skinny_linear, the sampler, an attention body), so CPUs without
+AVX-512 run it too. stages/generation/native/decode_loop.py decides where the engine uses it. Tokens/s of a 64-token generate, 2
 threads, fp32, same box (`benchmarks/engine_throughput.py --dtypes float32`, best of 3 interleaved runs):
 
     model, batch       this loop    eager torch step    compiled torch step
@@ -19,7 +20,7 @@ linears dominate and it gains what the ~280 calls per step cost (1.03-1.23x the 
 
 Numerics: the linears and attention are those kernels' (bit for bit); RMSNorm, RoPE and SiLU are written
 out here with other rounding and summation orders than torch's, so logits agree with the eager step to
-~1e-6 and the tokens are the sampler's function of them (tests: tests/kernels/test_decode_loop.py).
+~1e-6 and the tokens are the sampler's function of them (tests/stages/generation/test_engine_decode_loop.py).
 """
 
 from __future__ import annotations
@@ -29,14 +30,25 @@ import torch
 from alignflow.kernels import _cpu_extension
 
 
+def _module():
+    """The extension that runs the loop here: the AVX-512 build where it runs, else the AVX2 one (or None)."""
+    return _cpu_extension.linear_kernels()
+
+
 def available() -> bool:
-    """True where the loop can run (AVX-512 CPU, extension built); builds the extension on the first call."""
-    return _cpu_extension.extension() is not None
+    """True where the loop can run (AVX-512 or AVX2 CPU, extension built); builds the extension on the first call."""
+    return _module() is not None
 
 
 def unavailable_reason() -> str | None:
-    """Why `available()` is False (no AVX-512: the loop has no AVX2 build; or the compiler's error), else None."""
-    return _cpu_extension.unavailable_reason()
+    """Why `available()` is False (neither AVX-512 nor AVX2, or the compiler's error), else None."""
+    return _cpu_extension.linear_kernels_unavailable_reason()
+
+
+def isa() -> str | None:
+    """The instruction set of the build that runs the loop here ("AVX-512" or "AVX2"), None where none does."""
+    module = _module()
+    return None if module is None else module.isa
 
 
 def decode_loop(first_logits: torch.Tensor, layers: list[torch.Tensor], embed: torch.Tensor, norm: torch.Tensor,
@@ -46,7 +58,7 @@ def decode_loop(first_logits: torch.Tensor, layers: list[torch.Tensor], embed: t
                 num_heads: int, num_kv_heads: int, eps: float, kept_logits: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(tokens [B, new], log-probs [B, new], lengths [B], steps run); the arguments are csrc/decode_loop.cpp's."""
-    module = _cpu_extension.extension()
+    module = _module()
     if module is None:
         raise RuntimeError(f"decode_loop is not available: {unavailable_reason()}")
     kept = first_logits.new_empty(0) if kept_logits is None else kept_logits

@@ -1,4 +1,4 @@
-// A Llama-family float32 model's whole decode loop in one call (AVX-512): sample, stop check, forward, repeat.
+// A Llama-family float32 model's whole decode loop in one call: sample, stop check, forward, repeat.
 //
 // The engine's eager loop (stages/generation/native/engine.py) pays Python and the dispatcher for each of
 // a decode step's ~280 operator calls; on the demo model (hidden 64, 2 layers, 32 rows) that is nearly all
@@ -6,10 +6,11 @@
 // pointer: skinny_linear's tiles on the blocked weights (kernels/skinny_linear.py), decode_attention's
 // (row, KV head) body, the sampler's row function (so the tokens are a function of the logits exactly as
 // in sample_tokens), plus RMSNorm, RoPE and SiLU written out here. Why and how fast:
-// kernels/decode_loop.py.
+// kernels/decode_loop.py. Compiled into both extensions: the AVX-512 one (its pieces in csrc/) and the AVX2
+// one (csrc/avx2/: the AVX2 skinny_linear, sampler and attention body; RMSNorm and SiLU in 8 lanes below).
 //
 // Threads: one OpenMP team for the whole call. Row-wise work (sampling, norms, RoPE, the cache write,
-// attention, SiLU) is shared by rows, each linear by (column tile, 8 rows) pieces; every `omp for` ends in
+// attention, SiLU) is shared by rows, each linear by (column tile, tile rows) pieces; every `omp for` ends in
 // a barrier, ~15 per step. The stop decision is taken by one thread (`omp single`) and read by all after
 // its barrier, so every thread leaves the loop at the same step.
 #include <torch/extension.h>
@@ -24,14 +25,17 @@
 
 #include "kernels.h"
 
+#ifdef __AVX512F__
 extern "C" {
 __m512 Sleef_expf16_u10(__m512);
 }
+#else
+#include "avx2/rows_avx2.h"
+#endif
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-constexpr int64_t kRowsPerPiece = 8;  // skinny_linear's tile height
+constexpr int64_t kLanes = 16;  // of the blocked weight layout (both builds)
 // Per layer, in `layers`: ln_attn [H], qkv (blocked), qkv bias [Q + 2 KV] or empty, o (blocked), ln_mlp [H],
 // gate_up (blocked), down (blocked). kernels/decode_loop.py builds the list.
 constexpr int64_t kPerLayer = 7;
@@ -62,23 +66,24 @@ const float* vector_of(const torch::Tensor& t, int64_t n, const char* what, int6
   return t.data_ptr<float>();
 }
 
-// y [M, N] = x [M, K] @ W^T, shared by the team in (tile, 8 rows) pieces; ends in the omp for's barrier.
+// y [M, N] = x [M, K] @ W^T, shared by the team in (tile, tile rows) pieces; ends in the omp for's barrier.
 void linear(const float* x, int64_t M, const Blocked& l, float* y) {
-  const int64_t tiles = skinny_linear_tile_count(l.blocks);
-  const int64_t row_pieces = (M + kRowsPerPiece - 1) / kRowsPerPiece;
+  const int64_t tiles = skinny_linear_tile_count(l.blocks), rows = skinny_linear_tile_rows();
+  const int64_t row_pieces = (M + rows - 1) / rows;
 #pragma omp for schedule(static)
   for (int64_t piece = 0; piece < tiles * row_pieces; ++piece) {
-    const int64_t tile = piece / row_pieces, row = piece % row_pieces * kRowsPerPiece;
-    skinny_linear_tiles(x + row * l.K, std::min(kRowsPerPiece, M - row), l.K, l.w, l.blocks, y + row * l.N, l.N,
-                        tile, tile + 1);
+    const int64_t tile = piece / row_pieces, row = piece % row_pieces * rows;
+    skinny_linear_tiles(x + row * l.K, std::min(rows, M - row), l.K, l.w, l.blocks, y + row * l.N, l.N, tile,
+                        tile + 1);
   }
 }
 
+#ifdef __AVX512F__
 // transformers' LlamaRMSNorm in float32: (x * (1 / sqrt(mean(x^2) + eps))) * w.
 void rms_norm_row(const float* x, const float* w, int64_t H, float eps, float* out) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + kLanes <= H; i += kLanes) {
+  for (; i + 16 <= H; i += 16) {
     const __m512 v = _mm512_loadu_ps(x + i);
     acc = _mm512_fmadd_ps(v, v, acc);
   }
@@ -87,6 +92,44 @@ void rms_norm_row(const float* x, const float* w, int64_t H, float eps, float* o
   const float rstd = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
   for (i = 0; i < H; ++i) out[i] = (x[i] * rstd) * w[i];
 }
+
+// act = silu(gate) * up = gate / (1 + exp(-gate)) * up, as F.silu computes it.
+void silu_mul_row(const float* gate, const float* up, int64_t n, float* act) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(act + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up + i)));
+  }
+}
+#else
+// The same two in 8 lanes (AVX2): the sum of squares in rows_avx2.h's lane order, the tails one by one.
+void rms_norm_row(const float* x, const float* w, int64_t H, float eps, float* out) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float sum = avx2_rows::lane_sum(acc);
+  for (; i < H; ++i) sum += x[i] * x[i];
+  const float rstd = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
+  for (i = 0; i < H; ++i) out[i] = (x[i] * rstd) * w[i];
+}
+
+void silu_mul_row(const float* gate, const float* up, int64_t n, float* act) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) act[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+#endif
 
 // Rotate-half RoPE of `heads` heads of D in place: x * cos + roll(x, D / 2) * sin_signed (model.apply_rope).
 void rope_row(float* x, int64_t heads, int64_t D, const float* cos, const float* sin_signed, float* scratch) {
@@ -98,17 +141,6 @@ void rope_row(float* x, int64_t heads, int64_t D, const float* cos, const float*
   }
 }
 
-// act = silu(gate) * up = gate / (1 + exp(-gate)) * up, as F.silu computes it.
-void silu_mul_row(const float* gate, const float* up, int64_t n, float* act) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const __mmask16 m = n - i >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
-    _mm512_mask_storeu_ps(act + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up + i)));
-  }
-}
 
 }  // namespace
 

@@ -14,7 +14,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits, torch::Tensor temperature,
                                                            torch::Tensor seeds, torch::Tensor steps,
                                                            torch::Tensor thresholds);
-// AVX-512 build only (csrc/decode_loop.cpp): the fused decode loop; its arguments are in decode_loop.cpp.
+// Both builds (csrc/decode_loop.cpp is compiled into each): the fused decode loop; its arguments are there.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t> decode_loop(
     torch::Tensor first_logits, std::vector<torch::Tensor> layers, torch::Tensor embed, torch::Tensor norm,
     torch::Tensor lm_head, std::vector<torch::Tensor> k_cache, std::vector<torch::Tensor> v_cache, torch::Tensor cos,
@@ -28,13 +28,16 @@ std::tuple<torch::Tensor, torch::Tensor> logprobs_entropy(torch::Tensor logits, 
 // AVX2 build only (csrc/avx2/rms_norm_avx2.cpp): kernels/rms_norm.py's "cpp" path, one C++ autograd node.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 
-// The AVX-512 build's raw-pointer pieces, which decode_loop chains without a tensor or a dispatch in between.
-// skinny_linear over tiles [first_tile, last_tile) of 3 column blocks: y [M, N] (row stride N) = x [M, K] @ W^T.
+// The raw-pointer pieces decode_loop chains without a tensor or a dispatch in between (each build has its own).
+// skinny_linear over tiles [first_tile, last_tile) of column blocks (3 per tile in the AVX-512 build, 1 in the
+// AVX2 one): y [M, N] (row stride N) = x [M, K] @ W^T; tile_rows is the rows a tile takes at a time.
 int64_t skinny_linear_tile_count(int64_t blocks);
+int64_t skinny_linear_tile_rows();
 void skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float* blocked, int64_t blocks, float* y,
                          int64_t N, int64_t first_tile, int64_t last_tile);
 // decode_attention for one (row, KV head): q [G, D], keys/values rows `stride` apart, mask [L] additive,
-// scores a scratch of G * round_up(L, 16) floats, out [G, D]. D a multiple of 16, at most 256.
+// scores a scratch of G * round_up(L, 16) floats, out [G, D]. D a multiple of 16, at most 256. The AVX2 build's
+// (csrc/avx2/decode_attention_avx2.cpp) serves decode_loop only.
 void attend_pair(const float* q, int64_t G, int64_t D, const float* keys, int64_t key_stride, const float* values,
                  int64_t value_stride, const float* mask, int64_t L, float scale, float* scores, float* out);
 // sample_tokens for one row of V logits (threshold kKeepAll: no kept set); writes the token and its log-prob.

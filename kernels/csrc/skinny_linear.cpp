@@ -71,6 +71,8 @@ void rows_of_tile(int rows, const float* x, int64_t K, const float* w, float* y,
 
 int64_t skinny_linear_tile_count(int64_t blocks) { return (blocks + kTileBlocks - 1) / kTileBlocks; }
 
+int64_t skinny_linear_tile_rows() { return kTileRows; }
+
 void skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float* blocked, int64_t blocks, float* y,
                          int64_t N, int64_t first_tile, int64_t last_tile) {
   for (int64_t t = first_tile; t < last_tile; ++t) {

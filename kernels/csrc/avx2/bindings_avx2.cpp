@@ -11,5 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "in C++ (AVX2)", py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight over the last dim, differentiable, its backward in C++ (AVX2)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("decode_loop", &decode_loop, "a Llama-family float32 model's whole decode loop (kernels/decode_loop.py; AVX2)");
   m.attr("isa") = "AVX2";
 }

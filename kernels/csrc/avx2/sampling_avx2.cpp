@@ -17,6 +17,7 @@
 #include <limits>
 #include <tuple>
 
+#include "../kernels.h"
 #include "rows_avx2.h"
 
 namespace {
@@ -153,6 +154,20 @@ RowResult sample_row(const float* x, int64_t V, float inv_t, bool noisy, uint32_
 
 }  // namespace
 
+void sample_token_row(const float* x, int64_t V, float temperature, int64_t seed, int64_t step, int64_t threshold,
+                      int64_t* token, float* logprob) {
+  const bool greedy = temperature == 0.0f;
+  const float inv_t = greedy ? 1.0f : 1.0f / temperature;  // sampling.normalised_rows
+  const auto [k1, k2] = row_keys(seed, step);
+  // Keys are int32 images of floats: a threshold below int32 keeps every token.
+  const bool truncated = threshold > std::numeric_limits<int32_t>::min();
+  const auto tau = static_cast<int32_t>(truncated ? std::min<int64_t>(threshold, std::numeric_limits<int32_t>::max())
+                                                  : 0);
+  const RowResult r = sample_row(x, V, inv_t, !greedy, k1, k2, truncated, tau);
+  *token = r.token;
+  *logprob = r.logprob;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits, torch::Tensor temperature,
                                                            torch::Tensor seeds, torch::Tensor steps,
                                                            torch::Tensor thresholds) {
@@ -182,16 +197,8 @@ std::tuple<torch::Tensor, torch::Tensor> sample_tokens_cpu(torch::Tensor logits,
   float* logprob_out = logprobs.data_ptr<float>();
   at::parallel_for(0, B, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
-      const bool greedy = temp[b] == 0.0f;
-      const float inv_t = greedy ? 1.0f : 1.0f / temp[b];  // sampling.normalised_rows
-      const auto [k1, k2] = row_keys(seed[b], step[b]);
-      // Keys are int32 images of floats: a threshold below int32 keeps every token.
-      const bool row_truncated = truncated && tau[b] > std::numeric_limits<int32_t>::min();
-      const auto row_tau = static_cast<int32_t>(
-          row_truncated ? std::min<int64_t>(tau[b], std::numeric_limits<int32_t>::max()) : 0);
-      const RowResult r = sample_row(x + b * V, V, inv_t, !greedy, k1, k2, row_truncated, row_tau);
-      token_out[b] = r.token;
-      logprob_out[b] = r.logprob;
+      sample_token_row(x + b * V, V, temp[b], seed[b], step[b], truncated ? tau[b] : kKeepAll, token_out + b,
+                       logprob_out + b);
     }
   });
   return {tokens, logprobs};

@@ -68,6 +68,21 @@ void tile(int rows, const float* x, int64_t K, const float* w, float* y, int64_t
 
 }  // namespace
 
+int64_t skinny_linear_tile_count(int64_t blocks) { return blocks; }  // a tile is one block here
+
+int64_t skinny_linear_tile_rows() { return kTileRows; }
+
+void skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float* blocked, int64_t blocks, float* y,
+                         int64_t N, int64_t first_tile, int64_t last_tile) {
+  for (int64_t block = first_tile; block < last_tile; ++block) {
+    const float* w = blocked + block * K * kBlock;
+    for (int64_t row = 0; row < M; row += kTileRows) {
+      const int rows = static_cast<int>(std::min(kTileRows, M - row));
+      tile(rows, x + row * K, K, w, y + row * N, N, block * kBlock);
+    }
+  }
+}
+
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_features) {
   check_skinny_linear_args(x, blocked, out_features);
   const int64_t M = x.size(0), K = x.size(1), N = out_features, blocks = blocked.size(0);
@@ -75,14 +90,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor blocked, int64_t out_
   const float* xp = x.data_ptr<float>();
   const float* wp = blocked.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t block = first; block < last; ++block) {
-      const float* w = wp + block * K * kBlock;
-      for (int64_t row = 0; row < M; row += kTileRows) {
-        const int rows = static_cast<int>(std::min(kTileRows, M - row));
-        tile(rows, xp + row * K, K, w, yp + row * N, N, block * kBlock);
-      }
-    }
+  at::parallel_for(0, skinny_linear_tile_count(blocks), 1, [&](int64_t first, int64_t last) {
+    skinny_linear_tiles(xp, M, K, wp, blocks, yp, N, first, last);
   });
   return y;
 }

@@ -38,6 +38,7 @@ import torch
 
 from alignflow.config import EngineConfig
 from alignflow.kernels import decode_attention as cpu_decode_attention
+from alignflow.kernels import decode_loop as cpp_decode_loop
 from alignflow.kernels import rng, sample_tokens, skinny_linear
 from alignflow.kernels._chunked_sampling import gumbel_noise_steps
 from alignflow.kernels._triton_dispatch import cpp_available, resolve_impl
@@ -219,7 +220,8 @@ class NativeEngine(Engine):
         if self._sample is not sample_tokens:
             sampler += ", compiled"
         if self._decode_loop is not None:
-            step = f"C++ decode loop (kernels/decode_loop.py); with top-k/top-p sampling {step}"
+            loop = f"C++ decode loop ({cpp_decode_loop.isa()}, kernels/decode_loop.py)"
+            step = f"{loop}; with top-k/top-p sampling {step}"
         paths: dict[str, Any] = {"backend": self.backend, "device": str(self.device),
                                  "dtype": str(self.dtype).removeprefix("torch."), "decode_step": step,
                                  "linear": linear, "decode_attention": attention, "prefill_attention": "sdpa",

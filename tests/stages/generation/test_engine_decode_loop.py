@@ -12,6 +12,7 @@ from engine_test_models import (
     save_tiny_model,
 )
 
+from alignflow.kernels import _cpu_extension
 from alignflow.kernels import decode_loop as kernel
 from alignflow.stages.generation import SamplingParams
 from alignflow.stages.generation.native import NativeEngine
@@ -81,6 +82,25 @@ def test_greedy_rows_early_stop_and_a_repeated_prompt(tiny_checkpoints):
     _assert_same_generation(got, want)
 
 
+@pytest.mark.parametrize("arch", ["llama_mha_untied", "llama_gqa_tied_llama3"])
+def test_the_avx2_build_generates_what_the_torch_step_does(tiny_checkpoints, monkeypatch, arch):
+    """CPUs without AVX-512 run the loop's AVX2 build (its skinny_linear, sampler and attention body); that build
+    runs on AVX-512 CPUs too, so it is checked here wherever it builds."""
+    avx2 = _cpu_extension.logprob_kernels()  # the AVX2 extension, on any CPU with AVX2 and FMA
+    if avx2 is None:
+        pytest.skip(f"no AVX2 build here: {_cpu_extension.logprob_kernels_unavailable_reason()}")
+    fast, reference = _engines(tiny_checkpoints[arch])
+    monkeypatch.setattr(kernel, "_module", lambda: avx2)
+    assert kernel.isa() == "AVX2"
+    prompts = random_prompts(7, seed=3)
+    got = fast.generate(prompts, STOPPING, return_logits=True)
+    _assert_same_generation(got, reference.generate(prompts, STOPPING, return_logits=True))
+    full = reference.forward_logits([p + r for p, r in zip(prompts, got.response_token_ids, strict=True)])
+    for prompt, response, step_logits, whole in zip(prompts, got.response_token_ids, got.logits, full, strict=True):
+        torch.testing.assert_close(step_logits, whole[len(prompt) - 1: len(prompt) - 1 + len(response)], rtol=0,
+                                   atol=TOLERANCES["logits_fp32"])
+
+
 def test_the_result_does_not_depend_on_the_thread_count(tiny_checkpoints):
     """Each row's arithmetic is one thread's and each linear's pieces are whole (tile, 8 rows) blocks, so 1 and 2
     threads give the same bits (the critic's process and the rollout workers run with other thread counts)."""
@@ -127,8 +147,8 @@ def test_top_k_and_top_p_sampling_take_the_torch_step(tiny_checkpoints, monkeypa
     assert calls == []
     fast.generate(prompts, STOPPING)
     assert calls == [1]
-    assert fast.execution_paths()["decode_step"] == "C++ decode loop (kernels/decode_loop.py); with top-k/top-p " \
-                                                     "sampling eager"
+    assert fast.execution_paths()["decode_step"] == f"C++ decode loop ({kernel.isa()}, kernels/decode_loop.py); " \
+                                                     "with top-k/top-p sampling eager"
 
 
 def test_models_and_settings_the_loop_leaves_to_the_torch_step(tiny_checkpoints):
