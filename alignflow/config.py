@@ -250,7 +250,7 @@ class EngineConfig(Section):
                           "cached); with AVX2 and no AVX-512, the sampler's AVX2 build (~30 s); false: torch and "
                           "oneDNN only.")
     cpu_decode_loop: bool = Field(
-        True, description="CPU with AVX-512, float32, one device: run each generate's whole decode loop (sampling, "
+        True, description="CPU with AVX-512 or AVX2, float32, one device: run each generate's whole decode loop (sampling, "
                           "stop check, forward) in one C++ call of cpu_kernels instead of ~280 torch calls per step "
                           "(the demo's 32-token generate 2-3x faster); for plain Llama layouts (no sliding windows, "
                           "no o_proj bias, head_dim a multiple of 16) and sampling without top-k/top-p, else the "
