@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -45,23 +46,28 @@ struct Blocked {
   int64_t blocks, K, N;
 };
 
+// "qkv of layer 3", or the name alone for a tensor of the whole model (layer -1).
+std::string named(const char* what, int64_t layer) {
+  return layer >= 0 ? std::string(what) + " of layer " + std::to_string(layer) : std::string(what);
+}
+
 void check_float(const torch::Tensor& t, const char* what, int64_t layer) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(), "decode_loop: ", what,
-              layer >= 0 ? " of layer " : "", layer >= 0 ? std::to_string(layer) : "",
-              " must be a contiguous float32 CPU tensor, got dtype ", t.scalar_type(), " sizes ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(), "decode_loop: ",
+              named(what, layer), " must be a contiguous float32 CPU tensor, got dtype ", t.scalar_type(), " sizes ",
+              t.sizes());
 }
 
 Blocked blocked(const torch::Tensor& t, int64_t K, int64_t N, const char* what, int64_t layer) {
   check_float(t, what, layer);
   TORCH_CHECK(t.dim() == 3 && t.size(0) == (N + kLanes - 1) / kLanes && t.size(1) == K && t.size(2) == kLanes,
-              "decode_loop: ", what, " of layer ", layer, " must be blocked as [", (N + kLanes - 1) / kLanes, ", ", K,
+              "decode_loop: ", named(what, layer), " must be blocked as [", (N + kLanes - 1) / kLanes, ", ", K,
               ", 16] (kernels.skinny_linear.block_weight of a [", N, ", ", K, "] weight), got ", t.sizes());
   return {t.data_ptr<float>(), t.size(0), K, N};
 }
 
 const float* vector_of(const torch::Tensor& t, int64_t n, const char* what, int64_t layer) {
   check_float(t, what, layer);
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "decode_loop: ", what, " of layer ", layer, " must be [", n, "], got ",
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "decode_loop: ", named(what, layer), " must be [", n, "], got ",
               t.sizes());
   return t.data_ptr<float>();
 }
@@ -140,7 +146,6 @@ void rope_row(float* x, int64_t heads, int64_t D, const float* cos, const float*
     for (int64_t i = 0; i < D; ++i) head[i] = scratch[i] * cos[i] + scratch[(i + half) % D] * sin_signed[i];
   }
 }
-
 
 }  // namespace
 

@@ -181,9 +181,14 @@ def test_bad_arguments_name_what_is_wrong(tiny_checkpoints):
         loop.run(**{**args, "first_slot": 60, "max_new_tokens": 68, "mask": torch.zeros(B, 128)})
     with pytest.raises(RuntimeError, match="position 60 of row 0 runs past the RoPE table's 64 positions"):
         loop.run(**{**args, "positions": torch.tensor([60, 4])})
+    def call(layers, lm_head):
+        kernel.decode_loop(args["first_logits"], layers, fast.weights["embed"], fast.weights["norm"], lm_head,
+                           cache.k, cache.v, fast.model.cos, fast.model.sin, args["mask"], args["positions"], 4,
+                           args["temperature"], args["seeds"], args["ends"], 8, 4, 4, 1e-6)
+
     layers = list(loop._layers)
     layers[1] = layers[1][:, :-1].contiguous()  # qkv of layer 0, one input column short
     with pytest.raises(RuntimeError, match=r"qkv of layer 0 must be blocked as \[\d+, 64, 16\]"):
-        kernel.decode_loop(args["first_logits"], layers, fast.weights["embed"], fast.weights["norm"], loop._lm_head,
-                           cache.k, cache.v, fast.model.cos, fast.model.sin, args["mask"], args["positions"], 4,
-                           args["temperature"], args["seeds"], args["ends"], 8, 4, 4, 1e-6)
+        call(layers, loop._lm_head)
+    with pytest.raises(RuntimeError, match=r"decode_loop: lm_head must be blocked as \[16, 64, 16\]"):
+        call(loop._layers, fast.weights["lm_head"])  # the plain [V, H] weight instead of its blocked copy
