@@ -66,8 +66,10 @@ def machine() -> dict[str, Any]:
     return {"cpu": model, "cpus": os.cpu_count()}
 
 
-def build(root: Path, name: str, batch: int, max_seq_len: int) -> tuple[Path, int]:
-    """A random Llama of `name`, built into a saved native engine (what the engine stage publishes)."""
+def build(root: Path, name: str, batch: int, max_seq_len: int, torch_step: bool = False) -> tuple[Path, int]:
+    """A random Llama of `name`, built into a saved native engine (what the engine stage publishes).
+
+    torch_step: engine.cpu_decode_loop false, the torch decode step instead of the C++ loop."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -79,7 +81,8 @@ def build(root: Path, name: str, batch: int, max_seq_len: int) -> tuple[Path, in
                                          **MODELS[name]))
     model.save_pretrained(root / "checkpoint")
     engine = build_engine(root / "checkpoint", EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len,
-                                                            cuda_graphs=False, parity_prompts=2, parity_new_tokens=4))
+                                                            cuda_graphs=False, parity_prompts=2, parity_new_tokens=4,
+                                                            cpu_decode_loop=not torch_step))
     engine.save(root / "engine")
     return root / "engine", sum(p.numel() for p in model.parameters())
 
@@ -139,7 +142,7 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
                               "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         log(f"building the {args.model} engine")
-        engine_dir, params = build(Path(tmp), args.model, args.batch, 32 + args.new_tokens)
+        engine_dir, params = build(Path(tmp), args.model, args.batch, 32 + args.new_tokens, args.torch_step)
         result["parameters"] = params
         # One thread outside the in-process row: an OpenMP team of 2 on a box that other processes load stalls at
         # every barrier (the in-process row took 18-85 s there against 4-8 s for the workers).
@@ -260,6 +263,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--schedules", default="static,queue,in-process",
                         help="in-process: one engine in this process with every core's threads, for scale")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--torch-step", action="store_true",
+                        help="the engine's torch decode step instead of its C++ decode loop (engine.cpu_decode_loop): "
+                             "on the tiny model the loop's steps (~30 us) are below the per-call costs, so the length "
+                             "skew shows only with the torch step's")
     args = parser.parse_args(argv)
     args.layouts = [x for x in args.layouts.split(",") if x]
     bad = sorted(set(args.layouts) - {"grouped", "shuffled"})
