@@ -3,8 +3,10 @@
 
 #include <torch/extension.h>
 
-#include <cstdint>
+#include <algorithm>
 #include <climits>
+#include <cstdint>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -42,6 +44,21 @@ void attend_pair(const float* q, int64_t G, int64_t D, const float* keys, int64_
                  int64_t value_stride, const float* mask, int64_t L, float scale, float* scores, float* out);
 // sample_tokens for one row of V logits (threshold kKeepAll: no kept set); writes the token and its log-prob.
 constexpr int64_t kKeepAll = INT64_MIN;
+// A row's temperature and kept-set threshold as both builds' row samplers take them.
+struct RowSampling {
+  float inv_t;     // 1 / T, or 1 for a greedy row (sampling.normalised_rows)
+  bool noisy;      // Gumbel noise: not for greedy rows (T == 0)
+  bool truncated;  // a kept set applies
+  int32_t tau;     // its threshold key
+};
+inline RowSampling row_sampling(float temperature, int64_t threshold) {
+  const bool greedy = temperature == 0.0f;
+  // Keys are int32 images of floats: a threshold below int32 keeps every token.
+  const bool truncated = threshold > std::numeric_limits<int32_t>::min();
+  const auto tau = static_cast<int32_t>(truncated ? std::min<int64_t>(threshold, std::numeric_limits<int32_t>::max())
+                                                  : 0);
+  return {greedy ? 1.0f : 1.0f / temperature, !greedy, truncated, tau};
+}
 void sample_token_row(const float* logits, int64_t V, float temperature, int64_t seed, int64_t step, int64_t threshold,
                       int64_t* token, float* logprob);
 

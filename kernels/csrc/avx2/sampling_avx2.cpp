@@ -156,14 +156,9 @@ RowResult sample_row(const float* x, int64_t V, float inv_t, bool noisy, uint32_
 
 void sample_token_row(const float* x, int64_t V, float temperature, int64_t seed, int64_t step, int64_t threshold,
                       int64_t* token, float* logprob) {
-  const bool greedy = temperature == 0.0f;
-  const float inv_t = greedy ? 1.0f : 1.0f / temperature;  // sampling.normalised_rows
+  const RowSampling how = row_sampling(temperature, threshold);
   const auto [k1, k2] = row_keys(seed, step);
-  // Keys are int32 images of floats: a threshold below int32 keeps every token.
-  const bool truncated = threshold > std::numeric_limits<int32_t>::min();
-  const auto tau = static_cast<int32_t>(truncated ? std::min<int64_t>(threshold, std::numeric_limits<int32_t>::max())
-                                                  : 0);
-  const RowResult r = sample_row(x, V, inv_t, !greedy, k1, k2, truncated, tau);
+  const RowResult r = sample_row(x, V, how.inv_t, how.noisy, k1, k2, how.truncated, how.tau);
   *token = r.token;
   *logprob = r.logprob;
 }
