@@ -18,10 +18,9 @@ import torch
 from alignflow.config import EngineConfig
 from alignflow.kernels import decode_loop as kernel
 from alignflow.kernels.skinny_linear import block_weight
+from alignflow.stages.generation.native.prepack import LINEAR_BUFFERS
 from alignflow.stages.generation.native.spec import LlamaFamilySpec
 from alignflow.stages.generation.native.weights import InferenceWeights
-
-LINEAR_BUFFERS = ("qkv_w", "o_w", "gate_up_w", "down_w")
 
 
 def unsupported_reason(spec: LlamaFamilySpec, dtype: torch.dtype, device: torch.device, engine_config: EngineConfig,
