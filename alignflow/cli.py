@@ -50,10 +50,42 @@ def _check_data(config: PipelineConfig) -> bool:
     return True
 
 
+def _check_start(config: PipelineConfig, source: Path, machine: str = "note") -> bool:
+    """Make every stage's start checks (alignflow/start_checks.py) and print the problems, all together, each with
+    its stage and key. What the stages need of their machine that this one lacks is printed per `machine`: 'note'
+    (validate, plan: the stages may run elsewhere), 'warning' (run: they run here, but the GPU count is read from
+    the driver, not torch) or 'error' (--here). False when a stage would refuse to start."""
+    from alignflow.flows.plan import machine_findings, start_problems
+
+    problems = [f"{p.stage} [{p.key}]: {p.message}" for p in start_problems(config)]
+    unmet, elsewhere = machine_findings(config, probe=machine == "error")
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for finding in unmet:
+        grouped.setdefault((finding.key, finding.message), []).append(finding.stage)
+    needs = [f"{', '.join(stages)} [{key}]: {message}" for (key, message), stages in grouped.items()]
+    if machine == "error":
+        problems += needs
+        if elsewhere:
+            print(f"note: {', '.join(elsewhere)} run as their own deployments (deployment.stage_infra): their "
+                  "machine is not this one and was not checked", file=sys.stderr)
+    else:
+        where = ("where the stage runs; pass --here when that is this machine" if machine == "note"
+                 else "the stage checks it again when it starts")
+        for line in needs:
+            print(f"{machine}: {line} ({where})", file=sys.stderr)
+    if problems:
+        print(f"error: {source}: {len(problems)} stage start problem(s), as the stages would report them:",
+              file=sys.stderr)
+        for line in problems:
+            print(f"  - {line}", file=sys.stderr)
+    return not problems
+
+
 def _cmd_validate(args) -> int:
     config = _load(args)
     print(json.dumps(config.model_dump(mode="json"), indent=2))
-    if not _check_data(config):
+    data_ok = _check_data(config)
+    if not (_check_start(config, args.config, "error" if args.here else "note") and data_ok):
         return 2
     print(f"{args.config}: valid", file=sys.stderr)
     return 0
@@ -62,17 +94,20 @@ def _cmd_validate(args) -> int:
 def _cmd_plan(args) -> int:
     from alignflow.flows.plan import plan
 
-    for call in plan(_load(args)):
+    config = _load(args)
+    for call in plan(config):
         reads = ", ".join(f"{name}<-{up}" for name, up in call.inputs.items()) or "-"
         print(f"{call.key:<14} stage={call.stage:<9} inputs: {reads}")
-    return 0
+    return 0 if _check_start(config, args.config, "error" if args.here else "note") else 2
 
 
 def _cmd_run(args) -> int:
     # Stages report their start-up against this (startup/since_run; the RL stage prints it).
     os.environ.setdefault(RUN_STARTED_AT_VAR, f"{STARTED_AT:.6f}")
     config = _load(args)
-    if not _check_data(config):  # before Prefect's server and any stage process start (15-22 s)
+    # Before Prefect's server and any stage process start (15-22 s): the data files, and every stage's start checks.
+    data_ok = _check_data(config)
+    if not (_check_start(config, args.config, "warning") and data_ok):
         return 2
     from alignflow.flows.launch import WARM, PrefectServerStart
 
@@ -132,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--verbose", action="store_true",
                          help="show other libraries' logs, warnings and progress bars too (in the stages as well: "
                               f"sets {console.VERBOSE_VAR}=1)")
+        if name in ("validate", "plan"):
+            cmd.add_argument("--here", action="store_true",
+                             help="the stages run on this machine (as `alignflow run` runs them): what they need of "
+                                  "it (a GPU for model.device cuda, the engine backend's package, in "
+                                  "engine.worker_python too: started to look) are problems, not notes")
         cmd.set_defaults(fn=fn)
     ui = sub.add_parser("ui", help="start a local Prefect server and MLflow UI on 127.0.0.1 and print their URLs")
     ui.add_argument("--workdir", type=Path, default=Path("."), help="where mlflow.db lives (default: .)")

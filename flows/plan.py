@@ -6,8 +6,10 @@ Torch-free and Prefect-free, so it can be tested and printed on its own (`alignf
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from alignflow import start_checks
 from alignflow.config import RL_ONLY_ENGINE_KEYS, PipelineConfig
 
 
@@ -64,3 +66,41 @@ def plan(config: PipelineConfig) -> list[StageCall]:
                                {"evaluate": dump["evaluate"], "model": model, "engine": built},
                                {policy: policy, "sft": "sft", "data": "data", **rewards}))
     return calls
+
+
+@dataclass(frozen=True)
+class StartFinding:
+    """A start check of one stage call: `stage` is the call's key (e.g. 'reward-helpful'), `key` the dotted config
+    key, `message` what the stage says. From `start_problems` a refusal; from `machine_findings` an unmet need of
+    the machine the stage runs on."""
+
+    stage: str
+    key: str
+    message: str
+
+
+def start_problems(config: PipelineConfig) -> list[StartFinding]:
+    """Every problem any stage call of `config` would refuse to start with (alignflow/start_checks.py: the stages
+    make the same checks, with the same messages, when they start)."""
+    workdir = Path(config.workdir).resolve()
+    return [StartFinding(call.key, problem.key, problem.message) for call in plan(config)
+            for problem in start_checks.stage_problems(call.stage, call.config, call.inputs, workdir)]
+
+
+def machine_findings(config: PipelineConfig, probe: bool = False, gpus: int | None = None
+                     ) -> tuple[list[StartFinding], list[str]]:
+    """What the stage calls need of the machine they run on that this machine lacks, and the stages left out
+    because they run as their own deployments (deployment.stage_infra: another machine or image).
+
+    probe: start engine.worker_python to look for the backend's package; gpus: the GPU count to assume.
+    """
+    count = start_checks.visible_gpus() if gpus is None else gpus
+    unmet, elsewhere = [], []
+    for call in plan(config):
+        if call.stage in config.deployment.stage_infra:
+            elsewhere.append(call.key)
+            continue
+        for check in start_checks.machine_checks(call.stage, call.config, probe=probe, gpus=count):
+            if check.unmet is not None:
+                unmet.append(StartFinding(call.key, check.key, check.message))
+    return unmet, elsewhere

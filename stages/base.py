@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from alignflow import start_checks
 from alignflow.config import ModelConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.manifest import find_published, materialize
@@ -47,13 +48,11 @@ def _import_dir(ctx: StageContext, base: str) -> Path:
         if find_published(parent, ctx.spec.storage) is None:
             raise StageInputError(f"model.base '{base}': neither it nor its parent is a published output")
         return materialize(parent, ctx.cache_dir, ctx.spec.storage)[0] / sub
+    problem = start_checks.base_model_dir(base, ctx.spec.workdir)  # `alignflow validate` checks it too
+    if problem is not None:
+        raise StageInputError(problem.message)
     path = Path(base.removeprefix("file://"))
-    if not path.is_absolute():
-        path = Path(ctx.spec.workdir) / path
-    if not path.is_dir():
-        raise StageInputError(f"model.base '{base}': no such directory; give a Hugging Face model folder "
-                              "or leave model.base empty for the tiny demo model")
-    return path
+    return path if path.is_absolute() else Path(ctx.spec.workdir) / path
 
 
 def run(spec: StageSpec) -> StageResult:

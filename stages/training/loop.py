@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from alignflow import start_checks
 from alignflow.stages.ranks import is_main
 from alignflow.stages.runtime import StageInputError
 from alignflow.stages.training.deepspeed_setup import OptimSettings
@@ -21,12 +22,11 @@ from alignflow.stages.training.lora import check_zero_stage
 
 def check_training_section(cfg, section: str) -> None:
     """What a supervised stage's config section (sft, reward, dpo) must satisfy before anything loads: whole
-    micro-batches on every rank per optimizer step, and no LoRA under ZeRO-3."""
-    world = cfg.resources.world_size
-    if cfg.batch_size % (cfg.micro_batch_size * world):
-        ranks = (f" x the {world} ranks of {section}.resources (nproc_per_node x nnodes)" if world > 1 else "")
-        raise StageInputError(f"{section}.batch_size={cfg.batch_size} must be a multiple of "
-                              f"{section}.micro_batch_size={cfg.micro_batch_size}{ranks}")
+    micro-batches on every rank per optimizer step, and no LoRA under ZeRO-3 (alignflow/start_checks.py, which
+    `alignflow validate` runs too)."""
+    problem = start_checks.batch_split(cfg, section)
+    if problem is not None:
+        raise StageInputError(problem.message)
     check_zero_stage(cfg.lora, cfg.zero_stage, section)
 
 

@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 
+from alignflow import start_checks
 from alignflow.config import LoRAConfig
 from alignflow.stages.ranks import is_main
 from alignflow.stages.runtime import StageInputError
@@ -32,10 +33,11 @@ class LoRAConfigError(StageInputError):
 
 
 def check_zero_stage(cfg: LoRAConfig, zero_stage: int, section: str) -> None:
-    """LoRA under ZeRO-3 is refused: merging the adapters needs each whole weight on one rank."""
-    if cfg.enabled and zero_stage == 3:
-        raise LoRAConfigError(f"{section}.lora with {section}.zero_stage 3: merging the adapters needs whole weights; "
-                              "use zero_stage 2 (LoRA's optimizer state is small anyway)")
+    """LoRA under ZeRO-3 is refused: merging the adapters needs each whole weight on one rank (alignflow/start_checks.py,
+    which `alignflow validate` runs too)."""
+    problem = start_checks.lora_zero_stage(cfg, zero_stage, section)
+    if problem is not None:
+        raise LoRAConfigError(problem.message)
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:

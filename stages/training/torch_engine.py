@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from alignflow import start_checks
 from alignflow.stages.training.deepspeed_setup import OptimSettings
 
 STATE_FILE = "torch_train_state.pt"
@@ -97,9 +98,9 @@ def resolve_train_backend(setting: str, zero_stage: int) -> str:
     if setting == "deepspeed":
         return "deepspeed"
     if setting == "torch":
-        if zero_stage != 0 or world != 1:
-            raise ValueError(f"ppo.train_backend 'torch' trains one rank without ZeRO (zero_stage {zero_stage}, "
-                             f"WORLD_SIZE {world}); use 'deepspeed' or 'auto'")
+        problem = start_checks.train_backend(setting, zero_stage, world)  # the RL stage checks it at start, too
+        if problem is not None:
+            raise ValueError(problem.message)
         return "torch"
     if setting != "auto":
         raise ValueError(f"train backend '{setting}' is not one of auto, torch, deepspeed")
