@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from alignflow import start_checks
 from alignflow.config import EngineConfig, ModelConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.stages.data.formats import load_prompts, render_prompt
@@ -97,6 +98,9 @@ def build_and_check(sft_dir: Path, cfg: EngineConfig, dtype: str, prompt_ids: li
 def run(spec: StageSpec) -> StageResult:
     cfg: EngineConfig = section(spec, EngineConfig, "engine")
     model_cfg: ModelConfig = section(spec, ModelConfig, "model")
+    problems = start_checks.engine_stage(cfg)  # what `alignflow validate` and `alignflow plan` check of it too
+    if problems:
+        raise StageInputError(problems[0].message)
     ctx = StageContext(spec)
     with tracked(ctx):
         sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
@@ -104,13 +108,6 @@ def run(spec: StageSpec) -> StageResult:
         prompts = load_prompts(data_dir / "prompts.jsonl")[: cfg.parity_prompts]
         prompt_ids = [encode_prompt(tokenizer, render_prompt(p.prompt, tokenizer)) for p in prompts]
         dtype = cfg.dtype or model_cfg.dtype
-        if cfg.tensor_parallel_size > 1:
-            # The engine stage saves the whole engine; the RL stage's rollout workers split it when they load it
-            # (each rank keeps its shard), and the flow gives a native build tensor_parallel_size 1 (flows/plan.py).
-            raise StageInputError(f"engine.tensor_parallel_size={cfg.tensor_parallel_size}: the engine stage builds "
-                                  "a one-process engine; tensor-parallel replicas run in the RL stage's rollout "
-                                  "workers (engine.backend: native, engine.rollout_workers >= 1): set "
-                                  "engine.tensor_parallel_size: 1 in this stage's spec")
         # The stage (tracking, storage) stays in this interpreter; with engine.worker_python the build runs in a
         # child under that one, which has the backend's package (the RL stage's rollout workers use the same).
         interpreter = resolve(cfg.worker_python, cfg.backend)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from alignflow import start_checks
 from alignflow.config import POLICY_STAGES, EngineConfig, EvaluateConfig, ModelConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.kernels import selective_log_softmax
@@ -157,13 +158,10 @@ def policy_input(inputs: Mapping[str, str]) -> str:
 
     Exactly one: the evaluation compares one policy with the SFT policy.
     """
-    given = [name for name in POLICY_STAGES if name in inputs]
-    if not given:
-        raise StageInputError("stage 'evaluate' needs a policy input: 'ppo' (an RL stage output) or 'dpo' (a DPO "
-                              f"stage output); spec inputs: {sorted(inputs) or 'none'}")
-    if len(given) > 1:
-        raise StageInputError(f"stage 'evaluate' evaluates one policy, but the spec has inputs {given}: pass one")
-    return given[0]
+    problem = start_checks.policy_input(inputs)
+    if problem is not None:
+        raise StageInputError(problem.message)
+    return next(name for name in POLICY_STAGES if name in inputs)
 
 
 def history_x(row: Mapping[str, Any]) -> float | None:
@@ -501,6 +499,9 @@ def run(spec: StageSpec) -> StageResult:
     cfg: EvaluateConfig = section(spec, EvaluateConfig, "evaluate")
     model_cfg: ModelConfig = section(spec, ModelConfig, "model")
     engine_cfg: EngineConfig = section(spec, EngineConfig, "engine")
+    problems = start_checks.evaluate_stage(cfg, engine_cfg, spec.inputs)  # `alignflow validate` checks them too
+    if problems:
+        raise StageInputError(problems[0].message)
     ctx = StageContext(spec)
     with tracked(ctx):
         profiler = ctx.profiler

@@ -71,7 +71,6 @@ from alignflow.stages.training.deepspeed_setup import OptimSettings, stream_weig
 from alignflow.stages.training.lora import (
     AdaptersDisabled,
     apply_lora,
-    check_zero_stage,
     is_lora,
     merged_adapted_weights,
     parameter_counts,
@@ -690,23 +689,12 @@ def run(spec: StageSpec) -> StageResult:
     model_cfg: ModelConfig = section(spec, ModelConfig, "model")
     engine_cfg: EngineConfig = section(spec, EngineConfig, "engine")
     reward_inputs = sorted(k for k in spec.inputs if k.startswith("reward_"))
-    if not reward_inputs and not cfg.reward_functions:
-        raise StageInputError("ppo needs at least one reward model input (reward_<name>) or ppo.reward_functions")
-    if cfg.algorithm == "ppo" and not reward_inputs:
-        raise StageInputError("ppo.algorithm 'ppo' initialises its critic from a reward model: add one, or use grpo")
-    check_zero_stage(cfg.lora, cfg.zero_stage, "ppo")
-    if engine_cfg.tensor_parallel_size > 1 and engine_cfg.rollout_workers == 0:
-        raise StageInputError(f"engine.tensor_parallel_size={engine_cfg.tensor_parallel_size} with "
-                              "engine.rollout_workers=0: tensor-parallel engines run in rollout workers; set "
-                              "engine.rollout_workers >= 1 (replicas of tensor_parallel_size processes each)")
-    if engine_cfg.backend == "vllm" and engine_cfg.rollout_workers == 0:
-        # The trainer never imports vLLM: its CPU build makes torch.set_num_threads a no-op process-wide and it
-        # keeps its parallel groups in module globals, next to DeepSpeed's.
-        raise StageInputError("engine.backend: vllm with engine.rollout_workers=0: the vLLM engine runs in rollout "
-                              "worker processes, never in the trainer's; set engine.rollout_workers >= 1")
-    if engine_cfg.unload_during_training and cfg.async_rollouts:
-        raise StageInputError("engine.unload_during_training with ppo.async_rollouts: the engine is generating the "
-                              "next rollout while the trainer trains, so there is nothing to unload; turn one off")
+    # The checks `alignflow validate` and `alignflow plan` make of this stage (alignflow/start_checks.py).
+    from alignflow import start_checks
+
+    problems = start_checks.rl_stage(cfg, engine_cfg, reward_inputs)
+    if problems:
+        raise StageInputError(problems[0].message)
     reward_fns = [(path, load_reward_function(path)) for path in cfg.reward_functions]
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
