@@ -96,8 +96,9 @@ def supervised_stage(cfg: SFTConfig | RewardConfig | DPOConfig, section: str) ->
 
 
 def rl_stage(cfg: PPOConfig, engine: EngineConfig, reward_inputs: Iterable[str]) -> list[StartProblem]:
-    """What the RL stage checks before it loads anything, in the order it reports them (it raises the first)."""
-    has_rewards = any(True for _ in reward_inputs)
+    """What the RL stage checks before it loads anything, in the order it reports them (it raises the first);
+    reward_inputs: the names of its reward-model inputs (reward_<name>)."""
+    has_rewards = bool(list(reward_inputs))
     problems: list[StartProblem | None] = []
     if not has_rewards and not cfg.reward_functions:
         problems.append(StartProblem("ppo.reward_functions", "ppo needs at least one reward model input "
