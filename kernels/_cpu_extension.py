@@ -10,12 +10,24 @@ training step's log-prob and entropy kernels, `logprob_kernels()`): `sampler()` 
 `linear_kernels()` are the AVX-512 extension where it runs, else that one on CPUs with AVX2 and FMA. On the
 AVX2 EPYC the demo's sampling ([32, 512] logits) took ~430 us of each ~1.6 ms decode step through the chunked
 torch path (Gumbel windows and ~20 operator calls); skinny_linear's figures are in kernels/skinny_linear.py.
+
+Each build lives in a directory named by a digest of what goes into it (`build_key`): <name>_<digest12> under
+TORCH_EXTENSIONS_DIR, holding a copy of its sources (src/) and a key.json saying what the digest covers. Every
+checkout, clone or installed copy with the same sources, flags, Python and torch install therefore finds one
+build, and a change to any of them makes a new one instead of recompiling over another checkout's. Builds
+for other digests are left in place, never pruned: another checkout (a CI clone at another commit) or a
+running process may be using one, and nothing records which; with nothing running, removing
+TORCH_EXTENSIONS_DIR/alignflow_cpu_kernels_* is safe (the next load builds again).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import sysconfig
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -23,14 +35,17 @@ from unittest import mock
 
 import torch
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
 NAME = "alignflow_cpu_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
+# A tuple: torch's load appends its own -L/-l flags to the extra_ldflags list it is given, so it gets a copy
+# (a shared list grew at each load, and with it this build's digest).
+_LDFLAGS = ("-fopenmp",)
 
 
 # The decode loop (csrc/decode_loop.cpp) is written over both builds' pieces and compiled into each.
-AVX2_SOURCES = [Path(__file__).parent / "csrc" / "decode_loop.cpp",
-                *sorted((Path(__file__).parent / "csrc" / "avx2").glob("*.cpp"))]
+AVX2_SOURCES = [CSRC / "decode_loop.cpp", *sorted((CSRC / "avx2").glob("*.cpp"))]
 AVX2_NAME = "alignflow_cpu_kernels_avx2"
 _AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
@@ -40,12 +55,19 @@ _AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 # extensions at once on 2 cores), so a lock 15 minutes old is taken to be a leftover and removed.
 STALE_LOCK_SECONDS = 15 * 60
 
+# The sources copied into a build directory all carry this modification time (1980-01-01, zip's epoch). Their
+# digest, not their mtime, says they are current: two processes staging the same digest at once write the same
+# bytes, and a copy written while the other compiles must not look newer than its objects to ninja.
+_STAGED_MTIME = 315532800
 
-def clear_stale_lock(name: str) -> Path | None:
-    """Remove `name`'s build lock if it is older than STALE_LOCK_SECONDS (warning); returns the path removed."""
+
+def clear_stale_lock(name: str, build_directory: Path | None = None) -> Path | None:
+    """Remove a build lock older than STALE_LOCK_SECONDS (warning); returns the path removed.
+
+    The lock is build_directory's, else torch's default directory for `name`."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    lock = Path(build_directory or _get_build_directory(name, verbose=False)) / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
@@ -58,12 +80,87 @@ def clear_stale_lock(name: str) -> Path | None:
     return lock
 
 
-def _compile(name: str = NAME, sources: list[Path] = SOURCES, flags: list[str] = _FLAGS):
+def build_inputs(sources: list[Path], root: Path = CSRC) -> dict[str, bytes]:
+    """The files a build compiles: each source, and every header under `root` (what the sources may include).
+
+    Keyed by their paths relative to `root`, which holds them all: a source's relative includes
+    ("../kernels.h", "avx2/rows_avx2.h") find the same files in the copy staged in the build directory."""
+    headers = [path for path in root.rglob("*.h") if path.is_file()]
+    return {path.relative_to(root).as_posix(): path.read_bytes() for path in sorted({*sources, *headers})}
+
+
+def build_key(files: dict[str, bytes], flags: list[str]) -> dict:
+    """Everything a build's result depends on: its files' sha256, the compiler flags, Python's ABI and torch.
+
+    torch's install directory and Python's include directory are in it although they do not change the
+    binary: torch writes them into build.ninja, and ninja recompiles everything when a command line
+    changes, so two venvs sharing one directory would rebuild each other's build at every alternate load."""
+    return {
+        "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()},
+        "cflags": list(flags),
+        "ldflags": list(_LDFLAGS),
+        "compiler": os.environ.get("CXX", "c++"),  # torch's choice, written into build.ninja
+        "python_abi": sysconfig.get_config_var("EXT_SUFFIX"),
+        "python_include": sysconfig.get_paths()["include"],
+        "torch": torch.__version__,
+        "torch_dir": os.path.dirname(os.path.realpath(torch.__file__)),
+    }
+
+
+def build_digest(key: dict) -> str:
+    """The first 12 hex digits of the key's sha256 (its JSON, keys sorted)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def keyed_build_directory(name: str, key: dict) -> Path:
+    """<TORCH_EXTENSIONS_DIR>/<name>_<digest12> (created), or torch's default root in its place."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(f"{name}_{build_digest(key)}", verbose=False))
+
+
+def _write_once(path: Path, data: bytes) -> None:
+    # Whole or not at all (a temporary file renamed over the path), so a file found there is complete.
+    if path.is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.utime(tmp, (_STAGED_MTIME, _STAGED_MTIME))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def compile_keyed(name: str, sources: list[Path], flags: list[str], root: Path = CSRC):
+    """Build (or find built) and load `sources` in the build directory of their digest; returns the module.
+
+    The sources are compiled from a copy in that directory (src/), not from the checkout: build.ninja then
+    names the same paths from every checkout, so ninja finds another checkout's build up to date. The
+    copy is of the bytes the digest was taken over, so a checkout edited mid-build cannot put other
+    bytes under this digest. The module keeps its name (`name`); only its directory carries the digest."""
+    files = build_inputs(sources, root)
+    key = build_key(files, flags)
+    build_directory = keyed_build_directory(name, key)
+    staged = build_directory / "src"
+    for rel, data in files.items():
+        _write_once(staged / rel, data)
+    _write_once(build_directory / "key.json",
+                json.dumps({"name": name, "digest": build_digest(key), **key}, indent=1, sort_keys=True).encode())
+    return _compile(name, [staged / source.relative_to(root) for source in sources], flags, build_directory)
+
+
+def _compile(name: str, sources: list[Path], flags: list[str], build_directory: Path | None = None):
     from torch.utils.cpp_extension import load
 
-    clear_stale_lock(name)
-    return load(name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                verbose=False)
+    clear_stale_lock(name, build_directory)
+    # torch's load holds build_directory/lock (a file created with O_EXCL) while it compiles, so two
+    # processes building one digest at once compile it once: the second waits, then imports.
+    return load(name, sources=[str(s) for s in sources], extra_cflags=list(flags), extra_ldflags=list(_LDFLAGS),
+                build_directory=None if build_directory is None else str(build_directory), verbose=False)
 
 
 def _library_path(module_name: str, build_directory: str, is_python_module: bool) -> str:
@@ -84,15 +181,15 @@ def build_ahead() -> Path:
     vectorise with AVX-512, so an AVX2-only build host died with SIGILL (exit 132) here. torch 2.13's
     `load` has no build-only mode (is_python_module=False still dlopens via torch.ops.load_library), so
     its last step, the import, is replaced by returning the library's path; everything before it (the
-    same name, flags and build directory as `extension()`, ninja's up-to-date check, the lock) is
-    torch's own, so the run-time `load` finds this build and only imports it. mock.patch.object fails
-    loudly if a torch release renames that step.
+    same keyed build directory as `extension()`, ninja's up-to-date check, the lock) is torch's own or
+    `compile_keyed`'s, so the run-time `load` finds this build and only imports it. mock.patch.object
+    fails loudly if a torch release renames that step.
     """
     from torch.utils import cpp_extension
 
     with mock.patch.object(cpp_extension, "_import_module_from_library", _library_path):
-        _compile(AVX2_NAME, AVX2_SOURCES, _AVX2_FLAGS)  # the sampler and skinny_linear of AVX2-only hosts
-        return Path(_compile())
+        compile_keyed(AVX2_NAME, AVX2_SOURCES, _AVX2_FLAGS)  # the sampler and skinny_linear of AVX2-only hosts
+        return Path(compile_keyed(NAME, SOURCES, _FLAGS))
 
 
 @functools.cache
@@ -104,7 +201,7 @@ def _load() -> tuple[object | None, str | None]:
 
 def _build(name: str, sources: list[Path], flags: list[str]) -> tuple[object | None, str | None]:
     try:
-        module = _compile(name, sources, flags)
+        module = compile_keyed(name, sources, flags)
     except Exception as exc:  # no compiler, no ninja, no headers: the callers keep their torch paths
         why = f"building {', '.join(s.name for s in sources)} failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
         warnings.warn(f"{why}; CPU kernels fall back to torch (slower decoding). Install g++ and ninja, and make "
