@@ -53,7 +53,7 @@ from alignflow.stages.rl.critic_worker import CriticSpec, CriticWorker, Update, 
 from alignflow.stages.rl.experience import Experience, assemble, policy_logprobs, token_values
 from alignflow.stages.rl.kl_control import make_kl_controller
 from alignflow.stages.rl.packing import PackedRows, attention_width
-from alignflow.stages.rl.reward_functions import call_reward_function, load_reward_function
+from alignflow.stages.rl.reward_functions import call_reward_function, dataset_columns, load_reward_function
 from alignflow.stages.rl.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.rl.rollout_workers import RolloutWorkers
 from alignflow.stages.rl.rollout_writer import RolloutWriter
@@ -211,9 +211,10 @@ def working_dir(ctx: StageContext) -> Path:
 # ----------------------------------------------------------------------------------------------
 
 def compute_scores(reward_models, reward_fns, prompts: list[str], completions: list[str], sequences: list[list[int]],
-                   response_ids: list[list[int]], finish_reasons: list[str], pad_id: int, cfg: PPOConfig
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(B,) combined raw score and each component (B,): weighted, z-scored reward models plus reward functions."""
+                   response_ids: list[list[int]], finish_reasons: list[str], pad_id: int, cfg: PPOConfig,
+                   columns: dict[str, list] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(B,) combined raw score and each component (B,): weighted, z-scored reward models plus reward functions
+    (called as TRL calls them, with the prompts' dataset `columns`: name -> one value per row)."""
     if reward_models:
         components, total = score_with_reward_models(reward_models, sequences, pad_id)
     else:  # GRPO on reward functions alone
@@ -221,7 +222,8 @@ def compute_scores(reward_models, reward_fns, prompts: list[str], completions: l
     weights = cfg.reward_function_weights or [1.0] * len(reward_fns)
     for (name, fn), weight in zip(reward_fns, weights, strict=True):
         values = torch.tensor(call_reward_function(name, fn, prompts, completions, completion_ids=response_ids,
-                                                   finish_reasons=finish_reasons), dtype=torch.float32)
+                                                   finish_reasons=finish_reasons, **(columns or {})),
+                              dtype=torch.float32)
         components[name] = values
         total = total + weight * values
     return total, components
@@ -1004,7 +1006,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                                              [p + r for p, r in zip(batch_prompt_ids, generation.response_token_ids,
                                                                     strict=True)],
                                              generation.response_token_ids, list(generation.finish_reasons), pad_id,
-                                             cfg)
+                                             cfg, dataset_columns(prompts, rows) if reward_fns else None)
             gold = (torch.tensor([gold_score(t, c) for t, c in zip(texts, completions, strict=True)]) if demo_task
                     else None)
             scored = (raw, components, gold)

@@ -1,12 +1,16 @@
 """Reward functions named by import path ('pkg.module:function') with TRL's signature, plus two built-ins.
 
-A reward function is `f(prompts: list[str], completions: list[str], **kwargs) -> list[float]`;
-kwargs carry `completion_ids` (list[list[int]]) and `finish_reasons` (list[str]).
+A reward function is called as TRL's GRPOTrainer calls it, with keyword arguments only:
+`f(prompts=list[str], completions=list[str], completion_ids=list[list[int]], finish_reasons=list[str],
+**columns) -> list[float]`, where `columns` are the prompt records' other fields (a dataset column
+`answer` arrives as `answer=[...]`, one value per completion). So TRL's documented examples, such as
+`def reward_len(completions, **kwargs)`, run unchanged.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 RewardFunction = Callable[..., list[float]]
@@ -29,16 +33,38 @@ def load_reward_function(path: str) -> RewardFunction:
     return fn
 
 
+# The arguments every reward function is given; a prompt record's column of the same name is not passed.
+CALL_ARGUMENTS = ("prompts", "completions", "completion_ids", "finish_reasons")
+
+
 def call_reward_function(name: str, fn: RewardFunction, prompts: list[str], completions: list[str],
                          **kwargs) -> list[float]:
-    """Call `fn` and check it returned one number per completion.
+    """Call `fn` with keyword arguments (prompts=, completions=, then `kwargs`: completion_ids, finish_reasons and
+    the dataset's columns) and check it returned one number per completion.
 
-    Non-finite values are passed on: the RL stage's NaN guard stops training with the iteration named.
+    A function written for a positional call with other parameter names (`def f(p, c)`) gets a one-line error
+    that says how to fix it. Non-finite values are passed on: the RL stage's NaN guard stops training with the
+    iteration named.
     """
-    values = fn(prompts, completions, **kwargs)
+    try:
+        inspect.signature(fn).bind(prompts=prompts, completions=completions, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"reward function '{name}' cannot be called as TRL calls it ({exc}): it is given keyword "
+                         f"arguments {', '.join(CALL_ARGUMENTS)} and the dataset's columns; name its parameters "
+                         "so (e.g. `def f(completions, **kwargs)`) and take the rest with **kwargs") from None
+    except ValueError:  # no signature to inspect (a builtin): the call itself says what is wrong
+        pass
+    values = fn(prompts=prompts, completions=completions, **kwargs)
     if len(values) != len(completions):
         raise ValueError(f"reward function '{name}' returned {len(values)} values for {len(completions)} completions")
     return [float(v) for v in values]
+
+
+def dataset_columns(records: list, rows: list[int]) -> dict[str, list]:
+    """The prompt records' extra fields as TRL passes dataset columns: name -> one value per row (None where a
+    record lacks it), for the records at `rows` (a prompt repeated per completion); CALL_ARGUMENTS left out."""
+    names = sorted({key for i in set(rows) for key in records[i].extras} - set(CALL_ARGUMENTS))
+    return {name: [records[i].extras.get(name) for i in rows] for name in names}
 
 
 def brevity(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
