@@ -94,6 +94,11 @@ class ModelConfig(Section):
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Used when `base` is empty.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Training/inference dtype.")
     seed: int = Field(0, description="Seed of the random init of the tiny model.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where every stage trains, scores and generates. auto: the GPU when torch sees one "
+        "(each rank its own: cuda:LOCAL_RANK), else the CPU; cpu: the CPU even beside a GPU (a choice, never an "
+        "accident); cuda: the GPU, and a stage on a machine without one stops with an error that says so. Each "
+        "stage's result and MLflow run record the devices it used.")
 
 
 class DemoTaskConfig(Section):
@@ -173,6 +178,22 @@ class ResourcesConfig(Section):
         return self
 
 
+AutocastSetting = Literal["auto", "bf16", "off"]
+
+
+def supervised_autocast(section: str) -> Any:
+    """The `autocast` field of a supervised training stage (sft, reward, dpo)."""
+    return Field("auto", description=f"{section}'s forwards in bfloat16 autocast (fp32 weights and optimizer). auto: "
+                 "on a CUDA device with bf16 arithmetic when model.dtype is float32, off on a CPU (where "
+                 f"{section}.autocast: bf16 forces it); off: the model's dtype. The choice is printed and logged as "
+                 "perf/autocast_bf16.")
+
+
+def yaml_off_as_off(value: Any) -> Any:
+    """YAML 1.1 reads an unquoted `off` as false: `autocast: off` means 'off'."""
+    return "off" if value is False else value
+
+
 class SFTConfig(Section):
     """Supervised fine-tuning (loss on completion tokens only), trained through DeepSpeed."""
 
@@ -186,6 +207,8 @@ class SFTConfig(Section):
     eval_every: int = Field(50, ge=1, description="Steps between held-out loss evaluations.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
     grad_clip: float = Field(1.0, gt=0)
+    autocast: AutocastSetting = supervised_autocast("sft")
+    _autocast_yaml = field_validator("autocast", mode="before")(yaml_off_as_off)
     seed: int = Field(0)
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters instead of full weights.")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ranks (torchrun).")
@@ -214,6 +237,8 @@ class RewardConfig(Section):
     eval_every: int = Field(50, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = Field(0)
     grad_clip: float = Field(1.0, gt=0)
+    autocast: AutocastSetting = supervised_autocast("reward")
+    _autocast_yaml = field_validator("autocast", mode="before")(yaml_off_as_off)
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters on the backbone; the "
                              "scalar head is trained whole.")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ranks (torchrun).")
@@ -456,6 +481,8 @@ class DPOConfig(Section):
     eval_every: int = Field(50, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = Field(0)
     grad_clip: float = Field(1.0, gt=0)
+    autocast: AutocastSetting = supervised_autocast("dpo")
+    _autocast_yaml = field_validator("autocast", mode="before")(yaml_off_as_off)
     seed: int = Field(0)
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters instead of full weights.")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ranks (torchrun).")

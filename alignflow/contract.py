@@ -74,13 +74,17 @@ class StageResult(BaseModel):
     mlflow_run_id: str | None = None
     duration_s: float = 0.0
     message: str = ""
+    devices: dict[str, str] = Field(
+        default_factory=dict, description="Where the stage computed, by role (train, reference, score, generate, "
+        "...): the device of the models themselves, e.g. 'cuda:0' or 'cpu'.")
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, status: Literal["ok", "skipped"], **fields: Any) -> StageResult:
         """The result of a stage whose output `manifest` is published (its summary holds the key metrics)."""
         return cls(stage=manifest.stage, status=status, output_uri=manifest.uri, manifest_digest=manifest.digest,
                    metrics={k: float(v) for k, v in manifest.summary.get("metrics", {}).items()},
-                   key_metric=manifest.summary.get("key_metric"), **fields)
+                   key_metric=manifest.summary.get("key_metric"),
+                   devices=dict(manifest.summary.get("devices", {})), **fields)
 
     def to_line(self) -> str:
         return self.model_dump_json()

@@ -1,4 +1,4 @@
-"""The end-of-run summary: a table of stage, status, duration, key metric, output URI and MLflow run."""
+"""The end-of-run summary: a table of stage, status, duration, device, key metric, output URI and MLflow run."""
 
 from __future__ import annotations
 
@@ -62,14 +62,20 @@ def span_text(row: dict[str, Any]) -> str:
     return f"{max(row['finished_at_s'] - row['duration_s'], 0):.0f}-{row['finished_at_s']:.0f}"
 
 
+def devices_text(row: dict[str, Any]) -> str:
+    """Where the stage computed: its models' devices ('cuda:0', 'cpu'), '-' for a stage with no model (data)."""
+    return ", ".join(sorted(set((row.get("devices") or {}).values()))) or "-"
+
+
 def print_summary(config: PipelineConfig, rows: list[dict[str, Any]], wall_s: float) -> None:
     console = Console(file=sys.stdout, width=200)
     table = Table(title=f"alignflow pipeline '{config.name}' finished in {wall_s:.1f} s")
-    for column in ("stage", "status", "duration", "ran (s into the run)", "key metric", "output", "MLflow run"):
+    for column in ("stage", "status", "duration", "ran (s into the run)", "device", "key metric", "output",
+                   "MLflow run"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(row["key"], row["status"], f"{row['duration_s']:.1f} s", span_text(row), key_metric_text(row),
-                      row.get("output_uri") or "-", row.get("mlflow_run_id") or "-")
+        table.add_row(row["key"], row["status"], f"{row['duration_s']:.1f} s", span_text(row), devices_text(row),
+                      key_metric_text(row), row.get("output_uri") or "-", row.get("mlflow_run_id") or "-")
     console.print(table)
     startup = startup_sentence(rows)
     if startup:
@@ -86,11 +92,11 @@ def print_summary(config: PipelineConfig, rows: list[dict[str, Any]], wall_s: fl
 def summary_markdown(config: PipelineConfig, rows: list[dict[str, Any]]) -> str:
     """The run's stage table as Markdown (the Prefect flow-run artifact)."""
     lines = [f"## alignflow pipeline `{config.name}`", "",
-             "| stage | status | duration | ran (s into the run) | key metric | output | MLflow run |",
-             "|---|---|---:|---:|---|---|---|"]
+             "| stage | status | duration | ran (s into the run) | device | key metric | output | MLflow run |",
+             "|---|---|---:|---:|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['key']} | {row['status']} | {row['duration_s']:.1f} s | {span_text(row)} | "
-                     f"{key_metric_text(row)} | "
+                     f"{devices_text(row)} | {key_metric_text(row)} | "
                      f"`{row.get('output_uri') or '-'}` | `{row.get('mlflow_run_id') or '-'}` |")
     return "\n".join(lines) + "\n"
 

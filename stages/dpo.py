@@ -12,6 +12,7 @@ tokenizer, and `adapter/` with LoRA), `metrics.jsonl` (one row per optimizer ste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -39,6 +40,8 @@ from alignflow.stages.training.loop import (
     total_steps,
 )
 from alignflow.stages.training.lora import apply_lora, parameter_counts, save_trained
+from alignflow.stages.training.placement import place_for_training
+from alignflow.stages.training.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -68,18 +71,22 @@ def encode_pairs(tokenizer, records, max_length: int) -> tuple[list[EncodedPair]
     return pairs, dropped
 
 
-def sequence_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool, precision: Precision | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """([N] chosen, [N] rejected) log pi(response | prompt) of the pairs: summed over response tokens, or their
-    per-token mean when `mean`. One forward over the 2N right-padded sequences."""
+    per-token mean when `mean`. One forward over the 2N right-padded sequences, on the model's device, in
+    `precision` (None: the model's dtype)."""
+    device = next(getattr(model, "module", model).parameters()).device
     sequences = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
     starts = [len(p.prompt) for p in pairs] * 2
-    input_ids = pad_right(sequences, pad_id)
-    attention_mask = pad_right([[1] * len(s) for s in sequences], 0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    input_ids = pad_right(sequences, pad_id).to(device)
+    attention_mask = pad_right([[1] * len(s) for s in sequences], 0).to(device)
+    with precision.forward() if precision is not None else contextlib.nullcontext():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     targets = input_ids[:, 1:]
-    positions = torch.arange(targets.shape[1]).unsqueeze(0)
+    positions = torch.arange(targets.shape[1], device=device).unsqueeze(0)
     # Position t predicts token t+1: the response tokens are targets start-1 .. len-2.
-    response = (positions >= torch.tensor(starts).unsqueeze(1) - 1) & (attention_mask[:, 1:] > 0)
+    response = (positions >= torch.tensor(starts, device=device).unsqueeze(1) - 1) & (attention_mask[:, 1:] > 0)
     logp = selective_log_softmax(logits[:, :-1], targets) * response
     per_sequence = logp.sum(-1)
     if mean:
@@ -91,26 +98,28 @@ def chosen_nll(chosen_logprobs: torch.Tensor, pairs: list[EncodedPair], mean: bo
     """[N] per-token mean NLL of the chosen responses, from their log-probs (sums, or already means)."""
     if mean:
         return -chosen_logprobs
-    return -chosen_logprobs / torch.tensor([len(p.chosen) for p in pairs], dtype=chosen_logprobs.dtype)
+    return -chosen_logprobs / torch.tensor([len(p.chosen) for p in pairs], dtype=chosen_logprobs.dtype,
+                                           device=chosen_logprobs.device)
 
 
 @torch.no_grad()
-def reference_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool, batch_size: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool, batch_size: int,
+                       precision: Precision | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[N] chosen and rejected log-probs of every pair under `model` in eval mode (no dropout), in batches."""
     was_training = model.training
     model.eval()
-    parts = [sequence_logprobs(model, pairs[i:i + batch_size], pad_id, mean) for i in range(0, len(pairs), batch_size)]
+    parts = [sequence_logprobs(model, pairs[i:i + batch_size], pad_id, mean, precision)
+             for i in range(0, len(pairs), batch_size)]
     model.train(was_training)
     return torch.cat([c for c, _ in parts]).float(), torch.cat([r for _, r in parts]).float()
 
 
 @torch.no_grad()
 def evaluate_pairs(model, pairs: list[EncodedPair], reference: tuple[torch.Tensor, torch.Tensor], cfg: DPOConfig,
-                   pad_id: int) -> dict[str, float]:
+                   pad_id: int, precision: Precision | None = None) -> dict[str, float]:
     """Held-out DPO loss and implicit-reward metrics (eval/loss, eval/rewards_{chosen,rejected,margin,accuracy})."""
     mean = cfg.loss in LENGTH_NORMALISED
-    chosen, rejected = reference_logprobs(model, pairs, pad_id, mean, cfg.micro_batch_size)
+    chosen, rejected = reference_logprobs(model, pairs, pad_id, mean, cfg.micro_batch_size, precision)
     out = preference_loss(cfg.loss, chosen, rejected, *reference, cfg.beta, cfg.label_smoothing,
                           chosen_nll=chosen_nll(chosen, pairs, mean), nll_coef=cfg.nll_coef)
     return {"eval/loss": float(out.losses.mean()),
@@ -148,23 +157,26 @@ def run(spec: StageSpec) -> StageResult:
                     ctx.tracker.log_dataset(name, f"{data_manifest.uri}/{name}.jsonl",
                                             data_manifest.file(f"{name}.jsonl").sha256,
                                             "training" if name.endswith("train") else "evaluation", count)
-        model = load_causal_lm(sft_dir, dtype=model_cfg.dtype)
-        model = apply_lora(model, cfg.lora, "dpo.lora")
+        model, precision = place_for_training(
+            ctx, apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "dpo.lora"), cfg.autocast,
+            model_cfg.dtype, "dpo")
         trainable, total = parameter_counts(model)
         mean = cfg.loss in LENGTH_NORMALISED
         with ctx.profiler.phase("reference"):
             # The policy before its first update is the reference (LoRA's B matrices start at zero).
-            ref_train = reference_logprobs(model, train, pad_id, mean, cfg.micro_batch_size)
-            ref_eval = reference_logprobs(model, held_out, pad_id, mean, cfg.micro_batch_size) if held_out else None
+            ref_train = reference_logprobs(model, train, pad_id, mean, cfg.micro_batch_size, precision)
+            ref_eval = (reference_logprobs(model, held_out, pad_id, mean, cfg.micro_batch_size, precision) if held_out
+                        else None)
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
         grad_accum = cfg.batch_size // (cfg.micro_batch_size * world_size())
         engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
         engine.train()
+        ctx.record_device("train", engine.module)
         print(f"dpo: {cfg.loss} loss, beta {cfg.beta:g}, {len(train)} pairs, {steps} steps; trains {trainable:,} of "
               f"{total:,} parameters" + (f" (LoRA rank {cfg.lora.rank})" if cfg.lora.enabled else ""),
               file=sys.stderr, flush=True)
         log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
-        initial = evaluate_pairs(engine.module, held_out, ref_eval, cfg, pad_id) if held_out else {}
+        initial = evaluate_pairs(engine.module, held_out, ref_eval, cfg, pad_id, precision) if held_out else {}
         log({"eval/loss": initial["eval/loss"]} if initial else {}, step=0)
         history: list[dict[str, float]] = []
         started = time.perf_counter()
@@ -175,7 +187,7 @@ def run(spec: StageSpec) -> StageResult:
                 with ctx.profiler.phase("train"):
                     for part in split_micro(share, cfg.micro_batch_size):
                         pairs = [train[i] for i in part]
-                        chosen, rejected = sequence_logprobs(engine, pairs, pad_id, mean)
+                        chosen, rejected = sequence_logprobs(engine, pairs, pad_id, mean, precision)
                         rows = torch.tensor(part)
                         out = preference_loss(cfg.loss, chosen.float(), rejected.float(), ref_train[0][rows],
                                               ref_train[1][rows], cfg.beta, cfg.label_smoothing,
@@ -204,7 +216,7 @@ def run(spec: StageSpec) -> StageResult:
                            "rewards/accuracy": correct / len(indices)}
                 if held_out and (step % cfg.eval_every == 0 or step == steps):
                     with ctx.profiler.phase("eval"):
-                        metrics.update(evaluate_pairs(engine.module, held_out, ref_eval, cfg, pad_id))
+                        metrics.update(evaluate_pairs(engine.module, held_out, ref_eval, cfg, pad_id, precision))
                 history.append(metrics)
                 log({k: v for k, v in metrics.items() if k != "step"}, step=step)
                 advance(f"loss {train_loss:.3f} margin {metrics['rewards/margin']:+.3f}")
@@ -212,7 +224,8 @@ def run(spec: StageSpec) -> StageResult:
         result_metrics = {k: v for k, v in final.items() if k != "step"}
         result_metrics.update({"train/steps": float(steps), "timing/train_s": time.perf_counter() - started,
                                "perf/trainable_parameters": float(trainable),
-                               "perf/trainable_share": trainable / total})
+                               "perf/trainable_share": trainable / total,
+                               "perf/autocast_bf16": float(precision.autocast_dtype is not None)})
         if initial:
             result_metrics["eval/loss_initial"] = initial["eval/loss"]
         with ctx.output_dir() as out:

@@ -50,21 +50,24 @@ def logit_error(engine, model, prompt_ids: list[list[int]], new_tokens: int) -> 
     generation = engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=new_tokens),
                                  return_logits=True)
     worst = 0.0
+    device = next(model.parameters()).device
     for prompt, response, logits in zip(prompt_ids, generation.response_token_ids, generation.logits, strict=True):
-        tokens = torch.tensor([prompt + response])
+        tokens = torch.tensor([prompt + response], device=device)
         reference = model(input_ids=tokens).logits[0, len(prompt) - 1: len(prompt) + len(response) - 1]
-        worst = max(worst, float((logits.float().cpu().log_softmax(-1) - reference.float().log_softmax(-1))
+        worst = max(worst, float((logits.float().to(device).log_softmax(-1) - reference.float().log_softmax(-1))
                                  .abs().max()))
     return worst
 
 
-def build_and_check(sft_dir: Path, cfg: EngineConfig, dtype: str, prompt_ids: list[list[int]], out: Path) -> dict:
-    """Build the engine, check it against hf, save it into `out`; returns the build report. Runs where the backend
-    is importable: in the stage's process, or under engine.worker_python (a venv with vllm) in a one-shot child."""
+def build_and_check(sft_dir: Path, cfg: EngineConfig, dtype: str, prompt_ids: list[list[int]], out: Path,
+                    device: str | None = None) -> dict:
+    """Build the engine on `device` (None: the GPU when there is one), check it against hf on the same device, save
+    it into `out`; returns the build report. Runs where the backend is importable: in the stage's process, or under
+    engine.worker_python (a venv with vllm) in a one-shot child."""
     rss_before = psutil.Process().memory_info().rss
     started = time.perf_counter()
     try:
-        engine = build_engine(sft_dir, cfg, dtype=dtype)
+        engine = build_engine(sft_dir, cfg, dtype=dtype, device=device)
     except UnsupportedArchitectureError as exc:
         raise StageInputError(str(exc)) from None
     except NotImplementedError as exc:
@@ -76,9 +79,11 @@ def build_and_check(sft_dir: Path, cfg: EngineConfig, dtype: str, prompt_ids: li
     if cfg.worker_python:
         report["execution_paths"]["python"] = sys.executable
     if cfg.backend != "hf":
-        reference = build_engine(sft_dir, EngineConfig(**{**cfg.model_dump(), "backend": "hf"}), dtype=dtype)
+        reference = build_engine(sft_dir, EngineConfig(**{**cfg.model_dump(), "backend": "hf"}), dtype=dtype,
+                                 device=device)
         parity = check_greedy_parity(engine, reference, prompt_ids, cfg.parity_new_tokens)
-        error = logit_error(engine, load_causal_lm(sft_dir, dtype=dtype).eval(), prompt_ids, cfg.parity_new_tokens)
+        model = load_causal_lm(sft_dir, dtype=dtype).to(reference.device).eval()
+        error = logit_error(engine, model, prompt_ids, cfg.parity_new_tokens)
         tolerance = LOGIT_TOLERANCE[dtype]
         report["parity"] = {"prompts": len(prompt_ids), "new_tokens": cfg.parity_new_tokens,
                             "greedy_matching_sequences": parity.matching_sequences,
@@ -112,8 +117,10 @@ def run(spec: StageSpec) -> StageResult:
         # child under that one, which has the backend's package (the RL stage's rollout workers use the same).
         interpreter = resolve(cfg.worker_python, cfg.backend)
         with ctx.output_dir() as out:
-            report = call_in(interpreter, build_and_check, sft_dir, cfg, dtype, prompt_ids, out,
+            device = str(ctx.compute_device())
+            report = call_in(interpreter, build_and_check, sft_dir, cfg, dtype, prompt_ids, out, device,
                              what=f"the {cfg.backend} engine build")
+            ctx.record_device("generate", report["execution_paths"].get("device", device))
             build_s = report["build_s"]
             metrics = {"engine/build_s": build_s, "engine/footprint_mb": report["footprint_mb"],
                        "engine/parity_ok": float(report["parity"]["ok"])}

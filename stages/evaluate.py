@@ -387,10 +387,11 @@ def plot_curves(history: list[dict[str, float]], out_dir: Path, kl_budget: float
 # The stage
 # ----------------------------------------------------------------------------------------------
 
-def _generate(checkpoint: Path, engine_cfg: EngineConfig, dtype: str, prompt_ids: list[list[int]],
+def _generate(checkpoint: Path, engine_cfg: EngineConfig, dtype: str, device: str, prompt_ids: list[list[int]],
               *samplings: SamplingParams) -> list[Generation]:
-    """Build an engine from `checkpoint`, answer every prompt once per sampling setting, free the engine."""
-    engine = build_engine(checkpoint, engine_cfg, dtype=dtype)
+    """Build an engine from `checkpoint` on `device`, answer every prompt once per sampling setting, free the
+    engine."""
+    engine = build_engine(checkpoint, engine_cfg, dtype=dtype, device=device)
     try:
         return [engine.generate(prompt_ids, sampling) for sampling in samplings]
     finally:
@@ -400,11 +401,12 @@ def _generate(checkpoint: Path, engine_cfg: EngineConfig, dtype: str, prompt_ids
             close()  # vllm: one live engine per process, and the next checkpoint builds another
 
 
-def _generate_each(engine_cfg: EngineConfig, dtype: str, prompt_ids: list[list[int]],
+def _generate_each(engine_cfg: EngineConfig, dtype: str, device: str, prompt_ids: list[list[int]],
                    jobs: list[tuple[Path, tuple[SamplingParams, ...]]]) -> list[list[Generation]]:
     """`_generate` for each (checkpoint, samplings) in turn: in this process, or all in one child process under
     engine.worker_python (a venv with vllm; the stage itself keeps its scoring, tracking and publishing here)."""
-    return [_generate(checkpoint, engine_cfg, dtype, prompt_ids, *samplings) for checkpoint, samplings in jobs]
+    return [_generate(checkpoint, engine_cfg, dtype, device, prompt_ids, *samplings)
+            for checkpoint, samplings in jobs]
 
 
 @dataclass
@@ -519,6 +521,7 @@ def run(spec: StageSpec) -> StageResult:
         with_rm = bool(reward_input_names(spec.inputs))
         tokenizer = load_tokenizer(policy_dir)
         pad_id = pad_token_id(tokenizer)
+        device = ctx.compute_device()
         records = load_prompts(data_dir / "eval_prompts.jsonl")[: cfg.n_prompts]
         prompt_texts = [render_prompt(r.prompt, tokenizer) for r in records]
         prompt_ids = [encode_prompt(tokenizer, t) for t in prompt_texts]
@@ -542,7 +545,9 @@ def run(spec: StageSpec) -> StageResult:
                 # so the promotion gate compares like with like.
                 jobs.append((ctx.input("champion") / "policy", (sampling,)))
             answers = call_in(resolve(engine_cfg.worker_python, engine_cfg.backend), _generate_each, engine_cfg,
-                              model_cfg.dtype, prompt_ids, jobs, what=f"the evaluation's {engine_cfg.backend} generation")
+                              model_cfg.dtype, str(device), prompt_ids, jobs,
+                              what=f"the evaluation's {engine_cfg.backend} generation")
+            ctx.record_device("generate", device)
             (policy_gen, kl_sample), (sft_gen,) = answers[:2]
             gen = {"policy": policy_gen, "sft": sft_gen}
             if len(answers) == 3:
@@ -554,7 +559,8 @@ def run(spec: StageSpec) -> StageResult:
         with profiler.phase("score"):
             rm_info, rm = [], None
             if with_rm:
-                reward_models = load_reward_models(ctx, dtype=model_cfg.dtype, tokenizer=tokenizer)
+                reward_models = load_reward_models(ctx, dtype=model_cfg.dtype, device=device, tokenizer=tokenizer)
+                ctx.record_device("score", reward_models[0].model)
                 rm_info = [{"name": m.name, "weight": m.weight, "score_mean": m.mean, "score_std": m.std}
                            for m in reward_models]
                 rm = {side: score_with_reward_models(
@@ -565,9 +571,9 @@ def run(spec: StageSpec) -> StageResult:
                     if gold_available else None for side in gen}
 
         with profiler.phase("kl"):
-            device = "cuda" if torch.cuda.is_available() else "cpu"
             policy = load_causal_lm(policy_dir, dtype=model_cfg.dtype).to(device).eval()
             reference = load_causal_lm(sft_dir, dtype=model_cfg.dtype).to(device).eval()
+            ctx.record_device("reference", reference)
             kl = kl_to_reference(policy, reference, prompt_ids, kl_sample.response_token_ids, pad_id).tolist()
             del policy, reference
 

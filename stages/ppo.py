@@ -31,6 +31,7 @@ from alignflow.contract import RUN_STARTED_AT_VAR, StageResult, StageSpec
 from alignflow.manifest import find_published, materialize, publish
 from alignflow.stages.data.demo_task import gold_score
 from alignflow.stages.data.formats import load_prompts, render_prompt
+from alignflow.stages.devices import device_of
 from alignflow.stages.generation.base import (
     EngineError,
     SamplingParams,
@@ -367,15 +368,15 @@ def value_update(critic, mb: Experience, packed: PackedRows | None, cfg: PPOConf
     return metrics
 
 
-def critic_in_process(actor_width: int, cfg: PPOConfig, backend: str) -> bool:
+def critic_in_process(actor_width: int, cfg: PPOConfig, backend: str, device: torch.device) -> bool:
     """Whether the critic runs in its own process (ppo.critic_process): where overlaps_critic would give it a thread
     (decided before any model loads, so the process starts first: one rank, > 1 thread, the plain torch trainer,
-    which trains where the models load, on the CPU), not with ppo.compile_train (the critic would compile in the
-    worker, untested there), and under auto for actors narrower than 256 (as overlap_passes: there the work is bound
-    by operator dispatch, which the two processes do in parallel)."""
+    the models on the CPU), not with ppo.compile_train (the critic would compile in the worker, untested there), and
+    under auto for actors narrower than 256 (as overlap_passes: there the work is bound by operator dispatch, which
+    the two processes do in parallel)."""
     return (cfg.algorithm == "ppo" and cfg.critic_process != "off" and cfg.overlap_critic and not cfg.async_rollouts
             and not cfg.compile_train and world_size() == 1 and torch.get_num_threads() > 1 and backend == "torch"
-            and (cfg.critic_process == "on" or actor_width < OVERLAP_PASSES_BELOW_WIDTH))
+            and device.type == "cpu" and (cfg.critic_process == "on" or actor_width < OVERLAP_PASSES_BELOW_WIDTH))
 
 
 @contextmanager
@@ -701,19 +702,20 @@ def run(spec: StageSpec) -> StageResult:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     ctx = StageContext(spec)
+    device = ctx.compute_device()  # model.device: every model this stage trains or runs lives there
     out = working_dir(ctx)
     state = RLState(cfg)
     resume = latest_checkpoint(spec)
     # The critic's process (ppo.critic_process) starts first: its interpreter, imports and model load (~3.4 s on 2
     # cores, most of it transformers' imports) run beside this process's setup, loads and first rollout; its first
     # request (iteration 1's values, or a resume's checkpoint) waits for the rest. Closed on every exit.
-    with started_critic(ctx, cfg, model_cfg, engine_cfg) as remote_critic, tracked(ctx):
-        return _train(ctx, spec, cfg, model_cfg, engine_cfg, reward_fns, out, state, resume, remote_critic)
+    with started_critic(ctx, cfg, model_cfg, engine_cfg, device) as remote_critic, tracked(ctx):
+        return _train(ctx, spec, cfg, model_cfg, engine_cfg, reward_fns, out, state, resume, device, remote_critic)
 
 
 @contextmanager
-def started_critic(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig
-                   ) -> Iterator[CriticWorker | None]:
+def started_critic(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                   device: torch.device) -> Iterator[CriticWorker | None]:
     """The critic's process where critic_in_process puts it (None: the critic lives in this process), closed after."""
     try:
         backend = resolve_train_backend(cfg.train_backend, cfg.zero_stage)
@@ -721,11 +723,10 @@ def started_critic(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, en
         backend = "deepspeed"  # _train reports the bad setting
     reward_inputs = sorted(k for k in ctx.spec.inputs if k.startswith("reward_"))
     width = int(json.loads((ctx.input("sft") / "config.json").read_text()).get("hidden_size", 0) or 0)
-    if not (reward_inputs and width and critic_in_process(width, cfg, backend)):
+    if not (reward_inputs and width and critic_in_process(width, cfg, backend, device)):
         yield None
         return
-    # The torch trainer keeps its models on the CPU, where they load: the precision the actor's resolves to.
-    precision = resolve_precision(cfg.autocast, model_cfg.dtype, torch.device("cpu"), width)
+    precision = resolve_precision(cfg.autocast, model_cfg.dtype, device, width)  # as the actor's (on the CPU)
     worker = CriticWorker(CriticSpec(str(ctx.input(reward_inputs[0])), cfg, model_cfg.dtype,
                                      optim_settings(cfg, model_cfg, cfg.critic_lr), training_attention_for(cfg, engine_cfg),
                                      precision, threads=max(1, torch.get_num_threads() // 2)))
@@ -749,7 +750,7 @@ def training_attention_for(cfg: PPOConfig, engine_cfg: EngineConfig) -> str:
 
 
 def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,
-           reward_fns, out: Path, state: RLState, resume: tuple[int, str] | None,
+           reward_fns, out: Path, state: RLState, resume: tuple[int, str] | None, device: torch.device,
            remote_critic: CriticWorker | None = None) -> StageResult:
     profiler = ctx.profiler
     with profiler.phase("setup"):
@@ -762,14 +763,14 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
     with profiler.phase("load_models"):
         # Rank 0 scores every rollout and sends the scores with it: only it loads the reward models.
-        reward_models = (load_reward_models(ctx) if is_main() and any(k.startswith("reward_") for k in spec.inputs)
-                         else [])
-        actor_model = apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "ppo.lora")
+        reward_models = (load_reward_models(ctx, device=device)
+                         if is_main() and any(k.startswith("reward_") for k in spec.inputs) else [])
+        actor_model = apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "ppo.lora").to(device)
         reference = None  # not even loaded when the KL plays no part (kl_coef 0)
         if needs_reference(cfg):
             # With LoRA the reference is the actor with its adapters off: the frozen base is the SFT model.
             reference = (AdaptersDisabled(actor_model) if cfg.lora.enabled
-                         else load_causal_lm(sft_dir, dtype=model_cfg.dtype).eval().requires_grad_(False))
+                         else load_causal_lm(sft_dir, dtype=model_cfg.dtype).to(device).eval().requires_grad_(False))
         trainable, total = parameter_counts(actor_model)
     with profiler.phase("trainer_init"):
         try:
@@ -783,9 +784,18 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         critic: Any = remote_critic  # in its own process (started_critic), or here
         if cfg.algorithm == "ppo" and critic is None:
             critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])
-            critic = initialize_trainer(load_critic_model(critic_dir, cfg, model_cfg.dtype),
+            critic = initialize_trainer(load_critic_model(critic_dir, cfg, model_cfg.dtype).to(device),
                                         optim_settings(cfg, model_cfg, cfg.critic_lr), backend)
         local_critic = critic is not None and not isinstance(critic, CriticWorker)
+        ctx.record_device("train", actor.module)
+        if local_critic:
+            ctx.record_device("critic", critic.module)
+        elif critic is not None:
+            ctx.record_device("critic", "cpu")  # the critic's process: only where the models are on the CPU
+        if reference is not None:
+            ctx.record_device("reference", actor.module if cfg.lora.enabled else reference)
+        if reward_models:
+            ctx.record_device("score", reward_models[0].model)
         for model in (None if cfg.lora.enabled else reference, unwrap_lora(actor.module),
                       unwrap_lora(critic.module) if local_critic else None, *(rm.model for rm in reward_models)):
             if model is not None:
@@ -817,9 +827,10 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
     with profiler.phase("engine_load"):
         # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.
         if world_size() > 1:  # rank 0 generates (and scores) for every trainer rank
-            rollouts = RanksRollouts(open_rollouts(ctx, cfg, engine_cfg) if is_main() else None, is_main(), from_main)
+            rollouts = RanksRollouts(open_rollouts(ctx, cfg, engine_cfg, device) if is_main() else None, is_main(),
+                                     from_main)
         else:
-            rollouts = open_rollouts(ctx, cfg, engine_cfg)
+            rollouts = open_rollouts(ctx, cfg, engine_cfg, device)
     with closing(rollouts):  # every exit path closes it: no rollout worker process outlives the stage
         if resume is not None:
             load_checkpoint(ctx, resume[1], state, actor, critic)
@@ -893,10 +904,11 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                           message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
 
 
-def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig) -> RolloutClient | RolloutWorkers:
+def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, device: torch.device
+                  ) -> RolloutClient | RolloutWorkers:
     """The engine stage's output behind the rollout client: in this process (engine.rollout_workers = 0), or as
     engine.rollout_workers replicas in their own processes fed by a work queue (each engine.tensor_parallel_size
-    processes)."""
+    processes), on the trainer's device type (on a GPU each worker process takes its default one)."""
     if engine_cfg.rollout_workers >= 1:
         tp = engine_cfg.tensor_parallel_size
         try:
@@ -904,18 +916,21 @@ def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig) -
                                      chunk_size=engine_cfg.queue_chunk, threads=engine_cfg.rollout_worker_threads,
                                      timeout_s=engine_cfg.rollout_timeout_s,
                                      unload_during_training=engine_cfg.unload_during_training,
+                                     device=None if device.type == "cuda" else str(device),
                                      tensor_parallel_size=tp, worker_python=engine_cfg.worker_python)
         except (EngineError, UnsupportedArchitectureError) as exc:
             raise StageInputError(str(exc)) from None
         layout = (f"{engine_cfg.rollout_workers} rollout replica(s) x {tp} tensor-parallel ranks: "
                   if tp > 1 else "")
+        ctx.record_device("generate", "cuda" if device.type == "cuda" else device)
         print(f"{cfg.algorithm}: {layout}{len(workers.workers)} rollout worker processes (pids "
               f"{', '.join(str(w.pid) for w in workers.workers)}; {workers.threads} torch thread(s) each), chunks of "
               f"{engine_cfg.queue_chunk} sequences", file=sys.stderr, flush=True)
         return workers
     # With ppo.async_rollouts the next iteration is generated while this one trains (one-step off-policy).
-    return RolloutClient(load_engine(ctx.input("engine")), overlap=cfg.async_rollouts,
-                         unload_during_training=engine_cfg.unload_during_training)
+    engine = load_engine(ctx.input("engine"), device=str(device))
+    ctx.record_device("generate", engine.execution_paths().get("device", str(device)))
+    return RolloutClient(engine, overlap=cfg.async_rollouts, unload_during_training=engine_cfg.unload_during_training)
 
 
 def refit_stream(actor) -> tuple[Iterator[tuple[str, torch.Tensor]], bool]:
@@ -997,7 +1012,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                      response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
                      old_logprobs=rollout_logprobs * mask, ref_logprobs=torch.zeros_like(mask), values=None,
                      scores=torch.zeros(len(rows)), token_rewards=torch.zeros_like(mask), kl=torch.zeros_like(mask),
-                     advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p)
+                     advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p).to(device_of(actor))
+    mask = exp.response_mask
 
     def score() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
         scored = None
@@ -1017,7 +1033,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                                               with_values=not values_first)
     check_finite("the reward", raw, iteration)
     finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
-    exp.scores = shape_scores(raw, finished, state, cfg)
+    exp.scores = shape_scores(raw, finished, state, cfg).to(mask.device)
     with_reference = needs_reference(cfg)
     if off_policy:
         exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,

@@ -9,6 +9,7 @@ pairwise accuracy and the score's mean/std on held-out responses (the RL stage n
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -33,6 +34,8 @@ from alignflow.stages.training.loop import (
     total_steps,
 )
 from alignflow.stages.training.lora import apply_lora, parameter_counts, save_trained
+from alignflow.stages.training.placement import place_for_training
+from alignflow.stages.training.precision import Precision
 
 
 def encode_pair(tokenizer, record, max_length: int) -> tuple[list[int], list[int]]:
@@ -43,11 +46,14 @@ def encode_pair(tokenizer, record, max_length: int) -> tuple[list[int], list[int
     return chosen[:max_length], rejected[:max_length]
 
 
-def score(model, sequences: list[list[int]], pad_id: int) -> torch.Tensor:
-    """[N] scalar rewards of right-padded sequences (the head reads the last non-pad token)."""
-    input_ids = pad_right(sequences, pad_id)
-    attention_mask = pad_right([[1] * len(s) for s in sequences], 0)
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+def score(model, sequences: list[list[int]], pad_id: int, precision: Precision | None = None) -> torch.Tensor:
+    """[N] scalar rewards of right-padded sequences (the head reads the last non-pad token), computed on the model's
+    device in `precision` (None: the model's dtype)."""
+    device = next(getattr(model, "module", model).parameters()).device
+    input_ids = pad_right(sequences, pad_id).to(device)
+    attention_mask = pad_right([[1] * len(s) for s in sequences], 0).to(device)
+    with precision.forward() if precision is not None else contextlib.nullcontext():
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -56,14 +62,15 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def evaluate_pairs(model, pairs: list[tuple[list[int], list[int]]], pad_id: int, batch_size: int) -> dict[str, float]:
+def evaluate_pairs(model, pairs: list[tuple[list[int], list[int]]], pad_id: int, batch_size: int,
+                   precision: Precision | None = None) -> dict[str, float]:
     """Held-out pairwise accuracy, mean BT loss, and the mean/std of scores over all held-out responses."""
     was_training = model.training
     model.eval()
     chosen_scores, rejected_scores = [], []
     for start in range(0, len(pairs), batch_size):
         part = pairs[start:start + batch_size]
-        both = score(model, [c for c, _ in part] + [r for _, r in part], pad_id)
+        both = score(model, [c for c, _ in part] + [r for _, r in part], pad_id, precision)
         chosen_scores.append(both[: len(part)])
         rejected_scores.append(both[len(part):])
     model.train(was_training)
@@ -85,8 +92,9 @@ def run(spec: StageSpec) -> StageResult:
         sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
         tokenizer = load_tokenizer(sft_dir)
         pad_id = pad_token_id(tokenizer)
-        model = apply_lora(load_sequence_classifier(sft_dir, dtype=model_cfg.dtype, seed=rm.seed), cfg.lora,
-                           "reward.lora", classifier=True)
+        model, precision = place_for_training(
+            ctx, apply_lora(load_sequence_classifier(sft_dir, dtype=model_cfg.dtype, seed=rm.seed), cfg.lora,
+                            "reward.lora", classifier=True), cfg.autocast, model_cfg.dtype, "reward")
         trainable, total = parameter_counts(model)
         train_records = load_preferences(data_dir / "preferences_train.jsonl")
         eval_records = load_preferences(data_dir / "preferences_eval.jsonl")
@@ -105,9 +113,10 @@ def run(spec: StageSpec) -> StageResult:
         grad_accum = cfg.batch_size // (cfg.micro_batch_size * world_size())
         engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
         engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
+        ctx.record_device("train", engine.module)
         log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
         with ctx.profiler.phase("eval"):
-            initial = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)
+            initial = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size, precision)
         log({"eval/accuracy": initial["eval/accuracy"], "eval/loss": initial["eval/loss"]}, step=0)
         started = time.perf_counter()
         with progress_bar(f"reward-{rm.name}", steps) as advance:
@@ -116,7 +125,8 @@ def run(spec: StageSpec) -> StageResult:
                 share = local_share(indices)  # every rank draws the same global batch and trains on its share
                 with ctx.profiler.phase("train"):
                     for part in split_micro(share, cfg.micro_batch_size):
-                        both = score(engine, [train[i][0] for i in part] + [train[i][1] for i in part], pad_id)
+                        both = score(engine, [train[i][0] for i in part] + [train[i][1] for i in part], pad_id,
+                                     precision)
                         chosen, rejected = both[: len(part)], both[len(part):]
                         loss = bradley_terry_loss(chosen, rejected)
                         # Mean over the global step's pairs: DeepSpeed divides by grad_accum in backward and
@@ -134,12 +144,14 @@ def run(spec: StageSpec) -> StageResult:
                                 "train/lr": scheduler.get_last_lr()[0]}
                 if step % cfg.eval_every == 0 or step == steps:
                     with ctx.profiler.phase("eval"):
-                        step_metrics.update(evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size))
+                        step_metrics.update(evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size,
+                                                           precision))
                 log(step_metrics, step=step)
                 advance(f"loss {train_loss:.3f}")
         with ctx.profiler.phase("eval"):
-            final = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size)
+            final = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size, precision)
         metrics = {**final, "eval/accuracy_initial": initial["eval/accuracy"], "train/steps": float(steps),
+                   "perf/autocast_bf16": float(precision.autocast_dtype is not None),
                    "perf/trainable_parameters": float(trainable), "perf/trainable_share": trainable / total,
                    "timing/train_s": time.perf_counter() - started}
         log({"timing/train_s": metrics["timing/train_s"]}, step=steps)

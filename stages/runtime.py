@@ -33,6 +33,7 @@ from alignflow.manifest import InputRef, Manifest, find_published, materialize, 
 from alignflow.offline import set_offline_defaults
 from alignflow.stages import ranks
 from alignflow.stages.data.formats import DataError
+from alignflow.stages.devices import DeviceUnavailableError, compute_device, device_name
 from alignflow.stages.generation.base import BackendUnavailableError
 from alignflow.stages.profiler import Profiler
 from alignflow.stages.warm import stage_module
@@ -46,8 +47,9 @@ class StageInputError(ValueError):
 # Errors that mean "the input is wrong": exit code 2, one-line reason, never retried.
 # BackendUnavailableError: an engine backend whose package or device is missing here (the config asks for the wrong
 # image or interpreter; a retry cannot help).
+# DeviceUnavailableError: model.device asks for a GPU this machine does not have.
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (StageInputError, ConfigError, StorageError, DataError,
-                                                      BackendUnavailableError)
+                                                      BackendUnavailableError, DeviceUnavailableError)
 
 
 def load_spec(path_or_uri: str) -> StageSpec:
@@ -83,6 +85,8 @@ class StageContext:
         self.started = time.perf_counter()
         self._inputs: dict[str, tuple[Path, Manifest]] = {}
         self.tracker = None  # alignflow.tracking.StageRun when tracking is enabled
+        # Where each role's model computed (record_device), published in the summary and the StageResult.
+        self.devices: dict[str, str] = {}
         # Every stage is profiled: stages time their phases with `ctx.profiler.phase(name)`;
         # publish_output adds profile.md to the output and the totals to MLflow.
         self.profiler = Profiler(spec.stage).start()
@@ -91,6 +95,19 @@ class StageContext:
         self.process_start_s = seconds_since(LAUNCHED_AT_VAR)
         if self.process_start_s is not None:
             self.profiler.record_before_start("process_start", self.process_start_s)
+
+    def compute_device(self):
+        """The torch device this rank computes on: the spec's `model.device` (auto | cpu | cuda), resolved."""
+        return compute_device(str((self.spec.config.get("model") or {}).get("device", "auto")))
+
+    def record_device(self, role: str, where) -> None:
+        """Record where `role` (train, reference, score, generate, ...) computed: a device, a device name, or a
+        model, whose first parameter's device is taken (where it really is, not where it was asked to be)."""
+        if hasattr(where, "parameters") or hasattr(where, "module"):
+            from alignflow.stages.devices import device_of
+
+            where = device_of(where)
+        self.devices[role] = device_name(where)
 
     def input(self, name: str) -> Path:
         """A verified local folder of input `name` (downloaded once for s3://, in place for file://)."""
@@ -147,6 +164,10 @@ class StageContext:
             self.tracker.log_artifact(folder / "profile.md", "reports")
         inputs = {name: InputRef(uri=uri, digest=self.spec.input_digests.get(name, ""))
                   for name, uri in self.spec.inputs.items()}
+        if self.devices:
+            summary = {**(summary or {}), "devices": dict(self.devices)}
+            if self.tracker is not None:
+                self.tracker.set_tags({f"alignflow.device.{role}": name for role, name in self.devices.items()})
         manifest = publish(folder, self.spec.output_uri, stage=self.spec.stage, config=self.spec.config,
                            inputs=inputs, version=self.spec.code_version, summary=summary,
                            storage=self.spec.storage)
@@ -170,7 +191,8 @@ class StageContext:
                            manifest_digest=manifest.digest, metrics={**metrics, **self.storage_metrics()},
                            key_metric=key_metric,
                            mlflow_run_id=self.tracker.run_id if self.tracker else None,
-                           duration_s=round(time.perf_counter() - self.started, 3), message=message)
+                           duration_s=round(time.perf_counter() - self.started, 3), message=message,
+                           devices=dict(self.devices))
 
 
     def rank_result(self, metrics: dict[str, float]) -> StageResult:

@@ -7,6 +7,7 @@ output). Output: an HF-format safetensors checkpoint with its tokenizer and a si
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -30,14 +31,20 @@ from alignflow.stages.training.loop import (
     total_steps,
 )
 from alignflow.stages.training.lora import apply_lora, parameter_counts, save_trained
+from alignflow.stages.training.placement import place_for_training, to_device
+from alignflow.stages.training.precision import Precision
 
 
-def completion_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed negative log-likelihood of the completion tokens of a batch, and their count.
+def completion_nll(model, batch: dict[str, torch.Tensor], precision: Precision | None = None
+                   ) -> tuple[torch.Tensor, int]:
+    """Summed negative log-likelihood of the completion tokens of a batch, and their count; the batch is moved to
+    the model's device and the forward runs in `precision` (None: the model's dtype).
 
     Uses the kernels' selective log-softmax: no [B, T, V] float32 log-softmax is materialised.
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    batch = to_device(batch, next(getattr(model, "module", model).parameters()).device)
+    with precision.forward() if precision is not None else contextlib.nullcontext():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE_INDEX
     logp = selective_log_softmax(logits[:, :-1], targets.clamp(min=0))
@@ -45,13 +52,14 @@ def completion_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()
-def eval_loss(model, examples: list[Encoded], pad_id: int, batch_size: int) -> float:
+def eval_loss(model, examples: list[Encoded], pad_id: int, batch_size: int, precision: Precision | None = None
+              ) -> float:
     """Mean per-token NLL of the completion tokens of `examples`."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
-        nll, n = completion_nll(model, collate_lm(examples[start:start + batch_size], pad_id))
+        nll, n = completion_nll(model, collate_lm(examples[start:start + batch_size], pad_id), precision)
         total, count = total + float(nll), count + n
     model.train(was_training)
     return total / max(count, 1)
@@ -66,7 +74,9 @@ def run(spec: StageSpec) -> StageResult:
     with tracked(ctx):
         base_dir, data_dir = ctx.input("base"), ctx.input("data")
         tokenizer = load_tokenizer(base_dir)
-        model = apply_lora(load_causal_lm(base_dir, dtype=model_cfg.dtype), cfg.lora, "sft.lora")
+        model, precision = place_for_training(
+            ctx, apply_lora(load_causal_lm(base_dir, dtype=model_cfg.dtype), cfg.lora, "sft.lora"), cfg.autocast,
+            model_cfg.dtype, "sft")
         trainable, total = parameter_counts(model)
         pad_id = pad_token_id(tokenizer)
         train_records = load_sft(data_dir / "sft_train.jsonl")
@@ -88,13 +98,15 @@ def run(spec: StageSpec) -> StageResult:
         grad_accum = cfg.batch_size // (cfg.micro_batch_size * world_size())
         engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
         engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
+        ctx.record_device("train", engine.module)
 
         with ctx.profiler.phase("eval"):
-            initial_loss = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)
+            initial_loss = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size, precision)
         log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
         log({"eval/loss": initial_loss}, step=0)
         metrics = {"eval/loss_initial": initial_loss, "perf/trainable_parameters": float(trainable),
-                   "perf/trainable_share": trainable / total}
+                   "perf/trainable_share": trainable / total,
+                   "perf/autocast_bf16": float(precision.autocast_dtype is not None)}
         tokens_seen, started = 0, time.perf_counter()
         train_loss = float("nan")
         with progress_bar("sft", steps) as advance:
@@ -108,7 +120,7 @@ def run(spec: StageSpec) -> StageResult:
                 step_nll = 0.0
                 with ctx.profiler.phase("train"):
                     for batch in micro:
-                        nll, _ = completion_nll(engine, batch)
+                        nll, _ = completion_nll(engine, batch, precision)
                         # Token-mean over the whole global step, not a mean of micro-batch means: DeepSpeed
                         # divides by grad_accum in backward and averages gradients over ranks, so scale back up.
                         engine.backward(nll / step_tokens * grad_accum * world_size())
@@ -123,7 +135,8 @@ def run(spec: StageSpec) -> StageResult:
                                 "perf/tokens_per_s": tokens_seen / (time.perf_counter() - started)}
                 if step % cfg.eval_every == 0 or step == steps:
                     with ctx.profiler.phase("eval"):
-                        step_metrics["eval/loss"] = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size)
+                        step_metrics["eval/loss"] = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size,
+                                                              precision)
                 log(step_metrics, step=step)
                 advance(f"loss {train_loss:.3f}")
         final_loss = step_metrics["eval/loss"]

@@ -56,6 +56,15 @@ class Experience:
                    ref_logprobs=zeros, values=None, scores=torch.zeros(len(prompt_ids)), token_rewards=zeros,
                    kl=zeros, advantages=zeros, returns=None, prompt_width=width_p)
 
+    def to(self, device: torch.device | str) -> Experience:
+        """The same experience with every tensor on `device` (the trained models'; the rollout is assembled on the
+        CPU). Returns self when everything is there already."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Experience(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
+
     def select(self, index: Tensor) -> Experience:
         """The rows `index` (a minibatch); tensors are indexed along dim 0."""
         values = {}

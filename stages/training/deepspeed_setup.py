@@ -19,8 +19,9 @@ import torch
 from alignflow import console
 
 
-def init_distributed() -> None:
-    """Initialise torch.distributed once: env:// under a launcher, an in-memory store for one process.
+def init_distributed(on_cuda: bool | None = None) -> None:
+    """Initialise torch.distributed once: env:// under a launcher, an in-memory store for one process; NCCL for
+    ranks that compute on CUDA (on_cuda; None: whether torch sees a GPU), else gloo.
 
     One process needs no rendezvous, so it gets a HashStore instead of a TCP port: picking a free port
     and listening on it later races with every other socket on the box (CI once lost that race,
@@ -30,14 +31,21 @@ def init_distributed() -> None:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+    backend = "nccl" if on_cuda else "gloo"
+    # On a GPU the group carries both: NCCL for the models' CUDA tensors, gloo for the CPU ones the stages reduce
+    # (loss sums, token counts, broadcast objects: stages/ranks.py), which NCCL alone refuses.
+    group_backend = "cpu:gloo,cuda:nccl" if on_cuda else "gloo"
     # A launcher (torchrun, ours in stages/ranks.py) sets the whole env:// set. WORLD_SIZE alone is no sign of
     # one: this function sets it below, and a process that called it (a test session) passes it on to the
     # stages it starts, where an env:// rendezvous then failed for want of MASTER_ADDR.
     if not {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"} <= os.environ.keys():
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             os.environ[name] = value  # DeepSpeed reads these even when the group already exists
-        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        torch.distributed.init_process_group(group_backend, store=torch.distributed.HashStore(), rank=0,
+                                             world_size=1)
+    else:
+        torch.distributed.init_process_group(group_backend, init_method="env://")
     with console.library_stdout():  # DeepSpeed prints "deepspeed_shm_comm_op built successfully" here
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
@@ -58,8 +66,9 @@ class OptimSettings:
     schedule: str = "cosine"  # "cosine": linear warm-up then cosine decay; "constant": no scheduler (RL)
 
 
-def deepspeed_config(settings: OptimSettings) -> dict[str, Any]:
-    """A DeepSpeed config dict: AdamW, linear warm-up then cosine decay, ZeRO stage, precision."""
+def deepspeed_config(settings: OptimSettings, on_cuda: bool | None = None) -> dict[str, Any]:
+    """A DeepSpeed config dict: AdamW, linear warm-up then cosine decay, ZeRO stage, precision (on_cuda: whether
+    the model trains on a GPU; None: whether torch sees one)."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
@@ -84,19 +93,28 @@ def deepspeed_config(settings: OptimSettings) -> dict[str, Any]:
         config["bf16"] = {"enabled": True}
     elif settings.dtype == "float16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 16}
-    if not torch.cuda.is_available():
+    if not (torch.cuda.is_available() if on_cuda is None else on_cuda):
         # DeepSpeed's fused CPU Adam needs a C++ build; torch's AdamW is as fast for small models.
         config["zero_force_ds_cpu_optimizer"] = False
     return config
 
 
 def initialize(model: torch.nn.Module, settings: OptimSettings):
-    """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer, scheduler)."""
+    """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer, scheduler).
+
+    The model trains where it is: on a GPU (DeepSpeed's CUDA accelerator, NCCL), or on the CPU (its CPU
+    accelerator, gloo), also on a machine with a GPU when the stage was told `model.device: cpu`. DeepSpeed picks
+    its accelerator once per process, at its first use, from DS_ACCELERATOR or the hardware; so a CPU model sets
+    DS_ACCELERATOR=cpu before that first use.
+    """
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if not on_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    init_distributed()
-    config = deepspeed_config(settings)
-    if not torch.cuda.is_available():
+    init_distributed(on_cuda)
+    config = deepspeed_config(settings, on_cuda)
+    if not on_cuda:
         # Build the optimizer ourselves on CPU: torch AdamW (DeepSpeed's CPU Adam would JIT-compile C++).
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay,

@@ -1,4 +1,4 @@
-"""Which precision the RL trainer's forwards run in: bfloat16 autocast where the hardware has bf16 arithmetic.
+"""Which precision the trained models' forwards run in: bfloat16 autocast where the hardware has bf16 arithmetic.
 
 Autocast keeps fp32 master weights and the fp32 optimizer; only the matmuls (and what autocast lists
 with them) run in bf16. On this project's AMD EPYC (AVX512-BF16, 2 cores) the actor's forward and
@@ -56,22 +56,31 @@ AUTOCAST_MIN_HIDDEN_SIZE = 256
 
 
 def resolve_precision(setting: str, model_dtype: str, device: torch.device,
-                      hidden_size: int | None = None) -> Precision:
-    """`setting` is ppo.autocast ('auto' | 'bf16' | 'off'); `model_dtype` is model.dtype; `hidden_size` the
-    actor's width (None: not known, not checked)."""
+                      hidden_size: int | None = None, *, section: str = "ppo", auto_on_cpu: bool = True) -> Precision:
+    """`setting` is <section>.autocast ('auto' | 'bf16' | 'off'); `model_dtype` is model.dtype; `hidden_size` the
+    trained model's width (None: not known, not checked).
+
+    auto: bf16 on a CUDA device with bf16 (any width: the GPU's tensor cores are what bf16 is for), and on a CPU
+    with bf16 arithmetic where `auto_on_cpu` (the RL stage, whose CPU figures chose it) and the model is at least
+    AUTOCAST_MIN_HIDDEN_SIZE wide; model dtype elsewhere."""
     if setting not in ("auto", "bf16", "off"):
-        raise ValueError(f"autocast setting '{setting}' is not one of auto, bf16, off")
+        raise ValueError(f"{section}.autocast '{setting}' is not one of auto, bf16, off")
     if setting == "off":
-        return Precision(None, device.type, "autocast off (ppo.autocast: off)")
+        return Precision(None, device.type, f"autocast off ({section}.autocast: off)")
     if model_dtype != "float32":
         return Precision(None, device.type, f"model.dtype is {model_dtype}: weights already in low precision")
     if setting == "bf16":
-        return Precision(torch.bfloat16, device.type, "ppo.autocast: bf16")
+        return Precision(torch.bfloat16, device.type, f"{section}.autocast: bf16")
     if not has_bf16_arithmetic(device):
         return Precision(None, device.type, f"auto: {device.type} has no bf16 arithmetic (bf16 would be emulated)")
+    if device.type == "cuda":
+        return Precision(torch.bfloat16, device.type, "auto: cuda has bf16 arithmetic")
+    if not auto_on_cpu:
+        return Precision(None, device.type, f"auto: bf16 autocast of {section} is for CUDA; on a CPU "
+                         f"{section}.autocast: bf16 forces it")
     if hidden_size is not None and hidden_size < AUTOCAST_MIN_HIDDEN_SIZE:
         return Precision(None, device.type, f"auto: hidden size {hidden_size} < {AUTOCAST_MIN_HIDDEN_SIZE}, too "
-                         "small for bf16 to pay; ppo.autocast: bf16 forces it")
+                         f"small for bf16 to pay on a CPU; {section}.autocast: bf16 forces it")
     return Precision(torch.bfloat16, device.type, f"auto: {device.type} has bf16 arithmetic")
 
 

@@ -118,7 +118,9 @@ def test_flow_run_has_a_summary_artifact(first_run):
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["alignflow-summary"])))
     assert artifacts, "the flow publishes a Markdown summary artifact"
     text = artifacts[0].data
-    assert "| stage | status | duration | ran (s into the run) | key metric | output | MLflow run |" in text
+    assert ("| stage | status | duration | ran (s into the run) | device | key metric | output | MLflow run |"
+            in text)
+    assert "| sft | ok |" in text and "| cpu |" in text  # the device column: where SFT trained
     assert f"`{rows['sft']['output_uri']}`" in " ".join(a.data for a in artifacts)
 
 

@@ -97,15 +97,31 @@ def jsonl_history(path: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def stage_device(request) -> str:
+    """The device every stage of these tests must compute on (pytest --device): 'cpu' or 'cuda:0'."""
+    import torch
+
+    chosen = request.config.getoption("--device", default="cpu")
+    if chosen == "auto":
+        chosen = "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda:0" if chosen == "cuda" else "cpu"
+
+
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
-def test_rl_raises_held_out_gold_score_above_sft(upstream, algorithm):
-    """With a fixed seed, the RL policy beats SFT on the gold score of held-out prompts (evaluate stage)."""
+def test_rl_raises_held_out_gold_score_above_sft(upstream, algorithm, request):
+    """With a fixed seed, the RL policy beats SFT on the gold score of held-out prompts (evaluate stage); every model
+    of every stage computed on the test's device (a GPU check fails if one trained on the CPU beside it)."""
     workdir, config, rows = upstream
+    where = stage_device(request)
+    assert {key: rows[key]["devices"] for key in ("sft", "reward-rm", "engine")} == {
+        "sft": {"train": where}, "reward-rm": {"train": where}, "engine": {"generate": where}}
     extra = {"group_size": 4, "prompts_per_iteration": 8, "minibatch_size": 16} if algorithm == "grpo" else {}
     spec = ppo_spec(upstream, f"align-{algorithm}", algorithm=algorithm, iterations=12, checkpoint_every=12,
                     max_new_tokens=24, **extra)
     code, result, stderr = finish(start_stage(spec, workdir))
     assert code == 0, stderr[-3000:]
+    roles = {"train", "reference", "score", "generate"} | ({"critic"} if algorithm == "ppo" else set())
+    assert result.devices == dict.fromkeys(roles, where), result.devices
     # Sampled at T=1 like the demo: greedy decoding of this tiny model collapses for SFT and policy alike.
     evaluate = {"evaluate": {**config.evaluate.model_dump(mode="json"), "n_prompts": 8, "max_new_tokens": 24,
                              "temperature": 1.0},
@@ -119,6 +135,7 @@ def test_rl_raises_held_out_gold_score_above_sft(upstream, algorithm):
     code, evaluation, stderr = finish(start_stage(eval_spec, workdir))
     assert code == 0, stderr[-3000:]
     report = json.loads((local(evaluation.output_uri) / "eval.json").read_text())
+    assert evaluation.devices == {"generate": where, "score": where, "reference": where}
     assert evaluation.metrics["eval/gold_delta"] > 0.1, report
     assert evaluation.metrics["eval/kl_to_ref"] < config.evaluate.kl_budget
 

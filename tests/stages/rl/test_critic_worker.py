@@ -20,6 +20,7 @@ from alignflow.stages.training.torch_engine import STATE_FILE, TorchTrainEngine
 from tests.stages.rl.test_train_shortcuts import FP32, PAD, checkpoint, ppo_config, rollout, trainer_settings
 
 __all__ = ["checkpoint", "rollout"]  # module fixtures shared with the shortcut tests
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +78,7 @@ def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(critic_folder
     on_thread = train_on(copy.copy(exp), actor, critic, cfg, 0.0, 1, FP32)
 
     remote_actor = TorchTrainEngine(load_causal_lm(checkpoint), settings)
-    assert critic_in_process(remote_actor.module.config.hidden_size, cfg, "torch")
+    assert critic_in_process(remote_actor.module.config.hidden_size, cfg, "torch", CPU)
     with closing(remote_critic(critic_folder, cfg)) as worker:
         worker.wait_ready()
         assert torch.equal(worker.values_async(exp, packed).result(), values_here)
@@ -140,16 +141,18 @@ def test_a_dead_worker_is_named_with_its_signal_and_close_is_safe(critic_folder,
 
 
 def test_the_critic_goes_to_its_process_only_where_it_would_get_a_thread():
-    """One rank, the plain torch trainer, PPO, more than one thread, no async rollouts or compile_train,
+    """One rank, the plain torch trainer on the CPU, PPO, more than one thread, no async rollouts or compile_train,
     overlap_critic on, and under auto an actor narrower than 256."""
-    assert critic_in_process(64, ppo_with_critic(), "torch")
-    assert not critic_in_process(64, ppo_with_critic(), "deepspeed")
-    assert not critic_in_process(64, ppo_with_critic(critic_process="off"), "torch")
-    assert not critic_in_process(64, ppo_with_critic(overlap_critic=False), "torch")
-    assert not critic_in_process(64, ppo_with_critic(async_rollouts=True), "torch")
-    assert not critic_in_process(64, ppo_with_critic(compile_train=True), "torch")
-    assert not critic_in_process(64, ppo_config(), "torch")  # GRPO: no critic
-    assert not critic_in_process(256, ppo_with_critic(), "torch")  # auto: dispatch-bound widths only
-    assert critic_in_process(256, ppo_with_critic(critic_process="on"), "torch")
+    assert critic_in_process(64, ppo_with_critic(), "torch", CPU)
+    assert not critic_in_process(64, ppo_with_critic(), "deepspeed", CPU)
+    assert not critic_in_process(64, ppo_with_critic(critic_process="off"), "torch", CPU)
+    assert not critic_in_process(64, ppo_with_critic(overlap_critic=False), "torch", CPU)
+    assert not critic_in_process(64, ppo_with_critic(async_rollouts=True), "torch", CPU)
+    assert not critic_in_process(64, ppo_with_critic(compile_train=True), "torch", CPU)
+    assert not critic_in_process(64, ppo_config(), "torch", CPU)  # GRPO: no critic
+    assert not critic_in_process(256, ppo_with_critic(), "torch", CPU)  # auto: dispatch-bound widths only
+    assert critic_in_process(256, ppo_with_critic(critic_process="on"), "torch", CPU)
+    # On a GPU the models train where they are, in this process: no process copies the critic to the CPU.
+    assert not critic_in_process(64, ppo_with_critic(critic_process="on"), "torch", torch.device("cuda", 0))
     torch.set_num_threads(1)
-    assert not critic_in_process(64, ppo_with_critic(), "torch")
+    assert not critic_in_process(64, ppo_with_critic(), "torch", CPU)

@@ -44,3 +44,19 @@ def test_forward_context_runs_matmuls_in_the_chosen_dtype():
 def test_unknown_setting_is_named():
     with pytest.raises(ValueError, match="'fp8' is not one of auto, bf16, off"):
         resolve_precision("fp8", "float32", CPU)
+
+
+def test_auto_on_cuda_autocasts_any_width_and_supervised_stages_stay_in_fp32_on_a_cpu(monkeypatch):
+    """On a GPU `auto` is bf16 whatever the width (the CPU-measured width rule is for CPUs); the supervised stages'
+    auto autocasts on CUDA only."""
+    monkeypatch.setattr(precision_module, "has_bf16_arithmetic", lambda device: True)
+    cuda = torch.device("cuda", 0)
+    assert resolve_precision("auto", "float32", cuda, hidden_size=64).autocast_dtype == torch.bfloat16
+    assert resolve_precision("auto", "float32", cuda, 64, section="sft", auto_on_cpu=False).autocast_dtype \
+        == torch.bfloat16
+    on_cpu = resolve_precision("auto", "float32", CPU, 4096, section="sft", auto_on_cpu=False)
+    assert on_cpu.autocast_dtype is None and "sft.autocast: bf16" in on_cpu.reason
+    assert resolve_precision("bf16", "float32", CPU, 64, section="dpo", auto_on_cpu=False).autocast_dtype \
+        == torch.bfloat16
+    monkeypatch.setattr(precision_module, "has_bf16_arithmetic", lambda device: False)  # e.g. a V100
+    assert resolve_precision("auto", "float32", cuda, 4096).autocast_dtype is None
