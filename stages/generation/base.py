@@ -199,11 +199,32 @@ class RefitStats:
     seconds: float
 
 
+WeightsAfterUnload = Literal["kept", "offloaded", "discarded"]
+
+
+@dataclass(frozen=True)
+class UnloadStats:
+    """What one unload() let go of on the engine's device, in bytes (None: the backend cannot tell).
+
+    weights: where the weights are now. "kept": still on the device (a CPU engine: moving them to host memory
+    would free nothing, it is the same RAM); "offloaded": copied to host memory (or disk) and freed on the
+    device, reload() brings them back, so a partial refit still works; "discarded": gone, reload() allocates
+    empty buffers and a full refit must follow. weight_bytes counts the weights that left the device (0 when
+    kept); kv_cache_bytes the KV cache freed (reload() allocates it again).
+    """
+
+    kv_cache_bytes: int | None
+    weight_bytes: int | None
+    weights: WeightsAfterUnload
+
+
 class Engine(ABC):
     """A generation engine built once from a Hugging Face checkpoint and refit with new weights.
 
     Lifecycle: build -> generate* -> refit -> generate* ... ; unload() frees its memory between
     rollouts (generate then raises until reload()); save(dir) / load(dir) persist the built engine.
+    What unload frees depends on the device (UnloadStats): on a GPU the KV cache and the weights (to host
+    memory, or discarded with keep_weights=False); on a CPU the KV cache only unless keep_weights=False.
     Future backends fit the same calls: TensorRT-LLM compiles at build and refits with trt.Refitter,
     vLLM takes refit tensors through collective_rpc / load_weights.
     """
@@ -233,12 +254,14 @@ class Engine(ABC):
         """
 
     @abstractmethod
-    def unload(self, *, keep_weights: bool = True) -> None:
-        """Free the engine's memory; keep_weights=False discards weights (a full refit must follow reload)."""
+    def unload(self, *, keep_weights: bool = True) -> UnloadStats:
+        """Free the engine's memory until reload(): its KV cache always; its weights on a GPU (copied to host
+        memory first, so reload() restores them and a partial refit still works), left in place on a CPU.
+        keep_weights=False discards the weights on any device: a full refit must follow reload()."""
 
     @abstractmethod
     def reload(self) -> None:
-        """Restore what unload() freed."""
+        """Restore what unload() freed (the weights as they were, unless discarded; a fresh KV cache)."""
 
     @property
     @abstractmethod

@@ -31,6 +31,8 @@ from alignflow.stages.generation.base import (
     RefitError,
     RefitStats,
     SamplingParams,
+    UnloadStats,
+    WeightsAfterUnload,
     check_fits,
     copy_tokenizer_files,
     eos_ids_of,
@@ -102,7 +104,11 @@ class HFEngine(Engine):
         self._loaded = True
         self._weights_valid = True
         self._busy = False
-        self._shapes: dict[str, torch.Size] = {}
+        self._shapes: dict[str, torch.Size] = {}  # each parameter's shape while discarded (keep_weights=False)
+        # unload() copies the parameters to host memory where that frees something (a GPU); a test sets it on CPU.
+        self.offload_weights = device.type != "cpu"
+        self._offloaded = False  # the parameters are host copies until reload()
+        self._discarded = False  # unload(keep_weights=False) until a full refit: a partial one cannot fill them
 
     @classmethod
     def build(cls, checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str = "float32",
@@ -215,6 +221,8 @@ class HFEngine(Engine):
             raise EngineError("refit() called while generate() is running")
         if self._shapes and next(iter(self.model.parameters())).numel() == 0:
             raise EngineError("weights were discarded by unload(keep_weights=False); call reload() before refit()")
+        if partial and self._discarded:
+            raise RefitError("partial refit into discarded weights: send every parameter (partial=False)")
         started = time.perf_counter()
         params = dict(self.model.named_parameters(remove_duplicate=False))
         expected = {id(p) for p in self.model.parameters()}
@@ -245,30 +253,55 @@ class HFEngine(Engine):
             self._weights_valid = False
             raise
         self._weights_valid = True
+        self._discarded = False
         return RefitStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - started)
 
     # -- memory -----------------------------------------------------------------------------------
-    def unload(self, *, keep_weights: bool = True) -> None:
-        """GPU: weights to host memory; keep_weights=False frees parameters (a full refit must follow reload)."""
+    def unload(self, *, keep_weights: bool = True) -> UnloadStats:
+        """Parameters to host memory where `offload_weights` (GPU; pinned there), or freed with keep_weights=False
+        (a full refit must follow reload). transformers allocates its KV cache inside each generate, so there is
+        none to free between rollouts."""
         if self._busy:
             raise EngineError("unload() called while generate() is running")
+        params = dict(self.model.named_parameters())  # tied weights once
+        on_device = not (self._shapes or self._offloaded)
+        weight_bytes = 0
+        where: WeightsAfterUnload = "kept"
         if not keep_weights:
-            for name, param in self.model.named_parameters():
+            weight_bytes = sum(p.numel() * p.element_size() for p in params.values()) if on_device else 0
+            for name, param in params.items():
                 self._shapes[name] = param.shape
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            self._weights_valid = False
-        elif self.device.type != "cpu":
-            self.model.to("cpu")
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            self._weights_valid, self._offloaded, self._discarded, where = False, False, True, "discarded"
+        elif on_device and self.offload_weights:
+            pinned = self.device.type == "cuda"
+            host = {}
+            for name, param in params.items():
+                host[name] = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pinned)
+                host[name].copy_(param.data, non_blocking=pinned)
+                weight_bytes += param.numel() * param.element_size()
+            if pinned:
+                torch.cuda.synchronize(self.device)
+            for name, param in params.items():
+                param.data = host[name]
+            self._offloaded, where = True, "offloaded"
+        elif not on_device:
+            where = "discarded" if self._shapes else "offloaded"
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._loaded = False
+        return UnloadStats(kv_cache_bytes=0, weight_bytes=weight_bytes, weights=where)
 
     def reload(self) -> None:
-        if self._shapes:
-            for name, param in self.model.named_parameters():
+        pinned = self.device.type == "cuda"
+        for name, param in self.model.named_parameters():
+            if self._shapes:
                 param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=self.device)
-            self._shapes = {}
-        self.model.to(self.device)
+            elif self._offloaded:
+                param.data = param.data.to(self.device, non_blocking=pinned)
+        if pinned:
+            torch.cuda.synchronize(self.device)
+        self._shapes, self._offloaded = {}, False
         self._loaded = True
 
     # -- persistence ------------------------------------------------------------------------------

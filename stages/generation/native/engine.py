@@ -4,10 +4,13 @@ It turns prompt token ids into sampled responses with per-token log-probabilitie
 of PPO or tokenizers. Weights live in `InferenceWeights` (fused QKV, fused gate/up) and are only
 ever overwritten in place by `refit`, so a refit costs one copy of the weights and nothing else.
 
-Memory (documented contract of unload/reload): unload() drops the KV cache and any CUDA graphs; the
-weights move to pinned host memory on GPU (keep_weights=True) or are freed (keep_weights=False,
-then reload() allocates fresh buffers and a full refit must follow). On CPU the weights already live
-in host memory, so keep_weights=True leaves them in place.
+Memory (documented contract of unload/reload): unload() drops the KV cache and the captured decode steps
+(CUDA graphs); on GPU the weights are copied into a pinned host copy (allocated at the first unload and
+reused after) and freed on the device, so reload() brings back exactly the weights it had and a partial
+(LoRA) refit still works; keep_weights=False frees them instead (reload() allocates fresh buffers and a
+full refit must follow). On CPU the weights already live in host memory, so keep_weights=True leaves them
+in place (`offload_weights` set on a CPU engine runs the GPU's path, for tests). Reload allocates the weights
+and the cache at new addresses, so a captured step is captured again on first use (_decode_graphed).
 
 CPU speed (engine.cpu_prepack, on by default): every linear weight also has a packed copy
 (prepack.py: 16-column blocks for the skinny_linear kernel in fp32 (AVX-512 or AVX2), oneDNN's layout in
@@ -57,6 +60,8 @@ from alignflow.stages.generation.base import (
     RefitError,
     RefitStats,
     SamplingParams,
+    UnloadStats,
+    WeightsAfterUnload,
     check_fits,
     copy_tokenizer_files,
     eos_ids_of,
@@ -97,6 +102,7 @@ class _GraphedStep:
     masks: dict[int | None, torch.Tensor]  # window -> additive [bucket, 1, 1, S_max]
     graph: Any = None
     logits: torch.Tensor | None = None  # [bucket, V], written by replay
+    epoch: int = 0  # the engine's storage epoch at capture: the replay reads that epoch's weights and cache
     replay: Callable[[], None] = field(default=lambda: None)
 
 
@@ -160,6 +166,14 @@ class NativeEngine(Engine):
         self.share_prompt_prefill = True
         self._graphs: dict[int, _GraphedStep] = {}
         self._graph_pool = None
+        # Bumped whenever the weight buffers or the KV cache are allocated anew (reload): a captured step replays
+        # against the addresses of its capture, so a step of an older epoch is captured again, never replayed.
+        self._storage_epoch = 0
+        # unload(keep_weights=True) moves the weights to host memory where that frees something: on a GPU. On a
+        # CPU they are in host memory already; a test sets it there to run the GPU's path (new buffers at reload).
+        self.offload_weights = device.type != "cpu"
+        self._host_weights: dict[str, torch.Tensor] = {}  # the offloaded copy, one per buffer, kept for reuse
+        self._offloaded = False  # weights.buffers are the host copy (unloaded); reload() moves them back
         # Tensor parallel decodes eagerly (module docstring): compile and CUDA graphs for one device only.
         self._compile = engine_config.compile and self.tp is None
         if engine_config.compile and self.tp is not None:
@@ -544,6 +558,11 @@ class NativeEngine(Engine):
         B = tokens.shape[0]
         bucket = self._bucket(B)
         step = self._graphs.get(bucket)
+        if step is not None and step.epoch != self._storage_epoch:
+            # Captured against buffers that reload() replaced: replaying it would read freed memory.
+            self._graphs.clear()
+            self._graph_pool = None
+            step = None
         if step is None:
             try:
                 step = self._capture(bucket)
@@ -574,14 +593,23 @@ class NativeEngine(Engine):
             slot=torch.full((1,), S - 1, dtype=torch.long, device=dev),
             masks={w: torch.zeros((bucket, 1, 1, S), dtype=self.dtype, device=dev)
                    for w in set(self.spec.sliding_windows)},
+            epoch=self._storage_epoch,
         )
 
         def run() -> torch.Tensor:
             return self._step(self.cache, step.tokens, step.positions, step.slot, step.masks)
 
         if dev.type != "cuda":
+            # As a graph does: replay against the cache and weight buffers of the capture, not the current ones,
+            # so a CPU test sees what a step replayed after reload() (new buffers) would compute.
+            cache, buffers = self.cache, dict(self.weights.buffers)
+
             def eager_replay() -> None:
-                step.logits = run()
+                current, self.weights.buffers = self.weights.buffers, buffers
+                try:
+                    step.logits = self._step(cache, step.tokens, step.positions, step.slot, step.masks)
+                finally:
+                    self.weights.buffers = current
 
             step.replay = eager_replay
             return step
@@ -641,31 +669,85 @@ class NativeEngine(Engine):
         return stats
 
     # -- memory -----------------------------------------------------------------------------------
-    def unload(self, *, keep_weights: bool = True) -> None:
+    def unload(self, *, keep_weights: bool = True) -> UnloadStats:
+        """Free the KV cache and the captured steps; the weights to the host copy where `offload_weights` (GPU),
+        or freed with keep_weights=False. See the module docstring."""
         if self._busy:
             raise EngineError("unload() called while generate() is running")
+        kv_bytes = self.cache.nbytes() if self.cache is not None else 0
         self.cache = None
-        self._graphs.clear()
+        self._graphs.clear()  # their graph pool goes with them (empty_cache below gives it back)
         self._graph_pool = None
+        discarded = self.weights.buffers["embed"].numel() == 0
+        on_device = not (discarded or self._offloaded)
+        weight_bytes = 0
+        where: WeightsAfterUnload = "kept"
         if not keep_weights:
-            if self._prepacked is not None:
-                self._prepacked.clear()
-            if self._decode_loop is not None:
-                self._decode_loop.clear()
+            weight_bytes = self.weights.nbytes() if on_device else 0
+            self._clear_derived()
             self.weights.discard()
-            self._weights_valid = False
-        elif self.weights.device.type != "cpu":
-            self.weights.move_to("cpu", pin=True)
+            self._host_weights, self._offloaded, self._weights_valid = {}, False, False
+            where = "discarded"
+        elif on_device and self.offload_weights:
+            weight_bytes = self.weights.nbytes()
+            self._offload()
+            where = "offloaded"
+        elif not on_device:  # unloaded already
+            where = "discarded" if discarded else "offloaded"
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        return UnloadStats(kv_cache_bytes=kv_bytes, weight_bytes=weight_bytes, weights=where)
 
     def reload(self) -> None:
+        """New weight buffers (from the host copy, or empty after a discard) and a new zeroed KV cache."""
         if self.weights.buffers["embed"].numel() == 0:
             self.weights.allocate(self.device)
-        elif self.weights.device != self.device:
-            self.weights.move_to(self.device)
+            self._storage_epoch += 1
+        elif self._offloaded:
+            self._restore()
         if self.cache is None:
             self.cache = self._new_cache()
+            self._storage_epoch += 1
+
+    def _offload(self) -> None:
+        """Copy every weight buffer into the host copy (pinned on CUDA, so the copies run at full PCIe speed) and
+        let the device buffers go. The host copy is allocated at the first unload and reused by every later one:
+        pinning gigabytes of host memory costs far more than copying into it."""
+        pinned = self.device.type == "cuda"
+        if not self._host_weights:
+            self._host_weights = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+                                  for name, t in self.weights.buffers.items()}
+        for name, t in self.weights.buffers.items():
+            self._host_weights[name].copy_(t, non_blocking=pinned)
+        if pinned:
+            torch.cuda.synchronize(self.device)  # the host copy is complete before the device buffers go
+        self._clear_derived()  # CPU only: packed copies keyed by the buffers' addresses
+        # A refit while unloaded writes into the host copy, which reload() then carries back.
+        self.weights.buffers = dict(self._host_weights)
+        self.weights.device = torch.device("cpu")
+        self._offloaded = True
+
+    def _restore(self) -> None:
+        """The inverse of _offload: fresh device buffers filled from the host copy (which stays for the next one)."""
+        pinned = self.device.type == "cuda"
+        restored = {}
+        for name, host in self._host_weights.items():
+            restored[name] = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            restored[name].copy_(host, non_blocking=pinned)
+        if pinned:
+            torch.cuda.synchronize(self.device)
+        self.weights.buffers = restored
+        self.weights.device = self.device
+        self._offloaded = False
+        self._storage_epoch += 1
+        if self._weights_valid:
+            self._weights_written()  # CPU only: the packed copies and the C++ loop's blocked ones follow
+
+    def _clear_derived(self) -> None:
+        if self._prepacked is not None:
+            self._prepacked.clear()
+        if self._decode_loop is not None:
+            self._decode_loop.clear()
 
     # -- persistence ------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:

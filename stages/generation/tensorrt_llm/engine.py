@@ -40,6 +40,7 @@ from alignflow.stages.generation.base import (
     RefitError,
     RefitStats,
     SamplingParams,
+    UnloadStats,
     check_fits,
     copy_tokenizer_files,
     eos_ids_of,
@@ -236,15 +237,21 @@ class TensorRTLLMEngine(Engine):
         return RefitStats(tensors=count, bytes=size, seconds=time.perf_counter() - started)
 
     # -- unload / reload -------------------------------------------------------------------------------------
-    def unload(self, *, keep_weights: bool = True) -> None:
-        """Free the runner (engine, KV cache); with keep_weights the refit engine is serialized to disk first."""
+    def unload(self, *, keep_weights: bool = True) -> UnloadStats:
+        """Free the runner: the TensorRT engine with its weights, and the KV cache. With keep_weights the refit
+        engine is serialized to disk first (the copy reload() reads back: the weights leave the GPU with the
+        runner). reload() deserializes it: a new engine with new buffers and new execution contexts, so nothing
+        captured against the old addresses survives. The bytes are TensorRT's allocations, which torch
+        does not see: the serialized engine's size stands for the weights, the KV cache is not measured (None)."""
         if self._runner is None:
-            return
-        if keep_weights:
-            self._serialize_engine(self.engine_dir / ENGINE_DIR)
+            return UnloadStats(kv_cache_bytes=0, weight_bytes=0,
+                               weights="discarded" if self._weights_discarded else "offloaded")
+        serialized = self._serialize_engine(self.engine_dir / ENGINE_DIR) if keep_weights else None
         self._weights_discarded = not keep_weights
         self._runner = None
         torch.cuda.empty_cache()
+        return UnloadStats(kv_cache_bytes=None, weight_bytes=serialized,
+                           weights="offloaded" if keep_weights else "discarded")
 
     def reload(self) -> None:
         if self._runner is None:
@@ -274,9 +281,10 @@ class TensorRTLLMEngine(Engine):
     def _trt_engine(self) -> Any:
         return self._runner.session.runtime.engine  # ModelRunner -> GenerationSession -> _Runtime -> ICudaEngine
 
-    def _serialize_engine(self, engine_dir: Path) -> None:
+    def _serialize_engine(self, engine_dir: Path) -> int:
+        """Write this rank's engine (with its refit weights); returns its size in bytes."""
         engine_dir.mkdir(parents=True, exist_ok=True)
-        (engine_dir / f"rank{self.rank}.engine").write_bytes(bytes(self._trt_engine().serialize()))
+        return (engine_dir / f"rank{self.rank}.engine").write_bytes(bytes(self._trt_engine().serialize()))
 
 
 def _trt_dtype(dtype: torch.dtype) -> Any:

@@ -26,14 +26,18 @@ One engine per process: vLLM keeps its parallel groups in module globals, and an
 destroys them under any other engine of the process, so a second build raises until close() ends the first.
 
 Unload/reload: vLLM's sleep(level 1 or 2) / wake_up where the platform has sleep mode (CUDA, ROCm,
-XPU). vLLM's CPU platform has none: there unload only stops generate (memory stays), which
-execution_paths() states.
+XPU): level 1 offloads the weights to host memory and discards the KV cache (what the RL stage's
+unload asks for: a partial LoRA refit still finds the rest of the weights), level 2 (keep_weights=False)
+discards both. vLLM allocates them through its CuMemAllocator, which unmaps the physical memory and maps
+it back at the same virtual addresses on wake_up, so its captured CUDA graphs stay valid. vLLM's CPU
+platform has no sleep mode: there unload only stops generate (memory stays), which execution_paths() states.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import shutil
 import time
@@ -58,6 +62,7 @@ from alignflow.stages.generation.base import (
     RefitError,
     RefitStats,
     SamplingParams,
+    UnloadStats,
     UnsupportedArchitectureError,
     check_fits,
     copy_tokenizer_files,
@@ -191,6 +196,7 @@ class VLLMEngine(Engine):
         self._loaded = True
         self._weights_valid = True
         self._refitted = False
+        self._weights_discarded = False  # sleep level 2 (or keep_weights=False) until a full refit
 
     # -- build / load ----------------------------------------------------------------------------------
     @classmethod
@@ -377,6 +383,9 @@ class VLLMEngine(Engine):
     def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False) -> RefitStats:
         if not self._loaded:
             raise EngineError("refit() on an unloaded engine; call reload() first")
+        if partial and self._weights_discarded:
+            raise RefitError("partial refit into discarded weights (unload(keep_weights=False)): send every "
+                             "parameter (partial=False)")
         started = time.perf_counter()
         covered: set[str] = set()
         count = nbytes = 0
@@ -407,19 +416,31 @@ class VLLMEngine(Engine):
         finally:
             self.llm.collective_rpc(_finish_reload)  # even after an error: no layer may stay on the meta device
         self._weights_valid = True
+        self._weights_discarded = False
         self._refitted = True
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         return RefitStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - started)
 
     # -- memory ----------------------------------------------------------------------------------------
-    def unload(self, *, keep_weights: bool = True) -> None:
-        """Sleep mode where vLLM has it (level 1 keeps weights in host memory, level 2 drops them); else generate
-        is blocked and keep_weights=False makes a full refit mandatory."""
-        if self._sleep_mode:
+    def unload(self, *, keep_weights: bool = True) -> UnloadStats:
+        """Sleep mode where vLLM has it (level 1 offloads the weights to host memory, level 2 drops them; both drop
+        the KV cache, whose size vLLM logs but does not return: kv_cache_bytes None); else nothing is freed,
+        generate is blocked, and keep_weights=False still makes a full refit mandatory."""
+        if self.llm is None:
+            raise EngineError("the engine was closed; build or load a new one")
+        weight_bytes = 0
+        if self._sleep_mode and self._loaded:
             self.llm.sleep(level=1 if keep_weights else 2)
+            # The checkpoint's parameters in the engine's dtype: vLLM fuses q/k/v and gate/up, same bytes.
+            itemsize = resolve_dtype(self.dtype).itemsize
+            weight_bytes = sum(math.prod(shape) for shape in self._shapes.values()) * itemsize
         if not keep_weights:
-            self._weights_valid = False
+            self._weights_valid, self._weights_discarded = False, True
         self._loaded = False
+        if not self._sleep_mode:
+            return UnloadStats(kv_cache_bytes=0, weight_bytes=0, weights="discarded" if not keep_weights else "kept")
+        return UnloadStats(kv_cache_bytes=None, weight_bytes=weight_bytes,
+                           weights="offloaded" if keep_weights else "discarded")
 
     def reload(self) -> None:
         if self.llm is None:
