@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from alignflow.stages.generation.base import SamplingParams
+from alignflow.stages.generation.base import SamplingParams, UnloadStats
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,18 @@ class RolloutClient:
         return report
 
     def unload(self, keep_weights: bool = True) -> dict[str, float]:
-        """Free the engine's memory while the trainer trains (KV cache; weights too unless keep_weights);
-        returns 'timing/engine_unload' and, where the allocator can be read, 'perf/engine_freed_bytes'."""
+        """Free the engine's memory while the trainer trains: its KV cache, and on a GPU its weights (to host
+        memory: the next refit may be partial, LoRA's); keep_weights=False discards them on any device. Returns
+        'timing/engine_unload', what the engine says it freed ('perf/engine_freed_weight_bytes',
+        'perf/engine_freed_kv_bytes', where it knows) and, where the allocator can be read,
+        'perf/engine_freed_bytes'."""
         self.wait_idle()
         return timed_memory_change("unload", lambda: self.engine.unload(keep_weights=keep_weights))
 
     def reload(self) -> dict[str, float]:
-        """Undo `unload` before the next rollout; returns 'timing/engine_reload'."""
-        return {"timing/engine_reload": timed_memory_change("reload", self.engine.reload)["timing/engine_reload"]}
+        """Undo `unload` before the next rollout; returns 'timing/engine_reload' and, where the allocator can be
+        read, 'perf/engine_reloaded_bytes'."""
+        return timed_memory_change("reload", self.engine.reload)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -133,14 +137,28 @@ def heap_bytes() -> int | None:
 
 
 def timed_memory_change(what: str, call) -> dict[str, float]:
-    """Run `call` (an engine's unload or reload): 'timing/engine_{what}' seconds and, where the allocator can be
-    read, 'perf/engine_freed_bytes' (the allocator's bytes before minus after; negative when `call` took memory)."""
+    """Run `call` (an engine's unload or reload): 'timing/engine_{what}' seconds; where the allocator can be read,
+    'perf/engine_freed_bytes' (unload: the allocator's bytes before minus after) or 'perf/engine_reloaded_bytes'
+    (reload: after minus before); and the UnloadStats an unload returns, as 'perf/engine_freed_weight_bytes'
+    (weights that left the device: offloaded to host memory or discarded; 0 where they stayed, as on a CPU) and
+    'perf/engine_freed_kv_bytes', each where the engine knows it.
+
+    On a GPU the allocator's figure includes the weights; on a CPU an offload moves them within the same heap, so
+    the engine's own figures are the ones that say what left the device."""
     before, started = heap_bytes(), time.perf_counter()
-    call()
+    stats = call()
     out = {f"timing/engine_{what}": time.perf_counter() - started}
     after = heap_bytes()
     if before is not None and after is not None:
-        out["perf/engine_freed_bytes"] = float(before - after)
+        if what == "unload":
+            out["perf/engine_freed_bytes"] = float(before - after)
+        else:
+            out["perf/engine_reloaded_bytes"] = float(after - before)
+    if isinstance(stats, UnloadStats):
+        if stats.weight_bytes is not None:
+            out["perf/engine_freed_weight_bytes"] = float(stats.weight_bytes)
+        if stats.kv_cache_bytes is not None:
+            out["perf/engine_freed_kv_bytes"] = float(stats.kv_cache_bytes)
     return out
 
 

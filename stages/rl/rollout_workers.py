@@ -593,18 +593,17 @@ class RolloutWorkers:
                                bytes_sent=nbytes * len(self.workers), workers=[reports[w.index] for w in self.workers])
 
     def unload(self, keep_weights: bool = True) -> dict[str, float]:
-        """Every worker frees its engine's memory (KV cache; weights too unless keep_weights) while the trainer
-        trains; returns 'timing/engine_unload' (slowest worker) and 'perf/engine_freed_bytes' (all workers)."""
+        """Every worker frees its engine's memory while the trainer trains (RolloutClient.unload: the KV cache, and
+        on a GPU the weights, to host memory); returns 'timing/engine_unload' (slowest worker) and the bytes of
+        all workers together: 'perf/engine_freed_bytes', 'perf/engine_freed_weight_bytes',
+        'perf/engine_freed_kv_bytes' (each where every worker reported it)."""
         self.wait_idle()
-        reports = list(self._control("unload", keep_weights).values())
-        freed = [r["perf/engine_freed_bytes"] for r in reports if "perf/engine_freed_bytes" in r]
-        return {"timing/engine_unload": max(r["timing/engine_unload"] for r in reports),
-                **({"perf/engine_freed_bytes": sum(freed)} if freed else {})}
+        return _merged("unload", list(self._control("unload", keep_weights).values()))
 
     def reload(self) -> dict[str, float]:
-        """Undo `unload` before the next rollout; returns 'timing/engine_reload' (slowest worker)."""
-        reports = self._control("reload").values()
-        return {"timing/engine_reload": max(r["timing/engine_reload"] for r in reports)}
+        """Undo `unload` before the next rollout; returns 'timing/engine_reload' (slowest worker) and
+        'perf/engine_reloaded_bytes' (all workers)."""
+        return _merged("reload", list(self._control("reload").values()))
 
     def close(self) -> None:
         """Stop the workers (a polite "stop", then terminate, then kill); safe to call twice or after a failure."""
@@ -780,3 +779,13 @@ class RolloutWorkers:
             self._collect("refit")
         except RolloutWorkerError:
             pass  # the workers report the abort as an error; the trainer's own error is the one to raise
+
+
+def _merged(what: str, reports: list[dict[str, float]]) -> dict[str, float]:
+    """The workers' timed_memory_change reports as one: the slowest worker's seconds, every byte count summed
+    (kept only where all workers have it, so a sum never silently covers some of them)."""
+    out = {f"timing/engine_{what}": max(r[f"timing/engine_{what}"] for r in reports)}
+    for key in sorted({k for r in reports for k in r if k.startswith("perf/")}):
+        if all(key in r for r in reports):
+            out[key] = sum(r[key] for r in reports)
+    return out
