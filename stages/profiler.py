@@ -15,6 +15,14 @@ running Python while holding the GIL (torch ops release the GIL while they run, 
 count). An oversubscribed machine (more busy threads than cores) inflates it too, and can push it
 above 1. The sampler costs one GIL hand-off per wake-up (200 a second); on a pure-Python loop its
 cost was within the run-to-run noise (about 10% on a shared 2-core box).
+
+Peak GPU memory per phase (once CUDA is initialised; on a CPU nothing is reported, not zeros): each
+phase resets CUDA's peak counters when it starts and reads max_memory_allocated / max_memory_reserved
+when it ends. A reset erases the peak of whatever was open around it, so the peaks are kept here
+(_PeakMemory): before each reset the reading so far is folded into every open phase and the stage total,
+and a phase's reading at its end into the phases around it too, so a phase nested in another never hides
+the outer one's peak. Anything else in the process that reads CUDA's peak counters sees them reset at
+each phase start.
 """
 
 from __future__ import annotations
@@ -143,6 +151,55 @@ def _synchronize() -> None:
         cuda.synchronize()
 
 
+_MIB = 2**20
+
+
+class _PeakMemory:
+    """Peak allocated and reserved CUDA bytes per phase and over the stage, across nested phases (module docstring).
+
+    Only touches CUDA once it is initialised; `seen` says whether any reading was taken (False on a CPU)."""
+
+    def __init__(self) -> None:
+        self._open: list[list[int]] = []  # [allocated, reserved] peaks of the open phases, innermost last
+        self.phases: dict[str, tuple[int, int]] = {}  # phase -> its peaks over every call
+        self.total = [0, 0]
+        self.seen = False
+
+    def _fold(self, cuda: Any, into: list[list[int]]) -> None:
+        """Fold the peaks since the last reset into `into`, every open phase and the stage total."""
+        reading = (int(cuda.max_memory_allocated()), int(cuda.max_memory_reserved()))
+        self.seen = True
+        for frame in (*into, *self._open, self.total):
+            frame[0], frame[1] = max(frame[0], reading[0]), max(frame[1], reading[1])
+
+    def enter(self) -> list[int]:
+        """A phase starts: returns its frame, to hand to exit()."""
+        cuda = _torch_cuda()
+        if cuda is not None:
+            self._fold(cuda, [])  # what the open phases reached before the reset below erases it
+            cuda.reset_peak_memory_stats()
+        frame = [0, 0]
+        self._open.append(frame)
+        return frame
+
+    def exit(self, name: str, frame: list[int]) -> None:
+        # By identity, not the innermost: a phase timed on another thread may end out of order.
+        self._open[:] = [f for f in self._open if f is not frame]
+        cuda = _torch_cuda()
+        if cuda is None:
+            return
+        self._fold(cuda, [frame])
+        allocated, reserved = self.phases.get(name, (0, 0))
+        self.phases[name] = (max(allocated, frame[0]), max(reserved, frame[1]))
+
+    def stage_peaks(self) -> tuple[int, int] | None:
+        """(allocated, reserved) peak bytes of the whole stage so far, or None before CUDA was initialised."""
+        cuda = _torch_cuda()
+        if cuda is not None:
+            self._fold(cuda, [])
+        return (self.total[0], self.total[1]) if self.seen else None
+
+
 class _LatenessStats:
     """Running mean/max and a log histogram of sampler lateness (seconds), whole run and current window.
 
@@ -202,7 +259,9 @@ class ProfileSnapshot:
     gil_contention: float | None = None
     peak_rss_mb: float | None = None
     machine_memory_mb: float | None = None
-    peak_device_mem_mb: float | None = None
+    peak_device_mem_mb: float | None = None  # allocated (the tensors'), the stage's peak
+    peak_device_reserved_mb: float | None = None  # reserved by the caching allocator, the stage's peak
+    phase_peak_device_mb: dict[str, tuple[float, float]] = field(default_factory=dict)  # (allocated, reserved)
     device_mem_total_mb: float | None = None
     device_util: float | None = None
     device_util_readings: int = 0
@@ -278,6 +337,7 @@ class Profiler:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._util_readings: list[float] = []
+        self._memory = _PeakMemory()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -333,6 +393,7 @@ class Profiler:
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as phase `name` (accumulated per name); waits for queued CUDA work at both ends."""
         _synchronize()
+        memory = self._memory.enter()
         start = time.perf_counter()
         if self._t0 is None:
             self._t0 = self._window_start = start
@@ -341,6 +402,7 @@ class Profiler:
         finally:
             _synchronize()
             end = time.perf_counter()
+            self._memory.exit(name, memory)
             elapsed = end - start
             if self._t_end is not None:  # a phase after stop() (e.g. publishing) extends the wall clock
                 self._t_end = max(self._t_end, end)
@@ -409,10 +471,13 @@ class Profiler:
             s.extra["gil_delay_ms_p99"] = self._lateness.quantile(0.99) * 1e3
             s.extra["gil_delay_ms_max"] = self._lateness.max * 1e3
             s.extra["gil_samples"] = self._lateness.count
-        cuda = _torch_cuda()
-        if cuda is not None:
-            s.peak_device_mem_mb = cuda.max_memory_allocated() / 2**20
-            s.device_mem_total_mb = cuda.get_device_properties(cuda.current_device()).total_memory / 2**20
+        peaks = self._memory.stage_peaks()
+        if peaks is not None:
+            s.peak_device_mem_mb, s.peak_device_reserved_mb = peaks[0] / _MIB, peaks[1] / _MIB
+            s.phase_peak_device_mb = {name: (a / _MIB, r / _MIB) for name, (a, r) in self._memory.phases.items()}
+            cuda = _torch_cuda()
+            if cuda is not None:
+                s.device_mem_total_mb = cuda.get_device_properties(cuda.current_device()).total_memory / _MIB
         if self._util_readings:
             s.device_util = sum(self._util_readings) / len(self._util_readings)
             s.device_util_readings = len(self._util_readings)
@@ -421,8 +486,10 @@ class Profiler:
     def summary(self) -> dict[str, float]:
         """Totals for the whole run: 'timing/<phase>_total', 'timing/wall_total', 'timing/untimed_total',
         'perf/tokens_per_s', 'perf/samples_per_s', 'perf/peak_rss_mb'; with the sampler
-        'perf/gil_delay_ms_mean', 'perf/gil_delay_ms_p99', 'perf/gil_contention'; on CUDA
-        'perf/peak_device_mem_mb', and 'perf/device_util' (percent) when pynvml can read it."""
+        'perf/gil_delay_ms_mean', 'perf/gil_delay_ms_p99', 'perf/gil_contention'; on CUDA the stage's
+        'perf/peak_gpu_allocated_mb' and 'perf/peak_gpu_reserved_mb' (and 'perf/peak_device_mem_mb', the allocated
+        one under its older name), each phase's 'perf/peak_gpu_allocated_mb/<phase>' and
+        'perf/peak_gpu_reserved_mb/<phase>', and 'perf/device_util' (percent) when pynvml can read it."""
         s = self.snapshot()
         out = {f"timing/{name}_total": seconds for name, seconds in s.phase_totals.items()}
         wall = s.wall_s
@@ -437,6 +504,11 @@ class Profiler:
             out["perf/gil_contention"] = s.gil_contention
         if s.peak_device_mem_mb is not None:
             out["perf/peak_device_mem_mb"] = s.peak_device_mem_mb
+            out["perf/peak_gpu_allocated_mb"] = s.peak_device_mem_mb
+            out["perf/peak_gpu_reserved_mb"] = s.peak_device_reserved_mb or 0.0
+            for name, (allocated, reserved) in s.phase_peak_device_mb.items():
+                out[f"perf/peak_gpu_allocated_mb/{name}"] = allocated
+                out[f"perf/peak_gpu_reserved_mb/{name}"] = reserved
         if s.device_util is not None:
             out["perf/device_util"] = s.device_util
         return out
@@ -449,13 +521,20 @@ class Profiler:
         """A Markdown report: phase table (seconds, calls, share), throughput, memory, GIL, bottlenecks."""
         s = self.snapshot()
         wall = s.wall_s
+        gpu = s.peak_device_mem_mb is not None  # the GPU columns: only where CUDA was used
         lines = [f"# Profile: {self.stage}", "", f"Wall time {wall:.2f} s.", "", "## Phases", "",
-                 "| phase | calls | seconds | mean s/call | share |", "|---|---:|---:|---:|---:|"]
+                 "| phase | calls | seconds | mean s/call | share |"
+                 + (" peak GPU allocated MiB | peak GPU reserved MiB |" if gpu else ""),
+                 "|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]
         for name, seconds in sorted(s.phase_totals.items(), key=lambda kv: -kv[1]):
             calls = self._calls.get(name, 1)
-            lines.append(f"| {name} | {calls} | {seconds:.3f} | {seconds / calls:.4f} | {_share(seconds, wall)} |")
+            row = f"| {name} | {calls} | {seconds:.3f} | {seconds / calls:.4f} | {_share(seconds, wall)} |"
+            if gpu:  # "-": the phase ended before CUDA was initialised (or only ran before the stage's clock)
+                peaks = s.phase_peak_device_mb.get(name)
+                row += f" {peaks[0]:.0f} | {peaks[1]:.0f} |" if peaks else " - | - |"
+            lines.append(row)
         untimed = max(wall - sum(s.phase_totals.values()), 0.0)
-        lines.append(f"| (untimed) | | {untimed:.3f} | | {_share(untimed, wall)} |")
+        lines.append(f"| (untimed) | | {untimed:.3f} | | {_share(untimed, wall)} |" + (" | |" if gpu else ""))
         lines += ["", "## Throughput", "", "| | total | per second |", "|---|---:|---:|",
                   f"| tokens | {self.tokens} | {self.tokens / wall if wall > 0 else 0.0:.1f} |",
                   f"| samples | {self.samples} | {self.samples / wall if wall > 0 else 0.0:.2f} |",
@@ -465,6 +544,8 @@ class Profiler:
         if s.peak_device_mem_mb is not None:
             total = f" of {s.device_mem_total_mb / 1024:.1f} GiB" if s.device_mem_total_mb else ""
             lines.append(f"- peak device memory (allocated): {s.peak_device_mem_mb:.0f} MiB{total}")
+            lines.append(f"- peak device memory (reserved by the caching allocator): "
+                         f"{s.peak_device_reserved_mb or 0.0:.0f} MiB{total}")
         if s.device_util is not None:
             lines.append(f"- device utilisation: {s.device_util:.0f}% mean over {s.device_util_readings} readings")
         lines += ["", "## GIL contention", ""]

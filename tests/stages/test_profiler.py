@@ -224,3 +224,107 @@ def test_a_phase_recorded_before_start_moves_the_wall_clock_back():
     assert "| process_start | 1 | 2.000 |" in prof.report_markdown()
     with pytest.raises(ValueError, match="non-negative"):
         prof.record_before_start("x", -1.0)
+
+
+class FakeCudaMemory:
+    """torch.cuda's memory counters as the profiler reads them: bytes allocated now, bytes the caching allocator
+    reserves (it keeps what was freed until empty_cache), and the peaks of both since the last reset."""
+
+    MIB = 2**20
+
+    def __init__(self, base_mib: int):
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = base_mib * self.MIB
+        self.resets = 0
+
+    def alloc(self, mib: int) -> None:
+        self.allocated += mib * self.MIB
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, mib: int) -> None:
+        self.allocated -= mib * self.MIB
+
+    def empty_cache(self) -> None:
+        self.reserved = self.allocated
+
+    def max_memory_allocated(self) -> int:
+        return self.peak_allocated
+
+    def max_memory_reserved(self) -> int:
+        return self.peak_reserved
+
+    def reset_peak_memory_stats(self) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+        self.resets += 1
+
+    def synchronize(self) -> None:
+        pass
+
+    def current_device(self) -> int:
+        return 0
+
+    def get_device_properties(self, index: int):
+        return type("Properties", (), {"total_memory": 80 * 1024 * self.MIB})()
+
+
+def test_peak_gpu_memory_per_phase_survives_a_nested_phase(monkeypatch):
+    """A phase resets CUDA's peak counters when it starts, which would erase the peak of the phase around it:
+    the outer phase's 1600 MiB spike came before the inner phase started and must still be its peak."""
+    from alignflow.stages import profiler as profiler_module
+
+    cuda = FakeCudaMemory(base_mib=1000)
+    monkeypatch.setattr(profiler_module, "_torch_cuda", lambda: cuda)
+    prof = Profiler("ppo")
+    with prof.phase("train"):
+        cuda.alloc(600)  # activations of the forward pass
+        cuda.free(500)
+        with prof.phase("refit"):  # nested: 1100 + 50
+            cuda.alloc(50)
+            cuda.free(50)
+        cuda.alloc(10)
+    cuda.free(110)
+    cuda.empty_cache()  # reserved back to 1000
+    with prof.phase("generate"):
+        cuda.alloc(200)
+        cuda.free(200)
+    with prof.phase("generate"):  # a second call: the phase keeps the larger peak of its calls
+        cuda.alloc(100)
+        cuda.free(100)
+    cuda.alloc(2000)  # outside every phase: the stage's peak, no phase's
+    cuda.free(2000)
+    summary = prof.summary()
+    assert cuda.resets == 4
+    peaks = {k: v for k, v in summary.items() if k.startswith("perf/peak_gpu")}
+    assert peaks == {"perf/peak_gpu_allocated_mb": 3000.0, "perf/peak_gpu_reserved_mb": 3000.0,
+                     "perf/peak_gpu_allocated_mb/train": 1600.0, "perf/peak_gpu_reserved_mb/train": 1600.0,
+                     "perf/peak_gpu_allocated_mb/refit": 1150.0, "perf/peak_gpu_reserved_mb/refit": 1600.0,
+                     "perf/peak_gpu_allocated_mb/generate": 1200.0, "perf/peak_gpu_reserved_mb/generate": 1200.0}
+    assert summary["perf/peak_device_mem_mb"] == 3000.0
+    text = prof.report_markdown()
+    assert "| phase | calls | seconds | mean s/call | share | peak GPU allocated MiB | peak GPU reserved MiB |" in text
+    assert [line.split("|")[-3:-1] for line in text.splitlines() if line.startswith("| train |")] == \
+        [[" 1600 ", " 1600 "]]
+    assert "- peak device memory (reserved by the caching allocator): 3000 MiB of 80.0 GiB" in text
+
+
+def test_a_phase_that_began_before_cuda_was_initialised_gets_its_peak_at_the_end(monkeypatch):
+    from alignflow.stages import profiler as profiler_module
+
+    cuda, ready = FakeCudaMemory(base_mib=0), []
+    monkeypatch.setattr(profiler_module, "_torch_cuda", lambda: cuda if ready else None)
+    prof = Profiler("sft")
+    with prof.phase("load"):
+        ready.append(True)  # the model moves to the GPU
+        cuda.alloc(300)
+    summary = prof.summary()
+    assert summary["perf/peak_gpu_allocated_mb/load"] == summary["perf/peak_gpu_allocated_mb"] == 300.0
+
+
+def test_no_gpu_memory_is_reported_without_cuda():
+    prof = Profiler("test")
+    with prof.phase("train"):
+        time.sleep(0.001)
+    assert not [k for k in prof.summary() if "gpu" in k or "device_mem" in k]  # no fake zeros on a CPU
+    text = prof.report_markdown()
+    assert "GPU" not in text and "| phase | calls | seconds | mean s/call | share |\n" in text
