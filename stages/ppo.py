@@ -994,7 +994,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     # the behaviour policy's, and the PPO ratio is taken against them.
     off_policy = rollout.weights_version < state.iteration
     memory: dict[str, float] = {}
-    if rollouts.unload_during_training:  # the engine's KV cache is freed while the trainer trains
+    if rollouts.unload_during_training:  # its KV cache, and on a GPU its weights, freed while the trainer trains
         with profiler.phase("unload"):
             memory = rollouts.unload()
     profiler.count(tokens=sum(generation.lengths), samples=len(rows))

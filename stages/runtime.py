@@ -187,8 +187,10 @@ class StageContext:
 
     def result(self, manifest: Manifest, metrics: dict[str, float], key_metric: str | None,
                message: str = "") -> StageResult:
+        # The GPU's peak memory (profiler: per phase and in all, allocated and reserved) where the stage used one.
+        peaks = {k: v for k, v in self.profiler.summary().items() if k.startswith("perf/peak_gpu")}
         return StageResult(stage=self.spec.stage, status="ok", output_uri=manifest.uri,
-                           manifest_digest=manifest.digest, metrics={**metrics, **self.storage_metrics()},
+                           manifest_digest=manifest.digest, metrics={**metrics, **peaks, **self.storage_metrics()},
                            key_metric=key_metric,
                            mlflow_run_id=self.tracker.run_id if self.tracker else None,
                            duration_s=round(time.perf_counter() - self.started, 3), message=message,
