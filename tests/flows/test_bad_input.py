@@ -84,7 +84,7 @@ def test_unknown_config_key(tmp_path):
     assert proc.returncode == 2
     assert (f"error: {REPO}/configs/tiny.yaml: 1 config error(s):\n  - sft.learning_rate: unknown key (remove it "
             "or check its spelling; valid keys: lr, weight_decay, warmup_steps, epochs, batch_size, micro_batch_size, "
-            "max_length, eval_every, zero_stage, grad_clip, seed, lora, resources)") in proc.stderr
+            "max_length, eval_every, zero_stage, grad_clip, autocast, seed, lora, resources)") in proc.stderr
     assert not (tmp_path / "artifacts").exists()
 
 
