@@ -338,7 +338,16 @@ class PPOConfig(Section):
     entropy_coef: float = Field(0.0, ge=0)
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1")
+    kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
+        None, description="Estimator of the per-token KL to the reference (k1: log-ratio, k2: half its square, k3: "
+        "the non-negative unbiased one). None: the algorithm's own, k1 for PPO (in the reward) and k3 for GRPO (in "
+        "the loss); a value given is honoured by both.")
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="How a minibatch's per-token losses (policy, entropy, KL in the loss, value) become "
+        "one number: token-mean, every response token weighs the same (DAPO); seq-mean-token-mean, each sequence "
+        "averaged over its tokens, then the sequences (the original PPO-for-LMs and GRPO); seq-mean-token-sum, each "
+        "sequence summed, then averaged over sequences (Dr. GRPO's unnormalised length, up to its constant divisor: "
+        "scale ppo.actor_lr by 1 / max_new_tokens to match it). Exact over micro-batches and ranks.")
     kl_in_reward: bool = Field(True, description="PPO: KL penalty in the reward (True) or in the loss.")
     kl_coef: float = Field(0.05, ge=0)
     adaptive_kl: bool = Field(False)

@@ -242,7 +242,7 @@ def _advantages(exp: Experience, cfg: PPOConfig, kl_coef: float, with_reference:
                 values_known: bool = True) -> None:
     """KL to the reference (zero when the reference is skipped), then advantages; both checked for NaN.
     values_known False: the KL only (train_on fills the advantages once the critic's first forward gave values)."""
-    estimator = "k3" if cfg.algorithm == "grpo" else cfg.kl_estimator
+    estimator = kl_estimator(cfg)
     if with_reference:
         exp.kl = rl.kl_penalty(exp.old_logprobs, exp.ref_logprobs, estimator, exp.response_mask)
         check_finite("the KL to the reference", exp.kl, iteration)
@@ -297,6 +297,12 @@ def _finite_on_every_rank(loss: torch.Tensor) -> torch.Tensor | float:
         return loss
     bad = sum_over_ranks(0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0)[0]
     return float("nan") if bad else loss
+
+
+def kl_estimator(cfg: PPOConfig) -> str:
+    """ppo.kl_estimator, or the algorithm's own when unset: k1 for PPO (the KL in the reward), k3 for GRPO (in the
+    loss, where a non-negative estimate keeps the penalty from rewarding a move away from the reference)."""
+    return cfg.kl_estimator or ("k3" if cfg.algorithm == "grpo" else "k1")
 
 
 def needs_reference(cfg: PPOConfig) -> bool:
@@ -358,7 +364,7 @@ def value_update(critic, mb: Experience, packed: PackedRows | None, cfg: PPOConf
     if hand_values is not None and not hand_values(values.detach()):
         return {}
     value_loss, metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask, cfg.value_clip_range,
-                                                counts=counts)
+                                                aggregation=cfg.loss_aggregation, counts=counts)
     check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
     critic.backward(cfg.vf_coef * world_size() * value_loss)
     if not proceed():
@@ -645,7 +651,8 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                 if cfg.algorithm == "grpo":
                     loss, metrics = rl.policy_loss_grpo(
                         logp, mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
-                        kl_coef=kl_coef, kl_estimator="k3", dual_clip=cfg.dual_clip, entropy=entropy,
+                        kl_coef=kl_coef, kl_estimator=kl_estimator(cfg), dual_clip=cfg.dual_clip, entropy=entropy,
+                        aggregation=cfg.loss_aggregation,
                         entropy_coef=cfg.entropy_coef, token_weights=mb.behaviour_weights, counts=counts)
                 else:
                     in_loss = not cfg.kl_in_reward
@@ -653,7 +660,8 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                         logp, mb.old_logprobs, mb.advantages, mb.response_mask, cfg.clip_range,
                         dual_clip=cfg.dual_clip, entropy=entropy, entropy_coef=cfg.entropy_coef,
                         ref_logprobs=mb.ref_logprobs if in_loss else None, kl_coef=kl_coef if in_loss else 0.0,
-                        kl_estimator=cfg.kl_estimator, token_weights=mb.behaviour_weights, counts=counts)
+                        kl_estimator=kl_estimator(cfg), token_weights=mb.behaviour_weights, counts=counts,
+                        aggregation=cfg.loss_aggregation)
                 check_finite("the policy loss", _finite_on_every_rank(loss), iteration)
                 if overlap is None and remote is None and critic is not None:
                     add(critic_update(mb, counts, packed), weight)
