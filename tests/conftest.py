@@ -1,4 +1,12 @@
-"""Shared fixtures: offline env defaults, a local S3 server (moto), one Prefect test harness, a small pipeline config."""
+"""Shared fixtures: offline env defaults, the --device option, a local S3 server (moto), one Prefect test harness,
+a small pipeline config.
+
+--device cpu|cuda|auto (default cpu) says where the device-agnostic tests run: the `device` fixture is "cpu" or
+"cuda", and those tests put their models, tensors and engines there (engines get `device=device` explicitly, so a
+cpu run on a GPU machine stays on the CPU). A test of a CPU-only path (the C++ kernels, the chunked sampler, ...)
+carries `@pytest.mark.cpu_only("why")` and is skipped under --device cuda with that reason; a test of a CUDA-only
+path (CUDA graphs, TensorRT-LLM) carries `@pytest.mark.cuda_only("why")` and is skipped under --device cpu.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +25,69 @@ set_offline_defaults()
 # Tests must not pick up a developer's real AWS credentials or endpoint.
 for _var in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
     os.environ.pop(_var, None)
+
+
+DEVICE_CHOICES = ("cpu", "cuda", "auto")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", choices=DEVICE_CHOICES, default="cpu",
+                     help="where the device-agnostic tests run: cpu (default), cuda (the session fails to start "
+                          "without a GPU), auto (cuda when torch sees a GPU, else cpu)")
+
+
+def resolved_device(choice: str) -> str:
+    """'cpu' or 'cuda' for a --device choice; a usage error for cuda where torch sees no GPU (never a quiet cpu run)."""
+    if choice == "cpu":
+        return "cpu"  # no torch import: most of the suite never needs it
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if choice == "auto":
+        return "cpu"
+    raise pytest.UsageError(
+        f"--device cuda, but torch sees no GPU on this machine (torch {torch.__version__}, CUDA build: "
+        f"{torch.version.cuda or 'no'}): run the tests on a GPU machine, or use --device cpu (or auto)")
+
+
+@pytest.hookimpl(tryfirst=True)  # first: the other conftests' pytest_configure read the resolved device
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only(reason): a test of a CPU-only path (C++ kernels, the chunked "
+                                       "sampler, ...): skipped under --device cuda, with the reason")
+    config.addinivalue_line("markers", "cuda_only(reason): a test of a CUDA-only path (CUDA graphs, TensorRT-LLM): "
+                                       "skipped under --device cpu, with the reason")
+    # From here on config.option.device is the resolved "cpu" or "cuda", never "auto".
+    config.option.device = resolved_device(config.option.device)
+
+
+def _marker_reason(item, mark) -> str:
+    reason = mark.args[0] if mark.args else mark.kwargs.get("reason")
+    if not reason:
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{mark.name} needs a reason, e.g. "
+                                f"@pytest.mark.{mark.name}(\"the C++ sampler\")")
+    return reason
+
+
+def pytest_collection_modifyitems(config, items):
+    device = config.option.device
+    for item in items:
+        for name, skipped_on, runs_on in (("cpu_only", "cuda", "CPU"), ("cuda_only", "cpu", "CUDA")):
+            mark = item.get_closest_marker(name)
+            if mark is None:
+                continue
+            reason = _marker_reason(item, mark)
+            if device == skipped_on:
+                # First of the item's skipif marks, so that it is evaluated before any other: their conditions
+                # (e.g. "the C++ kernels build here") are then never computed for a test that cannot run.
+                item.add_marker(pytest.mark.skipif(reason=f"{runs_on}-only path under --device {device}: {reason}"),
+                                append=False)
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    """Where the device-agnostic tests run: "cpu" or "cuda" (--device; auto is resolved at start)."""
+    return request.config.option.device
 
 
 def free_port() -> int:
