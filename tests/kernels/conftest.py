@@ -1,14 +1,29 @@
-"""Kernel-test setup: Triton's CPU interpreter on, and the one tolerance table every kernel test uses.
+"""Kernel-test setup: Triton's CPU interpreter under --device cpu, and the one tolerance table every kernel test uses.
 
 TRITON_INTERPRET must be set before the ``alignflow.kernels._triton_*`` modules are imported
-(``@triton.jit`` reads it when decorating), so it is set here, at conftest import time.
+(``@triton.jit`` reads it when decorating), so it is set in this conftest's pytest_configure, which runs
+before any kernel test module is imported. Under --device cuda the kernels run compiled, as in the engine:
+the interpreter stays off, and a TRITON_INTERPRET=1 left in the environment is an error rather than a
+run that would check the interpreter instead of the compiled kernels.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
 
-import pytest  # noqa: E402
+
+def pytest_configure(config):
+    # config.option.device is resolved ("cpu" or "cuda") by tests/conftest.py's pytest_configure, which runs first.
+    if config.option.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return
+    from alignflow.kernels._triton_dispatch import interpreter_requested
+
+    if interpreter_requested():
+        raise pytest.UsageError(
+            f"--device cuda with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the Triton kernels would run "
+            "in the interpreter, not compiled; unset TRITON_INTERPRET for the CUDA run")
+
 
 # (atol, rtol) per comparison, set from measured maxima on the shapes in these tests (V up to 32_771,
 # logits ~ N(0, 3^2), temperatures 1.0, 0.8 and 0.7), with 1.5-3x headroom.

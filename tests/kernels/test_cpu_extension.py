@@ -8,6 +8,8 @@ import torch.utils.cpp_extension
 
 from alignflow.kernels import _cpu_extension
 
+pytestmark = pytest.mark.cpu_only("the build of the C++ CPU kernels")
+
 
 def test_build_ahead_compiles_without_avx512_and_extension_then_loads_that_build(monkeypatch):
     if not _cpu_extension.extension():

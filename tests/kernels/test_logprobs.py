@@ -1,5 +1,6 @@
 """selective_log_softmax / entropy_from_logits / logprobs_and_entropy: torch reference vs a plain fp32
-log_softmax oracle, and the Triton kernel (in Triton's CPU interpreter) and the C++ CPU kernel vs the torch reference."""
+log_softmax oracle, and the Triton kernel (compiled under --device cuda, in Triton's CPU interpreter under
+--device cpu) and the C++ CPU kernel vs the torch reference, on the device the tests run on."""
 
 import pytest
 import torch
@@ -7,21 +8,30 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from alignflow.kernels import entropy_from_logits, logprobs_and_entropy, selective_log_softmax
 from alignflow.kernels import logprobs as logprobs_module
-from alignflow.kernels._triton_dispatch import cpp_available, resolve_impl
+from alignflow.kernels._triton_dispatch import cpp_available, resolve_impl  # noqa: F401 - read by NEEDS_CPP
 
-needs_cpp = pytest.mark.skipif(not cpp_available("selective_log_softmax"),
+CPP_ONLY = pytest.mark.cpu_only("the C++ log-prob kernels take CPU tensors")
+# A string condition: evaluated only for a test that runs, so a --device cuda run never builds the C++ kernels.
+NEEDS_CPP = pytest.mark.skipif("not cpp_available('selective_log_softmax')",
                                reason="the C++ log-prob kernels are unavailable here")
-CPP = pytest.param("cpp", marks=needs_cpp)
+
+
+def needs_cpp(test):
+    return CPP_ONLY(NEEDS_CPP(test))
+
+
+CPP = pytest.param("cpp", marks=[CPP_ONLY, NEEDS_CPP])
 ODD_SHAPES = [(6,), (3, 42), (2, 123, 431), (2, 32_771)]
 
 
-def _inputs(shape, dtype, seed=0, scale=3.0):
+def _inputs(shape, dtype, seed=0, scale=3.0, device="cpu"):
+    """(logits, index, grad of log-probs, grad of entropy) on `device`, drawn on the CPU: the same values anywhere."""
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(shape, generator=gen) * scale).to(dtype)
     index = torch.randint(0, shape[-1], shape[:-1], generator=gen)
     grad_logp = torch.randn(shape[:-1], generator=gen)
     grad_ent = torch.randn(shape[:-1], generator=gen)
-    return logits, index, grad_logp, grad_ent
+    return tuple(t.to(device) for t in (logits, index, grad_logp, grad_ent))
 
 
 def _oracle(logits, index, temperature, grad_logp, grad_ent):
@@ -60,8 +70,8 @@ def _assert_grads(got, expected, dtype, tol):
 @pytest.mark.parametrize("shape", ODD_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_torch_reference_matches_fp32_log_softmax_on_cpu(shape, dtype, temperature, tol):
-    logits, index, g_lp, g_ent = _inputs(shape, dtype)
+def test_torch_reference_matches_fp32_log_softmax(shape, dtype, temperature, tol, device):
+    logits, index, g_lp, g_ent = _inputs(shape, dtype, device=device)
     want = _oracle(logits, index, temperature, g_lp, g_ent)
     got = _ours(logits, index, temperature, g_lp, g_ent, impl="torch")
     torch.testing.assert_close(got[0], want[0], **tol("value"))
@@ -73,8 +83,8 @@ def test_torch_reference_matches_fp32_log_softmax_on_cpu(shape, dtype, temperatu
 @pytest.mark.parametrize("shape", [(6,), (3, 42), (2, 7, 431), (2, 32_771)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_triton_matches_torch_reference_in_interpreter(shape, dtype, temperature, tol):
-    logits, index, g_lp, g_ent = _inputs(shape, dtype, seed=1)
+def test_triton_matches_torch_reference(shape, dtype, temperature, tol, device):
+    logits, index, g_lp, g_ent = _inputs(shape, dtype, seed=1, device=device)
     ref = _ours(logits, index, temperature, g_lp, g_ent, impl="torch")
     got = _ours(logits, index, temperature, g_lp, g_ent, impl="triton")
     torch.testing.assert_close(got[0], ref[0], **tol("value"))
@@ -155,21 +165,21 @@ def test_auto_takes_the_cpp_kernel_for_float32_rows_only():
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", CPP])
-def test_sliced_logits_need_no_copy_and_match(impl, tol):
+def test_sliced_logits_need_no_copy_and_match(impl, tol, device):
     # The usual call: logits[:, :-1] (not viewable as [N, V]) against input_ids[:, 1:].
-    logits, _, _, _ = _inputs((3, 9, 57), torch.float32, seed=2)
-    ids = torch.randint(0, 57, (3, 9), generator=torch.Generator().manual_seed(3))
+    logits, _, _, _ = _inputs((3, 9, 57), torch.float32, seed=2, device=device)
+    ids = torch.randint(0, 57, (3, 9), generator=torch.Generator().manual_seed(3)).to(device)
     sliced, target = logits[:, :-1], ids[:, 1:]
-    g_lp, g_ent = torch.randn(3, 8), torch.randn(3, 8)
+    g_lp, g_ent = torch.randn(3, 8).to(device), torch.randn(3, 8).to(device)
     want = _oracle(sliced, target, 1.0, g_lp, g_ent)
     got = _ours(sliced, target, 1.0, g_lp, g_ent, impl=impl)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, **tol("value"))
 
 
-def test_chunk_boundaries_do_not_change_results(monkeypatch, tol):
+def test_chunk_boundaries_do_not_change_results(monkeypatch, tol, device):
     # 3 rows per chunk over 2 * 11 = 22 rows: 7 full chunks and a remainder of 1.
-    logits, index, g_lp, g_ent = _inputs((2, 11, 100), torch.float32, seed=4)
+    logits, index, g_lp, g_ent = _inputs((2, 11, 100), torch.float32, seed=4, device=device)
     monkeypatch.setattr(logprobs_module, "_CHUNK_ELEMENTS", 300)
     want = _oracle(logits, index, 1.3, g_lp, g_ent)
     got = _ours(logits, index, 1.3, g_lp, g_ent, impl="torch")
@@ -180,9 +190,9 @@ def test_chunk_boundaries_do_not_change_results(monkeypatch, tol):
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", CPP])
-def test_minus_inf_logits_give_finite_entropy_and_gradients(impl, tol):
+def test_minus_inf_logits_give_finite_entropy_and_gradients(impl, tol, device):
     # Masked vocab entries (-inf) must count as probability 0, not turn entropy or gradients into NaN.
-    logits, index, g_lp, g_ent = _inputs((4, 50), torch.float32, seed=5)
+    logits, index, g_lp, g_ent = _inputs((4, 50), torch.float32, seed=5, device=device)
     logits[:, 30:] = float("-inf")
     index = index % 30
     x = logits.clone().requires_grad_()
@@ -192,7 +202,7 @@ def test_minus_inf_logits_give_finite_entropy_and_gradients(impl, tol):
     torch.testing.assert_close(logp, want[0], **tol("value"))
     torch.testing.assert_close(entropy, want[1], **tol("value"))
     torch.testing.assert_close(x.grad[:, :30], want[4], **tol("grad_fp32"))
-    assert torch.equal(x.grad[:, 30:], torch.zeros(4, 20))
+    assert torch.equal(x.grad[:, 30:], torch.zeros(4, 20, device=device))
 
 
 class _LargestFloat32(TorchDispatchMode):
@@ -210,11 +220,11 @@ class _LargestFloat32(TorchDispatchMode):
         return out
 
 
-def test_bf16_forward_and_backward_never_create_a_full_fp32_tensor(monkeypatch):
+def test_bf16_forward_and_backward_never_create_a_full_fp32_tensor(monkeypatch, device):
     # [4, 64, 1000] bf16 with 16k-element chunks: a plain log_softmax(x.float()) would create a
     # 256k-element fp32 tensor; ours may create [16, 1000] fp32 chunks at most.
     monkeypatch.setattr(logprobs_module, "_CHUNK_ELEMENTS", 16_000)
-    logits, index, g_lp, g_ent = _inputs((4, 64, 1000), torch.bfloat16, seed=6)
+    logits, index, g_lp, g_ent = _inputs((4, 64, 1000), torch.bfloat16, seed=6, device=device)
     x = logits.clone().requires_grad_()
     with _LargestFloat32() as mode:
         logp, entropy = logprobs_and_entropy(x, index, 0.9, impl="torch")

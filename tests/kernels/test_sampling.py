@@ -1,5 +1,7 @@
 """sample_tokens: greedy, full-vocabulary log-probs, kept sets against a plain sort-based oracle, sample
-frequencies, batch-independence of seeds, and exact Triton (interpreter) vs torch agreement."""
+frequencies, batch-independence of seeds, and exact Triton vs torch agreement, on the device the tests run on
+(Triton compiled under --device cuda, in its CPU interpreter under --device cpu). The C++ and chunked samplers
+are the CPU's: their tests are cpu_only."""
 
 import math
 
@@ -9,12 +11,22 @@ import torch
 from alignflow.kernels import SampleOutput, rng, sample_tokens, sampling
 from alignflow.kernels._triton_dispatch import cpp_available
 
-# The C++ kernel's parameter: skipped where the extension does not build (no AVX-512, no compiler).
-CPP = pytest.param("cpp", marks=pytest.mark.skipif(not cpp_available(), reason="C++ CPU kernels unavailable"))
+CPP_ONLY = pytest.mark.cpu_only("the C++ sampler takes CPU tensors")
+# Skipped where the extension does not build (no AVX2, no compiler). A string condition: evaluated only for a test
+# that runs, so a --device cuda run never builds the C++ kernels.
+NEEDS_CPP = pytest.mark.skipif("not cpp_available()", reason="C++ CPU kernels unavailable")
+CPP = pytest.param("cpp", marks=[CPP_ONLY, NEEDS_CPP])
+CHUNKED_ONLY = pytest.mark.cpu_only("the chunked sampler is the eager CPU path")
+CHUNKED = pytest.param("chunked", marks=CHUNKED_ONLY)
 
 
-def _logits(batch, vocab, seed=0, scale=2.0, dtype=torch.float32):
-    return (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+def needs_cpp(test):
+    return CPP_ONLY(NEEDS_CPP(test))
+
+
+def _logits(batch, vocab, seed=0, scale=2.0, dtype=torch.float32, device="cpu"):
+    """[batch, vocab] logits on `device`, drawn on the CPU: the same values on every device."""
+    return (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(device)
 
 
 def _oracle_kept(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> set[int]:
@@ -56,14 +68,14 @@ def _rows(logits, temperature, top_k, top_p, seeds, step):
 # The counter-based hash
 
 
-def test_mul32_matches_python_integers_at_the_extremes():
+def test_mul32_matches_python_integers_at_the_extremes(device):
     xs = [0, 1, 2**16 - 1, 2**31, 2**32 - 1, 0x12345678, 0xDEADBEEF]
     for c in (rng.FMIX_M1, rng.FMIX_M2, rng.GOLDEN, 0xFFFFFFFF):
-        got = rng._mul32(torch.tensor(xs, dtype=torch.int64), c).tolist()
+        got = rng._mul32(torch.tensor(xs, dtype=torch.int64, device=device), c).tolist()
         assert got == [(x * c) % 2**32 for x in xs]
 
 
-def test_fmix32_matches_a_python_murmur3_finaliser():
+def test_fmix32_matches_a_python_murmur3_finaliser(device):
     def fmix(h):
         h ^= h >> 16
         h = (h * 0x85EBCA6B) & 0xFFFFFFFF
@@ -72,18 +84,18 @@ def test_fmix32_matches_a_python_murmur3_finaliser():
         return h ^ (h >> 16)
 
     xs = [0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 0xCAFEBABE]
-    assert rng.fmix32(torch.tensor(xs, dtype=torch.int64)).tolist() == [fmix(x) for x in xs]
+    assert rng.fmix32(torch.tensor(xs, dtype=torch.int64, device=device)).tolist() == [fmix(x) for x in xs]
 
 
-def test_triton_hash_reproduces_torch_hash_bit_for_bit():
+def test_triton_hash_reproduces_torch_hash_bit_for_bit(device):
     from alignflow.kernels import _triton_sampling
 
     constants = ("FMIX_M1", "FMIX_M2", "GOLDEN", "SEED_SALT", "STEP_SALT")
     assert [getattr(_triton_sampling, "_" + c).value for c in constants] == [
         getattr(rng, c) for c in constants
     ]
-    seeds = torch.tensor([0, 1, -1, 2**40 + 3, -(2**62), 12345])
-    steps = torch.tensor([0, 1, 2**32 + 5, 7, 0, 2**20])
+    seeds = torch.tensor([0, 1, -1, 2**40 + 3, -(2**62), 12345], device=device)
+    steps = torch.tensor([0, 1, 2**32 + 5, 7, 0, 2**20], device=device)
     k1, k2 = rng.row_keys(seeds, steps)
     assert int(k1.min()) >= 0 and int(k1.max()) < 2**32 and int(k2.max()) < 2**32
     vocab = 5003
@@ -92,12 +104,12 @@ def test_triton_hash_reproduces_torch_hash_bit_for_bit():
     assert torch.equal(got, want)
 
 
-def test_uniforms_are_uniform_and_distinct_within_a_row():
-    k1, k2 = rng.row_keys(torch.arange(4), torch.zeros(4, dtype=torch.long))
+def test_uniforms_are_uniform_and_distinct_within_a_row(device):
+    k1, k2 = rng.row_keys(torch.arange(4, device=device), torch.zeros(4, dtype=torch.long, device=device))
     u = rng.uniforms_from_hash(rng.token_hash(k1, k2, 100_000))
     assert float(u.min()) >= 2**-24 and float(u.max()) <= 1 - 2**-24
     # 100k uniforms per row: mean within 5 sigma (sigma = 0.29 / sqrt(1e5) = 9e-4), deciles near 0.1.
-    assert torch.allclose(u.mean(1), torch.full((4,), 0.5), atol=5 * 9.1e-4)
+    assert torch.allclose(u.mean(1), torch.full((4,), 0.5, device=device), atol=5 * 9.1e-4)
     deciles = torch.stack([torch.histc(r, bins=10, min=0, max=1) for r in u]) / 100_000
     assert float((deciles - 0.1).abs().max()) < 5 * math.sqrt(0.1 * 0.9 / 100_000)
     # The hash is a bijection of the vocab index for a fixed row: 23-bit uniforms collide only by chance.
@@ -111,8 +123,8 @@ def test_uniforms_are_uniform_and_distinct_within_a_row():
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", CPP])
-def test_greedy_rows_take_the_argmax_with_temperature_one_logprob(impl, tol):
-    logits = _logits(5, 300, seed=1)
+def test_greedy_rows_take_the_argmax_with_temperature_one_logprob(impl, tol, device):
+    logits = _logits(5, 300, seed=1, device=device)
     out = sample_tokens(logits, 0.0, 7, 0.5, torch.arange(5), 3, impl=impl)
     assert isinstance(out, SampleOutput)
     assert torch.equal(out.tokens, logits.argmax(1))
@@ -121,18 +133,18 @@ def test_greedy_rows_take_the_argmax_with_temperature_one_logprob(impl, tol):
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", CPP])
-def test_ties_go_to_the_lowest_index_even_across_vocab_blocks(impl):
+def test_ties_go_to_the_lowest_index_even_across_vocab_blocks(impl, device):
     # 9000 is in a later Triton block (4096 wide in the interpreter, 1024 on GPU) than 100.
-    logits = torch.zeros(2, 10_000)
+    logits = torch.zeros(2, 10_000, device=device)
     logits[:, 100] = logits[:, 9000] = 5.0
     out = sample_tokens(logits, 0.0, 0, 1.0, torch.arange(2), 0, impl=impl)
     assert out.tokens.tolist() == [100, 100]
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", CPP])
-def test_logprobs_are_over_the_full_vocabulary_not_the_kept_set(impl, tol):
-    logits = _logits(4, 500, seed=2)
-    temperature = torch.tensor([1.0, 0.6, 1.4, 0.9])
+def test_logprobs_are_over_the_full_vocabulary_not_the_kept_set(impl, tol, device):
+    logits = _logits(4, 500, seed=2, device=device)
+    temperature = torch.tensor([1.0, 0.6, 1.4, 0.9], device=device)
     out = sample_tokens(
         logits,
         temperature,
@@ -146,8 +158,8 @@ def test_logprobs_are_over_the_full_vocabulary_not_the_kept_set(impl, tol):
     torch.testing.assert_close(out.logprobs, want, **tol("sample_logprob"))
 
 
-def test_top_k_one_is_greedy_and_top_k_at_least_vocab_is_off():
-    logits = _logits(6, 64, seed=3)
+def test_top_k_one_is_greedy_and_top_k_at_least_vocab_is_off(device):
+    logits = _logits(6, 64, seed=3, device=device)
     seeds = torch.arange(6) * 11
     assert torch.equal(sample_tokens(logits, 1.0, 1, 1.0, seeds, 0, impl="torch").tokens, logits.argmax(1))
     off = sample_tokens(logits, 1.0, 0, 1.0, seeds, 0, impl="torch").tokens
@@ -157,10 +169,10 @@ def test_top_k_one_is_greedy_and_top_k_at_least_vocab_is_off():
 
 @pytest.mark.parametrize("top_p_on", [True, False], ids=["top_k_and_top_p_sort", "top_k_only_topk"])
 @pytest.mark.parametrize("rounding", [None, 1])
-def test_kept_set_matches_the_sort_oracle_including_ties(rounding, top_p_on):
+def test_kept_set_matches_the_sort_oracle_including_ties(rounding, top_p_on, device):
     # rounding=1 rounds logits to one decimal, so many tokens tie at the top-k / top-p boundary.
     # Without top-p, kept_thresholds takes torch.topk instead of the sort: same thresholds expected.
-    logits = _logits(24, 200, seed=4)
+    logits = _logits(24, 200, seed=4, device=device)
     if rounding is not None:
         logits = torch.round(logits, decimals=rounding)
     gen = torch.Generator().manual_seed(5)
@@ -190,12 +202,12 @@ def _threshold_inputs(logits, top_k, top_p, temperature=0.8):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [8.0, 3.0, 0.3], ids=["peaked", "spread", "flat"])
-def test_prefix_thresholds_equal_the_full_sort_bit_for_bit(dtype, scale):
+def test_prefix_thresholds_equal_the_full_sort_bit_for_bit(dtype, scale, device):
     # bf16 logits tie often (8-bit mantissa): ties at the k-th key and at the top-p cut are common.
     # "peaked" rows are decided by the 256-key prefix, "spread" ones partly by the 2048-key one,
     # "flat" ones (nucleus beyond 2048 keys) by the final sort of the rows still undecided.
     batch, vocab = 32, 5000
-    logits = _logits(batch, vocab, seed=6, scale=scale, dtype=dtype)
+    logits = _logits(batch, vocab, seed=6, scale=scale, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(7)
     top_k = torch.where(torch.rand(batch, generator=gen) < 0.5, torch.randint(1, 300, (batch,), generator=gen), 0)
     top_p = torch.rand(batch, generator=gen) * 0.98 + 0.01
@@ -206,17 +218,17 @@ def test_prefix_thresholds_equal_the_full_sort_bit_for_bit(dtype, scale):
     assert torch.equal(sampling.kept_thresholds(args[0].to(torch.int64), *args[1:]), want)  # int64 keys too
 
 
-def test_top_p_cut_falls_through_the_prefixes_to_the_sort_per_row():
+def test_top_p_cut_falls_through_the_prefixes_to_the_sort_per_row(device):
     # A nucleus of ~all 3000 tokens (flat row, top_p 0.99) is decided by no prefix; a peaked row by
     # the first. Each must still equal the sort, and the flat one keep > 2048 tokens.
-    logits = torch.cat([_logits(1, 3000, seed=8, scale=0.01), _logits(1, 3000, seed=9, scale=8.0)])
+    logits = torch.cat([_logits(1, 3000, seed=8, scale=0.01), _logits(1, 3000, seed=9, scale=8.0)]).to(device)
     args = _threshold_inputs(logits, torch.tensor([0, 0]), torch.tensor([0.99, 0.9]))
     tau = sampling.kept_thresholds(*args)
     assert torch.equal(tau, sampling.kept_thresholds(*args, method="sort"))
     flat, peaked = (len(s) for s in _kept_from_tau(logits, tau))
     assert flat > 2048 and peaked < 256
     # 200 tokens tied at the top with top_k 5: all are kept, by either method.
-    tied = _logits(2, 3000, seed=10)
+    tied = _logits(2, 3000, seed=10, device=device)
     tied[:, :200] = 9.0
     args = _threshold_inputs(tied, torch.tensor([5, 5]), torch.tensor([0.9, 0.99]))
     tau = sampling.kept_thresholds(*args)
@@ -224,10 +236,10 @@ def test_top_p_cut_falls_through_the_prefixes_to_the_sort_per_row():
     assert [len(s) for s in _kept_from_tau(tied, tau)] == [200, 200]
 
 
-def test_top_p_rows_take_the_prefix_their_masses_allow(monkeypatch):
+def test_top_p_rows_take_the_prefix_their_masses_allow(monkeypatch, device):
     """Which prefixes a row tries follows from bounds on its masses; every route ends at the sort's cut."""
     vocab = 5000
-    logits = torch.full((4, vocab), -20.0)
+    logits = torch.full((4, vocab), -20.0, device=device)
     logits[:, 0] = 0.0
     logits[0, 1:1000] = math.log(0.5)  # total ~500 top masses, target 450: beyond 256 keys, within 2048
     logits[1, 1:2500] = math.log(0.5)  # target ~1188: the 256 prefix shows 2048 cannot reach it -> sort
@@ -252,52 +264,52 @@ def test_top_p_masses_are_exact_fixed_point_sums():
         sampling.kept_thresholds(*_threshold_inputs(_logits(1, 10), 0, 0.5), method="topk")
 
 
+@pytest.mark.parametrize("impl", ["torch", CHUNKED])
 @pytest.mark.parametrize("top_k, top_p", [(40, 1.0), (40, 0.8), (0, 0.8)])
-def test_precomputed_thresholds_give_the_same_samples(top_k, top_p):
-    logits = _logits(6, 2000, seed=9, scale=3.0)
-    seeds = torch.arange(6) * 5
+def test_precomputed_thresholds_give_the_same_samples(top_k, top_p, impl, device):
+    logits = _logits(6, 2000, seed=9, scale=3.0, device=device)
+    seeds = torch.arange(6, device=device) * 5
     flags = sampling.uniform_flags(0.9, top_k, top_p, 2000)
     tau = sampling.kept_set_thresholds(logits, 0.9, top_k, top_p, flags)
-    for impl in ("torch", "chunked"):
-        want = sample_tokens(logits, 0.9, top_k, top_p, seeds, 3, impl=impl)
-        got = sample_tokens(logits, 0.9, top_k, top_p, seeds, 3, impl=impl, flags=flags, thresholds=tau)
-        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs), impl
+    want = sample_tokens(logits, 0.9, top_k, top_p, seeds, 3, impl=impl)
+    got = sample_tokens(logits, 0.9, top_k, top_p, seeds, 3, impl=impl, flags=flags, thresholds=tau)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
     with pytest.raises(ValueError, match="thresholds= is for the torch and chunked impls"):
         sample_tokens(logits, 0.9, top_k, top_p, seeds, 3, impl="triton", thresholds=tau)
 
 
-def test_row_keys_per_step_equal_row_keys_at_each_step():
-    seeds = torch.tensor([0, 1, -1, 2**40 + 7, -(2**62), 12345])  # negative and > 32-bit seeds too
+def test_row_keys_per_step_equal_row_keys_at_each_step(device):
+    seeds = torch.tensor([0, 1, -1, 2**40 + 7, -(2**62), 12345], device=device)  # negative and > 32-bit seeds too
     k1, k2 = rng.row_keys_per_step(seeds, 70)
     assert k2.shape == (6, 70)
     for t in (0, 1, 33, 69):
-        want1, want2 = rng.row_keys(seeds, torch.full((6,), t))
+        want1, want2 = rng.row_keys(seeds, torch.full((6,), t, device=device))
         assert torch.equal(k1, want1) and torch.equal(k2[:, t], want2), t
 
 
+@pytest.mark.parametrize("impl", ["torch", CHUNKED])
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_precomputed_row_keys_give_the_same_samples(top_p):
-    logits = _logits(5, 3000, seed=4, scale=2.0)
-    seeds = torch.arange(5) * 11 + 3
+def test_precomputed_row_keys_give_the_same_samples(top_p, impl, device):
+    logits = _logits(5, 3000, seed=4, scale=2.0, device=device)
+    seeds = torch.arange(5, device=device) * 11 + 3
     k1, k2 = rng.row_keys_per_step(seeds, 8)
-    for impl in ("torch", "chunked"):
-        for step in (0, 7):
-            want = sample_tokens(logits, 0.8, 0, top_p, seeds, step, impl=impl)
-            got = sample_tokens(logits, 0.8, 0, top_p, seeds, step, impl=impl, row_keys=(k1, k2[:, step]))
-            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs), (impl, step)
-        # The keys decide the draw: another step's keys give other tokens (the check is not vacuous).
-        other = sample_tokens(logits, 0.8, 0, top_p, seeds, 0, impl=impl, row_keys=(k1, k2[:, 5]))
-        assert not torch.equal(other.tokens, sample_tokens(logits, 0.8, 0, top_p, seeds, 0, impl=impl).tokens)
+    for step in (0, 7):
+        want = sample_tokens(logits, 0.8, 0, top_p, seeds, step, impl=impl)
+        got = sample_tokens(logits, 0.8, 0, top_p, seeds, step, impl=impl, row_keys=(k1, k2[:, step]))
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs), step
+    # The keys decide the draw: another step's keys give other tokens (the check is not vacuous).
+    other = sample_tokens(logits, 0.8, 0, top_p, seeds, 0, impl=impl, row_keys=(k1, k2[:, 5]))
+    assert not torch.equal(other.tokens, sample_tokens(logits, 0.8, 0, top_p, seeds, 0, impl=impl).tokens)
     with pytest.raises(ValueError, match="row_keys= is for the torch and chunked impls; triton hashes in-kernel"):
         sample_tokens(logits, 0.8, 0, 1.0, seeds, 0, impl="triton", row_keys=(k1, k2[:, 0]))
     with pytest.raises(ValueError, match=r"row_keys must be two int64 \[5\] tensors"):
         sample_tokens(logits, 0.8, 0, 1.0, seeds, 0, impl="chunked", row_keys=(k1, k2))
 
 
-def test_samples_never_leave_the_kept_set():
+def test_samples_never_leave_the_kept_set(device):
     # 3000 draws of one row: any token outside the 12 kept ones would show up.
-    logits = _logits(1, 80, seed=6).expand(3000, 80)
-    out = sample_tokens(logits, 0.9, 20, 0.8, torch.arange(3000), 0, impl="torch")
+    logits = _logits(1, 80, seed=6, device=device).expand(3000, 80)
+    out = sample_tokens(logits, 0.9, 20, 0.8, torch.arange(3000, device=device), 0, impl="torch")
     allowed = _oracle_kept(logits[0], 0.9, 20, 0.8)
     assert set(out.tokens.tolist()) <= allowed
     assert len(set(out.tokens.tolist())) == len(allowed)  # and every kept token does occur
@@ -318,50 +330,51 @@ def _filtered_probs(row, temperature, top_k, top_p):
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 12, 1.0), (1.3, 0, 0.85), (0.8, 25, 0.9)]
 )
-def test_sample_frequencies_match_the_filtered_distribution_across_seeds(temperature, top_k, top_p):
+def test_sample_frequencies_match_the_filtered_distribution_across_seeds(temperature, top_k, top_p, device):
     n = 20_000
     row = _logits(1, 40, seed=7, scale=1.0)[0]
-    out = sample_tokens(row.expand(n, 40), temperature, top_k, top_p, torch.arange(n) + 1000, 5, impl="torch")
+    out = sample_tokens(row.to(device).expand(n, 40), temperature, top_k, top_p, torch.arange(n, device=device) + 1000,
+                        5, impl="torch")
     kept, probs = _filtered_probs(row, temperature, top_k, top_p)
-    counts = torch.bincount(out.tokens, minlength=40).double()
+    counts = torch.bincount(out.tokens.cpu(), minlength=40).double()
     assert float(counts.sum() - counts[kept].sum()) == 0.0
     expected = probs * n
     chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
     assert chi2 < _chi_square_bound(len(kept) - 1), f"chi2={chi2:.1f} over {len(kept) - 1} dof"
 
 
-def test_sample_frequencies_match_across_steps_of_one_seed():
+def test_sample_frequencies_match_across_steps_of_one_seed(device):
     # One request decoding 20k steps on the same logits: the step counter alone must give fresh draws.
     n = 20_000
     row = _logits(1, 30, seed=8, scale=1.0)[0]
-    out = sample_tokens(row.expand(n, 30), 1.1, 0, 0.95, 42, torch.arange(n), impl="torch")
+    out = sample_tokens(row.to(device).expand(n, 30), 1.1, 0, 0.95, 42, torch.arange(n, device=device), impl="torch")
     kept, probs = _filtered_probs(row, 1.1, 0, 0.95)
-    counts = torch.bincount(out.tokens, minlength=30).double()[kept]
+    counts = torch.bincount(out.tokens.cpu(), minlength=30).double()[kept]
     chi2 = float(((counts - probs * n) ** 2 / (probs * n)).sum())
     assert chi2 < _chi_square_bound(len(kept) - 1), f"chi2={chi2:.1f} over {len(kept) - 1} dof"
 
 
-def test_chi_square_check_rejects_a_wrong_temperature():
+def test_chi_square_check_rejects_a_wrong_temperature(device):
     # The frequency check above can fail: samples at T = 1.0 judged against T = 0.7 do.
     n = 20_000
     row = _logits(1, 40, seed=7, scale=1.0)[0]
-    out = sample_tokens(row.expand(n, 40), 1.0, 0, 1.0, torch.arange(n), 0, impl="torch")
+    out = sample_tokens(row.to(device).expand(n, 40), 1.0, 0, 1.0, torch.arange(n, device=device), 0, impl="torch")
     kept, probs = _filtered_probs(row, 0.7, 0, 1.0)
-    counts = torch.bincount(out.tokens, minlength=40).double()[kept]
+    counts = torch.bincount(out.tokens.cpu(), minlength=40).double()[kept]
     chi2 = float(((counts - probs * n) ** 2 / (probs * n)).sum())
     assert chi2 > _chi_square_bound(len(kept) - 1)
 
 
-@pytest.mark.parametrize("impl", ["torch", "chunked", "triton", CPP])
-def test_same_seed_gives_same_token_in_any_batch_position_or_company(impl):
-    logits = _logits(6, 257, seed=9)
-    temperature = torch.tensor([1.0, 0.8, 1.2, 0.5, 1.0, 0.9])
-    top_k = torch.tensor([0, 30, 0, 5, 100, 0])
-    top_p = torch.tensor([1.0, 0.9, 0.7, 1.0, 0.95, 1.0])
-    seeds = torch.tensor([3, 1, 4, 1, 5, 9])
-    step = torch.tensor([0, 5, 2, 5, 8, 13])
+@pytest.mark.parametrize("impl", ["torch", CHUNKED, "triton", CPP])
+def test_same_seed_gives_same_token_in_any_batch_position_or_company(impl, device):
+    logits = _logits(6, 257, seed=9, device=device)
+    temperature = torch.tensor([1.0, 0.8, 1.2, 0.5, 1.0, 0.9], device=device)
+    top_k = torch.tensor([0, 30, 0, 5, 100, 0], device=device)
+    top_p = torch.tensor([1.0, 0.9, 0.7, 1.0, 0.95, 1.0], device=device)
+    seeds = torch.tensor([3, 1, 4, 1, 5, 9], device=device)
+    step = torch.tensor([0, 5, 2, 5, 8, 13], device=device)
     full = sample_tokens(logits, temperature, top_k, top_p, seeds, step, impl=impl)
-    perm = torch.tensor([4, 2, 0, 5, 1, 3])
+    perm = torch.tensor([4, 2, 0, 5, 1, 3], device=device)
     permuted = sample_tokens(
         logits[perm], temperature[perm], top_k[perm], top_p[perm], seeds[perm], step[perm], impl=impl
     )
@@ -372,10 +385,10 @@ def test_same_seed_gives_same_token_in_any_batch_position_or_company(impl):
     assert int(alone.tokens[0]) == int(full.tokens[2])
 
 
-def test_different_seeds_and_steps_give_different_draws():
-    logits = torch.zeros(200, 1000)  # uniform: any two draws collide with probability 1/1000
-    by_seed = sample_tokens(logits, 1.0, 0, 1.0, torch.arange(200), 0, impl="torch").tokens
-    by_step = sample_tokens(logits, 1.0, 0, 1.0, 7, torch.arange(200), impl="torch").tokens
+def test_different_seeds_and_steps_give_different_draws(device):
+    logits = torch.zeros(200, 1000, device=device)  # uniform: any two draws collide with probability 1/1000
+    by_seed = sample_tokens(logits, 1.0, 0, 1.0, torch.arange(200, device=device), 0, impl="torch").tokens
+    by_step = sample_tokens(logits, 1.0, 0, 1.0, 7, torch.arange(200, device=device), impl="torch").tokens
     assert len(set(by_seed.tolist())) > 150 and len(set(by_step.tolist())) > 150
 
 
@@ -383,6 +396,7 @@ def test_different_seeds_and_steps_give_different_draws():
 # Chunked CPU path vs torch reference: equal, not close
 
 
+@CHUNKED_ONLY
 @pytest.mark.parametrize(
     ("batch", "vocab", "dtype"),
     [
@@ -420,6 +434,7 @@ def test_chunked_sampler_equals_the_reference_bit_for_bit(batch, vocab, dtype):
                 assert (lean[2] is None) == (not flags.any_top_k and not flags.any_top_p)
 
 
+@CHUNKED_ONLY
 def test_chunked_sampler_ties_go_to_the_lowest_index_across_chunks():
     from alignflow.kernels import _chunked_sampling
 
@@ -431,17 +446,19 @@ def test_chunked_sampler_ties_go_to_the_lowest_index_across_chunks():
     assert tokens.tolist() == [5, 5]
 
 
-def test_batch_flags_from_values_match_uniform_flags_and_leave_results_unchanged():
-    logits = _logits(4, 300, seed=3)
+def test_batch_flags_from_values_match_uniform_flags_and_leave_results_unchanged(device):
+    logits = _logits(4, 300, seed=3, device=device)
+    seeds = torch.arange(4, device=device)
     for temperature, top_k, top_p in ((0.0, 5, 0.5), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.9), (1.0, 300, 1.0)):
-        rows = _rows(logits, temperature, top_k, top_p, torch.arange(4), 2)
+        rows = _rows(logits, temperature, top_k, top_p, seeds, 2)
         flags = sampling.uniform_flags(temperature, top_k, top_p, 300)
         assert sampling.batch_flags(rows, 300) == flags
-        with_flags = sample_tokens(logits, temperature, top_k, top_p, torch.arange(4), 2, impl="torch", flags=flags)
-        without = sample_tokens(logits, temperature, top_k, top_p, torch.arange(4), 2, impl="torch")
+        with_flags = sample_tokens(logits, temperature, top_k, top_p, seeds, 2, impl="torch", flags=flags)
+        without = sample_tokens(logits, temperature, top_k, top_p, seeds, 2, impl="torch")
         assert torch.equal(with_flags.tokens, without.tokens)
 
 
+@pytest.mark.cpu_only("auto's choice among the CPU samplers (it builds the C++ kernels to see whether they run)")
 def test_auto_picks_the_cpp_or_chunked_sampler_on_cpu_and_rejects_them_where_they_do_not_apply(monkeypatch):
     from alignflow.kernels import _triton_dispatch
     from alignflow.kernels._triton_dispatch import resolve_impl
@@ -486,13 +503,13 @@ def _mixed_rows(batch, gen):
         (2, 32_771, torch.bfloat16),
     ],
 )
-def test_triton_picks_exactly_the_torch_tokens_and_kept_sets(batch, vocab, dtype, tol):
+def test_triton_picks_exactly_the_torch_tokens_and_kept_sets(batch, vocab, dtype, tol, device):
     from alignflow.kernels import _triton_sampling
 
     gen = torch.Generator().manual_seed(vocab + batch)
-    logits = _logits(batch, vocab, seed=vocab, scale=2.5, dtype=dtype)
-    temperature, top_k, top_p = _mixed_rows(batch, gen)
-    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
+    logits = _logits(batch, vocab, seed=vocab, scale=2.5, dtype=dtype, device=device)
+    temperature, top_k, top_p = (t.to(device) for t in _mixed_rows(batch, gen))
+    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen).to(device)
     for step in (0, 1, 17):
         rows = _rows(logits, temperature, top_k, top_p, seeds, step)
         ref_tokens, ref_logprobs, ref_tau = sampling.sample_torch(logits, rows)
@@ -502,10 +519,10 @@ def test_triton_picks_exactly_the_torch_tokens_and_kept_sets(batch, vocab, dtype
         torch.testing.assert_close(logprobs, ref_logprobs, **tol("sample_logprob"))
 
 
-def test_triton_samples_stay_in_the_oracle_kept_set():
+def test_triton_samples_stay_in_the_oracle_kept_set(device):
     batch, vocab = 16, 300
-    logits = _logits(1, vocab, seed=10).expand(batch, vocab)
-    out = sample_tokens(logits, 0.8, 15, 0.7, torch.arange(batch), 0, impl="triton")
+    logits = _logits(1, vocab, seed=10, device=device).expand(batch, vocab)
+    out = sample_tokens(logits, 0.8, 15, 0.7, torch.arange(batch, device=device), 0, impl="triton")
     assert set(out.tokens.tolist()) <= _oracle_kept(logits[0], 0.8, 15, 0.7)
 
 
@@ -558,8 +575,6 @@ def test_validate_false_skips_only_the_value_checks():
 
 # ----------------------------------------------------------------------------------------------
 # C++ CPU kernel vs torch reference: the same tokens, log-probs within a few ulps
-
-needs_cpp = pytest.mark.skipif(not cpp_available(), reason="C++ CPU kernels unavailable")
 
 
 @needs_cpp
@@ -653,6 +668,7 @@ def test_cpp_sampler_rejects_malformed_arguments_by_name():
         module.sample_tokens(logits, *rows, torch.zeros(5, dtype=torch.long))
 
 
+@CHUNKED_ONLY
 def test_noise_windows_of_steps_equal_the_per_step_noise_and_samples():
     from alignflow.kernels import _chunked_sampling
 
