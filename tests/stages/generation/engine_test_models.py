@@ -106,6 +106,14 @@ def heap_in_use() -> int | None:
     return info.uordblks + info.hblkhd
 
 
+def memory_in_use(device: str) -> int | None:
+    """Bytes allocated on `device` right now: torch's CUDA allocator on cuda, malloc's heap on the CPU (None off
+    glibc). What an engine allocates while it works shows here on its own device."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return heap_in_use()
+
+
 def random_prompts(batch: int, seed: int = 0, vocab: int = 256, lengths: tuple[int, int] = (1, 14)) -> list[list[int]]:
     """`batch` prompts of different lengths (ids >= 3: clear of pad/bos/eos)."""
     gen = torch.Generator().manual_seed(seed)

@@ -19,7 +19,14 @@ from alignflow.stages.generation.native import NativeEngine
 from alignflow.stages.generation.native import decode_loop as engine_loop
 from alignflow.stages.generation.native.weights import checkpoint_tensors
 
-pytestmark = pytest.mark.skipif(not kernel.available(), reason=f"no C++ decode loop here: {kernel.unavailable_reason()}")
+pytestmark = pytest.mark.cpu_only("the C++ decode loop is the CPU engine's")
+
+
+@pytest.fixture(autouse=True)
+def _loop_builds_here():
+    # A fixture, not a skipif at import: a --device cuda run (which skips this module) never builds the C++ kernels.
+    if not kernel.available():
+        pytest.skip(f"no C++ decode loop here: {kernel.unavailable_reason()}")
 
 # Stop tokens common enough (9 of the 256-token vocabulary) that rows finish at different steps, and some do not.
 STOPPING = SamplingParams(temperature=1.0, max_new_tokens=20, seed=11, stop_token_ids=list(range(3, 12)))
@@ -27,8 +34,8 @@ STOPPING = SamplingParams(temperature=1.0, max_new_tokens=20, seed=11, stop_toke
 
 def _engines(path, **overrides) -> tuple[NativeEngine, NativeEngine]:
     """(the engine with the C++ loop, the same model on the torch step)."""
-    fast = NativeEngine.build(path, engine_config(cpu_decode_loop=True, **overrides))
-    reference = NativeEngine.build(path, engine_config(**overrides))
+    fast = NativeEngine.build(path, engine_config(cpu_decode_loop=True, **overrides), device="cpu")
+    reference = NativeEngine.build(path, engine_config(**overrides), device="cpu")
     assert fast._decode_loop is not None and reference._decode_loop is None
     return fast, reference
 
@@ -124,7 +131,7 @@ def test_a_refit_reaches_the_loops_blocked_weights(tiny_checkpoints, tmp_path):
     before = fast.generate(prompts, STOPPING)
     perturbed = perturbed_checkpoint(path, tmp_path / "p")
     fast.refit(checkpoint_tensors(perturbed))
-    want = NativeEngine.build(perturbed, engine_config()).generate(prompts, STOPPING)
+    want = NativeEngine.build(perturbed, engine_config(), device="cpu").generate(prompts, STOPPING)
     assert want.response_token_ids != before.response_token_ids  # the refit has something to show
     _assert_same_generation(fast.generate(prompts, STOPPING), want)
     # Weights discarded and reloaded: the blocked copies are dropped with them and rebuilt by the next refit.
@@ -162,7 +169,7 @@ def test_models_and_settings_the_loop_leaves_to_the_torch_step(tiny_checkpoints)
     ]
     for arch, dtype, overrides, reason in cases:
         config = engine_config(**{"cpu_decode_loop": True, **overrides})
-        engine = NativeEngine.build(tiny_checkpoints[arch], config, dtype=dtype)
+        engine = NativeEngine.build(tiny_checkpoints[arch], config, dtype=dtype, device="cpu")
         assert engine._decode_loop is None
         assert engine.execution_paths()["decode_loop"] == f"not used: {reason}", arch
 

@@ -1,4 +1,7 @@
-"""The native engine agrees with transformers: logits at every position, greedy tokens, sampled log-probs."""
+"""The native engine agrees with transformers: logits at every position, greedy tokens, sampled log-probs.
+
+The engine runs on the session's device (--device); the transformers reference runs on the CPU in fp32, the
+yardstick every engine path is held to on either device."""
 
 from __future__ import annotations
 
@@ -41,10 +44,10 @@ def hf_logits(model, sequence: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("batch", [1, 7])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_greedy_tokens_and_logits_match_hf(tiny_checkpoints, arch, batch):
+def test_greedy_tokens_and_logits_match_hf(tiny_checkpoints, arch, batch, device):
     path = tiny_checkpoints[arch]
     model = hf_model(path)
-    engine = NativeEngine.build(path, engine_config())
+    engine = NativeEngine.build(path, engine_config(), device=device)
     prompts = random_prompts(batch, seed=batch)
 
     gen = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), return_logits=True)
@@ -68,10 +71,10 @@ def test_greedy_tokens_and_logits_match_hf(tiny_checkpoints, arch, batch):
 
 @pytest.mark.parametrize("batch", [1, 7])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_sampled_logprobs_match_hf_forward(tiny_checkpoints, arch, batch):
+def test_sampled_logprobs_match_hf_forward(tiny_checkpoints, arch, batch, device):
     path = tiny_checkpoints[arch]
     model = hf_model(path)
-    engine = NativeEngine.build(path, engine_config())
+    engine = NativeEngine.build(path, engine_config(), device=device)
     prompts = random_prompts(batch, seed=10 + batch)
     for sampling in (
         SamplingParams(temperature=0.7, top_k=40, top_p=0.9, max_new_tokens=NEW_TOKENS, seed=1),
@@ -91,11 +94,11 @@ def test_sampled_logprobs_match_hf_forward(tiny_checkpoints, arch, batch):
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa_tied_llama3", "qwen2_bias_window"])
-def test_hf_backend_agrees_with_native(tiny_checkpoints, arch):
+def test_hf_backend_agrees_with_native(tiny_checkpoints, arch, device):
     """Both backends share the sampler, so the same seeds give the same tokens (greedy and sampled)."""
     path = tiny_checkpoints[arch]
-    native = build_engine(path, engine_config(backend="native"))
-    hf = build_engine(path, engine_config(backend="hf"))
+    native = build_engine(path, engine_config(backend="native"), device=device)
+    hf = build_engine(path, engine_config(backend="hf"), device=device)
     prompts = random_prompts(5, seed=3)
     for sampling in (SamplingParams(temperature=0.0, max_new_tokens=16),
                      SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seeds=[5, 6, 7, 8, 9])):

@@ -1,4 +1,6 @@
-"""CPU weight prepacking: packed copies give F.linear's results, are never used stale, and leave with the engine."""
+"""CPU weight prepacking: packed copies give F.linear's results, are never used stale, and leave with the engine.
+
+A CPU path: every engine here is built with device="cpu" (the default device is the GPU wherever there is one)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from alignflow.stages.generation.native.weights import checkpoint_tensors
 
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+pytestmark = [pytest.mark.cpu_only("weight prepacking and the CPU kernels it selects"),
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")]
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +53,8 @@ def test_prepacked_engine_matches_the_plain_one(tiny_checkpoints, force_layout, 
     force_layout(layout, dtype)
     path = tiny_checkpoints["qwen2_bias_window"]  # QKV bias: the bias is added after the packed GEMM
     prompts = random_prompts(5, seed=2)
-    plain = NativeEngine.build(path, engine_config(cpu_prepack=False), dtype=dtype)
-    packed = NativeEngine.build(path, engine_config(), dtype=dtype)
+    plain = NativeEngine.build(path, engine_config(cpu_prepack=False), dtype=dtype, device="cpu")
+    packed = NativeEngine.build(path, engine_config(), dtype=dtype, device="cpu")
     assert plain._prepacked is None and packed._prepacked.layout == layout
     before = _calls()
     got = packed.forward_logits(prompts)  # 5 x 13 = 65 rows: within skinny_linear.MAX_ROWS
@@ -74,8 +77,8 @@ def test_blocked_layout_leaves_a_long_prefill_to_f_linear(tiny_checkpoints, forc
     path = tiny_checkpoints["llama_mha_untied"]
     prompts = random_prompts(8, seed=5, lengths=(30, 60))  # the prefill's rows are the prompts' tokens
     assert sum(map(len, prompts)) > skinny.max_rows()
-    packed = NativeEngine.build(path, engine_config(max_seq_len=96))
-    plain = NativeEngine.build(path, engine_config(cpu_prepack=False, max_seq_len=96))
+    packed = NativeEngine.build(path, engine_config(max_seq_len=96), device="cpu")
+    plain = NativeEngine.build(path, engine_config(cpu_prepack=False, max_seq_len=96), device="cpu")
     before = _calls()
     got = packed.forward_logits(prompts)
     assert _delta(before) == {"packed": 0, "fallback": 0, "plain": 4 * 2 + 1}
@@ -90,8 +93,8 @@ def test_a_write_behind_the_engines_back_falls_back_to_the_new_weights(tiny_chec
     """A packed copy is tied to its buffer's version counter: after any in-place write it is not used."""
     path = tiny_checkpoints["llama_mha_untied"]
     prompts = random_prompts(3, seed=4)
-    engine = NativeEngine.build(path, engine_config())
-    reference = NativeEngine.build(path, engine_config(cpu_prepack=False))
+    engine = NativeEngine.build(path, engine_config(), device="cpu")
+    reference = NativeEngine.build(path, engine_config(cpu_prepack=False), device="cpu")
     for e in (engine, reference):
         e.weights.buffers["down_w"].mul_(1.5)  # not through refit: nothing repacks
     before = _calls()
@@ -105,7 +108,7 @@ def test_a_write_behind_the_engines_back_falls_back_to_the_new_weights(tiny_chec
 def test_refit_repacks_and_the_table_empties_with_the_engine(tiny_checkpoints, tmp_path):
     path = tiny_checkpoints["llama_gqa_tied_llama3"]
     prompts = random_prompts(4, seed=6)
-    engine = NativeEngine.build(path, engine_config())
+    engine = NativeEngine.build(path, engine_config(), device="cpu")
     keys = list(engine._prepacked.keys)
     assert keys and all(key in prepack._TABLE for key in keys)
     copies = {key: prepack._TABLE[key][0] for key in keys}
@@ -117,8 +120,8 @@ def test_refit_repacks_and_the_table_empties_with_the_engine(tiny_checkpoints, t
     before = _calls()
     got = engine.generate(prompts, SAMPLED).response_token_ids
     assert _delta(before)["fallback"] == 0  # refit left current packed copies behind
-    assert got == NativeEngine.build(perturbed, engine_config(cpu_prepack=False)).generate(prompts, SAMPLED) \
-        .response_token_ids
+    fresh = NativeEngine.build(perturbed, engine_config(cpu_prepack=False), device="cpu")
+    assert got == fresh.generate(prompts, SAMPLED).response_token_ids
 
     engine.unload(keep_weights=False)
     assert not any(key in prepack._TABLE for key in keys)
@@ -140,7 +143,7 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
     path = tiny_checkpoints["llama_gqa_tied_llama3"]
     prompts = random_prompts(4, seed=8)
     counters.clear()
-    engine = NativeEngine.build(path, engine_config(compile=True))  # compiles (warmup)
+    engine = NativeEngine.build(path, engine_config(compile=True), device="cpu")  # compiles (warmup)
     assert dict(counters["graph_break"]) == {}
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
@@ -169,8 +172,8 @@ def test_cpu_kernels_switch_selects_the_cpp_kernels_or_torch_and_onednn(tiny_che
         pytest.skip(f"CPU kernels unavailable: {skinny.unavailable_reason()}")
     path = tiny_checkpoints["llama_gqa_tied_llama3"]  # head_dim 16: the attention kernel applies
     prompts = random_prompts(5, seed=12)
-    fast = NativeEngine.build(path, engine_config())
-    plain = NativeEngine.build(path, engine_config(cpu_kernels=False))
+    fast = NativeEngine.build(path, engine_config(), device="cpu")
+    plain = NativeEngine.build(path, engine_config(cpu_kernels=False), device="cpu")
     # The attention kernel has no AVX2 build: on an AVX2 CPU only the linears (and the sampler) switch.
     assert (fast._prepacked.layout, fast.model.cpu_attention) == ("blocked", decode_attention.available())
     assert (plain._prepacked.layout, plain.model.cpu_attention) == ("onednn", False)
@@ -191,7 +194,7 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     if not skinny.available():
         pytest.skip(f"CPU kernels unavailable: {skinny.unavailable_reason()}")
     path = tiny_checkpoints["llama_gqa_tied_llama3"]  # head_dim 16: the attention kernel applies
-    fast = NativeEngine.build(path, engine_config()).execution_paths()
+    fast = NativeEngine.build(path, engine_config(), device="cpu").execution_paths()
     if _cpu_extension.extension() is not None:
         isa, rows, attention = "AVX-512", 128, "decode_attention (AVX-512 C++)"
     else:  # the AVX2 builds: linears and sampler, no attention kernel
@@ -202,17 +205,17 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
                     "decode_attention": attention, "prefill_attention": "sdpa",
                     "sampler": f"sample_tokens ({isa} C++)",
                     "decode_loop": "not used: off (engine.cpu_decode_loop: false)"}
-    off = NativeEngine.build(path, engine_config(cpu_kernels=False)).execution_paths()
+    off = NativeEngine.build(path, engine_config(cpu_kernels=False), device="cpu").execution_paths()
     assert off["linear"] == "oneDNN prepacked" and off["decode_attention"].startswith("torch")
     assert off["cpu_kernels"] == "off (engine.cpu_kernels: false)" and off["sampler"] == "sample_tokens (chunked torch)"
-    plain = NativeEngine.build(path, engine_config(cpu_prepack=False)).execution_paths()
+    plain = NativeEngine.build(path, engine_config(cpu_prepack=False), device="cpu").execution_paths()
     assert plain["linear"] == "F.linear" and plain["cpu_prepack"] == "off (engine.cpu_prepack: false)"
     assert plain["decode_attention"] == fast["decode_attention"]  # attention does not need the prepack
-    hf = build_engine(path, engine_config(backend="hf")).execution_paths()
+    hf = build_engine(path, engine_config(backend="hf"), device="cpu").execution_paths()
     assert hf == {"backend": "hf", "device": "cpu", "dtype": "float32", "decode_step": "transformers generate",
                   "attention": "sdpa", "sampler": f"sample_tokens ({isa} C++)"}
     odd_head = save_tiny_model(tmp_path / "head24", "llama_mha_untied", head_dim=24)
-    odd = NativeEngine.build(odd_head, engine_config()).execution_paths()
+    odd = NativeEngine.build(odd_head, engine_config(), device="cpu").execution_paths()
     assert odd["linear"] == fast["linear"]
     if isa == "AVX-512":
         assert odd["decode_attention"].endswith("takes head_dim a multiple of 16 up to 256, not 24")
@@ -224,7 +227,7 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     _cpu_extension.reset()
     try:
         with pytest.warns(RuntimeWarning, match="fall back to torch"):
-            failed = NativeEngine.build(path, engine_config()).execution_paths()
+            failed = NativeEngine.build(path, engine_config(), device="cpu").execution_paths()
     finally:
         _cpu_extension.reset()  # the next caller loads the cached build again
     assert failed["linear"] == "oneDNN prepacked" and failed["decode_attention"].startswith("torch")
@@ -243,13 +246,14 @@ def test_without_avx512_the_engines_run_the_avx2_cpp_kernels_unless_cpu_kernels_
         pytest.skip("for CPUs with AVX2 and no AVX-512, where the AVX2 kernels build")
     path = tiny_checkpoints["llama_gqa_tied_llama3"]
     prompts = random_prompts(5, seed=12)
-    native = NativeEngine.build(path, engine_config())
-    chunked = NativeEngine.build(path, engine_config(cpu_kernels=False))
+    native = NativeEngine.build(path, engine_config(), device="cpu")
+    chunked = NativeEngine.build(path, engine_config(cpu_kernels=False), device="cpu")
     assert native.execution_paths()["sampler"] == "sample_tokens (AVX2 C++)"
     assert native.execution_paths()["linear"] == "skinny_linear (AVX2 C++) up to 256 rows, F.linear above"
     assert chunked.execution_paths()["sampler"] == "sample_tokens (chunked torch)"
     assert chunked.execution_paths()["linear"] == "oneDNN prepacked"
-    assert build_engine(path, engine_config(backend="hf")).execution_paths()["sampler"] == "sample_tokens (AVX2 C++)"
+    hf = build_engine(path, engine_config(backend="hf"), device="cpu")
+    assert hf.execution_paths()["sampler"] == "sample_tokens (AVX2 C++)"
     a = native.generate(prompts, SAMPLED.model_copy(update={"seed": 5}))
     b = chunked.generate(prompts, SAMPLED.model_copy(update={"seed": 5}))
     assert a.response_token_ids == b.response_token_ids
@@ -271,9 +275,9 @@ def test_weights_under_the_floor_stay_plain(tiny_checkpoints, force_layout, monk
     force_layout("onednn")
     path = tiny_checkpoints["qwen2_bias_window"]
     prompts = random_prompts(5, seed=2)
-    plain = NativeEngine.build(path, engine_config(cpu_prepack=False))
+    plain = NativeEngine.build(path, engine_config(cpu_prepack=False), device="cpu")
     monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": 1 << 20, "blocked": 0, "blocked-avx2": 0})
-    small = NativeEngine.build(path, engine_config())
+    small = NativeEngine.build(path, engine_config(), device="cpu")
     assert small._prepacked is None and small.model.linear is torch.nn.functional.linear
     assert small.execution_paths()["linear"] == (
         "F.linear (every weight is under 1024 KiB, where onednn packing does not pay)")
@@ -282,7 +286,7 @@ def test_weights_under_the_floor_stay_plain(tiny_checkpoints, force_layout, monk
     floor = plain.weights.buffers["gate_up_w"][0].nbytes
     assert plain.weights.buffers["qkv_w"][0].nbytes < floor and plain.weights.buffers["o_w"][0].nbytes < floor
     monkeypatch.setattr(prepack, "MIN_PACKED_BYTES", {"onednn": floor, "blocked": 0, "blocked-avx2": 0})
-    mixed = NativeEngine.build(path, engine_config())
+    mixed = NativeEngine.build(path, engine_config(), device="cpu")
     assert mixed._prepacked is not None
     before = _calls()
     got = mixed.forward_logits(prompts)
@@ -307,7 +311,7 @@ def test_the_avx2_blocked_kernel_has_onednns_floor_and_the_avx512_one_none(tiny_
         assert prepack.min_packed_bytes("onednn") == 256 << 10
     if skinny.isa() != "AVX2":
         return
-    engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config())
+    engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(), device="cpu")
     assert engine._prepacked is None and engine.model.linear is torch.nn.functional.linear
     assert engine.execution_paths()["linear"] == (
         "F.linear (every weight is under 256 KiB, where blocked packing does not pay)")

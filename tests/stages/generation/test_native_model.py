@@ -12,20 +12,21 @@ from alignflow.stages.generation.native.model import prefill_masks
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied_llama3", "qwen2_bias_window"])
 @pytest.mark.parametrize("logits_for", ["last", "all"])
-def test_packed_prefill_equals_the_padded_one(tiny_checkpoints, name, logits_for):
-    engine = NativeEngine.build(tiny_checkpoints[name], engine_config(cpu_prepack=False))
+def test_packed_prefill_equals_the_padded_one(tiny_checkpoints, name, logits_for, device):
+    engine = NativeEngine.build(tiny_checkpoints[name], engine_config(cpu_prepack=False), device=device)
     model, spec = engine.model, engine.spec
     prompts = random_prompts(6, seed=11)
     B, S = len(prompts), max(map(len, prompts))
-    tokens = torch.tensor([[0] * (S - len(p)) + p for p in prompts])
-    pad = torch.tensor([S - len(p) for p in prompts])
-    positions = (torch.arange(S)[None, :] - pad[:, None]).clamp(min=0)
+    # The model's inputs on its device, as the engine's own prefill makes them.
+    tokens = torch.tensor([[0] * (S - len(p)) + p for p in prompts], device=device)
+    pad = torch.tensor([S - len(p) for p in prompts], device=device)
+    positions = (torch.arange(S, device=device)[None, :] - pad[:, None]).clamp(min=0)
     masks = prefill_masks(spec, pad, S)
     padded_cache, packed_cache = engine._new_cache(), engine._new_cache()
     want = model.forward(padded_cache, tokens, positions, 0, masks, logits_for=logits_for)
     got = model.forward(packed_cache, tokens, positions, 0, masks, logits_for=logits_for, pad=pad)
     assert got.shape == want.shape
-    real = torch.arange(S)[None, :] >= pad[:, None]  # [B, S]
+    real = torch.arange(S, device=device)[None, :] >= pad[:, None]  # [B, S]
     if logits_for == "all":
         # Real positions agree (another row count per GEMM: another summation order); padding gives zeros.
         torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
@@ -40,11 +41,11 @@ def test_packed_prefill_equals_the_padded_one(tiny_checkpoints, name, logits_for
             assert (slots[~real] == 0).all(), "padding slots hold zero keys and values"
 
 
-def test_a_batch_without_padding_takes_the_plain_path(tiny_checkpoints):
-    engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(cpu_prepack=False))
-    tokens = torch.randint(3, 256, (3, 7), generator=torch.Generator().manual_seed(2))
-    positions = torch.arange(7)[None, :].expand(3, 7)
-    pad = torch.zeros(3, dtype=torch.long)
+def test_a_batch_without_padding_takes_the_plain_path(tiny_checkpoints, device):
+    engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(cpu_prepack=False), device=device)
+    tokens = torch.randint(3, 256, (3, 7), generator=torch.Generator().manual_seed(2)).to(device)
+    positions = torch.arange(7, device=device)[None, :].expand(3, 7)
+    pad = torch.zeros(3, dtype=torch.long, device=device)
     masks = prefill_masks(engine.spec, pad, 7)
     got = engine.model.forward(engine._new_cache(), tokens, positions, 0, masks, pad=pad)
     want = engine.model.forward(engine._new_cache(), tokens, positions, 0, masks)

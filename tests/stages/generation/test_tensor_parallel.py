@@ -5,6 +5,9 @@ every variant) and saves what each rank returned; the tests compare that, in the
 tensor_parallel_size 1 engine on the same checkpoints: logits at prefill and decode steps, greedy
 tokens, sampled tokens and their log-probs, and a refit from a perturbed checkpoint against a fresh
 TP=2 build of it. The sharding rules themselves are checked as pure functions.
+
+The ranks are CPU processes over gloo, and their one-device reference is a CPU engine (device="cpu" explicitly:
+the default device is the GPU wherever there is one); those tests are cpu_only. The others run on --device.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def _run_engine(engine: NativeEngine, prompts: list[list[int]]) -> dict:
 
 def _refit_memory(base: Path, perturbed: Path) -> dict:
     """Peak extra heap while a ~5M-parameter model streams into a TP rank, and what the rank holds."""
-    engine = NativeEngine.build(base, engine_config(tensor_parallel_size=WORLD))
+    engine = NativeEngine.build(base, engine_config(tensor_parallel_size=WORLD), device="cpu")
     baseline, peak = heap_in_use(), [0]
 
     def measured(stream):
@@ -108,7 +111,7 @@ def _worker(rank: int, jobs: dict, out_dir: str) -> None:
     try:
         config = engine_config(tensor_parallel_size=WORLD)
         for name, (base, perturbed) in jobs["variants"].items():
-            engine = NativeEngine.build(base, config)
+            engine = NativeEngine.build(base, config, device="cpu")
             prompts = _prompts(name)
             before = engine.generate(prompts, GREEDY).response_token_ids
             pointers = engine.weights.data_ptrs()
@@ -119,12 +122,12 @@ def _worker(rank: int, jobs: dict, out_dir: str) -> None:
             engine.refit(checkpoint_tensors(perturbed))
             result["refit_kept_buffers"] = engine.weights.data_ptrs() == pointers
             result["refit"] = _run_engine(engine, prompts)
-            result["fresh"] = _run_engine(NativeEngine.build(perturbed, config), prompts)
+            result["fresh"] = _run_engine(NativeEngine.build(perturbed, config, device="cpu"), prompts)
             result["before_refit_tokens"] = before
             results[name] = result
         # unload(keep_weights=False) -> reload -> full refit: fresh (zeroed) shard buffers filled again.
         name, (base, perturbed) = "llama_gqa_tied_llama3", jobs["variants"]["llama_gqa_tied_llama3"]
-        engine = NativeEngine.build(base, config)
+        engine = NativeEngine.build(base, config, device="cpu")
         engine.unload(keep_weights=False)
         engine.reload()
         engine.refit(checkpoint_tensors(perturbed))
@@ -133,7 +136,7 @@ def _worker(rank: int, jobs: dict, out_dir: str) -> None:
         errors = {}
         for key, call in {
             "group_size": lambda: NativeEngine.build(jobs["variants"]["llama_mha_untied"][0],
-                                                     engine_config(tensor_parallel_size=4)),
+                                                     engine_config(tensor_parallel_size=4), device="cpu"),
             "save": lambda: engine.save(Path(out_dir) / f"saved{rank}"),
             # The stream carries full tensors: a wrong shape is reported against the full HF shape.
             "refit_shape": lambda: engine.refit([("model.layers.1.self_attn.q_proj.weight", torch.zeros(64, 65))]),
@@ -193,9 +196,15 @@ def one_device(checkpoints) -> dict:
     out = {}
     with _one_thread():
         for name, (base, perturbed) in checkpoints["variants"].items():
-            out[name] = {"base": _run_engine(NativeEngine.build(base, engine_config()), _prompts(name)),
-                         "perturbed": _run_engine(NativeEngine.build(perturbed, engine_config()), _prompts(name))}
+            out[name] = {"base": _run_engine(NativeEngine.build(base, engine_config(), device="cpu"), _prompts(name)),
+                         "perturbed": _run_engine(NativeEngine.build(perturbed, engine_config(), device="cpu"),
+                                                  _prompts(name))}
     return out
+
+
+# The tests of the 2 ranks' results.
+GLOO_RANKS = pytest.mark.cpu_only("tensor parallel over 2 gloo ranks on the CPU (on CUDA it needs NCCL and a GPU "
+                                  "per rank)")
 
 
 def _max_diff(a, b) -> float:
@@ -218,6 +227,7 @@ def _assert_matches(got: dict, want: dict, what: str) -> dict[str, float]:
     return diffs
 
 
+@GLOO_RANKS
 @pytest.mark.parametrize("name", list(TP_VARIANTS))
 def test_two_ranks_match_one_device(ranks, one_device, name):
     for rank in ranks:
@@ -229,6 +239,7 @@ def test_two_ranks_match_one_device(ranks, one_device, name):
     assert torch.equal(a["decode_logits"], b["decode_logits"])
 
 
+@GLOO_RANKS
 @pytest.mark.parametrize("name", list(TP_VARIANTS))
 def test_each_rank_holds_its_shard_and_its_kv_heads(checkpoints, ranks, name):
     from transformers import AutoConfig
@@ -249,6 +260,7 @@ def test_each_rank_holds_its_shard_and_its_kv_heads(checkpoints, ranks, name):
         assert "tensor_parallel" in rank[name]["paths"] and rank[name]["paths"]["decode_step"] == "eager"
 
 
+@GLOO_RANKS
 @pytest.mark.parametrize("name", list(TP_VARIANTS))
 def test_refit_equals_a_fresh_tp_build(ranks, one_device, name):
     for rank in ranks:
@@ -263,6 +275,7 @@ def test_refit_equals_a_fresh_tp_build(ranks, one_device, name):
         _assert_matches(refit, one_device[name]["perturbed"], f"{name} refit TP=2")
 
 
+@GLOO_RANKS
 def test_reload_after_discarding_weights_then_refit(ranks, one_device):
     want = one_device["llama_gqa_tied_llama3"]["perturbed"]
     for rank in ranks:
@@ -271,8 +284,9 @@ def test_reload_after_discarding_weights_then_refit(ranks, one_device):
         assert _max_diff(torch.stack(got.logits), want["decode_logits"]) <= TOLERANCES["tp_logits_fp32"]
 
 
+@GLOO_RANKS
 def test_refit_keeps_no_full_copy(ranks, checkpoints):
-    full_bytes = NativeEngine.build(checkpoints["medium"][0], engine_config()).weights.nbytes()
+    full_bytes = NativeEngine.build(checkpoints["medium"][0], engine_config(), device="cpu").weights.nbytes()
     for rank in ranks:
         memory = rank["memory"]
         # Every buffer but the norms (and o_proj bias) is split: a rank holds just over half the model.
@@ -286,6 +300,7 @@ def test_refit_keeps_no_full_copy(ranks, checkpoints):
         assert memory["peak"] < 0.04 * full_bytes, f"refit peak extra memory {memory['peak'] / 2**20:.2f} MiB"
 
 
+@GLOO_RANKS
 def test_tp_errors_name_the_setting(ranks):
     for rank in ranks:
         kind, message = rank["errors"]["group_size"]
@@ -297,29 +312,29 @@ def test_tp_errors_name_the_setting(ranks):
         assert kind == "RefitError" and "shape (64, 65) but the engine expects (64, 64)" in message
 
 
-def test_indivisible_kv_heads_is_a_clear_error(tiny_checkpoints):
+def test_indivisible_kv_heads_is_a_clear_error(tiny_checkpoints, device):
     # Qwen2 parity variant: 4 query heads on 1 KV head; fails before any process group is needed.
     with pytest.raises(TensorParallelError, match=r"engine.tensor_parallel_size=2 cannot split this qwen2 model: "
                                                   r"num_key_value_heads=1 is not divisible by it \(grouped-query "
                                                   r"attention: 4 query heads on 1 KV heads.*valid tensor_parallel_size "
                                                   r"values for this model are 1$"):
-        NativeEngine.build(tiny_checkpoints["qwen2_bias_window"], engine_config(tensor_parallel_size=2))
+        NativeEngine.build(tiny_checkpoints["qwen2_bias_window"], engine_config(tensor_parallel_size=2), device=device)
 
 
-def test_tp_without_torch_distributed_is_a_clear_error(tiny_checkpoints):
+def test_tp_without_torch_distributed_is_a_clear_error(tiny_checkpoints, device):
     assert not dist.is_initialized()
     with pytest.raises(EngineError, match=r"engine.tensor_parallel_size=2 needs torch.distributed initialised "
                                           r"with 2 ranks"):
-        NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(tensor_parallel_size=2))
+        NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(tensor_parallel_size=2), device=device)
 
 
 @pytest.mark.parametrize("name", ["llama_mha_untied", "llama_gqa_tied_llama3", "qwen2_bias_window", "llama_bias_yarn"])
-def test_a_saved_engine_streams_back_as_its_checkpoints_tensors(tmp_path, name):
+def test_a_saved_engine_streams_back_as_its_checkpoints_tensors(tmp_path, name, device):
     """What a tensor-parallel rollout worker loads from (each rank cuts these as they arrive): the saved engine's
     fused buffers unfused, one layer at a time, give exactly the checkpoint's tensors under their HF names
     (biased models, drawn non-zero so a bias in the wrong rows shows; tied and untied heads)."""
     checkpoint = save_tiny_model(tmp_path / "checkpoint", name, bias_std=0.1)
-    engine = NativeEngine.build(checkpoint, engine_config())
+    engine = NativeEngine.build(checkpoint, engine_config(), device=device)
     engine.save(tmp_path / "engine")
     streamed = dict(saved_engine_tensors(tmp_path / "engine" / "weights.safetensors", engine.spec))
     want = {n: t for n, t in checkpoint_tensors(checkpoint) if n != "lm_head.weight" or "lm_head.weight" in streamed}
@@ -328,13 +343,13 @@ def test_a_saved_engine_streams_back_as_its_checkpoints_tensors(tmp_path, name):
         assert torch.equal(streamed[n], t), n
 
 
-def test_one_device_calls_no_collective(tiny_checkpoints, monkeypatch):
+def test_one_device_calls_no_collective(tiny_checkpoints, monkeypatch, device):
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor_parallel_size 1 engine called a collective")
 
     for op in ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor"):
         monkeypatch.setattr(dist, op, refuse)
-    engine = NativeEngine.build(tiny_checkpoints["llama_bias_yarn"], engine_config())
+    engine = NativeEngine.build(tiny_checkpoints["llama_bias_yarn"], engine_config(), device=device)
     assert engine.tp is None and engine.model.tp is None and engine.local_spec is engine.spec
     engine.generate(random_prompts(3), GREEDY)
 

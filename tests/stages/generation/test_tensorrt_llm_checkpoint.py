@@ -403,18 +403,18 @@ def _trtllm_on_gpu() -> str | None:
 
 
 @pytest.mark.skipif(_trtllm_on_gpu() is None, reason="tensorrt_llm and a CUDA GPU are here")
-def test_build_without_tensorrt_llm_or_gpu_says_what_is_missing(models):
+def test_build_without_tensorrt_llm_or_gpu_says_what_is_missing(models, device):
     from engine_test_models import engine_config
 
     from alignflow.stages.generation.base import BackendUnavailableError, build_engine
 
     with pytest.raises(BackendUnavailableError, match=r"containers/engine-tensorrt-llm.Dockerfile") as err:
-        build_engine(models["mha_untied"], engine_config(backend="tensorrt-llm"))
+        build_engine(models["mha_untied"], engine_config(backend="tensorrt-llm"), device=device)
     assert ("needs the tensorrt_llm package" in str(err.value)) or ("no CUDA device" in str(err.value))
     assert "engine.backend: native" in str(err.value)
 
 
-def test_engine_build_names_the_fallback_for_an_unsupported_architecture(tmp_path):
+def test_engine_build_names_the_fallback_for_an_unsupported_architecture(tmp_path, device):
     """Checked before tensorrt_llm is imported, so this runs on any machine."""
     from engine_test_models import engine_config
 
@@ -422,35 +422,38 @@ def test_engine_build_names_the_fallback_for_an_unsupported_architecture(tmp_pat
 
     qwen = save_tiny_model(tmp_path / "qwen2", "qwen2_bias_window")
     with pytest.raises(UnsupportedArchitectureError, match=r"model_type='qwen2'.*engine.backend: native"):
-        TensorRTLLMEngine.build(qwen, engine_config(backend="tensorrt-llm"))
+        TensorRTLLMEngine.build(qwen, engine_config(backend="tensorrt-llm"), device=device)
 
 
 needs_gpu = pytest.mark.skipif(_trtllm_on_gpu() is not None, reason=f"TensorRT-LLM engine: {_trtllm_on_gpu()}")
+ON_CUDA = pytest.mark.cuda_only("TensorRT-LLM engines run on NVIDIA GPUs only")
 
 
+@ON_CUDA
 @needs_gpu
-def test_gpu_engine_greedy_parity_with_hf(models):
+def test_gpu_engine_greedy_parity_with_hf(models, device):
     from engine_test_models import engine_config, random_prompts
 
     from alignflow.stages.generation.base import build_engine, check_greedy_parity
 
-    engine = build_engine(models["mha_untied"], engine_config(backend="tensorrt-llm"), dtype="float32")
-    reference = build_engine(models["mha_untied"], engine_config(backend="hf"), dtype="float32")
+    engine = build_engine(models["mha_untied"], engine_config(backend="tensorrt-llm"), dtype="float32", device=device)
+    reference = build_engine(models["mha_untied"], engine_config(backend="hf"), dtype="float32", device=device)
     report = check_greedy_parity(engine, reference, random_prompts(4), max_new_tokens=8)
     assert report.ok, report.first_mismatch
 
 
+@ON_CUDA
 @needs_gpu
-def test_gpu_engine_refit_equals_fresh_build(models, tmp_path):
+def test_gpu_engine_refit_equals_fresh_build(models, tmp_path, device):
     from engine_test_models import engine_config, perturbed_checkpoint, random_prompts
     from transformers import AutoModelForCausalLM
 
     from alignflow.stages.generation.base import SamplingParams, build_engine
 
     moved = perturbed_checkpoint(models["mha_untied"], tmp_path / "moved")
-    engine = build_engine(models["mha_untied"], engine_config(backend="tensorrt-llm"), dtype="float32")
+    engine = build_engine(models["mha_untied"], engine_config(backend="tensorrt-llm"), dtype="float32", device=device)
     engine.refit((n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(moved).named_parameters())
-    fresh = build_engine(moved, engine_config(backend="tensorrt-llm"), dtype="float32")
+    fresh = build_engine(moved, engine_config(backend="tensorrt-llm"), dtype="float32", device=device)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
     prompts = random_prompts(4)
     assert engine.generate(prompts, sampling).response_token_ids == fresh.generate(prompts, sampling).response_token_ids

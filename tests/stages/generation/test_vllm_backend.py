@@ -132,7 +132,7 @@ def test_a_sliding_window_on_some_layers_only_names_the_fallback(wide_checkpoint
 @needs_vllm
 @pytest.mark.parametrize("name", [*(n for n in ARCHITECTURES if n != "qwen2_bias_window"), "qwen2_bias_no_window",
                                   "mistral_linear_window@head_dim32"])
-def test_greedy_tokens_and_logprobs_match_hf(wide_checkpoints, tiny_checkpoints, tmp_path, name):
+def test_greedy_tokens_and_logprobs_match_hf(wide_checkpoints, tiny_checkpoints, tmp_path, name, device):
     if name == "qwen2_bias_no_window":  # Qwen2's biases without the per-layer window vLLM refuses
         checkpoint = save_tiny_model(tmp_path / name, "qwen2_bias_window", bias_std=0.05, use_sliding_window=False,
                                      **wide("qwen2_bias_window"))
@@ -144,7 +144,7 @@ def test_greedy_tokens_and_logprobs_match_hf(wide_checkpoints, tiny_checkpoints,
     sampling = SamplingParams(temperature=0.0, max_new_tokens=16)
     engine = build_engine(checkpoint, config())
     got = engine.generate(prompts, sampling)
-    hf = build_engine(checkpoint, config(backend="hf"))
+    hf = build_engine(checkpoint, config(backend="hf"), device=device)  # vLLM itself runs on its own platform
     want = hf.generate(prompts, sampling)
     assert got.response_token_ids == want.response_token_ids
     assert got.finish_reasons == want.finish_reasons
@@ -295,7 +295,7 @@ def test_lifecycle_save_load_and_execution_paths(wide_checkpoints, tmp_path):
 
 
 @needs_vllm
-def test_rollout_workers_serve_and_refit_a_saved_vllm_engine(wide_checkpoints, tmp_path):
+def test_rollout_workers_serve_and_refit_a_saved_vllm_engine(wide_checkpoints, tmp_path, device):
     """The RL stage's path: the trainer loads nothing of vLLM; a worker process loads the saved engine, and the
     trainer's gloo refit stream reaches vLLM's in-place reload there."""
     from transformers import AutoModelForCausalLM
@@ -307,7 +307,7 @@ def test_rollout_workers_serve_and_refit_a_saved_vllm_engine(wide_checkpoints, t
     perturbed = save_tiny_model(tmp_path / "perturbed", "llama_mha_untied", seed=3, **wide("llama_mha_untied"))
     prompts = random_prompts(8, seed=8)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-    want = build_engine(perturbed, config(backend="hf")).generate(prompts, greedy).response_token_ids
+    want = build_engine(perturbed, config(backend="hf"), device=device).generate(prompts, greedy).response_token_ids
     engine = build_engine(base, config())
     saved = engine.save(tmp_path / "engine")
     close(engine)
