@@ -1,4 +1,4 @@
-"""DPO losses against a plain-Python loop and against hand-computed literals."""
+"""DPO losses against a plain-Python loop and against hand-computed literals, on the session's device (--device)."""
 
 from __future__ import annotations
 
@@ -28,22 +28,22 @@ def _loop_loss(name: str, pc: float, pr: float, rc: float, rr: float, beta: floa
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 @pytest.mark.parametrize("n", [1, 6, 43])
-def test_each_loss_matches_its_plain_loop(name, n):
+def test_each_loss_matches_its_plain_loop(name, n, device):
     generator = torch.Generator().manual_seed(n)
     # Sequence log-probs are negative sums over tokens: tens of nats, margins of either sign.
-    pc, pr, rc, rr = (-30 * torch.rand(n, generator=generator, dtype=torch.float64) for _ in range(4))
+    pc, pr, rc, rr = (-30 * torch.rand(n, generator=generator, dtype=torch.float64).to(device) for _ in range(4))
     beta, eps = 0.3, 0.15 if name == "cdpo" else 0.0
     out = preference_loss(name, pc, pr, rc, rr, beta, eps)
     expected = torch.tensor([_loop_loss(name, *(float(t[i]) for t in (pc, pr, rc, rr)), beta, eps)
-                             for i in range(n)], dtype=torch.float64)
+                             for i in range(n)], dtype=torch.float64, device=device)
     torch.testing.assert_close(out.losses, expected, rtol=1e-5, atol=0)
     torch.testing.assert_close(out.chosen_rewards, beta * (pc - rc), rtol=1e-12, atol=0)
     torch.testing.assert_close(out.rejected_rewards, beta * (pr - rr), rtol=1e-12, atol=0)
 
 
-def test_hand_computed_literals():
+def test_hand_computed_literals(device):
     # One pair with margin h = (-10 - -12) - (-20 - -21) = 2 - 1 = 1 nat, beta = 0.1.
-    one = [torch.tensor([v], dtype=torch.float64) for v in (-10.0, -20.0, -12.0, -21.0)]
+    one = [torch.tensor([v], dtype=torch.float64, device=device) for v in (-10.0, -20.0, -12.0, -21.0)]
     assert float(log_ratio_margin(*one)) == 1.0
     # sigmoid: -log sigmoid(0.1) = log(1 + e^-0.1)
     assert float(preference_loss("sigmoid", *one, beta=0.1).losses) == pytest.approx(0.6443966600735709, rel=1e-12)
@@ -59,12 +59,13 @@ def test_hand_computed_literals():
                                            "rewards/accuracy": 1.0})
 
 
-def test_gradients_push_the_chosen_response_up():
-    pc = torch.tensor([-5.0], requires_grad=True)
-    pr = torch.tensor([-5.0], requires_grad=True)
+def test_gradients_push_the_chosen_response_up(device):
+    pc = torch.tensor([-5.0], requires_grad=True, device=device)
+    pr = torch.tensor([-5.0], requires_grad=True, device=device)
     for name in LOSSES:
         pc.grad = pr.grad = None
-        preference_loss(name, pc, pr, torch.tensor([-5.0]), torch.tensor([-5.0]), beta=0.5,
+        reference = torch.tensor([-5.0], device=device)
+        preference_loss(name, pc, pr, reference, reference, beta=0.5,
                         label_smoothing=0.1 if name == "cdpo" else 0.0).losses.sum().backward()
         assert float(pc.grad) < 0 < float(pr.grad), name  # descent raises log pi(chosen), lowers log pi(rejected)
 
@@ -74,9 +75,9 @@ def test_unknown_loss_lists_the_valid_ones():
         get_loss("kto")
 
 
-def test_rpo_adds_the_weighted_chosen_nll_to_each_pair():
-    one = [torch.tensor([v], dtype=torch.float64) for v in (-10.0, -20.0, -12.0, -21.0)]
-    nll = torch.tensor([2.5], dtype=torch.float64)  # e.g. -10 nats over 4 chosen tokens
+def test_rpo_adds_the_weighted_chosen_nll_to_each_pair(device):
+    one = [torch.tensor([v], dtype=torch.float64, device=device) for v in (-10.0, -20.0, -12.0, -21.0)]
+    nll = torch.tensor([2.5], dtype=torch.float64, device=device)  # e.g. -10 nats over 4 chosen tokens
     out = preference_loss("sigmoid", *one, beta=0.1, chosen_nll=nll, nll_coef=0.4)
     assert float(out.losses) == pytest.approx(0.6443966600735709 + 0.4 * 2.5, rel=1e-12)
     with pytest.raises(ValueError, match="nll_coef > 0 needs chosen_nll"):

@@ -1,4 +1,7 @@
-"""Tests of the RL algorithms: each vectorised function against a plain Python loop, plus hand-worked numbers."""
+"""Tests of the RL algorithms: each vectorised function against a plain Python loop, plus hand-worked numbers.
+
+The tensors are on the session's device (--device); the references are plain Python, compared on the CPU.
+Argument checks that raise before any arithmetic stay on the CPU."""
 
 from __future__ import annotations
 
@@ -25,11 +28,12 @@ LENGTH_PATTERNS = [
 
 def close(actual: torch.Tensor, expected, rtol: float = RTOL, atol: float = ATOL) -> None:
     expected_t = torch.as_tensor(expected, dtype=torch.float64)
-    torch.testing.assert_close(actual.to(torch.float64), expected_t, rtol=rtol, atol=atol)
+    torch.testing.assert_close(actual.to("cpu", torch.float64), expected_t, rtol=rtol, atol=atol)
 
 
 @pytest.fixture
-def batch():
+def batch(device):
+    """One minibatch's tensors on the session's device, drawn on the CPU (the same values on every device)."""
     gen = torch.Generator().manual_seed(0)
     mask = torch.tensor(LENGTH_PATTERNS, dtype=torch.float32)
     shape = mask.shape
@@ -49,7 +53,7 @@ def batch():
     # Garbage in padding must never leak into results.
     for key in ("rewards", "values"):
         data[key] = torch.where(mask.bool(), data[key], torch.full_like(mask, float("nan")))
-    return data
+    return {key: value.to(device) for key, value in data.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,7 +147,7 @@ def loop_ppo_per_token(logp, old, adv, clip, dual_clip):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_gae_hand_computed():
+def test_gae_hand_computed(device):
     # Row 0, 3 real tokens, gamma=0.9, lam=0.8 (gamma*lam = 0.72), V = [0.5, 0.6, 0.7], r = [0, 0, 1]:
     #   t=2: delta = 1 + 0.9*0 - 0.7 = 0.3                 A2 = 0.3
     #   t=1: delta = 0 + 0.9*0.7 - 0.6 = 0.03              A1 = 0.03 + 0.72*0.3   = 0.246
@@ -153,9 +157,9 @@ def test_gae_hand_computed():
     #   t=1: delta = 2 + 0 - 0.6 = 1.4                     A1 = 1.4
     #   t=0: delta = 0 + 0.9*0.6 - 0.5 = 0.04              A0 = 0.04 + 0.72*1.4 = 1.048
     #   returns = [1.548, 2.0, 0]
-    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
-    values = torch.tensor([[0.5, 0.6, 0.7], [0.5, 0.6, 99.0]])
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]], device=device)
+    values = torch.tensor([[0.5, 0.6, 0.7], [0.5, 0.6, 99.0]], device=device)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], device=device)
     adv, ret = alg.compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
     close(adv, [[0.21712, 0.246, 0.3], [1.048, 1.4, 0.0]])
     close(ret, [[0.71712, 0.846, 1.0], [1.548, 2.0, 0.0]])
@@ -196,10 +200,10 @@ def test_kl_estimators_match_loop(batch, estimator):
     assert alg.KL_ESTIMATORS[estimator] is not None
 
 
-def test_kl_hand_computed_and_masked():
+def test_kl_hand_computed_and_masked(device):
     # logp - ref = 0.5: k1 = 0.5, k2 = 0.125, k3 = exp(-0.5) + 0.5 - 1 = 0.10653066
-    logp, ref = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.5, -1.5]])
-    mask = torch.tensor([[1, 0]])
+    logp, ref = torch.tensor([[-1.0, -1.0]], device=device), torch.tensor([[-1.5, -1.5]], device=device)
+    mask = torch.tensor([[1, 0]], device=device)
     close(alg.kl_penalty(logp, ref, "k1", mask), [[0.5, 0.0]])
     close(alg.kl_penalty(logp, ref, "k2", mask), [[0.125, 0.0]])
     close(alg.kl_penalty(logp, ref, "k3", mask), [[0.10653066, 0.0]])
@@ -210,18 +214,18 @@ def test_unknown_kl_estimator_lists_valid():
         alg.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
 
 
-def test_token_rewards_hand_computed():
+def test_token_rewards_hand_computed(device):
     # kl_coef=0.1: every real token gets -0.1*kl; the score lands on the last real token.
-    scores = torch.tensor([1.0, -2.0])
-    kl = torch.tensor([[0.5, 1.0, 7.0], [0.2, -0.4, 0.1]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    scores = torch.tensor([1.0, -2.0], device=device)
+    kl = torch.tensor([[0.5, 1.0, 7.0], [0.2, -0.4, 0.1]], device=device)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], device=device)
     rewards = alg.token_rewards_from_scores(scores, kl, 0.1, mask)
     close(rewards, [[-0.05, -0.1 + 1.0, 0.0], [-0.02, 0.04, -0.01 - 2.0]])
 
 
-def test_token_rewards_match_loop(batch):
+def test_token_rewards_match_loop(batch, device):
     gen = torch.Generator().manual_seed(1)
-    scores = torch.randn(batch["mask"].shape[0], generator=gen)
+    scores = torch.randn(batch["mask"].shape[0], generator=gen).to(device)
     kl = alg.kl_penalty(batch["logprobs"], batch["ref_logprobs"], "k1")
     rewards = alg.token_rewards_from_scores(scores, kl, 0.05, batch["mask"])
     expected = []
@@ -243,26 +247,26 @@ def test_token_rewards_reject_empty_response():
         )
 
 
-def test_has_eos_and_missing_eos_penalty():
-    ids = torch.tensor([[5, 2, 0], [5, 6, 7], [2, 9, 9], [0, 0, 0]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]])
+def test_has_eos_and_missing_eos_penalty(device):
+    ids = torch.tensor([[5, 2, 0], [5, 6, 7], [2, 9, 9], [0, 0, 0]], device=device)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]], device=device)
     finished = alg.has_eos(ids, mask, eos_token_ids=2)
     assert finished.tolist() == [True, False, True, False]
     assert alg.has_eos(ids, mask, eos_token_ids=[7, 2]).tolist() == [True, True, True, False]
-    scores = torch.tensor([1.0, 1.0, 0.5, 0.0])
+    scores = torch.tensor([1.0, 1.0, 0.5, 0.0], device=device)
     close(alg.apply_missing_eos_penalty(scores, finished, -1.0), [1.0, 0.0, 0.5, -1.0])
     assert alg.apply_missing_eos_penalty(scores, finished, None) is scores
 
 
-def test_clip_scores():
-    close(alg.clip_scores(torch.tensor([-20.0, 3.0, 12.0]), 10.0), [-10.0, 3.0, 10.0])
+def test_clip_scores(device):
+    close(alg.clip_scores(torch.tensor([-20.0, 3.0, 12.0], device=device), 10.0), [-10.0, 3.0, 10.0])
     with pytest.raises(ValueError, match="reward clip must be > 0 or None, got -1"):
         alg.clip_scores(torch.zeros(1), -1)
 
 
-def test_running_mean_std_matches_whole_batch_and_round_trips():
+def test_running_mean_std_matches_whole_batch_and_round_trips(device):
     gen = torch.Generator().manual_seed(2)
-    chunks = [torch.randn(n, generator=gen) * 3 + 1 for n in (1, 7, 16, 5)]
+    chunks = [(torch.randn(n, generator=gen) * 3 + 1).to(device) for n in (1, 7, 16, 5)]
     stats = alg.RunningMeanStd()
     assert (stats.mean, stats.var) == (0.0, 1.0)  # identity before any data
     for chunk in chunks:
@@ -280,12 +284,13 @@ def test_running_mean_std_matches_whole_batch_and_round_trips():
         restored.load_state_dict({"count": 1.0, "mean": 0.0})
 
 
-def test_normalize_scores_hand_computed():
+def test_normalize_scores_hand_computed(device):
     # First batch [1, 3]: mean 2, population var 1 -> (s - 2) / 1 = [-1, 1]; std-only: [1, 3].
     stats = alg.RunningMeanStd()
-    close(alg.normalize_scores(torch.tensor([1.0, 3.0]), stats, eps=0.0), [-1.0, 1.0])
+    scores = torch.tensor([1.0, 3.0], device=device)
+    close(alg.normalize_scores(scores, stats, eps=0.0), [-1.0, 1.0])
     close(
-        alg.normalize_scores(torch.tensor([1.0, 3.0]), stats, update=False, shift_mean=False, eps=0.0),
+        alg.normalize_scores(scores, stats, update=False, shift_mean=False, eps=0.0),
         [1.0, 3.0],
     )
 
@@ -314,21 +319,22 @@ def test_whiten_matches_loop(batch):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_grpo_advantages_hand_computed():
+def test_grpo_advantages_hand_computed(device):
     # Group [1, 2, 3]: mean 2, sample std 1 -> [-1, 0, 1].
     # Group [0, 0, 6]: mean 2, deviations [-2, -2, 4], sample var (4+4+16)/2 = 12, std 2*sqrt(3) = 3.4641016
     #   -> [-0.57735027, -0.57735027, 1.15470054]. eps=1e-6 moves these by < 1e-6 relative.
-    scores = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 6.0])
+    scores = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 6.0], device=device)
     close(alg.grpo_advantages(scores, 3), [-1.0, 0.0, 1.0, -0.57735027, -0.57735027, 1.15470054])
     close(alg.grpo_advantages(scores, 3, scale_std=False), [-1.0, 0.0, 1.0, -2.0, -2.0, 4.0])
     # A group where every completion scored the same carries no signal: advantage exactly 0.
-    close(alg.grpo_advantages(torch.tensor([5.0, 5.0, 5.0, 1.0, 2.0, 3.0]), 3)[:3], [0.0, 0.0, 0.0], atol=0)
+    close(alg.grpo_advantages(torch.tensor([5.0, 5.0, 5.0, 1.0, 2.0, 3.0], device=device), 3)[:3], [0.0, 0.0, 0.0],
+          atol=0)
 
 
-def test_grpo_advantages_match_loop():
+def test_grpo_advantages_match_loop(device):
     gen = torch.Generator().manual_seed(3)
     group_size, groups = 4, 5
-    scores = torch.randn(group_size * groups, generator=gen)
+    scores = torch.randn(group_size * groups, generator=gen).to(device)
     got = alg.grpo_advantages(scores, group_size, eps=1e-6)
     values = scores.tolist()
     expected = []
@@ -347,9 +353,10 @@ def test_grpo_advantages_reject_bad_groups():
         alg.grpo_advantages(torch.zeros(4), 1)
 
 
-def test_sequence_to_token():
+def test_sequence_to_token(device):
     close(
-        alg.sequence_to_token(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 0, 0]])),
+        alg.sequence_to_token(torch.tensor([2.0, -1.0], device=device),
+                              torch.tensor([[1, 1, 0], [1, 0, 0]], device=device)),
         [[2, 2, 0], [-1, 0, 0]],
     )
 
@@ -429,9 +436,9 @@ def test_entropy_bonus_and_kl_in_loss(batch):
         alg.policy_loss_ppo(*args, kl_coef=0.1)
 
 
-def test_policy_loss_grpo_matches_loop(batch):
+def test_policy_loss_grpo_matches_loop(batch, device):
     mask = batch["mask"]
-    seq_adv = torch.tensor([1.0, -0.5, 0.25, -2.0, 0.75])
+    seq_adv = torch.tensor([1.0, -0.5, 0.25, -2.0, 0.75], device=device)
     loss, metrics = alg.policy_loss_grpo(
         batch["logprobs"],
         batch["old_logprobs"],
@@ -516,11 +523,9 @@ def test_value_loss_clipped_matches_loop(batch, mode):
     assert 0 < metrics["losses/vf_clipfrac"].item() < 1
 
 
-def test_value_loss_hand_computed():
+def test_value_loss_hand_computed(device):
     # V_old = 0, V = 1, R = 2, clip 0.2: unclipped 0.5*(1-2)^2 = 0.5; clipped V = 0.2 -> 0.5*1.8^2 = 1.62.
-    loss, metrics = alg.value_loss_clipped(
-        torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[2.0]]), torch.tensor([[1]]), 0.2
-    )
+    loss, metrics = alg.value_loss_clipped(*(torch.tensor([[v]], device=device) for v in (1.0, 0.0, 2.0, 1)), 0.2)
     assert loss.item() == pytest.approx(1.62, rel=RTOL)
     assert metrics["losses/vf_clipfrac"].item() == 1.0
 

@@ -18,9 +18,10 @@ def request(iteration: int, prompts: list[list[int]]) -> RolloutRequest:
     return RolloutRequest(iteration, list(range(len(prompts))), list(range(len(prompts))), prompts, sampling)
 
 
-def test_overlapped_rollouts_equal_in_line_ones(tmp_path):
+def test_overlapped_rollouts_equal_in_line_ones(tmp_path, device):
     torch.set_num_threads(1)
-    engine = build_engine(save_tiny_model(tmp_path / "m", "llama_mha_untied"), engine_config(backend="native"))
+    engine = build_engine(save_tiny_model(tmp_path / "m", "llama_mha_untied"), engine_config(backend="native"),
+                          device=device)
     prompts = random_prompts(4, seed=5)
     inline = RolloutClient(engine)
     overlapped = RolloutClient(engine, overlap=True)

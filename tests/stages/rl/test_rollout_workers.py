@@ -4,6 +4,9 @@ group equal to a fresh engine, a worker's error re-raised with its message, a SI
 Each RolloutWorkers start spawns 2 processes that import torch and load the engine (~12 s on 2 cores), so
 one pair serves the parity, refit and error tests (each sets the weights it needs first), and each death
 test, which breaks its pair, starts its own.
+
+The workers and the in-process engines are CPU ones (device="cpu" explicitly: the default device is the GPU
+wherever there is one); the module is cpu_only, since workers are not pinned to GPUs of their own yet.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from tests.stages.generation.engine_test_models import (
     save_tiny_model,
 )
 
+pytestmark = pytest.mark.cpu_only("rollout workers are CPU processes here: GPU workers are not pinned to GPUs of "
+                                  "their own yet (stages/rl/rollout_workers.py)")
+
 WORKERS = 2
 PROMPTS = random_prompts(11, seed=4)  # 11 = chunks of 3, 3, 3, 2: a short last chunk
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -57,20 +63,20 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_workers")
     base = save_tiny_model(root / "base", "llama_mha_untied")
     moved = perturbed_checkpoint(base, root / "moved")
-    engine = build_engine(base, engine_config(backend="native"))
+    engine = build_engine(base, engine_config(backend="native"), device="cpu")
     engine.save(root / "engine")
     return base, moved, root / "engine"
 
 
 @pytest.fixture(scope="module")
 def workers(checkpoints):
-    with RolloutWorkers(checkpoints[2], WORKERS, chunk_size=3, threads=1, timeout_s=30) as client:
+    with RolloutWorkers(checkpoints[2], WORKERS, chunk_size=3, threads=1, timeout_s=30, device="cpu") as client:
         yield client
 
 
 def in_process(checkpoint):
     torch.set_num_threads(1)
-    return build_engine(checkpoint, engine_config(backend="native"))
+    return build_engine(checkpoint, engine_config(backend="native"), device="cpu")
 
 
 def assert_same(got, want, tol: float) -> None:
@@ -217,7 +223,8 @@ TP_LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def tp_workers(checkpoints):
-    with RolloutWorkers(checkpoints[2], 1, tensor_parallel_size=TP, chunk_size=3, threads=1, timeout_s=30) as client:
+    with RolloutWorkers(checkpoints[2], 1, tensor_parallel_size=TP, chunk_size=3, threads=1, timeout_s=30,
+                        device="cpu") as client:
         yield client
 
 
@@ -280,7 +287,7 @@ def test_a_tensor_parallel_refit_cuts_each_ranks_shard_and_equals_a_fresh_build(
 def test_a_replica_split_the_model_refuses_is_a_clear_error_before_any_process_starts(checkpoints):
     with pytest.raises(ValueError, match=r"engine.tensor_parallel_size=3 cannot split this llama model: .*valid "
                                          r"tensor_parallel_size values for this model are 1, 2, 4"):
-        RolloutWorkers(checkpoints[2], 1, tensor_parallel_size=3)
+        RolloutWorkers(checkpoints[2], 1, tensor_parallel_size=3, device="cpu")
 
 
 def test_workers_under_an_explicit_interpreter_generate_and_refit_like_the_in_process_engine(checkpoints):
@@ -291,7 +298,8 @@ def test_workers_under_an_explicit_interpreter_generate_and_refit_like_the_in_pr
 
     base, moved, engine_dir = checkpoints
     python = same_venv_other_path()
-    with RolloutWorkers(engine_dir, 1, chunk_size=4, threads=1, timeout_s=30, worker_python=python) as client:
+    with RolloutWorkers(engine_dir, 1, chunk_size=4, threads=1, timeout_s=30, worker_python=python,
+                        device="cpu") as client:
         assert client.interpreter is not None and client.interpreter.python == python
         got = client.result(client.submit(request(PROMPTS, SAMPLED[1]))).generation
         assert_same(got, in_process(base).generate(PROMPTS, SAMPLED[1]), LOGPROB_TOL)
@@ -304,7 +312,7 @@ def test_workers_under_an_interpreter_that_cannot_host_them_fail_before_any_proc
     from alignflow.stages.generation.worker_python import WorkerPythonError
 
     with pytest.raises(WorkerPythonError, match=rf"^engine.worker_python={tmp_path}/python: no executable there"):
-        RolloutWorkers(checkpoints[2], 1, worker_python=str(tmp_path / "python"))
+        RolloutWorkers(checkpoints[2], 1, worker_python=str(tmp_path / "python"), device="cpu")
 
 
 def vllm_python() -> str:
@@ -352,14 +360,15 @@ def test_workers_under_the_vllm_venv_serve_and_refit_a_vllm_engine_the_trainer_n
     assert report["parity"]["ok"] and report["parity"]["greedy_matching_sequences"] == 4
     assert report["execution_paths"]["backend"] == "vllm" and report["execution_paths"]["python"] == python
     hf = EngineConfig(backend="hf", max_batch_size=16, max_seq_len=64)
-    with RolloutWorkers(tmp_path / "engine", 1, chunk_size=4, threads=1, timeout_s=300, worker_python=python) as w:
+    with RolloutWorkers(tmp_path / "engine", 1, chunk_size=4, threads=1, timeout_s=300, worker_python=python,
+                        device="cpu") as w:
         assert w.workers[0].info["backend"] == "vllm"
         got = w.result(w.submit(request(prompts, greedy))).generation.response_token_ids
-        assert got == build_engine(base, hf).generate(prompts, greedy).response_token_ids
+        assert got == build_engine(base, hf, device="cpu").generate(prompts, greedy).response_token_ids
         stats = w.refit(checkpoint_tensors(moved))
         assert stats.tensors == 21
         got = w.result(w.submit(request(prompts, greedy))).generation.response_token_ids
-        assert got == build_engine(moved, hf).generate(prompts, greedy).response_token_ids
+        assert got == build_engine(moved, hf, device="cpu").generate(prompts, greedy).response_token_ids
     assert "vllm" not in sys.modules
 
 
@@ -389,7 +398,7 @@ def _assert_all_gone(client: RolloutWorkers) -> None:
 
 
 def test_a_sigkilled_worker_fails_result_within_seconds_naming_it(checkpoints):
-    client = RolloutWorkers(checkpoints[2], WORKERS, chunk_size=2, threads=1, timeout_s=30)
+    client = RolloutWorkers(checkpoints[2], WORKERS, chunk_size=2, threads=1, timeout_s=30, device="cpu")
     try:
         long = SamplingParams(temperature=1.0, max_new_tokens=48, seed=1)
         # 256 prompts: on the Intel Xeon with AMX two workers finished 32 of them within the 0.3 s below, so
@@ -413,7 +422,7 @@ def test_a_sigkilled_worker_fails_result_within_seconds_naming_it(checkpoints):
 
 
 def test_a_worker_killed_mid_refit_fails_the_refit_within_seconds_naming_it(checkpoints):
-    client = RolloutWorkers(checkpoints[2], WORKERS, chunk_size=4, threads=1, timeout_s=30)
+    client = RolloutWorkers(checkpoints[2], WORKERS, chunk_size=4, threads=1, timeout_s=30, device="cpu")
     try:
         victim = client.workers[0]
         killed: list[float] = []

@@ -3,6 +3,9 @@ log-probs from the first forward, minibatches trimmed of padding, the LM head on
 
 Each test runs the shortcut and the plain computation side by side on a tiny random Llama and
 compares losses and gradients (or final weights) with tolerances stated next to them.
+
+The engine, the models and the experience are on the session's device (--device). The critic's own thread
+(ppo.overlap_critic and what builds on it) is a CPU path: its tests are cpu_only.
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rollout(checkpoint):
-    """An Experience of 6 sampled responses of different lengths from the native engine (fp32)."""
-    engine = build_engine(checkpoint, engine_config(backend="native"), dtype="float32")
+def rollout(checkpoint, device):
+    """An Experience of 6 sampled responses of different lengths from the native engine (fp32), on the device."""
+    engine = build_engine(checkpoint, engine_config(backend="native"), dtype="float32", device=device)
     prompts = random_prompts(6, seed=3)
     generation = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seeds=list(range(6))))
     engine.unload()
@@ -71,7 +74,7 @@ def rollout(checkpoint):
                       response_ids=response_ids, response_mask=mask, rollout_logprobs=engine_logprobs,
                       old_logprobs=engine_logprobs.clone(), ref_logprobs=zeros, values=None,
                       scores=torch.zeros(len(prompts)), token_rewards=zeros, kl=zeros, advantages=advantages,
-                      returns=None, prompt_width=width_p)
+                      returns=None, prompt_width=width_p).to(device)
 
 
 def loss_and_grads(model, exp: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -82,6 +85,11 @@ def loss_and_grads(model, exp: Experience) -> tuple[torch.Tensor, dict[str, torc
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def actor_model(checkpoint, device: str):
+    """The checkpoint's causal LM on `device` (where the rollout is)."""
+    return load_causal_lm(checkpoint).to(device)
+
+
 def assert_grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
     assert a.keys() == b.keys()
     scale = max(float(g.abs().max()) for g in a.values())
@@ -89,14 +97,14 @@ def assert_grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], r
     assert worst <= rtol * scale, f"largest gradient difference {worst:.3g} vs largest gradient {scale:.3g}"
 
 
-def test_engine_logprobs_as_old_give_the_recomputed_loss_and_gradients(checkpoint, rollout):
+def test_engine_logprobs_as_old_give_the_recomputed_loss_and_gradients(checkpoint, rollout, device):
     """The engine samples from the same fp32 weights the actor has: its log-probs are the recomputation's.
 
     Tolerance: the engine's fused GEMMs and cached keys move the last fp32 bits of the log-probs (<= 1e-4,
     the engine parity table; ~3e-6 measured), so the ratio is 1 within ~1e-5 and the loss and every
     gradient agree to 1e-4 relative; a wrong column or token would move the ratio by far more than that.
     """
-    model = load_causal_lm(checkpoint)
+    model = actor_model(checkpoint, device)
     with torch.no_grad():
         recomputed = policy_logprobs(model, rollout, temperature=1.0)[0]
     mask = rollout.response_mask
@@ -110,9 +118,9 @@ def test_engine_logprobs_as_old_give_the_recomputed_loss_and_gradients(checkpoin
     assert_grads_close(grads_engine, grads_recomputed, rtol=1e-4)
 
 
-def test_trimmed_minibatch_gives_the_padded_loss_and_gradients(checkpoint, rollout):
+def test_trimmed_minibatch_gives_the_padded_loss_and_gradients(checkpoint, rollout, device):
     """Columns that are padding in every row of a minibatch change nothing but float summation order."""
-    model = load_causal_lm(checkpoint)
+    model = actor_model(checkpoint, device)
     lengths = rollout.response_mask.sum(-1)
     prompt_lengths = rollout.attention_mask[:, : rollout.prompt_width].sum(-1)
     # The rows with the shortest prompts and responses: their minibatch has padding columns at both ends.
@@ -139,8 +147,8 @@ def test_trimmed_drops_only_all_padding_columns(rollout):
     assert torch.equal(trimmed.old_logprobs, rollout.old_logprobs[:, :width_r])
 
 
-def test_lm_head_on_response_columns_equals_the_full_forward(checkpoint, rollout):
-    model = load_causal_lm(checkpoint)
+def test_lm_head_on_response_columns_equals_the_full_forward(checkpoint, rollout, device):
+    model = actor_model(checkpoint, device)
     with torch.no_grad():
         full = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                      position_ids=rollout.position_ids).logits[:, rollout.prompt_width - 1:-1]
@@ -162,12 +170,12 @@ def ppo_config(**overrides) -> PPOConfig:
     return PPOConfig(**values)
 
 
-def test_old_logprobs_from_the_first_forward_train_exactly_like_the_recomputation(checkpoint, rollout):
+def test_old_logprobs_from_the_first_forward_train_exactly_like_the_recomputation(checkpoint, rollout, device):
     """One minibatch holding every row: its first forward is taken at the weights a recomputation would
     use, so two epochs of training end at the same weights (to float determinism: bit-equal here)."""
     cfg = ppo_config()
-    recompute_actor = PlainTrainEngine(load_causal_lm(checkpoint))
-    first_forward_actor = PlainTrainEngine(load_causal_lm(checkpoint))
+    recompute_actor = PlainTrainEngine(actor_model(checkpoint, device))
+    first_forward_actor = PlainTrainEngine(actor_model(checkpoint, device))
     recompute_exp, first_exp = copy.copy(rollout), copy.copy(rollout)
     with torch.no_grad():  # the stage's recomputation: the fast step's forward (lean, packed)
         recompute_exp.old_logprobs = policy_logprobs(recompute_actor.module, rollout, temperature=1.0, lean=True,
@@ -183,16 +191,16 @@ def test_old_logprobs_from_the_first_forward_train_exactly_like_the_recomputatio
         assert torch.allclose(a, b, atol=1e-6, rtol=0), name
 
 
-def test_first_forward_needs_one_minibatch_of_every_row(checkpoint, rollout):
-    actor = PlainTrainEngine(load_causal_lm(checkpoint))
+def test_first_forward_needs_one_minibatch_of_every_row(checkpoint, rollout, device):
+    actor = PlainTrainEngine(actor_model(checkpoint, device))
     with pytest.raises(ValueError, match="one minibatch holding every row"):
         train_on(copy.copy(rollout), actor, None, ppo_config(minibatch_size=2), 0.0, 1, FP32,
                  old_from_first_forward=True)
 
 
-def test_engine_logprobs_off_by_more_than_the_tolerance_stop_before_any_step(checkpoint, rollout):
+def test_engine_logprobs_off_by_more_than_the_tolerance_stop_before_any_step(checkpoint, rollout, device):
     """`auto`'s check: a 1e-2 disagreement (a bf16 engine, say) raises before the optimizer moves anything."""
-    actor = PlainTrainEngine(load_causal_lm(checkpoint))
+    actor = PlainTrainEngine(actor_model(checkpoint, device))
     before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
     stale = copy.copy(rollout)
     stale.old_logprobs = rollout.rollout_logprobs + 1e-2 * rollout.response_mask
@@ -201,8 +209,8 @@ def test_engine_logprobs_off_by_more_than_the_tolerance_stop_before_any_step(che
     assert caught.value.measured == pytest.approx(1e-2, rel=0.05)
     for name, param in actor.module.named_parameters():
         assert torch.equal(param, before[name]), f"{name} moved before the check"
-    metrics = train_on(copy.copy(rollout), PlainTrainEngine(load_causal_lm(checkpoint)), None, ppo_config(), 0.0,
-                       1, FP32, check_old_tolerance=1e-4)
+    metrics = train_on(copy.copy(rollout), PlainTrainEngine(actor_model(checkpoint, device)), None, ppo_config(),
+                       0.0, 1, FP32, check_old_tolerance=1e-4)
     assert metrics["rollout/logprob_engine_vs_actor_max"] <= 1e-4
 
 
@@ -224,14 +232,14 @@ def test_old_logprob_source(overrides, autocast, fallback, expected):
 
 
 @pytest.mark.slow
-def test_compiled_training_step_equals_eager(checkpoint, rollout):
+def test_compiled_training_step_equals_eager(checkpoint, rollout, device):
     """ppo.compile_train: the backbone compiled in place gives eager's loss and gradients, and keeps its keys.
 
     Tolerance: inductor fuses and reorders fp32 sums; measured ~1e-6 relative on this model; 1e-4 catches a
     wrong mask or position (>1e-2).
     """
-    eager = load_causal_lm(checkpoint)
-    compiled = load_causal_lm(checkpoint)
+    eager = actor_model(checkpoint, device)
+    compiled = actor_model(checkpoint, device)
     compiled.base_model.compile(dynamic=True)
     assert list(compiled.state_dict()) == list(eager.state_dict())
     for rows in ([0, 1, 2], [3, 4, 5, 1]):  # two shapes: the dynamic graph serves both
@@ -242,6 +250,7 @@ def test_compiled_training_step_equals_eager(checkpoint, rollout):
         assert_grads_close(grads_eager, grads_compiled, rtol=1e-4)
 
 
+@pytest.mark.cpu_only("the critic's own thread (ppo.overlap_critic) is for models on the CPU")
 def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkpoint, rollout):
     """ppo.overlap_critic: the critic's updates on a second thread, each thread with half the torch threads, end at
     the same actor and critic weights and the same metrics as the sequential loop (2 epochs x 2 minibatches, PPO
@@ -274,6 +283,7 @@ def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkp
             assert torch.equal(x, y), name
 
 
+@pytest.mark.cpu_only("the critic's own thread (ppo.overlap_critic) is for models on the CPU")
 def test_stale_old_logprobs_stop_the_critics_thread_before_any_step(checkpoint, rollout):
     """The critic's thread starts its updates before the actor's check of the old log-probs: when the check
     fails neither model moves (the critic's gradients are dropped, its queued updates never step), and the
@@ -309,6 +319,7 @@ def test_stale_old_logprobs_stop_the_critics_thread_before_any_step(checkpoint, 
     assert not torch.equal(param, before[f"critic.{name}"]), "the critic did not train after the failed check"
 
 
+@pytest.mark.cpu_only("the critic's own thread (ppo.overlap_critic) is for models on the CPU")
 def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkpoint, rollout):
     """values_from_first_forward: one minibatch holding every row, the critic on its own thread. Its first
     training forward gives the values (and so the advantages and returns) that the no-grad values pass gives, and
@@ -350,6 +361,7 @@ def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkp
             assert torch.allclose(x, y, atol=1e-6, rtol=0), name
 
 
+@pytest.mark.cpu_only("the critic's own thread (ppo.overlap_critic) is for models on the CPU")
 def test_values_come_from_the_first_forward_only_where_it_is_the_values_pass(checkpoint):
     """Not with several minibatches (later ones see an updated critic), without the critic's thread, or with
     dropout in the critic (its training forward would differ from the no-grad pass)."""
@@ -375,6 +387,7 @@ def test_values_come_from_the_first_forward_only_where_it_is_the_values_pass(che
     assert not values_from_first_forward(actor, critic, cfg, 6)  # one thread: no critic's thread
 
 
+@pytest.mark.cpu_only("the critic's own thread (ppo.overlap_critic) is for models on the CPU")
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, rollout, monkeypatch, kl_coef):
     """ppo.overlap_critic in experience_passes: one pass runs on the critic's thread beside the scoring and the
@@ -443,12 +456,13 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_entropy_as_a_metric_comes_detached_and_leaves_the_gradients_alone(checkpoint, rollout, packed):
+def test_entropy_as_a_metric_comes_detached_and_leaves_the_gradients_alone(checkpoint, rollout, packed, device):
     """'metric' takes the entropy from the log-probs' own pass: the same values as 'loss' gives, no gradient
     through it, and the log-probs' gradients those of 'none' (bit for bit: the same backward)."""
-    model = load_causal_lm(checkpoint)
+    model = actor_model(checkpoint, device)
     layout = rollout.packed if packed else None
-    weights = torch.linspace(-1.0, 1.0, rollout.response_mask.numel()).reshape(rollout.response_mask.shape)
+    weights = torch.linspace(-1.0, 1.0, rollout.response_mask.numel(), device=device).reshape(
+        rollout.response_mask.shape)
     grads = {}
     for mode in ("none", "metric"):
         model.zero_grad(set_to_none=True)

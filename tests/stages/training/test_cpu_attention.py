@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from alignflow.stages.training import cpu_attention, llama_forward
 
+pytestmark = pytest.mark.cpu_only("cpu_attention is the CPU training step's attention")
+
 FP32 = 1e-5
 
 

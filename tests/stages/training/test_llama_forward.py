@@ -5,6 +5,8 @@ and refuses what it does not run exactly.
 Tolerances: fp32 max |diff| measured 2.0e-6 (hidden states) and 1.3e-6 (gradients, relative to the largest
 gradient) on these models; the bounds below are ~10x that and still 1000x below what a wrong mask,
 RoPE position or GQA grouping moves (>1e-2).
+
+Models and batches are on the session's device (--device): both sides of every comparison run there.
 """
 
 from __future__ import annotations
@@ -27,24 +29,30 @@ def _one_thread(one_torch_thread):
     yield
 
 
-def rl_batch(seed: int = 0, rows: int = 5, vocab: int = 256) -> Experience:
-    """Prompts of 1-13 tokens (left-padded) and responses of 0-9 tokens (right-padded)."""
+def rl_batch(seed: int = 0, rows: int = 5, vocab: int = 256, device: str = "cpu") -> Experience:
+    """Prompts of 1-13 tokens (left-padded) and responses of 0-9 tokens (right-padded), on `device`."""
     generator = torch.Generator().manual_seed(seed)
     prompts = random_prompts(rows, seed=seed, vocab=vocab)
     responses = [torch.randint(3, vocab, (int(n),), generator=generator).tolist()
                  for n in torch.randint(0, 10, (rows,), generator=generator)]
     responses[0] = torch.randint(3, vocab, (9,), generator=generator).tolist()  # one full-width response
-    return Experience.of_sequences(prompts, responses, 0)
+    return Experience.of_sequences(prompts, responses, 0).to(device)
 
 
-def causal_lm(name: str, seed: int = 0, **overrides):
+def causal_lm(name: str, seed: int = 0, device: str = "cpu", **overrides):
+    """A random tiny model of variant `name`, drawn on the CPU (the same weights on every device), on `device`."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name, **overrides), attn_implementation="eager")
     with torch.no_grad():  # transformers initialises biases to zero: a misplaced bias would change nothing
         for param_name, param in model.named_parameters():
             if param_name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
-    return model
+    return model.to(device)
+
+
+def loss_weights(shape, device) -> torch.Tensor:
+    """Distinct weights in [-1, 1], one per position, for a loss whose gradients see every position."""
+    return torch.linspace(-1, 1, int(torch.Size(shape).numel()), device=device).reshape(shape)
 
 
 def grads_of(model, loss: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -62,7 +70,7 @@ def assert_grads_close(lean: dict[str, torch.Tensor], plain: dict[str, torch.Ten
 
 def assert_packed_log_probs_match_padded(model, exp: Experience, packed) -> None:
     """Log-probs, entropy and their gradients on the packed rows against transformers' padded forward."""
-    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
+    weights = loss_weights(exp.response_mask.shape, exp.response_mask.device)
     logp, entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=True, packed=packed)
     plain_logp, plain_entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=False)
     assert float((logp - plain_logp).abs().max()) <= HIDDEN_FP32
@@ -72,10 +80,10 @@ def assert_packed_log_probs_match_padded(model, exp: Experience, packed) -> None
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_hidden_states_and_gradients_match_transformers(name):
-    model = causal_lm(name)
+def test_hidden_states_and_gradients_match_transformers(name, device):
+    model = causal_lm(name, device=device)
     assert llama_forward.supports(model.model) is None
-    exp = rl_batch()
+    exp = rl_batch(device=device)
     real = exp.attention_mask.bool()
     plain = model.model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
                         position_ids=exp.position_ids).last_hidden_state
@@ -85,22 +93,22 @@ def test_hidden_states_and_gradients_match_transformers(name):
     assert torch.isfinite(lean).all()  # padding rows attend to themselves: no NaN to leak through 0 * NaN
 
     # The RL loss's gradients through policy_logprobs, with and without the lean forward.
-    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
+    weights = loss_weights(exp.response_mask.shape, device)
     lean_grads = grads_of(model, (policy_logprobs(model, exp, 0.7, lean=True)[0] * weights).sum())
     plain_grads = grads_of(model, (policy_logprobs(model, exp, 0.7, lean=False)[0] * weights).sum())
     assert_grads_close(lean_grads, plain_grads)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_kept_rows_equal_the_selected_rows_of_the_full_forward_with_their_gradients(name):
+def test_kept_rows_equal_the_selected_rows_of_the_full_forward_with_their_gradients(name, device):
     """`keep` skips the last layer's o_proj, MLP and norm on the positions nobody reads: the kept rows and
     the gradients through them must be those of the full forward (measured equal bit for bit on these
     models; the bound allows another summation order). A row selected before the last layer's attention
     would lose its keys and values and move the result by >1e-2."""
-    model = causal_lm(name)
-    exp = rl_batch(seed=3, rows=6)
+    model = causal_lm(name, device=device)
+    exp = rl_batch(seed=3, rows=6, device=device)
     packed = exp.packed
-    weights = torch.linspace(-1, 1, packed.predicts.numel())[:, None]
+    weights = loss_weights((packed.predicts.numel(), 1), device)
     full = llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids, packed.position_ids)
     full = full.reshape(-1, full.shape[-1])[packed.predicts]
     kept = llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids, packed.position_ids,
@@ -111,46 +119,46 @@ def test_kept_rows_equal_the_selected_rows_of_the_full_forward_with_their_gradie
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_packed_rows_give_the_padded_log_probs_entropy_and_gradients(name):
+def test_packed_rows_give_the_padded_log_probs_entropy_and_gradients(name, device):
     """Several sequences per row (stages/rl/packing.py), each masked to itself, against transformers' padded
     forward: a key of the wrong sequence or a position not restarted moves these by >1e-2."""
-    model = causal_lm(name)
-    exp = rl_batch(seed=2, rows=7)
+    model = causal_lm(name, device=device)
+    exp = rl_batch(seed=2, rows=7, device=device)
     packed = exp.packed
     assert packed.input_ids.shape[0] < exp.input_ids.shape[0]  # some row holds two sequences
     assert_packed_log_probs_match_padded(model, exp, packed)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_rows_sharing_a_prompt_give_the_padded_log_probs_values_and_gradients(name):
+def test_rows_sharing_a_prompt_give_the_padded_log_probs_values_and_gradients(name, device):
     """GRPO's layout (completions of one prompt) packed with one copy of each prompt: a response that saw
     another response's tokens, or a sliding window counted in slots instead of positions (the Qwen2 and
     Mistral variants' 6- and 8-token windows), moves these by >1e-2."""
-    model = causal_lm(name)
+    model = causal_lm(name, device=device)
     generator = torch.Generator().manual_seed(4)
     prompts = random_prompts(3, seed=4, vocab=256)
     owners = [0, 1, 0, 2, 2, 0, 2]
     responses = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (9, 4, 7, 8, 0, 9, 3)]
-    exp = Experience.of_sequences([prompts[o] for o in owners], responses, 0)
+    exp = Experience.of_sequences([prompts[o] for o in owners], responses, 0).to(device)
     packed = exp.packed
     assert packed.prefix_ids is not None  # prompts shared
     assert_packed_log_probs_match_padded(model, exp, packed)
 
     torch.manual_seed(0)
     critic = AutoModelForSequenceClassification.from_config(tiny_config(name, num_labels=1),
-                                                            attn_implementation="eager")
+                                                            attn_implementation="eager").to(device)
     values = token_values(critic, exp, packed=packed)
     plain = token_values(critic, exp, lean=False)
     assert float((values - plain).abs().max()) <= HIDDEN_FP32
-    weights = torch.linspace(-1, 1, exp.response_mask.numel()).reshape(exp.response_mask.shape)
+    weights = loss_weights(exp.response_mask.shape, device)
     assert_grads_close(grads_of(critic, (values * weights).sum()), grads_of(critic, (plain * weights).sum()))
 
 
-def test_critic_values_match_transformers():
+def test_critic_values_match_transformers(device):
     torch.manual_seed(0)
     critic = AutoModelForSequenceClassification.from_config(
-        tiny_config("llama_gqa_tied_llama3", num_labels=1), attn_implementation="eager")
-    exp = rl_batch(seed=1)
+        tiny_config("llama_gqa_tied_llama3", num_labels=1), attn_implementation="eager").to(device)
+    exp = rl_batch(seed=1, device=device)
     plain = token_values(critic, exp, lean=False)
     lean = token_values(critic, exp, lean=True)
     assert float((lean - plain).abs().max()) <= HIDDEN_FP32
@@ -160,16 +168,16 @@ def test_critic_values_match_transformers():
     assert_grads_close(grads_of(critic, packed.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum()))
 
 
-def test_lora_adapters_run_in_the_lean_forward_and_the_reference_keeps_transformers():
+def test_lora_adapters_run_in_the_lean_forward_and_the_reference_keeps_transformers(device):
     from peft import LoraConfig, get_peft_model
 
-    model = causal_lm("llama_mha_untied")
+    model = causal_lm("llama_mha_untied", device=device)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
     with torch.no_grad():  # LoRA's B starts at zero: make the adapters change the output
         for param_name, param in peft_model.named_parameters():
             if "lora_B" in param_name:
                 param.normal_(0.0, 0.1)
-    exp = rl_batch(seed=2)
+    exp = rl_batch(seed=2, device=device)
     lean = policy_logprobs(peft_model, exp, 1.0, lean=True)[0]
     plain = policy_logprobs(peft_model, exp, 1.0, lean=False)[0]
     assert float((lean - plain).abs().max()) <= HIDDEN_FP32
@@ -179,10 +187,10 @@ def test_lora_adapters_run_in_the_lean_forward_and_the_reference_keeps_transform
                        grads_of(peft_model, policy_logprobs(peft_model, exp, 1.0, lean=False)[0].sum()))
 
 
-def test_bf16_autocast_stays_within_bf16_rounding():
-    model = causal_lm("llama_gqa_tied_llama3")
-    exp = rl_batch(seed=3)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+def test_bf16_autocast_stays_within_bf16_rounding(device):
+    model = causal_lm("llama_gqa_tied_llama3", device=device)
+    exp = rl_batch(seed=3, device=device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
         lean = policy_logprobs(model, exp, 1.0, lean=True)[0]
         plain = policy_logprobs(model, exp, 1.0, lean=False)[0]
     fp32 = policy_logprobs(model, exp, 1.0, lean=False)[0]
@@ -200,14 +208,14 @@ def test_bucketed_row_counts_add_at_most_an_eighth_and_repeat_in_8_sizes_an_octa
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied_llama3", "qwen2_bias_window"])
-def test_rows_padded_to_a_bucket_give_the_same_log_probs_values_and_gradients(name):
+def test_rows_padded_to_a_bucket_give_the_same_log_probs_values_and_gradients(name, device):
     """The linear layers on zero-padded row counts (pad_rows, bucketed_keep): the real rows' outputs and every
     gradient as without padding (measured equal bit for bit here; the bound allows another summation order).
     A padding row that reached attention, or a repeated read-out row that kept its gradient, moves them >1e-2."""
-    model = causal_lm(name)
-    exp = rl_batch(seed=5, rows=7)
+    model = causal_lm(name, device=device)
+    exp = rl_batch(seed=5, rows=7, device=device)
     packed = exp.packed
-    weights = torch.linspace(-1, 1, packed.predicts.numel())[:, None]
+    weights = loss_weights((packed.predicts.numel(), 1), device)
     keep = llama_forward.bucketed_keep(packed.predicts, pad_rows=True)
     assert keep.numel() > packed.predicts.numel()  # this batch's count is not a bucket size already
 
@@ -227,6 +235,7 @@ def test_rows_padded_to_a_bucket_give_the_same_log_probs_values_and_gradients(na
     assert float((full_padded - full_plain).abs().max()) <= HIDDEN_FP32
 
 
+@pytest.mark.cpu_only("the row padding is for CPU autocast's oneDNN kernels, compiled per shape")
 def test_cpu_autocast_pads_every_linear_to_a_bucketed_row_count():
     """Under CPU autocast (bf16 matmuls through oneDNN, a kernel compiled per shape) every linear layer and the
     LM head see bucketed row counts, and the log-probs stay within bf16 rounding of the unpadded ones."""
@@ -279,9 +288,9 @@ def test_the_answer_of_supports_is_kept_per_config_and_dropped_with_it():
     assert key not in llama_forward._UNSUPPORTED
 
 
-def test_unsupported_models_fall_back_to_transformers_forward():
-    model = causal_lm("llama_mha_untied", hidden_act="gelu")
-    exp = rl_batch(seed=4)
+def test_unsupported_models_fall_back_to_transformers_forward(device):
+    model = causal_lm("llama_mha_untied", device=device, hidden_act="gelu")
+    exp = rl_batch(seed=4, device=device)
     fallback = policy_logprobs(model, exp, 1.0, lean=True)[0]  # would raise inside llama_forward if taken
     assert torch.equal(fallback, policy_logprobs(model, exp, 1.0, lean=False)[0])
 

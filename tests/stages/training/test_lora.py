@@ -1,4 +1,6 @@
-"""LoRA helpers: config checks that name the key, only adapters trainable, merged weights equal base + adapter."""
+"""LoRA helpers: config checks that name the key, only adapters trainable, merged weights equal base + adapter.
+
+The models run on the session's device (--device); a saved checkpoint is loaded back onto it."""
 
 from __future__ import annotations
 
@@ -52,20 +54,20 @@ def test_unknown_target_module_names_the_key_and_the_valid_names():
 
 
 @pytest.mark.parametrize("classifier", [False, True])
-def test_merged_weights_equal_base_plus_adapter(classifier, tmp_path):
+def test_merged_weights_equal_base_plus_adapter(classifier, tmp_path, device):
     torch.manual_seed(1)
     model_class = LlamaForSequenceClassification if classifier else LlamaForCausalLM
-    base = model_class(LlamaConfig(**LLAMA, num_labels=1) if classifier else LlamaConfig(**LLAMA)).eval()
+    base = model_class(LlamaConfig(**LLAMA, num_labels=1) if classifier else LlamaConfig(**LLAMA)).eval().to(device)
     base_weights = {k: v.clone() for k, v in base.state_dict().items()}  # peft injects adapters into `base`
     lora = apply_lora(base, LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
                       "reward.lora", classifier=classifier)
     _trained_adapter(lora)
-    ids = torch.randint(1, 300, (3, 11))
+    ids = torch.randint(1, 300, (3, 11)).to(device)
     with torch.no_grad():
         expected = lora(input_ids=ids).logits
     merged = merged_state_dict(lora)
     assert not any("lora_" in k or "base_layer" in k or "modules_to_save" in k for k in merged)
-    plain = model_class(base.config).eval()
+    plain = model_class(base.config).eval().to(device)
     missing, unexpected = plain.load_state_dict(merged, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     with torch.no_grad():
@@ -74,31 +76,33 @@ def test_merged_weights_equal_base_plus_adapter(classifier, tmp_path):
     assert sorted(adapted) == sorted(f"model.layers.{i}.{m}.weight" for i in range(2)
                                      for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"))
     for name, weight in adapted.items():
-        torch.testing.assert_close(weight, merged[name], rtol=0, atol=0)
+        # The refit stream stays on the model's device; the merged state dict is CPU copies (what is saved).
+        assert weight.device.type == torch.device(device).type
+        torch.testing.assert_close(weight.cpu(), merged[name], rtol=0, atol=0)
     # The saved checkpoint is a plain HF model; the adapter files beside it load onto the base with peft.
     import peft
 
     save_merged(lora, tmp_path)
-    reloaded = model_class.from_pretrained(tmp_path).eval()
-    fresh_base = model_class(base.config).eval()
+    reloaded = model_class.from_pretrained(tmp_path).eval().to(device)
+    fresh_base = model_class(base.config).eval().to(device)
     fresh_base.load_state_dict(base_weights)
-    with_adapter = peft.PeftModel.from_pretrained(fresh_base, tmp_path / "adapter").eval()
+    with_adapter = peft.PeftModel.from_pretrained(fresh_base, tmp_path / "adapter").eval().to(device)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(with_adapter(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_adapters_disabled_is_the_frozen_base_without_a_copy():
+def test_adapters_disabled_is_the_frozen_base_without_a_copy(device):
     from alignflow.stages.training.lora import AdaptersDisabled
 
     torch.manual_seed(2)
-    base = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
-    reference = LlamaForCausalLM(base.config).eval()
+    base = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval().to(device)
+    reference = LlamaForCausalLM(base.config).eval().to(device)
     reference.load_state_dict(base.state_dict())
     lora = apply_lora(base, LoRAConfig(rank=4, target_modules=["q_proj", "v_proj"]), "ppo.lora")
     _trained_adapter(lora)
     frozen = AdaptersDisabled(lora)
-    ids = torch.randint(1, 300, (2, 9))
+    ids = torch.randint(1, 300, (2, 9)).to(device)
     with torch.no_grad():
         torch.testing.assert_close(frozen(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
         assert (lora(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max() > 1e-3  # adapters back on
