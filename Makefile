@@ -45,6 +45,19 @@ CI_HEAVY_TESTS = \
 	tests/flows/test_production.py::test_pipeline_on_s3_and_mlflow_server_with_registry_gate \
 	tests/ui/test_browser.py::test_run_from_prefect_ui_then_inspect_in_mlflow_ui
 
+# The tests that run on the device `pytest --device cpu|cuda|auto` names (default cpu; README "Development"): the
+# kernels (Triton compiled on cuda), the engine, the training forward and LoRA, the DPO losses, the RL algorithms and
+# train step. Their tests of CPU-only paths (C++ kernels and decode loop, chunked sampler, prepacking, gloo ranks) skip
+# on cuda. On a GPU: make test PYTEST_ARGS='--device cuda $(DEVICE_TESTS)' (single quotes: make expands it).
+DEVICE_TESTS = \
+	tests/kernels \
+	tests/stages/generation \
+	tests/stages/training/test_llama_forward.py \
+	tests/stages/training/test_lora.py \
+	tests/stages/preference \
+	tests/stages/rl/test_algorithms.py \
+	tests/stages/rl/test_train_shortcuts.py
+
 heavy-test: $(VENV)/.installed-dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=15 -m heavy $(PYTEST_ARGS)
 
