@@ -28,6 +28,7 @@ for _var in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
 
 
 DEVICE_CHOICES = ("cpu", "cuda", "auto")
+TEST_DEVICE_VAR = "ALIGNFLOW_TEST_DEVICE"
 
 
 def pytest_addoption(parser):
@@ -59,6 +60,9 @@ def pytest_configure(config):
                                        "skipped under --device cpu, with the reason")
     # From here on config.option.device is the resolved "cpu" or "cuda", never "auto".
     config.option.device = resolved_device(config.option.device)
+    # small_config's model.device: the pipelines and stages these tests run compute there too (a GPU machine's
+    # default run stays on the CPU instead of model.device auto picking its GPU).
+    os.environ[TEST_DEVICE_VAR] = config.option.device
 
 
 def _marker_reason(item, mark) -> str:
@@ -160,7 +164,9 @@ def small_config(workdir: Path, stages: list[str] | None = None, **sections: Any
         "workdir": str(workdir),
         "stages": stages or ["data", "base", "sft", "reward"],
         "tracking": {"experiment": "test"},
-        "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        # The device of --device (pytest_configure), so the stages these tests run compute where the session does.
+        "model": {"device": os.environ.get(TEST_DEVICE_VAR, "cpu"),
+                  "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 320,
                            "max_position_embeddings": 128}},
         "data": {"demo": {"n_sft": 160, "n_preferences": 160, "n_prompts": 16, "n_eval_prompts": 8},
