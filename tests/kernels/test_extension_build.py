@@ -20,6 +20,8 @@ import torch.utils.cpp_extension
 
 from alignflow.kernels import _cpu_extension
 
+pytestmark = pytest.mark.cpu_only("the CPU extensions' build (g++ on the host)")
+
 _STAND_IN = r"""
 // A stand-in extension for the build's tests: the plain C API, so it compiles in a second.
 #include <Python.h>

@@ -21,6 +21,7 @@ from tests.stages.rl.test_train_shortcuts import FP32, PAD, checkpoint, ppo_conf
 
 __all__ = ["checkpoint", "rollout"]  # module fixtures shared with the shortcut tests
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.cpu_only("the critic's process holds the models on the CPU (ppo.critic_process)")
 
 
 @pytest.fixture(autouse=True)
