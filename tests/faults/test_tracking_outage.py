@@ -160,18 +160,32 @@ def test_a_server_outage_mid_ppo_is_waited_out_and_every_step_is_in_the_run_once
     assert_every_step_once(mlflow_server, result.mlflow_run_id, folder)
 
 
-def test_an_outage_past_the_limit_stops_the_stage_in_one_line_and_the_rerun_resumes(clean, mlflow_server):
+def test_an_outage_past_the_limit_stops_the_stage_in_one_line_and_the_rerun_resumes(clean, mlflow_server,
+                                                                                     tmp_path):
     """The client's own retries off and a 3 s limit: the stage stops with one line and publishes nothing; with the
     server back, the re-run resumes from the last checkpoint into a new run that has every step once and
-    supersedes the stopped one."""
+    supersedes the stopped one.
+
+    The outage is placed, not raced: a reward function (weight 0) holds each iteration from the 3rd in its scoring
+    until the test releases it. The server dies while iteration 3 is held; iteration 3 then ends and its metrics
+    fail to send while iteration 4 is held past the limit; iteration 4's metrics find the sender given up."""
     from mlflow.tracking import MlflowClient
 
     from alignflow import tracking
 
     workdir, spec = ppo_spec(clean, mlflow_server, "long")
-    stage = Stage(spec, workdir, {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", tracking.OUTAGE_VAR: "3"})
-    stage.wait_for("iteration 2", lambda: stage.iterations() >= 2)
+    spec = spec.model_copy(update={"config": {**spec.config, "ppo": {
+        **spec.config["ppo"], "reward_functions": ["tests.stages.reward_fixtures:stall_when_asked"],
+        "reward_function_weights": [0.0]}}})
+    release = tmp_path / "release-{call}"
+    stage = Stage(spec, workdir, {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", tracking.OUTAGE_VAR: "3",
+                                  "ALIGNFLOW_TEST_STALL_AT": "3", "ALIGNFLOW_TEST_RELEASE": str(release)})
+    stage.wait_for("iteration 2", lambda: stage.iterations() >= 2)  # iteration 3 is held in its scoring
     mlflow_server.kill()
+    Path(str(release).format(call=3)).touch()  # iteration 3 ends and logs; iteration 4 is held
+    stage.wait_for("the sender's first failure", lambda: "MLflow unreachable while logging run" in stage.stderr())
+    time.sleep(3 + 2)  # the limit and a margin, with the stage held: its next log call finds the sender given up
+    Path(str(release).format(call=4)).touch()
     code, result = stage.finish()
     assert code == 1, stage.stderr()[-3000:]
     errors = [line for line in stage.lines if line.startswith("error:")]
