@@ -14,7 +14,7 @@ from alignflow.manifest import output_uri, read_manifest
 from alignflow.stages.data.formats import PreferenceRecord
 from alignflow.stages.dpo import encode_pairs
 from alignflow.stages.models.loading import load_tokenizer
-from tests.stages.test_ppo import finish, local, start_stage
+from tests.stages.test_ppo import finish, local, stage_device, start_stage
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,12 @@ def dpo_spec(upstream, name: str, **dpo) -> StageSpec:
                      code_version="test", workdir=str(workdir))
 
 
-def test_dpo_learns_the_preferences_from_the_reference(upstream):
+def test_dpo_learns_the_preferences_from_the_reference(upstream, request):
     workdir, _, _ = upstream
     spec = dpo_spec(upstream, "dpo-sigmoid")
     code, result, stderr = finish(start_stage(spec, workdir))
     assert code == 0, stderr[-3000:]
+    assert result.devices == {"train": stage_device(request)}  # the policy trained where the session computes
     out = local(result.output_uri)
     listed = {entry.path for entry in read_manifest(result.output_uri).files}
     assert {"policy/config.json", "policy/model.safetensors", "metrics.jsonl", "alignflow_run.json"} <= listed
