@@ -1,12 +1,14 @@
 """TRL baseline: wall seconds per RL iteration of TRL's own GRPO or PPO trainer on a local model.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/trl_baseline.py --model-dir DIR --shape grpo \\
-        [--iterations 10] [--threads 2] [--prompts-file FILE] [--json]
+        [--iterations 10] [--threads 2] [--prompts-file FILE] [--device cpu|cuda] [--json]
     OMP_NUM_THREADS=2 /opt/trl112/bin/python benchmarks/trl_baseline.py --model-dir DIR --shape ppo \\
         [--iterations 10] [--threads 2] [--prompts-file FILE] [--json]
 
 For comparing alignflow's RL loop with TRL per iteration (one generation batch plus its updates),
-fp32 on CPU, nothing saved, reported or evaluated, seed fixed. DIR is a local Hugging Face folder
+fp32 on CPU (--device cpu, the default) or on one GPU with bf16 autocast over fp32 weights (--device cuda,
+TrainingArguments(bf16=True): what alignflow's RL stage does there with ppo.autocast auto), nothing saved,
+reported or evaluated, seed fixed. DIR is a local Hugging Face folder
 (causal LM with a tokenizer; pad/eos/bos set); nothing is downloaded. --prompts-file is a JSONL
 whose records have a "prompt" field; without it a few fixed short prompts are used.
 
@@ -73,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts-file", type=Path, default=None, help='JSONL with a "prompt" field per record')
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: fp32; cuda: the first GPU, bf16 autocast over fp32 weights")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     args = parser.parse_args(argv)
     if args.iterations < 1:
@@ -193,8 +197,9 @@ def iteration_timer():
     return IterationTimer()
 
 
-def common_args(output_dir: str) -> dict:
-    """TrainingArguments shared by both shapes: fp32 CPU, no saving/eval/reporting, quiet, seeded."""
+def common_args(output_dir: str, device: str = "cpu") -> dict:
+    """TrainingArguments shared by both shapes: fp32 CPU or bf16-autocast GPU, no saving/eval/reporting, quiet,
+    seeded."""
     import dataclasses
 
     from transformers import TrainingArguments
@@ -205,7 +210,7 @@ def common_args(output_dir: str) -> dict:
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     return dict(
         output_dir=output_dir, report_to="none", save_strategy="no", eval_strategy="no",
-        use_cpu=True, bf16=False, fp16=False,  # TRL defaults bf16 to True
+        use_cpu=device == "cpu", bf16=device == "cuda", fp16=False,  # TRL defaults bf16 to True, also on a CPU
         **{checkpointing: False},
         learning_rate=LEARNING_RATE, lr_scheduler_type="constant", seed=SEED, data_seed=SEED,
         per_device_train_batch_size=COMPLETIONS_PER_ITERATION, gradient_accumulation_steps=1,
@@ -219,14 +224,14 @@ def e_share(completions, **kwargs) -> list[float]:
     return [text.count("e") / len(text) if text else 0.0 for text in texts]
 
 
-def build_grpo(trl, model_dir: Path, prompts: list[str], iterations: int, output_dir: str):
+def build_grpo(trl, model_dir: Path, prompts: list[str], iterations: int, output_dir: str, device: str = "cpu"):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     GRPOConfig, GRPOTrainer = grpo_classes(trl)
     config = GRPOConfig(
-        **common_args(output_dir),
+        **common_args(output_dir, device),
         max_steps=iterations, logging_strategy="no",
         num_generations=GRPO_GENERATIONS, max_completion_length=MAX_NEW_TOKENS,
         num_iterations=1, beta=0.0, use_vllm=False, log_completions=False,
@@ -241,14 +246,14 @@ def build_grpo(trl, model_dir: Path, prompts: list[str], iterations: int, output
     return trainer, timer
 
 
-def build_ppo(trl, model_dir: Path, prompts: list[str], iterations: int, output_dir: str):
+def build_ppo(trl, model_dir: Path, prompts: list[str], iterations: int, output_dir: str, device: str = "cpu"):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     PPOConfig, PPOTrainer = ppo_classes(trl)
     config = PPOConfig(
-        **common_args(output_dir),
+        **common_args(output_dir, device),
         total_episodes=iterations * COMPLETIONS_PER_ITERATION, num_mini_batches=1,
         num_ppo_epochs=PPO_EPOCHS, response_length=MAX_NEW_TOKENS,
         local_rollout_forward_batch_size=COMPLETIONS_PER_ITERATION,
@@ -284,7 +289,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="trl-baseline-") as output_dir:
         # TRL and accelerate print progress and metric dicts to stdout; keep stdout for our result.
         with contextlib.redirect_stdout(sys.stderr):
-            trainer, timer = build(trl, args.model_dir, prompts, args.iterations, output_dir)
+            trainer, timer = build(trl, args.model_dir, prompts, args.iterations, output_dir, args.device)
             trainer.train()
     seconds = timer.seconds
     if len(seconds) != args.iterations:
@@ -294,7 +299,8 @@ def run(args: argparse.Namespace) -> dict:
         "trl_version": trl.__version__, "shape": args.shape,
         "iterations": [round(s, 4) for s in seconds], "median_s": round(median, 4),
         "completions_per_s": round(COMPLETIONS_PER_ITERATION / median, 3),
-        "total_s": round(time.perf_counter() - START, 2), "cpu": cpu_model(),
+        "total_s": round(time.perf_counter() - START, 2), "cpu": cpu_model(), "device": args.device,
+        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
         "completions_per_iteration": COMPLETIONS_PER_ITERATION, "threads": args.threads,
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
     }
@@ -302,7 +308,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_table(result: dict) -> None:
     print(f"TRL {result['trl_version']} {result['shape']} (transformers {result['transformers_version']}, "
-          f"torch {result['torch_version']}, {result['threads']} threads, {result['cpu']})")
+          f"torch {result['torch_version']}, {result['threads']} threads, {result['gpu'] or result['cpu']})")
     for index, seconds in enumerate(result["iterations"], start=1):
         print(f"  iteration {index:>3}  {seconds:8.3f} s{'  (warm-up, not in median)' if index == 1 else ''}")
     print(f"  median {result['median_s']:.3f} s/iteration, {result['completions_per_s']:.2f} completions/s "
