@@ -75,6 +75,18 @@ lint: $(VENV)/.installed-dev
 clean-demo:
 	rm -rf artifacts mlflow.db mlruns .alignflow
 
+# On a GPU machine (README "On a GPU machine"): `make gpu-wheels` on a networked machine puts into .whl/ the wheels
+# the check needs beyond torch, transformers and pyarrow (scripts/gpu_check_wheels.txt, at most 60 MiB); copy the
+# checkout over, then `make gpu-check` there: no venv and no network, the machine's $(PYTHON) with its own torch.
+# GPU_CHECK_ARGS passes options (--device cpu: the same steps at tiny sizes; --steps, --out, --tests).
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh --download-wheels
+
 # Build the training image with podman (no Docker engine, no registry: a debootstrap base image) and
 # run the SFT stage in it against the host's object store; prints step times and the image size.
 # Needs root and minutes of CPU (torch, the DeepSpeed sdist); see containers/README.md.
