@@ -76,8 +76,10 @@ def deepspeed_config(settings: OptimSettings, on_cuda: bool | None = None) -> di
         "train_batch_size": settings.micro_batch_size * settings.grad_accum * world,
         "gradient_clipping": settings.grad_clip,
         "zero_optimization": {"stage": settings.zero_stage},
+        # torch_adam: torch's AdamW on a GPU too. DeepSpeed's fused Adam would JIT-compile a CUDA kernel with nvcc
+        # at the first step, which a machine with only torch's wheel does not have (and minutes of it where it does).
         "optimizer": {"type": "AdamW", "params": {"lr": settings.lr, "weight_decay": settings.weight_decay,
-                                                   "betas": [0.9, 0.95], "eps": 1e-8}},
+                                                   "betas": [0.9, 0.95], "eps": 1e-8, "torch_adam": True}},
         "scheduler": None if settings.schedule == "constant" else {"type": "WarmupCosineLR", "params": {
             "total_num_steps": max(settings.total_steps, settings.warmup_steps + 1),
             # DeepSpeed rejects 0 warm-up steps for this scheduler; 1 step is a no-op warm-up.
