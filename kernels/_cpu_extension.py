@@ -129,6 +129,7 @@ def _write_once(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as out:
             out.write(data)
         os.utime(tmp, (_STAGED_MTIME, _STAGED_MTIME))
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the sources from the build's other users
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -144,6 +144,7 @@ def test_the_kernels_are_built_through_the_keyed_builder(tmp_path, monkeypatch):
         # Compiled from the copy in the build directory, the same bytes, headers beside them.
         assert staged == [directory / "src" / s.relative_to(_cpu_extension.CSRC) for s in sources]
         assert [s.read_bytes() for s in staged] == [s.read_bytes() for s in sources]
+        assert all(s.stat().st_mode & 0o777 == 0o644 for s in staged)
         assert (directory / "src" / "kernels.h").read_bytes() == (_cpu_extension.CSRC / "kernels.h").read_bytes()
         assert json.loads((directory / "key.json").read_text())["files"] == key["files"]
 
