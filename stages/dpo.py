@@ -25,6 +25,7 @@ from alignflow.config import DPOConfig, ModelConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.kernels import selective_log_softmax
 from alignflow.stages.data.formats import load_preferences, render_prompt
+from alignflow.stages.devices import device_of
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.preference.losses import LENGTH_NORMALISED, preference_loss
 from alignflow.stages.ranks import is_main, local_share, sum_over_ranks, world_size
@@ -76,7 +77,7 @@ def sequence_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool, 
     """([N] chosen, [N] rejected) log pi(response | prompt) of the pairs: summed over response tokens, or their
     per-token mean when `mean`. One forward over the 2N right-padded sequences, on the model's device, in
     `precision` (None: the model's dtype)."""
-    device = next(getattr(model, "module", model).parameters()).device
+    device = device_of(model)
     sequences = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
     starts = [len(p.prompt) for p in pairs] * 2
     input_ids = pad_right(sequences, pad_id).to(device)

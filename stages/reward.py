@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from alignflow.config import ModelConfig, RewardConfig, RewardModelSpec
 from alignflow.contract import StageResult, StageSpec
 from alignflow.stages.data.formats import load_preferences, render_prompt
+from alignflow.stages.devices import device_of
 from alignflow.stages.models.loading import load_sequence_classifier, load_tokenizer
 from alignflow.stages.ranks import is_main, local_share, sum_over_ranks, world_size
 from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
@@ -49,7 +50,7 @@ def encode_pair(tokenizer, record, max_length: int) -> tuple[list[int], list[int
 def score(model, sequences: list[list[int]], pad_id: int, precision: Precision | None = None) -> torch.Tensor:
     """[N] scalar rewards of right-padded sequences (the head reads the last non-pad token), computed on the model's
     device in `precision` (None: the model's dtype)."""
-    device = next(getattr(model, "module", model).parameters()).device
+    device = device_of(model)
     input_ids = pad_right(sequences, pad_id).to(device)
     attention_mask = pad_right([[1] * len(s) for s in sequences], 0).to(device)
     with precision.forward() if precision is not None else contextlib.nullcontext():

@@ -33,7 +33,7 @@ from alignflow.manifest import InputRef, Manifest, find_published, materialize, 
 from alignflow.offline import set_offline_defaults
 from alignflow.stages import ranks
 from alignflow.stages.data.formats import DataError
-from alignflow.stages.devices import DeviceUnavailableError, compute_device, device_name
+from alignflow.stages.devices import DeviceUnavailableError, compute_device, device_name, device_of
 from alignflow.stages.generation.base import BackendUnavailableError
 from alignflow.stages.profiler import Profiler
 from alignflow.stages.warm import stage_module
@@ -104,8 +104,6 @@ class StageContext:
         """Record where `role` (train, reference, score, generate, ...) computed: a device, a device name, or a
         model, whose first parameter's device is taken (where it really is, not where it was asked to be)."""
         if hasattr(where, "parameters") or hasattr(where, "module"):
-            from alignflow.stages.devices import device_of
-
             where = device_of(where)
         self.devices[role] = device_name(where)
 

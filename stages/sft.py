@@ -17,6 +17,7 @@ from alignflow.config import ModelConfig, SFTConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.kernels import selective_log_softmax
 from alignflow.stages.data.formats import load_sft, render_prompt
+from alignflow.stages.devices import device_of
 from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.ranks import is_main, local_share, sum_over_ranks, world_size
 from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
@@ -42,7 +43,7 @@ def completion_nll(model, batch: dict[str, torch.Tensor], precision: Precision |
 
     Uses the kernels' selective log-softmax: no [B, T, V] float32 log-softmax is materialised.
     """
-    batch = to_device(batch, next(getattr(model, "module", model).parameters()).device)
+    batch = to_device(batch, device_of(model))
     with precision.forward() if precision is not None else contextlib.nullcontext():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     targets = batch["labels"][:, 1:]
