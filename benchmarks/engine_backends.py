@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from alignflow.config import EngineConfig
-    from alignflow.stages.generation.base import SamplingParams, build_engine
+    from alignflow.stages.common.generation.interface import SamplingParams, build_engine
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch_sizes.split(",")]

@@ -193,10 +193,10 @@ def bench_model(name: str, root: Path, args: argparse.Namespace, log) -> dict[st
 def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: argparse.Namespace,
                       log) -> dict[str, Any]:
     from alignflow.config import EngineConfig
-    from alignflow.stages.generation import SamplingParams
-    from alignflow.stages.generation.hf_backend import HFEngine
-    from alignflow.stages.generation.native import NativeEngine
-    from alignflow.stages.generation.native.weights import checkpoint_tensors
+    from alignflow.stages.common.generation import SamplingParams
+    from alignflow.stages.common.generation.hf_backend import HFEngine
+    from alignflow.stages.common.generation.native import NativeEngine
+    from alignflow.stages.common.generation.native.weights import checkpoint_tensors
 
     batches = args.batch_sizes if name != "llama-100m" or not args.quick else [8]
     max_batch = max(batches)

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from alignflow.config import load_config
-from alignflow.contract import StageResult, StageSpec
+from alignflow.contract import StageResult, StageSpec, stage_program
 from alignflow.flows.pipeline import alignflow_pipeline
 from alignflow.manifest import output_uri
 from alignflow.offline import set_offline_defaults
@@ -64,7 +64,7 @@ def run_stage(spec: StageSpec, workdir: Path) -> tuple[StageResult, float]:
     path = spec.dump(workdir / f"spec-{spec.output_uri.rsplit('/', 1)[-1]}.json")
     env = {**os.environ, "ALIGNFLOW_WARM_STAGES": "0"}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", f"alignflow.stages.{spec.stage}", "--spec", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", stage_program(spec.stage), "--spec", str(path)],
                                 stdout=out, stderr=err, text=True, env=env, cwd=workdir)
         peak_kib = 0
         while proc.poll() is None:

@@ -1,4 +1,4 @@
-"""The RL training step on each packed layout of stages/rl/packing.py: one copy of the prompt per row or shared, the row width costed for 128 or for the model.
+"""The RL training step on each packed layout of stages/common/training/packing.py: one copy of the prompt per row or shared, the row width costed for 128 or for the model.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/packing_layouts.py [--rounds 7] [--model bench] [--json]
 
@@ -32,8 +32,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training_forward import MODELS, machine_info  # noqa: E402
 
-from alignflow.stages.rl.experience import Experience, policy_logprobs  # noqa: E402
-from alignflow.stages.rl.packing import attention_width  # noqa: E402
+from alignflow.stages.common.training.packing import attention_width  # noqa: E402
+from alignflow.stages.ppo.experience import Experience, policy_logprobs  # noqa: E402
 
 
 def batches(vocab: int, seed: int = 0) -> dict[str, Experience]:

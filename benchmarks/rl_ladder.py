@@ -48,7 +48,7 @@ import rl_setup  # noqa: E402
 SHAPES: dict[str, dict[str, Any]] = {
     "grpo": dict(algorithm="grpo", prompts_per_iteration=4, group_size=4, max_new_tokens=32, ppo_epochs=1,
                  minibatch_size=16, kl_coef=0.0, actor_lr=1e-5, temperature=1.0,
-                 reward_functions=["alignflow.stages.rl.reward_functions:letter_share"]),
+                 reward_functions=["alignflow.stages.ppo.reward_functions:letter_share"]),
     "ppo": dict(algorithm="ppo", prompts_per_iteration=16, group_size=1, max_new_tokens=32, ppo_epochs=4,
                 minibatch_size=16, actor_lr=1e-5, temperature=1.0),
 }
@@ -88,7 +88,7 @@ def cpu_name() -> str:
 
 def bottleneck(iterations: list[dict[str, float]]) -> str:
     """The profiler's first finding for the summed phases of these iterations."""
-    from alignflow.stages.profiler import ProfileSnapshot, bottleneck_rules
+    from alignflow.stages.common.profiler import ProfileSnapshot, bottleneck_rules
 
     phases: dict[str, float] = {}
     for m in iterations:

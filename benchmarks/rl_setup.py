@@ -52,8 +52,8 @@ class Upstream:
 def build_model(model_dir: Path, seed: int = 0) -> Path:
     """The benchmark checkpoint: a BPE tokenizer trained on the demo task's texts and a random-init Llama."""
     from alignflow.config import DemoTaskConfig, TinyModelConfig
+    from alignflow.stages.common.models.tiny import make_tiny_model, save_base_model, train_tokenizer
     from alignflow.stages.data.demo_task import demo_corpus
-    from alignflow.stages.models.tiny import make_tiny_model, save_base_model, train_tokenizer
 
     if (model_dir / "config.json").is_file():
         return model_dir

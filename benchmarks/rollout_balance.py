@@ -5,7 +5,7 @@
         [--schedules static,queue,in-process] [--json]
 
 What runs: the native engine, built once from a random Llama (`--model`), loaded by R worker processes
-(stages/rl/rollout_workers.py, `--worker-threads` torch threads each; on 2 cores 2 workers x 1 thread is
+(stages/ppo/rollout_workers.py, `--worker-threads` torch threads each; on 2 cores 2 workers x 1 thread is
 the honest configuration: the trainer process waits while they generate). Sampling is temperature 1
 with one seed per sequence, as in the RL stage.
 
@@ -74,7 +74,7 @@ def build(root: Path, name: str, batch: int, max_seq_len: int, torch_step: bool 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from alignflow.config import EngineConfig
-    from alignflow.stages.generation.base import build_engine
+    from alignflow.stages.common.generation.interface import build_engine
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=max_seq_len, bos_token_id=1, eos_token_id=2,
@@ -95,7 +95,7 @@ def first_stop(tokens: list[int], stops: set[int]) -> int:
 def skewed_request(engine, n: int, new_tokens: int, vocab: int, seed: int = 0):
     """(prompts, seeds, stop tokens, lengths) of n sequences: the pool's n/2 longest and n/2 shortest under a
     stop set that ends half of the pool within new_tokens / 4 (see the module docstring)."""
-    from alignflow.stages.generation.base import SamplingParams
+    from alignflow.stages.common.generation.interface import SamplingParams
 
     rng = random.Random(seed)
     pool = 4 * n
@@ -117,7 +117,7 @@ def skewed_request(engine, n: int, new_tokens: int, vocab: int, seed: int = 0):
 
 
 def run_schedule(workers, prompts, sampling, chunk: int) -> dict[str, Any]:
-    from alignflow.stages.rl.rollout_client import RolloutRequest
+    from alignflow.stages.ppo.rollout_client import RolloutRequest
 
     workers.chunk_size = chunk
     rows = list(range(len(prompts)))
@@ -131,9 +131,9 @@ def run_schedule(workers, prompts, sampling, chunk: int) -> dict[str, Any]:
 def bench(args: argparse.Namespace, log) -> dict[str, Any]:
     import torch
 
-    from alignflow.stages.generation.base import SamplingParams, load_engine
-    from alignflow.stages.generation.native.weights import checkpoint_tensors
-    from alignflow.stages.rl.rollout_workers import RolloutWorkers
+    from alignflow.stages.common.generation.interface import SamplingParams, load_engine
+    from alignflow.stages.common.generation.native.weights import checkpoint_tensors
+    from alignflow.stages.ppo.rollout_workers import RolloutWorkers
 
     result: dict[str, Any] = {"model": args.model, "sequences": args.sequences, "batch": args.batch,
                               "new_tokens": args.new_tokens, "workers": args.workers, "chunk": args.chunk,

@@ -6,7 +6,7 @@ One step = the actor's forward (the RL layout: left-padded prompts, right-padded
 the response columns), selective log-softmax, backward, global-norm clip and foreach AdamW, as the RL
 stage's fast step runs it; also the no-grad forward of the reference / value passes. The variants run
 on the same model and batch, interleaved round by round: plain (transformers), lean (llama_forward on
-the padded rows) and packed (llama_forward on the rows packed end to end, stages/rl/packing.py); the
+the padded rows) and packed (llama_forward on the rows packed end to end, stages/common/training/packing.py); the
 table has the median milliseconds (wall and process CPU time: CPU time is what to compare on a shared
 box) and the plain/lean and lean/packed CPU ratios. Also checks the forwards agree (max |diff| of the log-probs).
 """
@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from alignflow.stages.rl.experience import Experience, policy_logprobs
+from alignflow.stages.ppo.experience import Experience, policy_logprobs
 
 VARIANTS = ("plain", "lean", "packed")
 MODELS: dict[str, dict[str, Any]] = {

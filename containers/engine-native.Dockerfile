@@ -19,7 +19,7 @@ ENV ALIGNFLOW_IMAGE_ROLE=engine-native \
     PYTHONUNBUFFERED=1
 
 # Fail the build if the backend's modules do not import (catches a training image built without them).
-RUN python -c "import alignflow.stages.engine, alignflow.stages.ppo, alignflow.stages.generation"
+RUN python -c "import alignflow.stages.engine, alignflow.stages.ppo.stage, alignflow.stages.common.generation"
 
 LABEL org.opencontainers.image.title="alignflow-engine-native" \
       org.opencontainers.image.description="alignflow engine/ppo/evaluate stages with the native (pure torch) engine" \

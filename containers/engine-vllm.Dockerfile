@@ -2,7 +2,7 @@
 #
 # PPO runs DeepSpeed training and, in rollout worker processes of the same container
 # (engine.rollout_workers >= 1: the trainer never imports vLLM), the vLLM engine, refit every iteration
-# (stages/generation/vllm/engine.py), so this image has the whole training stack plus vLLM, with torch pinned to the
+# (stages/common/generation/vllm/engine.py), so this image has the whole training stack plus vLLM, with torch pinned to the
 # version the vLLM release was built against: vllm 0.32.0 requires torch==2.13.0 (the project's pin)
 # and transformers>=5.16.1,<5.20; vllm 0.33 needs torch 2.14.0 (change both args together).
 #   docker build -f containers/engine-vllm.Dockerfile -t alignflow-engine-vllm:$TAG \

@@ -1,7 +1,7 @@
 #!/bin/sh
 # alignflow container entrypoint (installed as /usr/local/bin/alignflow-entrypoint in every image).
 #
-#   <stage> --spec URI [--force]   run one stage: python -m alignflow.stages.<stage> (training/engine images)
+#   <stage> --spec URI [--force]   run one stage: python -m alignflow.stages <stage> (training/engine images)
 #   run|validate|plan CONFIG ...   the `alignflow` pipeline CLI
 #   prefect flow-run execute [ID]  what Docker/Kubernetes work pools send: python -m alignflow.flows.execute,
 #                                  which runs it and exits 1 when the flow run ended Failed or Crashed
@@ -47,7 +47,7 @@ for stage in ${STAGES}; do
                  "Run it in the training image (or an engine image for engine/ppo/evaluate)." >&2
             exit 2
         fi
-        exec python -m "alignflow.stages.${stage}" "$@"
+        exec python -m alignflow.stages "${stage}" "$@"
     fi
 done
 

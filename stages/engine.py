@@ -24,17 +24,24 @@ import torch
 from alignflow import start_checks
 from alignflow.config import EngineConfig, ModelConfig
 from alignflow.contract import StageResult, StageSpec
-from alignflow.stages.data.formats import load_prompts, render_prompt
-from alignflow.stages.generation.base import (
+from alignflow.stages.common.generation.interface import (
     SamplingParams,
     UnsupportedArchitectureError,
     build_engine,
     check_greedy_parity,
 )
-from alignflow.stages.generation.worker_python import call_in, resolve
-from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
-from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
-from alignflow.stages.tokenization import encode_prompt
+from alignflow.stages.common.generation.worker_python import call_in, resolve
+from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
+from alignflow.stages.common.runtime import (
+    StageContext,
+    StageInputError,
+    dump_json,
+    section,
+    stage_main,
+    tracked,
+)
+from alignflow.stages.common.tokenization import encode_prompt
+from alignflow.stages.data.formats import load_prompts, render_prompt
 
 # Logit tolerance of the parity check: fp32 kernels agree to ~1e-5 on these models; 16-bit
 # matmuls round differently in fused and unfused layouts, so they get a looser bound.

@@ -11,7 +11,7 @@ profile.md. Everything is also logged to the stage's MLflow run.
 
 What it measures, on the first `evaluate.n_prompts` held-out prompts:
   - reward-model score: the weighted sum of z-scored reward-model scores, the number PPO maximised
-    (stages/reward_scoring.py), for a policy response and an SFT response to each prompt (only with
+    (stages/common/reward_scoring.py), for a policy response and an SFT response to each prompt (only with
     reward models: without them the reward-model numbers are absent, and so is the reward-hacking
     check, which compares the reward-model score with the gold score);
   - gold score: the demo task's hidden scorer (only when the data is the demo task);
@@ -39,14 +39,25 @@ from alignflow import start_checks
 from alignflow.config import POLICY_STAGES, EngineConfig, EvaluateConfig, ModelConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.kernels import selective_log_softmax
+from alignflow.stages.common.generation.interface import Generation, SamplingParams, build_engine
+from alignflow.stages.common.generation.worker_python import call_in, resolve
+from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
+from alignflow.stages.common.reward_scoring import (
+    load_reward_models,
+    reward_input_names,
+    score_with_reward_models,
+)
+from alignflow.stages.common.runtime import (
+    StageContext,
+    StageInputError,
+    dump_json,
+    section,
+    stage_main,
+    tracked,
+)
+from alignflow.stages.common.tokenization import encode_prompt, pad_right, pad_token_id
 from alignflow.stages.data.demo_task import gold_score
 from alignflow.stages.data.formats import load_prompts, render_prompt
-from alignflow.stages.generation.base import Generation, SamplingParams, build_engine
-from alignflow.stages.generation.worker_python import call_in, resolve
-from alignflow.stages.models.loading import load_causal_lm, load_tokenizer
-from alignflow.stages.reward_scoring import load_reward_models, reward_input_names, score_with_reward_models
-from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
-from alignflow.stages.tokenization import encode_prompt, pad_right, pad_token_id
 
 GENERATION_SEED = 0  # evaluation responses (both policies: the same seed per prompt)
 KL_SEED = 1  # the temperature-1 samples of the KL estimate

@@ -19,14 +19,13 @@ import torch.nn.functional as F
 
 from alignflow.config import ModelConfig, RewardConfig, RewardModelSpec
 from alignflow.contract import StageResult, StageSpec
-from alignflow.stages.data.formats import load_preferences, render_prompt
-from alignflow.stages.devices import device_of
-from alignflow.stages.models.loading import load_sequence_classifier, load_tokenizer
-from alignflow.stages.ranks import is_main, local_share, sum_over_ranks, world_size
-from alignflow.stages.runtime import StageContext, dump_json, section, stage_main, tracked
-from alignflow.stages.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
-from alignflow.stages.training.deepspeed_setup import initialize
-from alignflow.stages.training.loop import (
+from alignflow.stages.common.devices import device_of
+from alignflow.stages.common.models.loading import load_sequence_classifier, load_tokenizer
+from alignflow.stages.common.ranks import is_main, local_share, sum_over_ranks, world_size
+from alignflow.stages.common.runtime import StageContext, dump_json, section, stage_main, tracked
+from alignflow.stages.common.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
+from alignflow.stages.common.training.deepspeed_setup import initialize
+from alignflow.stages.common.training.loop import (
     batch_indices,
     check_training_section,
     optim_settings,
@@ -34,9 +33,10 @@ from alignflow.stages.training.loop import (
     split_micro,
     total_steps,
 )
-from alignflow.stages.training.lora import apply_lora, parameter_counts, save_trained
-from alignflow.stages.training.placement import place_for_training
-from alignflow.stages.training.precision import Precision
+from alignflow.stages.common.training.lora import apply_lora, parameter_counts, save_trained
+from alignflow.stages.common.training.placement import place_for_training
+from alignflow.stages.common.training.precision import Precision
+from alignflow.stages.data.formats import load_preferences, render_prompt
 
 
 def encode_pair(tokenizer, record, max_length: int) -> tuple[list[int], list[int]]:

@@ -231,7 +231,7 @@ def test_training_forward_times_both_forwards_and_they_agree():
 
 
 def test_packing_layouts_times_every_layout_and_they_agree_with_the_padded_forward():
-    from alignflow.stages.rl.packing import attention_width
+    from alignflow.stages.common.training.packing import attention_width
 
     result = json.loads(_run("packing_layouts.py", "--rounds", "1", "--model", "bench", "--json"))
     rows = {(r["batch"], r["layout"]): r for r in result["rows"]}

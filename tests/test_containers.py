@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from alignflow.config import PipelineConfig
+from alignflow.contract import STAGE_PROGRAMS
 
 REPO = Path(__file__).resolve().parent.parent
 CONTAINERS = REPO / "containers"
@@ -203,15 +204,15 @@ def test_entrypoint_knows_every_stage_and_each_has_a_module():
     listed = re.search(r'^STAGES="([^"]+)"', text, re.M).group(1).split()
     assert tuple(listed) == STAGES
     for stage in STAGES:
-        assert (REPO / "stages" / f"{stage}.py").is_file() or (REPO / "stages" / stage / "__main__.py").is_file(), \
-            f"stage {stage}: `python -m alignflow.stages.{stage}` has no module"
+        program = STAGE_PROGRAMS[stage].removeprefix("alignflow.stages.").replace(".", "/")
+        assert (REPO / "stages" / f"{program}.py").is_file(), f"stage {stage}: its program {program}.py is missing"
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_entrypoint_runs_a_stage_module(stage: str, tmp_path: Path):
     proc = run_entrypoint(stage, "--spec", "s3://b/p/spec.json", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"python -m alignflow.stages.{stage} --spec s3://b/p/spec.json"
+    assert proc.stdout.strip() == f"python -m alignflow.stages {stage} --spec s3://b/p/spec.json"
 
 
 def test_entrypoint_cli_passthrough_and_help(tmp_path: Path):

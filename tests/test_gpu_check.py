@@ -18,7 +18,7 @@ import gpu_check_setup  # noqa: E402  (a script beside gpu_check.sh, not a packa
 
 STEPS = ["setup", "tests", "engine", "pipeline", "rl"]
 # One quick test file: the step's mechanics (pytest under --device, its JUnit counts), not the suite again.
-TESTS = "tests/stages/preference/test_losses.py"
+TESTS = "tests/stages/dpo/test_dpo_losses.py"
 
 
 def test_cpu_mode_runs_every_step_and_prints_the_summary(tmp_path):
@@ -101,12 +101,12 @@ def test_setup_installs_only_what_is_missing_and_maps_alignflow(tmp_path):
     (shadowed / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_SITECUSTOMIZE_RAN = True\n")
     # -S: no site-packages, so no editable install of alignflow; the finder alone must find it.
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import sitecustomize, builtins, importlib.util; "
-            "print(importlib.util.find_spec('alignflow.stages.generation').origin); "
+            "print(importlib.util.find_spec('alignflow.stages.common.generation').origin); "
             "print(getattr(builtins, 'SHADOWED_SITECUSTOMIZE_RAN', False))")
     done = subprocess.run([sys.executable, "-S", "-c", code, str(target), str(shadowed)], capture_output=True,
                           text=True, cwd=tmp_path, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(REPO / "stages" / "generation" / "__init__.py"), "True"]
+    assert done.stdout.split() == [str(REPO / "stages" / "common" / "generation" / "__init__.py"), "True"]
 
 
 def test_summary_fails_on_a_timed_out_or_failed_step(tmp_path):

@@ -72,4 +72,4 @@ def test_only_the_vllm_backend_imports_vllm():
     """The trainer never loads vLLM: only the engine module does, in the engine stage or a rollout worker process."""
     users = sorted(str(p.relative_to(REPO)) for p in python_files(*SOURCE_DIRS)
                    if "vllm" in _roots(imported_modules(p)))
-    assert users == ["stages/generation/vllm/engine.py"]
+    assert users == ["stages/common/generation/vllm/engine.py"]

@@ -504,9 +504,8 @@ def test_stage_jobs_follow_the_stage_contract():
         (container,) = pod["containers"]
         command = [expand_k8s_vars(part, container["env"]) for part in container["command"] + container["args"]]
         assert command[:2] == ["python", "-m"], path
-        module, flag, spec_uri = command[2:]
-        stage = module.removeprefix("alignflow.stages.")
-        assert stage in STAGE_ORDER, f"{path}: {module}"
+        dispatcher, stage, flag, spec_uri = command[2:]
+        assert dispatcher == "alignflow.stages" and stage in STAGE_ORDER, f"{path}: {command}"
         assert flag == "--spec" and spec_uri.startswith("s3://"), path
         assert container["image"].split(":")[0] in ALIGNFLOW_IMAGES, path
         assert pod["restartPolicy"] == "Never"
@@ -517,7 +516,7 @@ def test_stage_jobs_follow_the_stage_contract():
         sources = {next(iter(s)): next(iter(s.values()))["name"] for s in container["envFrom"]}
         assert sources == {"configMapRef": "alignflow-endpoints", "secretRef": "alignflow-s3"}, path
         assert {"requests", "limits"} <= set(container["resources"]), path
-        # Exit 2 is bad input (stages/runtime.py): retrying cannot help, so it fails the Job at once.
+        # Exit 2 is bad input (stages/common/runtime.py): retrying cannot help, so it fails the Job at once.
         rule = job["spec"]["podFailurePolicy"]["rules"][0]
         assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2]
         kinds[job["metadata"]["labels"]["alignflow.dev/stage-kind"]] = (stage, container, pod)

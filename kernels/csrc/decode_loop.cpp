@@ -1,6 +1,6 @@
 // A Llama-family float32 model's whole decode loop in one call: sample, stop check, forward, repeat.
 //
-// The engine's eager loop (stages/generation/native/engine.py) pays Python and the dispatcher for each of
+// The engine's eager loop (stages/common/generation/native/engine.py) pays Python and the dispatcher for each of
 // a decode step's ~280 operator calls; on the demo model (hidden 64, 2 layers, 32 rows) that is nearly all
 // of its ~0.7 ms per step. Here the step is the same arithmetic through the same kernels, called by
 // pointer: skinny_linear's tiles on the blocked weights (kernels/skinny_linear.py), decode_attention's

@@ -149,7 +149,7 @@ def render_messages_fallback(messages: Sequence[Message], add_generation_prompt:
 
     Each turn is "<Role>:\\n<content>\\n" (Role capitalised); the generation prompt is "Assistant:\\n".
     Example: [user "Hi"] -> "User:\\nHi\\nAssistant:\\n". The tiny tokenizer's chat template
-    (stages/models/tiny.py) renders exactly this, so both paths give the same text.
+    (stages/common/models/tiny.py) renders exactly this, so both paths give the same text.
     """
     text = "".join(f"{m.role.capitalize()}:\n{m.content}\n" for m in messages)
     return text + ("Assistant:\n" if add_generation_prompt else "")

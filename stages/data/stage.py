@@ -14,10 +14,17 @@ from pathlib import Path
 from alignflow.config import DataConfig
 from alignflow.contract import StageResult, StageSpec
 from alignflow.manifest import sha256_file
+from alignflow.stages.common.runtime import (
+    StageContext,
+    StageInputError,
+    dump_json,
+    section,
+    stage_main,
+    tracked,
+)
 from alignflow.stages.data.demo_task import generate_demo_task
 from alignflow.stages.data.formats import holdout_split, load_preferences, load_prompts, load_sft, write_jsonl
 from alignflow.stages.data.preflight import identical_pairs, identical_pairs_warning
-from alignflow.stages.runtime import StageContext, StageInputError, dump_json, section, stage_main, tracked
 from alignflow.storage import open_store
 
 DATASET_FILES = ("sft_train", "sft_eval", "preferences_train", "preferences_eval", "prompts", "eval_prompts")

@@ -79,7 +79,7 @@ def test_stage_dependencies_checked():
 
 
 def test_grpo_on_reward_functions_alone_needs_no_reward_stage():
-    grpo = {"algorithm": "grpo", "group_size": 4, "reward_functions": ["alignflow.stages.rl.reward_functions:letter_share"]}
+    grpo = {"algorithm": "grpo", "group_size": 4, "reward_functions": ["alignflow.stages.ppo.reward_functions:letter_share"]}
     config = validate_config({"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": grpo})
     assert [call.key for call in plan(config)] == ["data", "base", "sft", "engine", "ppo"]
     assert plan(config)[-1].inputs == {"engine": "engine", "sft": "sft", "data": "data"}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from alignflow.contract import StageSpec
 from alignflow.flows.launch import WarmStages, launch_local, stage_env
-from alignflow.stages import warm
+from alignflow.stages.common import warm
 
 
 def data_spec(workdir: Path) -> StageSpec:
@@ -107,7 +107,7 @@ def test_warm_process_gives_the_stage_exit_code_and_error_like_a_cold_one(tmp_pa
     env = {**os.environ, "ALIGNFLOW_WARM_STAGES": "0"}
     cold = subprocess.run([sys.executable, "-m", "alignflow.stages.data", "--spec", missing], capture_output=True,
                           text=True, env=env, timeout=300)
-    warm_run = subprocess.run([sys.executable, "-m", "alignflow.stages.warm"], capture_output=True, text=True, env=env,
+    warm_run = subprocess.run([sys.executable, "-m", "alignflow.stages.common.warm"], capture_output=True, text=True, env=env,
                               input=json.dumps({"stage": "data", "argv": ["--spec", missing]}) + "\n", timeout=300)
     assert cold.returncode == warm_run.returncode == 2
     assert f"spec '{missing}' not found" in warm_run.stderr

@@ -25,7 +25,7 @@ SCALE_OUT = ["ppo.resources.nproc_per_node=2", "engine.rollout_workers=1", "engi
 TRIM = ["data.demo.n_sft=1000", "data.demo.n_preferences=1500", "sft.epochs=1", "reward.epochs=1"]
 # The scaled-out run is the same algorithm on the same seeds: rollouts come from the same engine weights (TP=2
 # sampled log-probs within ~2e-6 of one device, tokens equal), and 2 ranks' updates equal 1 rank's within 1e-6
-# (tests/stages/test_ranks.py). What still differs is rounding (DeepSpeed's Adam on 2 ranks against torch's
+# (tests/stages/common/test_ranks.py). What still differs is rounding (DeepSpeed's Adam on 2 ranks against torch's
 # AdamW on 1, the TP all_reduce's partial sums), which 12 iterations of sampling can amplify once a token sits
 # on a sampling boundary. The bound is 0.1: about two standard errors of one evaluation's gold gain (0.046
 # measured on its 128 prompts) and 1.4 standard deviations of the difference of two independent seeds (0.049
@@ -73,7 +73,7 @@ def test_tiny_config_on_two_ranks_and_a_tp_replica_gains_like_one_process(tmp_pa
     assert scaled["ppo"]["status"] == "ok" and scaled["evaluate"]["status"] == "ok"
     assert scaled["ppo"]["output_uri"] != one["ppo"]["output_uri"]
     assert [m["iteration"] for m in history] == list(range(1, 13))
-    for m in history:  # the full stream reached both TP ranks each iteration; each kept its shard (tests/stages/rl)
+    for m in history:  # the full stream reached both TP ranks each iteration; each kept its shard (tests/stages/ppo)
         assert m["refit/bytes_sent"] == 2 * m["refit/bytes"] > 0 and m["refit/seconds"] > 0, m
         assert m["perf/rollout_tensor_parallel"] == 2 and m["perf/rollout_workers"] == 1
     assert single > 0, "the single-process run improves the gold score (+0.17 measured)"

@@ -100,7 +100,7 @@ def test_a_failed_build_warns_once_and_callers_keep_their_torch_paths(monkeypatc
 
     from alignflow.kernels import _cpu_extension
     from alignflow.kernels import decode_attention as da
-    from alignflow.stages.generation.native import prepack
+    from alignflow.stages.common.generation.native import prepack
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("error: command 'c++' failed: No such file or directory")

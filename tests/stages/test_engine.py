@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def test_engine_stage_publishes_the_engine_and_a_build_report_tracked_in_mlflow(upstream):
     from alignflow.kernels import decode_attention, skinny_linear
-    from alignflow.stages.generation.native import prepack
+    from alignflow.stages.common.generation.native import prepack
 
     workdir, config, rows = upstream
     row = rows["engine"]

@@ -14,6 +14,9 @@ from alignflow.config import DemoTaskConfig, TinyModelConfig
 from alignflow.contract import StageSpec
 from alignflow.manifest import publish, read_manifest
 from alignflow.stages import evaluate
+from alignflow.stages.common.models.tiny import make_tiny_model, save_base_model, train_tokenizer
+from alignflow.stages.common.runtime import StageInputError
+from alignflow.stages.common.tokenization import collate_lm, encode_completion, encode_example
 from alignflow.stages.data.demo_task import demo_corpus, generate_demo_task, gold_score
 from alignflow.stages.data.formats import load_prompts
 from alignflow.stages.evaluate import (
@@ -30,13 +33,10 @@ from alignflow.stages.evaluate import (
     summarise,
     win_rate,
 )
-from alignflow.stages.models.tiny import make_tiny_model, save_base_model, train_tokenizer
-from alignflow.stages.runtime import StageInputError
-from alignflow.stages.tokenization import collate_lm, encode_completion, encode_example
 
 TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, vocab_size=400, max_position_embeddings=128)
-BACKEND = "native" if importlib.util.find_spec("alignflow.stages.generation.native.engine") else "hf"
+BACKEND = "native" if importlib.util.find_spec("alignflow.stages.common.generation.native.engine") else "hf"
 N_PROMPTS = 8
 NEW_TOKENS = 8
 POLICY_ANSWER = "Lovely."  # what the fake policy learns to say (6 tokens + EOS: fits in NEW_TOKENS)
@@ -83,7 +83,7 @@ def _history(iterations: int) -> list[dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    from alignflow.stages.models.loading import load_sequence_classifier
+    from alignflow.stages.common.models.loading import load_sequence_classifier
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("evaluate")
@@ -303,7 +303,7 @@ def _loop_logprob_sum(model, prompt: list[int], response: list[int]) -> float:
 
 
 def test_response_logprobs_and_kl_match_a_per_sequence_loop(pipeline):
-    from alignflow.stages.models.loading import load_causal_lm
+    from alignflow.stages.common.models.loading import load_causal_lm
 
     policy = load_causal_lm(pipeline["policy"]).eval()
     reference = load_causal_lm(pipeline["sft"]).eval()

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from alignflow.flows.report import evaluation_markdown
+from alignflow.stages.common.runtime import StageInputError
 from alignflow.stages.evaluate import (
     SideResults,
     eval_metrics,
@@ -20,7 +21,6 @@ from alignflow.stages.evaluate import (
     summarise,
     training_summary,
 )
-from alignflow.stages.runtime import StageInputError
 
 BASE = [0.1, -0.2, 0.3, 0.0]
 

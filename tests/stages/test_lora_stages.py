@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.stages.test_ppo import finish, local, start_stage
 
 from alignflow.contract import StageSpec
 from alignflow.manifest import output_uri
-from alignflow.stages.models.loading import load_sequence_classifier
-from tests.stages.test_ppo import finish, local, start_stage
+from alignflow.stages.common.models.loading import load_sequence_classifier
 
 pytestmark = pytest.mark.slow
 

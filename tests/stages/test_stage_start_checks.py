@@ -10,7 +10,7 @@ import pytest
 from alignflow.config import DPOConfig, RewardConfig, SFTConfig, validate_config
 from alignflow.contract import StageSpec
 from alignflow.flows.plan import plan, start_problems
-from alignflow.stages.runtime import StageInputError
+from alignflow.stages.common.runtime import StageInputError
 
 TINY = {"model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                            "num_attention_heads": 2, "num_key_value_heads": 1}}}
@@ -39,8 +39,7 @@ RL_CASES = {
 
 @pytest.mark.parametrize("case", sorted(RL_CASES))
 def test_the_rl_stage_says_what_the_planner_said(tmp_path, case):
-    from alignflow.stages import ppo
-
+    from alignflow.stages.ppo import stage as ppo
     spec, messages = planned(tmp_path, "ppo", **RL_CASES[case])
     assert messages, "the planner finds the problem"
     with pytest.raises(StageInputError) as refused:
@@ -78,7 +77,7 @@ def test_the_evaluate_stage_says_what_the_planner_said(tmp_path):
                         "stages": ["data", "base", "sft", "dpo", "evaluate"]}),
 ])
 def test_the_supervised_stages_say_what_the_planner_said(tmp_path, stage, model, sections):
-    from alignflow.stages.training.loop import check_training_section
+    from alignflow.stages.common.training.loop import check_training_section
 
     spec, messages = planned(tmp_path, stage, **sections)
     with pytest.raises(StageInputError) as refused:
@@ -87,7 +86,7 @@ def test_the_supervised_stages_say_what_the_planner_said(tmp_path, stage, model,
 
 
 def test_the_torch_trainer_says_what_the_planner_said(tmp_path, monkeypatch):
-    from alignflow.stages.training.torch_engine import resolve_train_backend
+    from alignflow.stages.common.training.plain_trainer import resolve_train_backend
 
     _, messages = planned(tmp_path, "ppo", ppo={"train_backend": "torch", "zero_stage": 2})
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -97,7 +96,7 @@ def test_the_torch_trainer_says_what_the_planner_said(tmp_path, monkeypatch):
 
 
 def test_the_base_stage_says_what_the_planner_said(tmp_path):
-    from alignflow.stages.base import _import_dir
+    from alignflow.stages.base_model import _import_dir
 
     spec, messages = planned(tmp_path, "base", model={**TINY["model"], "base": "no/such/model"})
     with pytest.raises(StageInputError) as refused:

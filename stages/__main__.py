@@ -1,0 +1,16 @@
+"""`python -m alignflow.stages <stage> --spec SPEC [--force]`: run a stage by its name (the containers' and
+Kubernetes jobs' entry point), exactly as its program's `python -m` would."""
+
+import runpy
+import sys
+
+from alignflow.contract import STAGE_PROGRAMS, stage_program
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in STAGE_PROGRAMS:
+        print(f"usage: python -m alignflow.stages <stage> --spec SPEC [--force]; stages: {', '.join(STAGE_PROGRAMS)}",
+              file=sys.stderr)
+        sys.exit(2)
+    program = stage_program(sys.argv[1])
+    sys.argv = [program, *sys.argv[2:]]
+    runpy.run_module(program, run_name="__main__", alter_sys=True)

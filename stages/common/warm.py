@@ -1,0 +1,82 @@
+"""`python -m alignflow.stages.common.warm`: a stage process that imports the ML stack first and is told later which stage to run.
+
+What it is for: start-up. A stage process spends ~4-5 s of a 2-core box importing torch,
+transformers and the stage's modules before it reads its spec; the flow starts this process while it
+is still importing Prefect and starting Prefect's server, so that time is spent in parallel. When a
+stage is launched, the flow writes one JSON line to its stdin, `{"stage": name, "argv": [...], "env":
+{...}}` (variables to set, or unset when null, before the stage runs: those the flow set after this
+process started, and ALIGNFLOW_LAUNCHED_AT),
+and the process runs the stage program's `main(argv)` (alignflow.contract.STAGE_PROGRAMS) exactly as
+`python -m alignflow.stages <name>` would: same stdout, stderr, exit code. What it is not: a
+long-lived server; it runs one stage and exits, and if its environment differs from the one the
+flow launches with, the flow starts a cold process instead (flows/launch.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+from alignflow import console
+from alignflow.contract import STAGE_PROGRAMS, stage_program
+
+# The heavy imports every ML stage makes, in the order they come. Measured with `python -X importtime` on
+# the 2-core box after torch and transformers: transformers' weight-loading machinery 0.6 s, MLflow and its
+# SQL store 0.9 s, the tokenizer classes ~0.5 s; the stage modules themselves ~0.1 s each.
+WARM_IMPORTS = ("torch", "transformers", "safetensors.torch", "alignflow.stages.common.runtime",
+                "alignflow.stages.common.models.loading", "alignflow.stages.common.generation.interface",
+                "transformers.core_model_loading", "transformers.models.auto.modeling_auto",
+                "transformers.models.llama.modeling_llama",
+                "transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers",
+                "alignflow.tracking")
+STAGES = tuple(STAGE_PROGRAMS)
+
+
+def warm_up() -> None:
+    """Import what the stages will (a module another version of a library lacks is skipped: it only costs time)."""
+    for name in (*WARM_IMPORTS, *(stage_program(stage) for stage in STAGES)):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+    from alignflow import tracking
+
+    tracking.preload()
+
+
+def run_request(line: str) -> int:
+    """Run the stage a request line names; returns its exit code."""
+    try:
+        request = json.loads(line)
+        stage, argv = request["stage"], list(request["argv"])
+        env_changes = dict(request.get("env") or {})
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"error: warm stage process: bad request {line[:200]!r} ({exc})", file=sys.stderr, flush=True)
+        return 2
+    if stage not in STAGES:
+        print(f"error: warm stage process: unknown stage '{stage}'; stages: {', '.join(STAGES)}", file=sys.stderr,
+              flush=True)
+        return 2
+    for name, value in env_changes.items():  # variables read at run time (flows/launch.py decides which)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(value)
+    module = importlib.import_module(stage_program(stage))
+    sys.argv = [stage_program(stage), *argv]
+    return int(module.main(argv) or 0)
+
+
+def main() -> int:
+    console.quiet()  # before the imports: some libraries read their switches then
+    warm_up()
+    line = sys.stdin.readline()
+    if not line.strip():  # the flow ended without using this process
+        return 0
+    return run_request(line)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

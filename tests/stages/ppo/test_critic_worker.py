@@ -1,0 +1,165 @@
+"""The critic in its own process (stages/ppo/critic_worker.py) trains exactly like the critic on a thread, keeps the
+stale-log-prob gate, and names its failures: an error inside it, a failed start, its death."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignflow.stages.common.models.loading import load_causal_lm, load_sequence_classifier
+from alignflow.stages.common.training.plain_trainer import STATE_FILE, PlainTorchTrainer
+from alignflow.stages.ppo.critic_worker import CriticSpec, CriticWorker, CriticWorkerError
+from alignflow.stages.ppo.experience import token_values
+from alignflow.stages.ppo.stage import (
+    StaleOldLogprobs,
+    critic_in_process,
+    overlaps_critic,
+    packing_for,
+    train_on,
+)
+from tests.stages.ppo.test_train_shortcuts import FP32, PAD, checkpoint, ppo_config, rollout, trainer_settings
+
+__all__ = ["checkpoint", "rollout"]  # module fixtures shared with the shortcut tests
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.cpu_only("the critic's process holds the models on the CPU (ppo.critic_process)")
+
+
+@pytest.fixture(autouse=True)
+def _two_threads(one_torch_thread):
+    torch.set_num_threads(2)  # one for the actor, one for the critic (one_torch_thread restores 1 after the test)
+    yield
+
+
+@pytest.fixture(scope="module")
+def critic_folder(checkpoint, tmp_path_factory) -> Path:
+    """The critic's initial weights as the reward stage publishes them: a sequence classifier that pads with PAD."""
+    folder = tmp_path_factory.mktemp("critic") / "reward"
+    torch.manual_seed(0)
+    load_sequence_classifier(checkpoint, pad_token_id=PAD).save_pretrained(folder)
+    return folder
+
+
+def ppo_with_critic(**overrides):
+    return ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=3, **overrides)
+
+
+def experience_with_targets(rollout):
+    exp = copy.copy(rollout)
+    noise = torch.Generator().manual_seed(0)
+    exp.values = torch.randn(exp.response_mask.shape, generator=noise) * exp.response_mask
+    exp.returns = torch.randn(exp.response_mask.shape, generator=noise) * exp.response_mask
+    return exp
+
+
+def remote_critic(folder: Path, cfg, **spec) -> CriticWorker:
+    settings = trainer_settings(micro_batch_size=cfg.minibatch_size)
+    return CriticWorker(CriticSpec(str(folder), cfg, "float32", settings, spec.pop("attention", "eager"), FP32,
+                                   threads=1, **spec))
+
+
+def remote_weights(worker: CriticWorker, tmp_path: Path) -> dict[str, torch.Tensor]:
+    worker.save_checkpoint(str(tmp_path / "critic"), tag="state")
+    return torch.load(tmp_path / "critic" / "state" / STATE_FILE, weights_only=True)["model"]
+
+
+def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(critic_folder, checkpoint, rollout, tmp_path):
+    """Same values pass, same metrics, same actor and critic weights, bit for bit (2 epochs x 2 minibatches, one
+    thread per model both ways); the trainer's thread count is restored."""
+    exp = experience_with_targets(rollout)
+    cfg = ppo_with_critic()
+    settings = trainer_settings(micro_batch_size=3)
+
+    actor = PlainTorchTrainer(load_causal_lm(checkpoint), settings)
+    critic = PlainTorchTrainer(load_sequence_classifier(critic_folder), settings)
+    critic.module.set_attn_implementation("eager")
+    assert overlaps_critic(actor, critic, cfg)
+    packed = packing_for(exp, cfg, actor)
+    with torch.no_grad():
+        values_here = token_values(critic.module, exp, lean=True, packed=packed)
+    on_thread = train_on(copy.copy(exp), actor, critic, cfg, 0.0, 1, FP32)
+
+    remote_actor = PlainTorchTrainer(load_causal_lm(checkpoint), settings)
+    assert critic_in_process(remote_actor.module.config.hidden_size, cfg, "torch", CPU)
+    with closing(remote_critic(critic_folder, cfg)) as worker:
+        worker.wait_ready()
+        assert torch.equal(worker.values_async(exp, packed).result(), values_here)
+        in_process = train_on(copy.copy(exp), remote_actor, worker, cfg, 0.0, 1, FP32)
+        assert torch.get_num_threads() == 2
+        weights = remote_weights(worker, tmp_path)
+    assert "losses/value_loss" in on_thread and in_process == on_thread
+    for (name, x), (_, y) in zip(actor.module.named_parameters(), remote_actor.module.named_parameters(), strict=True):
+        assert torch.equal(x, y), name
+    for name, param in critic.module.state_dict().items():
+        assert torch.equal(param, weights[name]), name
+
+
+def test_a_stale_check_leaves_the_critics_process_untouched(critic_folder, checkpoint, rollout, tmp_path):
+    """The process starts the critic's updates before the actor's check of the old log-probs: when the check fails
+    its first update drops its gradients and nothing steps; the same worker then trains normally."""
+    exp = experience_with_targets(rollout)
+    cfg = ppo_with_critic()
+    actor = PlainTorchTrainer(load_causal_lm(checkpoint), trainer_settings(micro_batch_size=3))
+    stale = copy.copy(exp)
+    stale.old_logprobs = exp.rollout_logprobs + 1e-2 * exp.response_mask
+    with closing(remote_critic(critic_folder, cfg)) as worker:
+        before = remote_weights(worker, tmp_path / "before")
+        with pytest.raises(StaleOldLogprobs):
+            train_on(stale, actor, worker, cfg, 0.0, 1, FP32, check_old_tolerance=1e-4)
+        after_stale = remote_weights(worker, tmp_path / "stale")
+        metrics = train_on(copy.copy(exp), actor, worker, cfg, 0.0, 1, FP32, check_old_tolerance=1e-4)
+        trained = remote_weights(worker, tmp_path / "trained")
+    assert all(torch.equal(before[name], after_stale[name]) for name in before), "the critic moved before the check"
+    assert "losses/value_loss" in metrics
+    assert any(not torch.equal(before[name], trained[name]) for name in before), "the critic did not train after"
+
+
+def test_an_error_inside_the_worker_is_raised_here_with_its_traceback(critic_folder, tmp_path):
+    with closing(remote_critic(critic_folder, ppo_with_critic())) as worker:
+        with pytest.raises(FileNotFoundError) as raised:
+            worker.load_checkpoint(str(tmp_path / "nowhere"), tag="state")
+        assert any(f"critic worker (pid {worker.pid})" in note for note in raised.value.__notes__)
+        worker.save_checkpoint(str(tmp_path / "critic"), tag="state")  # the worker goes on answering after an error
+        assert (tmp_path / "critic" / "state" / STATE_FILE).exists()
+
+
+def test_a_critic_that_cannot_load_names_why(tmp_path):
+    with closing(remote_critic(tmp_path / "missing", ppo_with_critic())) as worker:
+        with pytest.raises(CriticWorkerError, match="could not start"):
+            worker.wait_ready()
+        with pytest.raises(CriticWorkerError, match="could not start"):  # and stays broken
+            worker.save_checkpoint(str(tmp_path / "critic"), tag="state")
+
+
+def test_a_dead_worker_is_named_with_its_signal_and_close_is_safe(critic_folder, rollout):
+    worker = remote_critic(critic_folder, ppo_with_critic())
+    worker.wait_ready()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.process.join(10)
+    with pytest.raises(CriticWorkerError, match=rf"pid {worker.pid}\) died \(killed by signal SIGKILL\)"):
+        worker.values_async(rollout, None).result()
+    worker.close()
+    worker.close()
+
+
+def test_the_critic_goes_to_its_process_only_where_it_would_get_a_thread():
+    """One rank, the plain torch trainer on the CPU, PPO, more than one thread, no async rollouts or compile_train,
+    overlap_critic on, and under auto an actor narrower than 256."""
+    assert critic_in_process(64, ppo_with_critic(), "torch", CPU)
+    assert not critic_in_process(64, ppo_with_critic(), "deepspeed", CPU)
+    assert not critic_in_process(64, ppo_with_critic(critic_process="off"), "torch", CPU)
+    assert not critic_in_process(64, ppo_with_critic(overlap_critic=False), "torch", CPU)
+    assert not critic_in_process(64, ppo_with_critic(async_rollouts=True), "torch", CPU)
+    assert not critic_in_process(64, ppo_with_critic(compile_train=True), "torch", CPU)
+    assert not critic_in_process(64, ppo_config(), "torch", CPU)  # GRPO: no critic
+    assert not critic_in_process(256, ppo_with_critic(), "torch", CPU)  # auto: dispatch-bound widths only
+    assert critic_in_process(256, ppo_with_critic(critic_process="on"), "torch", CPU)
+    # On a GPU the models train where they are, in this process: no process copies the critic to the CPU.
+    assert not critic_in_process(64, ppo_with_critic(critic_process="on"), "torch", torch.device("cuda", 0))
+    torch.set_num_threads(1)
+    assert not critic_in_process(64, ppo_with_critic(), "torch", CPU)
