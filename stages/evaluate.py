@@ -56,7 +56,7 @@ from alignflow.stages.common.runtime import (
     tracked,
 )
 from alignflow.stages.common.tokenization import encode_prompt, pad_right, pad_token_id
-from alignflow.stages.data.demo_task import gold_score
+from alignflow.stages.data.evaluators import load_evaluator
 from alignflow.stages.data.formats import load_prompts, render_prompt
 
 GENERATION_SEED = 0  # evaluation responses (both policies: the same seed per prompt)
@@ -149,19 +149,6 @@ def kl_to_reference(policy: Any, reference: Any, prompt_ids: list[list[int]], re
     """
     return (response_logprob_sums(policy, prompt_ids, response_ids, pad_id, batch_size)
             - response_logprob_sums(reference, prompt_ids, response_ids, pad_id, batch_size))
-
-
-def is_demo_task(data_dir: Path) -> bool:
-    """Whether the data stage generated the demo task (its stats.json sources start with demo://).
-
-    The gold scorer knows only the demo task's vocabulary; on other data its numbers would mean nothing.
-    """
-    stats = Path(data_dir) / "stats.json"
-    if not stats.is_file():
-        return False
-    sources = json.loads(stats.read_text()).get("sources", {})
-    source = sources.get("eval_prompts") or sources.get("prompts") or ""
-    return isinstance(source, str) and source.startswith("demo://")
 
 
 def policy_input(inputs: Mapping[str, str]) -> str:
@@ -542,7 +529,8 @@ def run(spec: StageSpec) -> StageResult:
                                   f"{cfg.max_new_tokens} that exceeds engine.max_seq_len={engine_cfg.max_seq_len}: "
                                   f"lower evaluate.max_new_tokens to <= {engine_cfg.max_seq_len - longest} or raise "
                                   "engine.max_seq_len")
-        gold_available = is_demo_task(data_dir)
+        evaluator = load_evaluator(data_dir)
+        gold_available = evaluator is not None
         n = len(records)
 
         with profiler.phase("generate"):
@@ -578,8 +566,8 @@ def run(spec: StageSpec) -> StageResult:
                     reward_models, [p + r for p, r in zip(prompt_ids, g.response_token_ids, strict=True)], pad_id)
                     for side, g in gen.items()}
                 del reward_models
-            gold = {side: [gold_score(p, c) for p, c in zip(prompt_texts, texts[side], strict=True)]
-                    if gold_available else None for side in gen}
+            gold = {side: [evaluator(p, c) for p, c in zip(prompt_texts, texts[side], strict=True)]
+                    if evaluator is not None else None for side in gen}
 
         with profiler.phase("kl"):
             policy = load_causal_lm(policy_dir, dtype=model_cfg.dtype).to(device).eval()

@@ -74,7 +74,7 @@ from alignflow.stages.common.training.plain_trainer import (
     resolve_train_backend,
 )
 from alignflow.stages.common.training.precision import Precision, resolve_precision, training_attention
-from alignflow.stages.data.demo_task import gold_score
+from alignflow.stages.data.evaluators import Evaluator, load_evaluator
 from alignflow.stages.data.formats import load_prompts, render_prompt
 from alignflow.stages.ppo import losses as rl
 from alignflow.stages.ppo.critic_worker import CriticSpec, CriticWorker, Update, load_critic_model
@@ -770,7 +770,7 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
         tokenizer = load_tokenizer(sft_dir)
         pad_id = pad_token_id(tokenizer)
         prompts = load_prompts(data_dir / "prompts.jsonl")
-        demo_task = json.loads((data_dir / "stats.json").read_text())["sources"]["sft"].startswith("demo://")
+        evaluator = load_evaluator(data_dir, prompts=("prompts",))  # the held-out gold score, where the task has one
         prompt_texts = [render_prompt(p.prompt, tokenizer) for p in prompts]
         prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
     with profiler.phase("load_models"):
@@ -874,7 +874,7 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                         in_flight = rollouts.submit(rollout_request(cfg, iteration + 1, prompt_ids))
                     metrics = _iteration(iteration, cfg, state, rollout, rollouts, actor, critic, reference,
                                          reward_models, reward_fns, tokenizer, pad_id, prompts, prompt_texts,
-                                         demo_task, profiler, out, rollout_writer, precision, started)
+                                         evaluator, profiler, out, rollout_writer, precision, started)
                     state.iteration = iteration
                     state.history.append(metrics)
                     gold = (f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics
@@ -996,7 +996,7 @@ def over_rows(exp: Experience, forward) -> torch.Tensor:
 def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                rollouts: RolloutClient | RolloutWorkers, actor,
                critic, reference, reward_models, reward_fns, tokenizer, pad_id: int, prompts, prompt_texts,
-               demo_task: bool, profiler, out: Path, rollout_writer: RolloutWriter, precision: Precision,
+               evaluator: Evaluator | None, profiler, out: Path, rollout_writer: RolloutWriter, precision: Precision,
                started: float) -> dict[str, float]:
     """One RL iteration on a finished rollout (`started`: when the loop asked for it); returns its metrics
     (namespaced) with 'iteration'."""
@@ -1035,8 +1035,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                                                                     strict=True)],
                                              generation.response_token_ids, list(generation.finish_reasons), pad_id,
                                              cfg, dataset_columns(prompts, rows) if reward_fns else None)
-            gold = (torch.tensor([gold_score(t, c) for t, c in zip(texts, completions, strict=True)]) if demo_task
-                    else None)
+            gold = (torch.tensor([evaluator(t, c) for t, c in zip(texts, completions, strict=True)])
+                    if evaluator is not None else None)
             scored = (raw, components, gold)
         return from_main(scored)
 

@@ -24,7 +24,6 @@ from alignflow.stages.evaluate import (
     early_late,
     eval_metrics,
     headline,
-    is_demo_task,
     kl_to_reference,
     paired_delta,
     render_report,
@@ -410,9 +409,3 @@ def test_early_late_compares_the_first_and_last_quarter():
     assert early_late(history, "missing/key") is None
 
 
-def test_gold_is_available_only_for_the_demo_task(tmp_path):
-    assert is_demo_task(tmp_path) is False  # no stats.json
-    (tmp_path / "stats.json").write_text(json.dumps({"sources": {"eval_prompts": "s3://bucket/eval.jsonl"}}))
-    assert is_demo_task(tmp_path) is False
-    (tmp_path / "stats.json").write_text(json.dumps({"sources": {"prompts": "demo://seed=0/prompts"}}))
-    assert is_demo_task(tmp_path) is True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.stages.test_ppo import finish, local, start_stage
+from tests.stages.ppo.test_ppo import finish, local, start_stage
 
 from alignflow.contract import StageSpec
 from alignflow.manifest import output_uri

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.stages.test_ppo import finish, local, start_stage
+from tests.stages.ppo.test_ppo import finish, local, start_stage
 
 from alignflow.contract import StageResult
 from tests.stages.test_lora_stages import stage_spec
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 # What two ranks change: the order in which gloo sums the two halves of each gradient (and DeepSpeed's
 # division by the world size before the sum), ~1e-7 relative per step; Adam can turn a gradient entry near 0
 # into a step of up to lr, so the bound that always holds is loose (lr x steps). Measured on the 2-core EPYC
-# after 9 steps: ZeRO-2 bit-identical (max |diff| 0.0), ZeRO-3 7.5e-9; 1e-6 leaves room for other CPUs' kernels
-# while training moves the weights by > 1e-2 (asserted below, so the comparison can fail).
+# after 9 steps: ZeRO-2 bit-identical (max |diff| 0.0), ZeRO-3 7.5e-9; 1e-6 leaves room for other CPUs'
+# kernels while training moves the weights by > 1e-2 (asserted below, so the comparison can fail).
 WEIGHT_ATOL = 1e-6
 LOSS_RTOL = 1e-5
 
@@ -95,8 +95,15 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
 def start_long_two_rank_sft(upstream, name: str):
     """(spec, launcher process, {RANK: pid}) of a 2-rank SFT run long enough to be killed mid-training (~2,700
     steps, ~80 s), returned once both ranks are up."""
-    spec = stage_spec(upstream, "sft", {"sft": sft_section(upstream, epochs=300, resources={"nproc_per_node": 2}),
-                                        "variant": {"name": name}}, {"base": "base", "data": "data"})
+    spec = stage_spec(
+        upstream,
+        "sft",
+        {
+            "sft": sft_section(upstream, epochs=300, resources={"nproc_per_node": 2}),
+            "variant": {"name": name},
+        },
+        {"base": "base", "data": "data"},
+    )
     proc = start_stage(spec, upstream[0])
     deadline = time.monotonic() + 120
     ranks: dict[int, int] = {}
@@ -126,26 +133,45 @@ def test_a_killed_rank_fails_the_stage_within_seconds_naming_it(upstream):
 def _reward_section(upstream, **changes) -> dict:
     _, config, _ = upstream
     reward = {k: v for k, v in config.reward.model_dump(mode="json").items() if k != "models"}
-    return {"reward": {**reward, "micro_batch_size": 8, **changes},
-            "reward_model": config.reward.models[0].model_dump(mode="json")}
+    return {
+        "reward": {**reward, "micro_batch_size": 8, **changes},
+        "reward_model": config.reward.models[0].model_dump(mode="json"),
+    }
 
 
 def _dpo_section(upstream, **changes) -> dict:
-    return {"dpo": {"loss": "ipo", "beta": 5.0, "lr": 1e-3, "batch_size": 16, "micro_batch_size": 8,
-                    "max_length": 64, "eval_every": 3, **changes}}
+    return {
+        "dpo": {
+            "loss": "ipo",
+            "beta": 5.0,
+            "lr": 1e-3,
+            "batch_size": 16,
+            "micro_batch_size": 8,
+            "max_length": 64,
+            "eval_every": 3,
+            **changes,
+        }
+    }
 
 
-@pytest.mark.parametrize(("stage", "section", "weights", "compared"), [
-    ("reward", _reward_section, "model.safetensors", ("eval/loss", "eval/accuracy", "eval/score_mean")),
-    ("dpo", _dpo_section, "policy/model.safetensors", ("eval/loss", "train/loss", "rewards/margin")),
-])
+@pytest.mark.parametrize(
+    ("stage", "section", "weights", "compared"),
+    [
+        ("reward", _reward_section, "model.safetensors", ("eval/loss", "eval/accuracy", "eval/score_mean")),
+        ("dpo", _dpo_section, "policy/model.safetensors", ("eval/loss", "train/loss", "rewards/margin")),
+    ],
+)
 def test_reward_and_dpo_on_two_ranks_equal_one_rank(upstream, stage, section, weights, compared):
     workdir = upstream[0]
     results = []
     for name, resources in (("one", {}), ("two", {"nproc_per_node": 2})):
         parts = section(upstream, resources=resources)
-        spec = stage_spec(upstream, stage, {**parts, "variant": {"name": f"{stage}-{name}-rank"}},
-                          {"sft": "sft", "data": "data"})
+        spec = stage_spec(
+            upstream,
+            stage,
+            {**parts, "variant": {"name": f"{stage}-{name}-rank"}},
+            {"sft": "sft", "data": "data"},
+        )
         code, result, stderr = finish(start_stage(spec, workdir))
         assert code == 0, stderr[-4000:]
         results.append(result)
@@ -160,7 +186,8 @@ def test_reward_and_dpo_on_two_ranks_equal_one_rank(upstream, stage, section, we
 
 
 def test_ranks_die_with_a_killed_launcher(upstream):
-    """A SIGKILLed stage process takes its ranks with it: none is left training into an output a retry re-creates."""
+    """A SIGKILLed stage process takes its ranks with it: none is left training into an output a retry
+    re-creates."""
     spec, proc, ranks = start_long_two_rank_sft(upstream, "launcher-killed")
     time.sleep(15)
     proc.kill()
@@ -168,18 +195,30 @@ def test_ranks_die_with_a_killed_launcher(upstream):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in ranks.values()):
         time.sleep(0.2)
-    alive = [pid for pid in ranks.values() if Path(f"/proc/{pid}").exists()
-             and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"]
+    alive = [
+        pid
+        for pid in ranks.values()
+        if Path(f"/proc/{pid}").exists()
+        and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    ]
     assert not alive, f"ranks {alive} outlived their launcher"
 
 
 def run_ppo(upstream, name: str, **ppo) -> StageResult:
-    from tests.stages.test_ppo import ppo_spec
+    from tests.stages.ppo.test_ppo import ppo_spec
 
     # 2 iterations of 8 rollouts, 2 epochs of 2 minibatches of 4 (2 rows per rank on 2 ranks): 8 updates of
     # actor and critic; a checkpoint at iteration 1 (DeepSpeed shards of every rank, published by rank 0).
-    spec = ppo_spec(upstream, name, iterations=2, minibatch_size=4, ppo_epochs=2, checkpoint_every=1,
-                    train_backend="deepspeed", **ppo)
+    spec = ppo_spec(
+        upstream,
+        name,
+        iterations=2,
+        minibatch_size=4,
+        ppo_epochs=2,
+        checkpoint_every=1,
+        train_backend="deepspeed",
+        **ppo,
+    )
     code, result, stderr = finish(start_stage(spec, upstream[0]))
     assert code == 0, stderr[-4000:]
     assert result.status == "ok"
@@ -202,20 +241,33 @@ def test_ppo_on_two_trainer_ranks_equals_one_rank(upstream, zero_stage):
     import json
 
     one = one_rank_ppo(upstream, zero_stage)
-    two = run_ppo(upstream, f"ppo-two-ranks-zero{zero_stage}", zero_stage=zero_stage,
-                  resources={"nproc_per_node": 2})
-    history = [[json.loads(line) for line in (local(r.output_uri) / "metrics.jsonl").read_text().splitlines()]
-               for r in (one, two)]
+    two = run_ppo(
+        upstream, f"ppo-two-ranks-zero{zero_stage}", zero_stage=zero_stage, resources={"nproc_per_node": 2}
+    )
+    history = [
+        [json.loads(line) for line in (local(r.output_uri) / "metrics.jsonl").read_text().splitlines()]
+        for r in (one, two)
+    ]
     for one_it, two_it in zip(*history, strict=True):
-        assert two_it["rollout/score_mean"] == one_it["rollout/score_mean"]  # the same rollouts (rank 0's engine)
-        for key in ("losses/policy_loss", "losses/value_loss", "losses/clipfrac", "losses/approx_kl", "kl/mean"):
+        assert (
+            two_it["rollout/score_mean"] == one_it["rollout/score_mean"]
+        )  # the same rollouts (rank 0's engine)
+        for key in (
+            "losses/policy_loss",
+            "losses/value_loss",
+            "losses/clipfrac",
+            "losses/approx_kl",
+            "kl/mean",
+        ):
             assert two_it[key] == pytest.approx(one_it[key], rel=1e-4, abs=1e-7), key
     for part in ("policy", "critic"):
         one_weights = load_file(local(one.output_uri) / part / "model.safetensors")
         two_weights = load_file(local(two.output_uri) / part / "model.safetensors")
         assert one_weights.keys() == two_weights.keys()
         for name, weight in one_weights.items():
-            torch.testing.assert_close(two_weights[name], weight, rtol=0, atol=WEIGHT_ATOL, msg=f"{part} {name}")
+            torch.testing.assert_close(
+                two_weights[name], weight, rtol=0, atol=WEIGHT_ATOL, msg=f"{part} {name}"
+            )
     sft = load_file(local(upstream[2]["sft"]["output_uri"]) / "model.safetensors")
     policy = load_file(local(two.output_uri) / "policy" / "model.safetensors")
     assert max(float((policy[n] - sft[n]).abs().max()) for n in sft) > 1e-3  # it trained: the check can fail
@@ -224,24 +276,37 @@ def test_ppo_on_two_trainer_ranks_equals_one_rank(upstream, zero_stage):
 
 
 def test_ppo_on_two_trainer_ranks_with_two_rollout_workers(upstream):
-    """The whole distributed loop: 2 trainer ranks (ZeRO-2) and the engine as 2 worker processes fed by rank 0's
-    work queue and refit by it; the same rollouts as the in-process engine of one rank (the workers run the
-    same engine on the same seeds), so the losses agree with the 1-rank run too."""
+    """The whole distributed loop: 2 trainer ranks (ZeRO-2) and the engine as 2 worker processes fed by rank
+    0's work queue and refit by it; the same rollouts as the in-process engine of one rank (the workers run
+    the same engine on the same seeds), so the losses agree with the 1-rank run too."""
     import json
 
-    from tests.stages.test_ppo import ppo_spec
+    from tests.stages.ppo.test_ppo import ppo_spec
 
-    spec = ppo_spec(upstream, "ppo-two-ranks-two-workers", iterations=2, minibatch_size=4, ppo_epochs=2,
-                    checkpoint_every=1, train_backend="deepspeed", zero_stage=2, resources={"nproc_per_node": 2})
+    spec = ppo_spec(
+        upstream,
+        "ppo-two-ranks-two-workers",
+        iterations=2,
+        minibatch_size=4,
+        ppo_epochs=2,
+        checkpoint_every=1,
+        train_backend="deepspeed",
+        zero_stage=2,
+        resources={"nproc_per_node": 2},
+    )
     spec.config["engine"] = {**spec.config["engine"], "rollout_workers": 2, "queue_chunk": 4}
     code, result, stderr = finish(start_stage(spec, upstream[0]))
     assert code == 0, stderr[-4000:]
     assert "2 rollout worker processes" in stderr and "deepspeed trainer on 2 ranks" in stderr
     two = [json.loads(line) for line in (local(result.output_uri) / "metrics.jsonl").read_text().splitlines()]
-    one = [json.loads(line) for line in (local(one_rank_ppo(upstream, 2).output_uri)
-                                         / "metrics.jsonl").read_text().splitlines()]
+    one = [
+        json.loads(line)
+        for line in (local(one_rank_ppo(upstream, 2).output_uri) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["iteration"] for m in two] == [1.0, 2.0]
-    assert all(m["refit/bytes_sent"] == 2 * m["refit/bytes"] > 0 for m in two)  # both workers refit each iteration
+    assert all(
+        m["refit/bytes_sent"] == 2 * m["refit/bytes"] > 0 for m in two
+    )  # both workers refit each iteration
     for one_it, two_it in zip(one, two, strict=True):
         assert two_it["rollout/score_mean"] == pytest.approx(one_it["rollout/score_mean"], abs=1e-6)
         assert two_it["losses/policy_loss"] == pytest.approx(one_it["losses/policy_loss"], rel=1e-4, abs=1e-7)

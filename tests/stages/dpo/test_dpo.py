@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from tests.stages.test_ppo import finish, local, stage_device, start_stage
+from tests.stages.ppo.test_ppo import finish, local, stage_device, start_stage
 
 from alignflow.config import DPOConfig
 from alignflow.contract import StageSpec

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.stages.test_ppo import finish, local, ppo_spec, start_stage
+from tests.stages.ppo.test_ppo import finish, local, ppo_spec, start_stage
 
 pytestmark = pytest.mark.slow
 

@@ -467,7 +467,7 @@ def test_rl_stage_on_two_workers_fails_in_seconds_when_one_is_killed_and_the_rer
     import json
     from pathlib import Path
 
-    from tests.stages.test_ppo import finish, local, ppo_spec, start_stage
+    from tests.stages.ppo.test_ppo import finish, local, ppo_spec, start_stage
 
     workdir, _, _ = upstream
     # 10 iterations: the kill must land while the stage still runs, and an iteration of this model takes ~0.1 s, so

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.stages.test_rollouts import make_row
+from tests.stages.common.test_rollouts import make_row
 
 from alignflow.stages.common.rollouts import RolloutSchemaError, read_rollouts
 from alignflow.stages.ppo import rollout_writer
