@@ -64,7 +64,7 @@ heavy-test: $(VENV)/.installed-dev
 ci-heavy-test: $(VENV)/.installed-dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=5 -m heavy $(CI_HEAVY_TESTS) $(PYTEST_ARGS)
 
-# The whole fault-injection suite (tests/faults/, README "Faults survived"): S3 faults through a proxy,
+# The whole fault-injection suite (tests/faults/, docs/faults.md): S3 faults through a proxy,
 # stages killed at seeded random points, a full disk. Needs root for the tmpfs of the disk-full test.
 fault-test: $(VENV)/.installed-dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=40 tests/faults $(PYTEST_ARGS)
