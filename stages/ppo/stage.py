@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +26,6 @@ import torch
 
 from alignflow.config import EngineConfig, ModelConfig, PPOConfig
 from alignflow.contract import RUN_STARTED_AT_VAR, StageResult, StageSpec
-from alignflow.manifest import find_published, materialize, publish
 from alignflow.stages.common.devices import device_of
 from alignflow.stages.common.generation.interface import (
     EngineError,
@@ -38,7 +35,6 @@ from alignflow.stages.common.generation.interface import (
 )
 from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.common.ranks import (
-    barrier,
     from_main,
     gathered_rows,
     is_main,
@@ -50,7 +46,6 @@ from alignflow.stages.common.reward_scoring import load_reward_models, score_wit
 from alignflow.stages.common.runtime import (
     StageContext,
     StageInputError,
-    dump_json,
     seconds_since,
     section,
     stage_main,
@@ -64,7 +59,6 @@ from alignflow.stages.common.training.lora import (
     is_lora,
     merged_adapted_weights,
     parameter_counts,
-    save_trained,
     unwrap_lora,
 )
 from alignflow.stages.common.training.packing import PackedRows, attention_width
@@ -77,16 +71,24 @@ from alignflow.stages.common.training.precision import Precision, resolve_precis
 from alignflow.stages.data.evaluators import Evaluator, load_evaluator
 from alignflow.stages.data.formats import load_prompts, render_prompt
 from alignflow.stages.ppo import losses as rl
+from alignflow.stages.ppo.checkpoints import (
+    RLState,
+    latest_checkpoint,
+    load_checkpoint,
+    publish_last_good,
+    save_checkpoint,
+    start_resumed_run,
+    working_dir,
+    write_final,
+)
 from alignflow.stages.ppo.critic_worker import CriticSpec, CriticWorker, Update, load_critic_model
 from alignflow.stages.ppo.experience import Experience, assemble, policy_logprobs, token_values
-from alignflow.stages.ppo.kl_control import make_kl_controller
 from alignflow.stages.ppo.reward_functions import call_reward_function, dataset_columns, load_reward_function
 from alignflow.stages.ppo.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.ppo.rollout_workers import RolloutWorkers
 from alignflow.stages.ppo.rollout_writer import RolloutWriter
-from alignflow.storage import join_uri, open_store, remove_unfinished_writes
+from alignflow.storage import open_store
 
-CHECKPOINT_DIR = re.compile(r"/checkpoints/iter_(\d{5})/manifest\.json$")
 T = TypeVar("T")
 
 
@@ -99,116 +101,6 @@ def check_finite(what: str, value: torch.Tensor | float, iteration: int) -> None
     if not torch.isfinite(tensor).all():
         bad = int((~torch.isfinite(tensor)).sum())
         raise NonFiniteError(f"iteration {iteration}: {what} is not finite ({bad} NaN/inf value(s))")
-
-
-# ----------------------------------------------------------------------------------------------
-# Plumbing: the RL state that a checkpoint holds, and where it lives
-# ----------------------------------------------------------------------------------------------
-
-class RLState:
-    """Everything besides model/optimizer weights that resuming needs."""
-
-    def __init__(self, cfg: PPOConfig):
-        self.iteration = 0                       # iterations completed
-        self.kl_controller = make_kl_controller(cfg)
-        self.score_stats = rl.RunningMeanStd()
-        self.history: list[dict[str, float]] = []  # per-iteration metrics, for metrics.jsonl
-        self.mlflow_run_id: str | None = None
-        # Set when the engine's log-probs were found to differ from the actor's (ppo.old_logprobs: auto):
-        # every later iteration recomputes them.
-        self.old_logprobs_fallback = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "kl_controller": self.kl_controller.state_dict(),
-                "score_stats": self.score_stats.state_dict(), "history": self.history,
-                "mlflow_run_id": self.mlflow_run_id, "old_logprobs_fallback": self.old_logprobs_fallback,
-                "world_size": world_size()}
-
-    def load_json(self, data: dict[str, Any]) -> None:
-        self.iteration = int(data["iteration"])
-        self.kl_controller.load_state_dict(data["kl_controller"])
-        self.score_stats.load_state_dict(data["score_stats"])
-        self.history = list(data["history"])
-        self.mlflow_run_id = data.get("mlflow_run_id")
-        self.old_logprobs_fallback = bool(data.get("old_logprobs_fallback", False))
-
-
-def latest_checkpoint(spec: StageSpec) -> tuple[int, str] | None:
-    """(iteration, URI) of the newest published checkpoint under the stage's output, if any."""
-    store = open_store(spec.output_uri, spec.storage)
-    found = []
-    for uri, _ in store.list(join_uri(spec.output_uri, "checkpoints")):
-        match = CHECKPOINT_DIR.search(uri)
-        if match:
-            found.append((int(match.group(1)), uri.rsplit("/", 1)[0]))
-    return max(found) if found else None
-
-
-def save_checkpoint(ctx: StageContext, out: Path, state: RLState, actor, critic) -> str:
-    """Publish checkpoints/iter_NNNNN (DeepSpeed states of actor and critic, RL state, RNG) with its manifest."""
-    name = f"iter_{state.iteration:05d}"
-    folder = out / "checkpoints" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    actor.save_checkpoint(str(folder / "actor"), tag="state")  # every rank: its optimizer shard (ZeRO)
-    if critic is not None:
-        critic.save_checkpoint(str(folder / "critic"), tag="state")
-    uri = join_uri(ctx.spec.output_uri, "checkpoints", name)
-    barrier()  # every rank's files are in the folder before rank 0 publishes it
-    if not is_main():
-        return uri
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, folder / "rng.pt")
-    dump_json(state.to_json(), folder / "state.json")
-    publish(folder, uri, stage="ppo-checkpoint", config=ctx.spec.config, inputs={}, version=ctx.spec.code_version,
-            summary={"iteration": state.iteration}, storage=ctx.spec.storage)
-    return uri
-
-
-def load_checkpoint(ctx: StageContext, uri: str, state: RLState, actor, critic) -> None:
-    if is_main():  # rank 0 fills the download cache first; the other ranks then find it there
-        folder, _ = materialize(uri, ctx.cache_dir, ctx.spec.storage)
-    barrier()
-    if not is_main():
-        folder, _ = materialize(uri, ctx.cache_dir, ctx.spec.storage)
-    saved = json.loads((folder / "state.json").read_text())
-    written_by = int(saved.get("world_size", 1))
-    if written_by != world_size():
-        # ppo.resources is part of the output's key, so the flow never resumes across rank counts; a spec
-        # edited by hand could. DeepSpeed's optimizer shards are cut per rank: refuse rather than mis-load.
-        raise StageInputError(f"{uri}: this checkpoint was written by {written_by} trainer rank(s) and the stage "
-                              f"now runs {world_size()} (ppo.resources); resume with the rank count that wrote "
-                              "it, or start a fresh run (another output)")
-    actor.load_checkpoint(str(folder / "actor"), tag="state")
-    if critic is not None:
-        critic.load_checkpoint(str(folder / "critic"), tag="state")
-    rng = torch.load(folder / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    state.load_json(saved)
-
-
-def working_dir(ctx: StageContext) -> Path:
-    """Where the stage writes as it goes: the output folder itself for file://, else a scratch folder.
-
-    Not cleared on start: a resumed run keeps the rollouts and checkpoints of the killed one. What the
-    killed run left half-written goes, so the published output never carries it: the temp files of
-    atomic writes, and checkpoint folders that never got their manifest (they are rewritten).
-    """
-    local = open_store(ctx.spec.output_uri, ctx.spec.storage).local_path(ctx.spec.output_uri)
-    if local is None:
-        local = ctx.workdir / ".alignflow" / "scratch" / ("ppo-" + ctx.spec.output_uri.rsplit("/", 1)[-1])
-    local.mkdir(parents=True, exist_ok=True)
-    if not is_main():  # rank 0 clears what a killed run left; the others only write their checkpoint shards
-        return local
-    leftovers = [str(p.relative_to(local)) for p in remove_unfinished_writes(local)]
-    checkpoints = local / "checkpoints"
-    for folder in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
-        if folder.is_dir() and not (folder / "manifest.json").is_file():
-            shutil.rmtree(folder)
-            leftovers.append(f"{folder.relative_to(local)}/")
-    if leftovers:
-        print(f"ppo: removed what an interrupted run left half-written in {local}: {', '.join(leftovers)}",
-              file=sys.stderr)
-    return local
 
 
 # ----------------------------------------------------------------------------------------------
@@ -893,10 +785,10 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                             rollout_writer.wait()  # the checkpoint's iterations have their rollouts on disk
                             last_checkpoint = save_checkpoint(ctx, out, state, actor, critic)
         except NonFiniteError as exc:
-            where = _publish_last_good(ctx, out, state, actor, critic, last_checkpoint, exc)
+            where = publish_last_good(ctx, out, state, actor, critic, last_checkpoint, exc)
             raise NonFiniteError(f"{exc}; stopped. Last good checkpoint: {where}") from None
         with profiler.phase("publish"):
-            _write_final(out, state, actor, critic, tokenizer, cfg)
+            write_final(out, state, actor, critic, tokenizer, cfg)
             summary = profiler.summary()
             if not is_main():
                 return ctx.rank_result({"iterations": float(state.iteration)})
@@ -1158,50 +1050,6 @@ def _rollout_rows(iteration, policy_version, chosen, rows, prompts, texts, compl
             "finish_reason": generation.finish_reasons[b]})
     return out
 
-
-def start_resumed_run(ctx: StageContext, state: RLState) -> None:
-    """Start the resumed attempt's MLflow run with the checkpoint's history, steps 1..k, before it logs live.
-
-    The run is a fresh one (tracked() opened it and marked the killed attempt's run superseded): a killed
-    attempt may have logged iterations past its last checkpoint, which this attempt runs again with other
-    values, and MLflow cannot delete metric steps. So the run the pipeline points at shows each step once,
-    with the values of the iterations the final policy came from.
-    """
-    assert ctx.tracker is not None
-    ctx.tracker.log_history(state.history)
-    ctx.tracker.set_tags({"alignflow.resumed_at_iteration": str(state.iteration),
-                          **({"alignflow.resumed_from_run": state.mlflow_run_id} if state.mlflow_run_id else {})})
-
-
-def _publish_last_good(ctx, out, state: RLState, actor, critic, last_checkpoint: str | None, exc) -> str:
-    """After a non-finite value: checkpoint the current state if no update ran in the bad iteration."""
-    if "loss" not in str(exc) and state.iteration > 0:
-        # The bad value appeared before any optimizer step of this iteration: the weights are good.
-        uri = join_uri(ctx.spec.output_uri, "checkpoints", f"iter_{state.iteration:05d}")
-        if find_published(uri, ctx.spec.storage) is None:
-            uri = save_checkpoint(ctx, out, state, actor, critic)
-        return f"{uri} (iteration {state.iteration})"
-    return f"{last_checkpoint} (the updates of this iteration are discarded)" if last_checkpoint else \
-        "none (no iteration completed)"
-
-
-def _write_final(out: Path, state: RLState, actor, critic, tokenizer, cfg: PPOConfig) -> None:
-    policy_dir = out / "policy"
-    policy_dir.mkdir(parents=True, exist_ok=True)
-    save_trained(actor, policy_dir)  # merged, plus the adapter files, with LoRA (every rank; rank 0 writes)
-    if critic is not None:
-        critic_dir = out / "critic"
-        critic_dir.mkdir(parents=True, exist_ok=True)
-        if isinstance(critic, CriticWorker):
-            critic.save_trained(critic_dir)
-        else:
-            save_trained(critic, critic_dir)
-    if not is_main():
-        return
-    tokenizer.save_pretrained(policy_dir)
-    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in state.history))
-    dump_json({"algorithm": cfg.algorithm, "iterations": state.iteration, "kl_coef_final": state.kl_controller.value,
-               "final": state.history[-1]}, out / "alignflow_run.json")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,9 @@ from alignflow.stages.common.models.loading import load_causal_lm
 from alignflow.stages.common.training.deepspeed_setup import OptimSettings
 from alignflow.stages.common.training.precision import resolve_precision
 from alignflow.stages.ppo import losses as rl
+from alignflow.stages.ppo.checkpoints import RLState
 from alignflow.stages.ppo.experience import Experience, assemble, policy_logprobs
-from alignflow.stages.ppo.stage import RLState, StaleOldLogprobs, old_logprob_source, packing_for, train_on
+from alignflow.stages.ppo.stage import StaleOldLogprobs, old_logprob_source, packing_for, train_on
 from tests.stages.common.generation.engine_test_models import engine_config, random_prompts, save_tiny_model
 
 PAD = 0
