@@ -42,7 +42,7 @@ from alignflow.stages.common.ranks import (
     sum_over_ranks,
     world_size,
 )
-from alignflow.stages.common.reward_scoring import load_reward_models, score_with_reward_models
+from alignflow.stages.common.reward_scoring import load_reward_models
 from alignflow.stages.common.runtime import (
     StageContext,
     StageInputError,
@@ -83,88 +83,27 @@ from alignflow.stages.ppo.checkpoints import (
 )
 from alignflow.stages.ppo.critic_worker import CriticSpec, CriticWorker, Update, load_critic_model
 from alignflow.stages.ppo.experience import Experience, assemble, policy_logprobs, token_values
-from alignflow.stages.ppo.reward_functions import call_reward_function, dataset_columns, load_reward_function
+from alignflow.stages.ppo.nan_guard import NonFiniteError, check_finite, finite_on_every_rank
+from alignflow.stages.ppo.reward_functions import dataset_columns, load_reward_function
 from alignflow.stages.ppo.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.ppo.rollout_workers import RolloutWorkers
 from alignflow.stages.ppo.rollout_writer import RolloutWriter
+from alignflow.stages.ppo.scoring import (
+    checked_advantages,
+    compute_scores,
+    kl_and_advantages,
+    kl_estimator,
+    needs_reference,
+    shape_scores,
+)
 from alignflow.storage import open_store
 
 T = TypeVar("T")
 
 
-class NonFiniteError(RuntimeError):
-    """NaN or inf in a reward, a loss or the KL: training stops after publishing the last good state."""
-
-
-def check_finite(what: str, value: torch.Tensor | float, iteration: int) -> None:
-    tensor = torch.as_tensor(value)
-    if not torch.isfinite(tensor).all():
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise NonFiniteError(f"iteration {iteration}: {what} is not finite ({bad} NaN/inf value(s))")
-
-
 # ----------------------------------------------------------------------------------------------
 # The algorithm
 # ----------------------------------------------------------------------------------------------
-
-def compute_scores(reward_models, reward_fns, prompts: list[str], completions: list[str], sequences: list[list[int]],
-                   response_ids: list[list[int]], finish_reasons: list[str], pad_id: int, cfg: PPOConfig,
-                   columns: dict[str, list] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(B,) combined raw score and each component (B,): weighted, z-scored reward models plus reward functions
-    (called as TRL calls them, with the prompts' dataset `columns`: name -> one value per row)."""
-    if reward_models:
-        components, total = score_with_reward_models(reward_models, sequences, pad_id)
-    else:  # GRPO on reward functions alone
-        components, total = {}, torch.zeros(len(sequences))
-    weights = cfg.reward_function_weights or [1.0] * len(reward_fns)
-    for (name, fn), weight in zip(reward_fns, weights, strict=True):
-        values = torch.tensor(call_reward_function(name, fn, prompts, completions, completion_ids=response_ids,
-                                                   finish_reasons=finish_reasons, **(columns or {})),
-                              dtype=torch.float32)
-        components[name] = values
-        total = total + weight * values
-    return total, components
-
-
-def shape_scores(raw: torch.Tensor, finished_with_eos: torch.Tensor, state: RLState, cfg: PPOConfig) -> torch.Tensor:
-    """Missing-EOS penalty, then running normalisation (optional), then clipping."""
-    scores = rl.apply_missing_eos_penalty(raw, finished_with_eos, cfg.missing_eos_penalty)
-    if cfg.normalize_reward:
-        scores = rl.normalize_scores(scores, state.score_stats, update=True)
-    return rl.clip_scores(scores, cfg.reward_clip)
-
-
-def _advantages(exp: Experience, cfg: PPOConfig, kl_coef: float, with_reference: bool, iteration: int,
-                values_known: bool = True) -> None:
-    """KL to the reference (zero when the reference is skipped), then advantages; both checked for NaN.
-    values_known False: the KL only (train_on fills the advantages once the critic's first forward gave values)."""
-    estimator = kl_estimator(cfg)
-    if with_reference:
-        exp.kl = rl.kl_penalty(exp.old_logprobs, exp.ref_logprobs, estimator, exp.response_mask)
-        check_finite("the KL to the reference", exp.kl, iteration)
-    if values_known:
-        checked_advantages(exp, cfg, kl_coef, iteration)
-
-
-def checked_advantages(exp: Experience, cfg: PPOConfig, kl_coef: float, iteration: int) -> None:
-    """advantages_for, then the NaN check."""
-    advantages_for(exp, cfg, kl_coef)
-    check_finite("the advantages", exp.advantages, iteration)
-
-
-def advantages_for(exp: Experience, cfg: PPOConfig, kl_coef: float) -> None:
-    """Fill token_rewards, advantages and returns: GAE for PPO, group-relative for GRPO."""
-    mask = exp.response_mask
-    if cfg.algorithm == "grpo":
-        exp.token_rewards = rl.token_rewards_from_scores(exp.scores, exp.kl, 0.0, mask)  # GRPO: KL is in the loss
-        exp.advantages = rl.sequence_to_token(rl.grpo_advantages(exp.scores, cfg.group_size, cfg.grpo_scale_std), mask)
-        exp.returns = None
-        return
-    coef = kl_coef if cfg.kl_in_reward else 0.0
-    exp.token_rewards = rl.token_rewards_from_scores(exp.scores, exp.kl, coef, mask)
-    advantages, returns = rl.compute_gae(exp.token_rewards, exp.values, mask, cfg.gamma, cfg.lam)
-    exp.advantages = rl.whiten(advantages, mask) if cfg.whiten_advantages else advantages
-    exp.returns = returns
 
 
 class StaleOldLogprobs(Exception):
@@ -184,26 +123,6 @@ def _max_over_ranks(value: float) -> float:
     total = torch.tensor([value], dtype=torch.float64)
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
     return float(total)
-
-
-def _finite_on_every_rank(loss: torch.Tensor) -> torch.Tensor | float:
-    """`loss`, or NaN when any rank's loss is not finite, so that every rank stops alike (one rank raising
-    alone would leave the others waiting in the next collective)."""
-    if world_size() == 1:
-        return loss
-    bad = sum_over_ranks(0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0)[0]
-    return float("nan") if bad else loss
-
-
-def kl_estimator(cfg: PPOConfig) -> str:
-    """ppo.kl_estimator, or the algorithm's own when unset: k1 for PPO (the KL in the reward), k3 for GRPO (in the
-    loss, where a non-negative estimate keeps the penalty from rewarding a move away from the reference)."""
-    return cfg.kl_estimator or ("k3" if cfg.algorithm == "grpo" else "k1")
-
-
-def needs_reference(cfg: PPOConfig) -> bool:
-    """The reference forward is skipped when the KL can play no part: coefficient 0, not adaptive, no metric asked."""
-    return cfg.kl_coef > 0 or cfg.adaptive_kl or cfg.kl_metric
 
 
 def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, rows: int) -> str:
@@ -261,7 +180,7 @@ def value_update(critic, mb: Experience, packed: PackedRows | None, cfg: PPOConf
         return {}
     value_loss, metrics = rl.value_loss_clipped(values, mb.values, mb.returns, mb.response_mask, cfg.value_clip_range,
                                                 aggregation=cfg.loss_aggregation, counts=counts)
-    check_finite("the value loss", _finite_on_every_rank(value_loss), iteration)
+    check_finite("the value loss", finite_on_every_rank(value_loss), iteration)
     critic.backward(cfg.vf_coef * world_size() * value_loss)
     if not proceed():
         critic.discard_gradients()
@@ -558,7 +477,7 @@ def train_on(exp: Experience, actor, critic, cfg: PPOConfig, kl_coef: float, ite
                         ref_logprobs=mb.ref_logprobs if in_loss else None, kl_coef=kl_coef if in_loss else 0.0,
                         kl_estimator=kl_estimator(cfg), token_weights=mb.behaviour_weights, counts=counts,
                         aggregation=cfg.loss_aggregation)
-                check_finite("the policy loss", _finite_on_every_rank(loss), iteration)
+                check_finite("the policy loss", finite_on_every_rank(loss), iteration)
                 if overlap is None and remote is None and critic is not None:
                     add(critic_update(mb, counts, packed), weight)
                 actor.backward(loss * world)
@@ -944,7 +863,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                                                      cfg.async_weight_cap)
     kl_coef = state.kl_controller.value
     with profiler.phase("advantages"):
-        _advantages(exp, cfg, kl_coef, with_reference, iteration, values_known=not values_first)
+        kl_and_advantages(exp, cfg, kl_coef, with_reference, iteration, values_known=not values_first)
     seq_kl = rl.sequence_kl(exp.kl, mask)
 
     with profiler.phase("train"):
@@ -968,7 +887,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
             with torch.no_grad(), precision.forward():
                 exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(
                     actor.module, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg, actor))[0])
-            _advantages(exp, cfg, kl_coef, with_reference, iteration)
+            kl_and_advantages(exp, cfg, kl_coef, with_reference, iteration)
             seq_kl = rl.sequence_kl(exp.kl, mask)
             loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)
             loss_metrics["rollout/logprob_engine_vs_actor_max"] = stale.measured
@@ -1049,7 +968,6 @@ def _rollout_rows(iteration, policy_version, chosen, rows, prompts, texts, compl
             "reward_total": float(totals[b]), "kl": float(kls[b]), "length": n,
             "finish_reason": generation.finish_reasons[b]})
     return out
-
 
 
 def main(argv: list[str] | None = None) -> int:

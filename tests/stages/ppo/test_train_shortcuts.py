@@ -328,7 +328,8 @@ def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkp
     from alignflow.stages.common.models.loading import load_sequence_classifier
     from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
     from alignflow.stages.ppo.experience import token_values
-    from alignflow.stages.ppo.stage import advantages_for, values_from_first_forward
+    from alignflow.stages.ppo.scoring import advantages_for
+    from alignflow.stages.ppo.stage import values_from_first_forward
 
     settings = trainer_settings(micro_batch_size=6)
     cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=6)
