@@ -13,10 +13,11 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from alignflow.config import PPOConfig
 from alignflow.kernels import logprobs_and_entropy, selective_log_softmax
 from alignflow.stages.common.training import llama_forward
 from alignflow.stages.common.training.lora import AdaptersDisabled, unwrap_lora
-from alignflow.stages.common.training.packing import ATTENTION_WIDTH, PackedRows, pack
+from alignflow.stages.common.training.packing import ATTENTION_WIDTH, PackedRows, attention_width, pack
 
 
 @dataclass
@@ -244,3 +245,16 @@ def token_values(critic, exp: Experience, lean: bool = False, packed: PackedRows
                               position_ids=exp.position_ids).last_hidden_state
     values = model.score(hidden).squeeze(-1).float()
     return values[:, exp.prompt_width - 1:-1] * exp.response_mask
+
+
+def packing_for(exp: Experience, cfg: PPOConfig, actor) -> PackedRows | None:
+    """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step; rows with one prompt sharing
+    it unless ppo.share_prompts is off; the row width costed for the actor's hidden size), else None: padded."""
+    if not (cfg.fast_train_step and cfg.pack_sequences):
+        return None
+    return exp.packing(share_prompts=cfg.share_prompts, width_of_attention=attention_width(actor_width(actor)))
+
+
+def actor_width(actor) -> int:
+    """The hidden size of the actor (a train engine, a LoRA-wrapped or a plain model)."""
+    return unwrap_lora(getattr(actor, "module", actor)).config.hidden_size

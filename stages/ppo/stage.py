@@ -11,14 +11,12 @@ advantages -> write rollouts -> PPO epochs -> refit the engine, one profiler pha
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing, contextmanager, suppress
+from concurrent.futures import Future
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -52,7 +50,7 @@ from alignflow.stages.common.runtime import (
     tracked,
 )
 from alignflow.stages.common.tokenization import encode_prompt, pad_token_id
-from alignflow.stages.common.training.deepspeed_setup import OptimSettings, stream_weights
+from alignflow.stages.common.training.deepspeed_setup import stream_weights
 from alignflow.stages.common.training.lora import (
     AdaptersDisabled,
     apply_lora,
@@ -61,13 +59,12 @@ from alignflow.stages.common.training.lora import (
     parameter_counts,
     unwrap_lora,
 )
-from alignflow.stages.common.training.packing import PackedRows, attention_width
+from alignflow.stages.common.training.packing import PackedRows
 from alignflow.stages.common.training.plain_trainer import (
-    PlainTorchTrainer,
     initialize_trainer,
     resolve_train_backend,
 )
-from alignflow.stages.common.training.precision import Precision, resolve_precision, training_attention
+from alignflow.stages.common.training.precision import Precision, resolve_precision
 from alignflow.stages.data.evaluators import Evaluator, load_evaluator
 from alignflow.stages.data.formats import load_prompts, render_prompt
 from alignflow.stages.ppo import losses as rl
@@ -81,8 +78,16 @@ from alignflow.stages.ppo.checkpoints import (
     working_dir,
     write_final,
 )
-from alignflow.stages.ppo.critic_worker import CriticSpec, CriticWorker, Update, load_critic_model
-from alignflow.stages.ppo.experience import Experience, assemble, policy_logprobs, token_values
+from alignflow.stages.ppo.critic_schedule import (
+    critic_thread,
+    half_threads,
+    overlaps_critic,
+    overlaps_passes,
+    started_critic,
+    values_from_first_forward,
+)
+from alignflow.stages.ppo.critic_worker import CriticWorker, Update, load_critic_model
+from alignflow.stages.ppo.experience import Experience, assemble, packing_for, policy_logprobs, token_values
 from alignflow.stages.ppo.nan_guard import NonFiniteError, check_finite, finite_on_every_rank
 from alignflow.stages.ppo.reward_functions import dataset_columns, load_reward_function
 from alignflow.stages.ppo.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
@@ -96,6 +101,7 @@ from alignflow.stages.ppo.scoring import (
     needs_reference,
     shape_scores,
 )
+from alignflow.stages.ppo.trainer_settings import optim_settings, training_attention_for
 from alignflow.storage import open_store
 
 T = TypeVar("T")
@@ -143,30 +149,6 @@ def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, row
     return "recompute"
 
 
-def packing_for(exp: Experience, cfg: PPOConfig, actor) -> PackedRows | None:
-    """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step; rows with one prompt sharing
-    it unless ppo.share_prompts is off; the row width costed for the actor's hidden size), else None: padded."""
-    if not (cfg.fast_train_step and cfg.pack_sequences):
-        return None
-    return exp.packing(share_prompts=cfg.share_prompts, width_of_attention=attention_width(actor_width(actor)))
-
-
-def actor_width(actor) -> int:
-    """The hidden size of the actor (a train engine, a LoRA-wrapped or a plain model)."""
-    return unwrap_lora(getattr(actor, "module", actor)).config.hidden_size
-
-
-def overlaps_critic(actor, critic, cfg: PPOConfig) -> bool:
-    """Whether train_on runs the critic's updates on a second thread (ppo.overlap_critic): one rank (N ranks' collectives
-    must come in one order), both models on the plain torch trainer (a DeepSpeed engine may call collectives even
-    alone) and on CPU (on one CUDA stream the kernels would queue behind each other anyway), more than one thread,
-    and not beside ppo.async_rollouts' generating thread (three would share the cores)."""
-    return (critic is not None and cfg.overlap_critic and not cfg.async_rollouts and world_size() == 1
-            and torch.get_num_threads() > 1
-            and all(isinstance(m, PlainTorchTrainer) and next(m.module.parameters()).device.type == "cpu"
-                    for m in (actor, critic)))
-
-
 def value_update(critic, mb: Experience, packed: PackedRows | None, cfg: PPOConfig, precision: Precision,
                  iteration: int, proceed: Callable[[], bool], counts=None,
                  hand_values: Callable[[torch.Tensor], bool] | None = None) -> dict[str, float]:
@@ -187,60 +169,6 @@ def value_update(critic, mb: Experience, packed: PackedRows | None, cfg: PPOConf
         return {}
     critic.step()
     return metrics
-
-
-def critic_in_process(actor_width: int, cfg: PPOConfig, backend: str, device: torch.device) -> bool:
-    """Whether the critic runs in its own process (ppo.critic_process): where overlaps_critic would give it a thread
-    (decided before any model loads, so the process starts first: one rank, > 1 thread, the plain torch trainer,
-    the models on the CPU), not with ppo.compile_train (the critic would compile in the worker, untested there), and
-    under auto for actors narrower than 256 (as overlap_passes: there the work is bound by operator dispatch, which
-    the two processes do in parallel)."""
-    return (cfg.algorithm == "ppo" and cfg.critic_process != "off" and cfg.overlap_critic and not cfg.async_rollouts
-            and not cfg.compile_train and world_size() == 1 and torch.get_num_threads() > 1 and backend == "torch"
-            and device.type == "cpu" and (cfg.critic_process == "on" or actor_width < OVERLAP_PASSES_BELOW_WIDTH))
-
-
-@contextmanager
-def half_threads(enabled: bool) -> Iterator[None]:
-    """This thread's torch threads halved (enabled) while the critic's thread or process works on the other half."""
-    threads = torch.get_num_threads()
-    if enabled:
-        torch.set_num_threads(max(1, threads // 2))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-# Narrower actors overlap the experience's passes under ppo.overlap_passes: auto (see its description).
-OVERLAP_PASSES_BELOW_WIDTH = 256
-
-
-def overlaps_passes(actor, critic, cfg: PPOConfig) -> bool:
-    """Whether experience_passes runs one pass on the critic's thread (ppo.overlap_passes, where overlaps_critic)."""
-    if cfg.overlap_passes == "off" or not overlaps_critic(actor, critic, cfg):
-        return False
-    return cfg.overlap_passes == "on" or actor_width(actor) < OVERLAP_PASSES_BELOW_WIDTH
-
-
-@contextmanager
-def critic_thread(actor, critic, cfg: PPOConfig, enabled: bool | None = None) -> Iterator[ThreadPoolExecutor | None]:
-    """The second thread of overlaps_critic: one of the experience's passes runs there beside the others
-    (experience_passes), the critic's updates beside the actor's (train_on); None: they run in line.
-    enabled: whether to start it (default: overlaps_critic).
-    Each thread gets half the torch threads: on the demo model (2 cores) the train phase went 0.147-0.168 s
-    (2 threads, one after the other) -> 0.117 s (1 + 1); with 2 threads each it was slower (0.18 s, oversubscribed).
-    torch.set_num_threads is per OS thread under OpenMP, so the critic's thread sets its own."""
-    if not (overlaps_critic(actor, critic, cfg) if enabled is None else enabled):
-        yield None
-        return
-    with half_threads(True):
-        executor = ThreadPoolExecutor(1, thread_name_prefix="critic", initializer=torch.set_num_threads,
-                                      initargs=(torch.get_num_threads(),))
-        try:
-            yield executor
-        finally:  # on an error too: the critic's queued work ends before the caller goes on
-            executor.shutdown(cancel_futures=True)
 
 
 def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference, precision: Precision, source: str,
@@ -304,22 +232,6 @@ def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference,
             with profiler.phase("reference"):
                 exp.ref_logprobs = pending.result()
     return scored
-
-
-def values_from_first_forward(actor, critic, cfg: PPOConfig, rows: int) -> bool:
-    """Whether the critic's first training forward gives the iteration's values, instead of a no-grad values pass
-    before training (part of ppo.fast_train_step). That forward is the pass for free, at the same weights, when
-    one minibatch holds every row; and it costs the actor no wait only beside it (overlaps_critic): the
-    actor's first loss needs the advantages, which need the values, and the two forwards take about as long.
-    And the critic's training forward must compute what its no-grad one does: no dropout anywhere.
-    On the ladder's PPO shape (AVX2 EPYC, 3 interleaved runs of 10 iterations) the 57-62 ms values pass went and
-    the train phase grew by 0-30 ms (the actor's wait): iteration 1.85 -> 1.76 s (medians). Before the critic's
-    updates were queued up front (train_on) its first forward started after the actor's and this lost."""
-    if not (cfg.fast_train_step and cfg.minibatch_size >= rows and overlaps_critic(actor, critic, cfg)):
-        return False
-    model = critic.module
-    return (float(getattr(model.config, "attention_dropout", 0.0) or 0.0) == 0.0
-            and not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))
 
 
 class Minibatch(NamedTuple):
@@ -534,42 +446,6 @@ def run(spec: StageSpec) -> StageResult:
     # request (iteration 1's values, or a resume's checkpoint) waits for the rest. Closed on every exit.
     with started_critic(ctx, cfg, model_cfg, engine_cfg, device) as remote_critic, tracked(ctx):
         return _train(ctx, spec, cfg, model_cfg, engine_cfg, reward_fns, out, state, resume, device, remote_critic)
-
-
-@contextmanager
-def started_critic(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                   device: torch.device) -> Iterator[CriticWorker | None]:
-    """The critic's process where critic_in_process puts it (None: the critic lives in this process), closed after."""
-    try:
-        backend = resolve_train_backend(cfg.train_backend, cfg.zero_stage)
-    except ValueError:
-        backend = "deepspeed"  # _train reports the bad setting
-    reward_inputs = sorted(k for k in ctx.spec.inputs if k.startswith("reward_"))
-    width = int(json.loads((ctx.input("sft") / "config.json").read_text()).get("hidden_size", 0) or 0)
-    if not (reward_inputs and width and critic_in_process(width, cfg, backend, device)):
-        yield None
-        return
-    precision = resolve_precision(cfg.autocast, model_cfg.dtype, device, width)  # as the actor's (on the CPU)
-    worker = CriticWorker(CriticSpec(str(ctx.input(reward_inputs[0])), cfg, model_cfg.dtype,
-                                     optim_settings(cfg, model_cfg, cfg.critic_lr), training_attention_for(cfg, engine_cfg),
-                                     precision, threads=max(1, torch.get_num_threads() // 2)))
-    with closing(worker):
-        yield worker
-
-
-def optim_settings(cfg: PPOConfig, model_cfg: ModelConfig, lr: float) -> OptimSettings:
-    """The actor's or critic's optimizer settings: constant learning rate, one step per minibatch."""
-    steps = cfg.iterations * cfg.ppo_epochs * math.ceil(cfg.prompts_per_iteration * cfg.group_size / cfg.minibatch_size)
-    return OptimSettings(lr=lr, weight_decay=0.0, warmup_steps=0, total_steps=steps,
-                         micro_batch_size=cfg.minibatch_size // world_size(),  # each rank trains its share
-                         grad_accum=1, zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=model_cfg.dtype,
-                         schedule="constant")
-
-
-def training_attention_for(cfg: PPOConfig, engine_cfg: EngineConfig) -> str:
-    """The training forwards' attention implementation (every sequence fits the engine's cache: prompt + response
-    <= engine.max_seq_len)."""
-    return training_attention(engine_cfg.max_seq_len) if cfg.fast_train_step else "sdpa"
 
 
 def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,

@@ -14,15 +14,10 @@ import torch
 
 from alignflow.stages.common.models.loading import load_causal_lm, load_sequence_classifier
 from alignflow.stages.common.training.plain_trainer import STATE_FILE, PlainTorchTrainer
+from alignflow.stages.ppo.critic_schedule import critic_in_process, overlaps_critic
 from alignflow.stages.ppo.critic_worker import CriticSpec, CriticWorker, CriticWorkerError
-from alignflow.stages.ppo.experience import token_values
-from alignflow.stages.ppo.stage import (
-    StaleOldLogprobs,
-    critic_in_process,
-    overlaps_critic,
-    packing_for,
-    train_on,
-)
+from alignflow.stages.ppo.experience import packing_for, token_values
+from alignflow.stages.ppo.stage import StaleOldLogprobs, train_on
 from tests.stages.ppo.test_train_shortcuts import FP32, PAD, checkpoint, ppo_config, rollout, trainer_settings
 
 __all__ = ["checkpoint", "rollout"]  # module fixtures shared with the shortcut tests

@@ -23,8 +23,8 @@ from alignflow.stages.common.training.deepspeed_setup import OptimSettings
 from alignflow.stages.common.training.precision import resolve_precision
 from alignflow.stages.ppo import losses as rl
 from alignflow.stages.ppo.checkpoints import RLState
-from alignflow.stages.ppo.experience import Experience, assemble, policy_logprobs
-from alignflow.stages.ppo.stage import StaleOldLogprobs, old_logprob_source, packing_for, train_on
+from alignflow.stages.ppo.experience import Experience, assemble, packing_for, policy_logprobs
+from alignflow.stages.ppo.stage import StaleOldLogprobs, old_logprob_source, train_on
 from tests.stages.common.generation.engine_test_models import engine_config, random_prompts, save_tiny_model
 
 PAD = 0
@@ -258,7 +258,7 @@ def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkp
     with a critic, the plain torch trainer as one rank at ZeRO 0 runs it); the stage's thread count is restored."""
     from alignflow.stages.common.models.loading import load_sequence_classifier
     from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
-    from alignflow.stages.ppo.stage import overlaps_critic
+    from alignflow.stages.ppo.critic_schedule import overlaps_critic
 
     exp = copy.copy(rollout)
     noise = torch.Generator().manual_seed(0)
@@ -291,7 +291,7 @@ def test_stale_old_logprobs_stop_the_critics_thread_before_any_step(checkpoint, 
     same models then train normally."""
     from alignflow.stages.common.models.loading import load_sequence_classifier
     from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
-    from alignflow.stages.ppo.stage import overlaps_critic
+    from alignflow.stages.ppo.critic_schedule import overlaps_critic
 
     exp = copy.copy(rollout)
     noise = torch.Generator().manual_seed(0)
@@ -327,9 +327,9 @@ def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkp
     the two ways train the actor and the critic to the same weights (2 epochs; fp32, 1e-6: float order)."""
     from alignflow.stages.common.models.loading import load_sequence_classifier
     from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
+    from alignflow.stages.ppo.critic_schedule import values_from_first_forward
     from alignflow.stages.ppo.experience import token_values
     from alignflow.stages.ppo.scoring import advantages_for
-    from alignflow.stages.ppo.stage import values_from_first_forward
 
     settings = trainer_settings(micro_batch_size=6)
     cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=6)
@@ -369,7 +369,7 @@ def test_values_come_from_the_first_forward_only_where_it_is_the_values_pass(che
     dropout in the critic (its training forward would differ from the no-grad pass)."""
     from alignflow.stages.common.models.loading import load_sequence_classifier
     from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
-    from alignflow.stages.ppo.stage import values_from_first_forward
+    from alignflow.stages.ppo.critic_schedule import values_from_first_forward
 
     settings = trainer_settings(micro_batch_size=6)
     actor = PlainTorchTrainer(load_causal_lm(checkpoint), settings)
@@ -402,7 +402,8 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
     from alignflow.stages.common.profiler import Profiler
     from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
     from alignflow.stages.ppo import stage as ppo
-    from alignflow.stages.ppo.stage import experience_passes, overlaps_critic, overlaps_passes
+    from alignflow.stages.ppo.critic_schedule import overlaps_critic, overlaps_passes
+    from alignflow.stages.ppo.stage import experience_passes
 
     settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=1, micro_batch_size=6,
                              grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
