@@ -34,7 +34,6 @@ from alignflow.stages.common.generation.interface import (
 from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.common.ranks import (
     from_main,
-    gathered_rows,
     is_main,
     rank,
     sum_over_ranks,
@@ -82,12 +81,16 @@ from alignflow.stages.ppo.critic_schedule import (
     critic_thread,
     half_threads,
     overlaps_critic,
-    overlaps_passes,
     started_critic,
     values_from_first_forward,
 )
 from alignflow.stages.ppo.critic_worker import CriticWorker, Update, load_critic_model
 from alignflow.stages.ppo.experience import Experience, assemble, packing_for, policy_logprobs, token_values
+from alignflow.stages.ppo.experience_passes import (
+    experience_passes,
+    old_logprob_source,
+    recompute_old_logprobs,
+)
 from alignflow.stages.ppo.nan_guard import NonFiniteError, check_finite, finite_on_every_rank
 from alignflow.stages.ppo.reward_functions import dataset_columns, load_reward_function
 from alignflow.stages.ppo.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
@@ -131,24 +134,6 @@ def _max_over_ranks(value: float) -> float:
     return float(total)
 
 
-def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, rows: int) -> str:
-    """Where this iteration's old log-probs come from (see ppo.old_logprobs):
-
-    'engine': the rollout log-probs; 'recompute': a no-grad actor forward before training; 'first_forward':
-    the first minibatch's own forward, taken before any optimizer step. That last one is the recomputation
-    for free, and exact, when one minibatch holds every row and nothing needs the old log-probs before
-    training (no reference: the KL is what would use them).
-    """
-    if cfg.old_logprobs == "engine":
-        return "engine"
-    stale = state.old_logprobs_fallback or precision.autocast_dtype is not None  # autocast != the engine's dtype
-    if cfg.old_logprobs == "auto" and not stale:
-        return "engine"
-    if cfg.minibatch_size >= rows and not needs_reference(cfg) and world_size() == 1:
-        return "first_forward"  # (with N ranks each holds only its share of that minibatch)
-    return "recompute"
-
-
 def value_update(critic, mb: Experience, packed: PackedRows | None, cfg: PPOConfig, precision: Precision,
                  iteration: int, proceed: Callable[[], bool], counts=None,
                  hand_values: Callable[[torch.Tensor], bool] | None = None) -> dict[str, float]:
@@ -169,69 +154,6 @@ def value_update(critic, mb: Experience, packed: PackedRows | None, cfg: PPOConf
         return {}
     critic.step()
     return metrics
-
-
-def experience_passes(exp: Experience, cfg: PPOConfig, actor, critic, reference, precision: Precision, source: str,
-                      profiler, score: Callable[[], T], with_values: bool = True) -> T:
-    """The no-grad passes that make the experience: score() (the reward models and functions; its result is
-    returned), then the reference's log-probs (when the KL needs them), the actor's old log-probs (source
-    'recompute') and the critic's values, filled into exp.
-
-    With ppo.overlap_passes (overlaps_passes) one pass runs on the critic's thread from the start, beside score()
-    and the others here, each thread with half the torch threads: the reference's when there is one, else the
-    critic's (the passes share no state and each gives what it gives alone). On the demo (2 cores, dispatch-bound)
-    score, reference and values took 7.6 + 9.3 + 6.1 ms one after the other; with the values beside, 9.6 + 8.6 ms
-    and no wait for them; with the reference beside, 9.0 + 7.5 ms and 0.3 ms of wait (medians of 5 interleaved
-    runs). The phase of the pass on that thread is the wait for it after the others. With the critic in its own
-    process (ppo.critic_process) the values pass runs there from the start, beside the others here.
-    with_values False: no values pass (values_from_first_forward: train_on takes them from the critic's first
-    forward)."""
-    lean = cfg.fast_train_step
-    with_reference = needs_reference(cfg)
-    # Once, before two threads would both compute it for exp's cache; not at all when no pass runs (GRPO at KL 0).
-    with_values = with_values and critic is not None
-    packed = packing_for(exp, cfg, actor) if with_reference or source == "recompute" or with_values else None
-
-    def logprobs(model) -> torch.Tensor:  # grad mode and autocast are per thread: set on the thread that runs it
-        with torch.no_grad(), precision.forward():
-            return over_rows(exp, lambda part: policy_logprobs(
-                model, part, cfg.temperature, lean=lean,
-                packed=packed if part is exp else packing_for(part, cfg, actor))[0])
-
-    def values() -> torch.Tensor:
-        with torch.no_grad(), precision.forward():
-            return over_rows(exp, lambda part: token_values(
-                critic.module, part, lean=lean, packed=packed if part is exp else packing_for(part, cfg, actor)))
-
-    # With the critic in its own process (ppo.critic_process) its values pass runs there from the start, beside
-    # score() and then the reference's pass here, each side with half the torch threads. On the demo (2 cores,
-    # interleaved runs of 40 iterations, medians) the alternatives were slower: the reference's pass in that process
-    # too, 17.7 ms for both after score()'s 6; the reference's on a second thread here (3 streams on 2 cores), 0.9-1.2x
-    # the passes' time and 6-12 ms more training after them.
-    remote = isinstance(critic, CriticWorker) and with_values
-    beside_enabled = overlaps_passes(actor, critic, cfg) and (with_reference or with_values)
-    with critic_thread(actor, critic, cfg, beside_enabled) as beside, half_threads(remote):
-        reference_beside = beside is not None and with_reference
-        values_beside = beside is not None and not with_reference
-        if remote:
-            pending: Any = critic.values_async(exp, packed)
-        elif beside is not None:
-            pending = beside.submit(logprobs, reference) if reference_beside else beside.submit(values)
-        with profiler.phase("score"):
-            scored = score()
-        if with_reference and not reference_beside:
-            with profiler.phase("reference"):
-                exp.ref_logprobs = logprobs(reference)
-        if source == "recompute":
-            with profiler.phase("old_logprobs"):
-                exp.old_logprobs = logprobs(actor.module)
-        if with_values:
-            with profiler.phase("values"):  # beside: the wait for the critic's thread or process
-                exp.values = pending.result() if values_beside or remote else values()
-        if reference_beside:
-            with profiler.phase("reference"):
-                exp.ref_logprobs = pending.result()
-    return scored
 
 
 class Minibatch(NamedTuple):
@@ -670,16 +592,6 @@ def rollout_request(cfg: PPOConfig, iteration: int, prompt_ids: list[list[int]])
     return RolloutRequest(iteration, rows, chosen, [prompt_ids[i] for i in rows], sampling)
 
 
-def over_rows(exp: Experience, forward) -> torch.Tensor:
-    """forward(exp) [B, R] for every row: on N trainer ranks each computes its contiguous 1/N of the rows
-    and the ranks all-gather the rest (the iteration's rows divide by N: PPOConfig)."""
-    world = world_size()
-    if world == 1:
-        return forward(exp)
-    share = exp.scores.shape[0] // world
-    return gathered_rows(forward(exp.select(torch.arange(rank() * share, (rank() + 1) * share))))
-
-
 def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                rollouts: RolloutClient | RolloutWorkers, actor,
                critic, reference, reward_models, reward_fns, tokenizer, pad_id: int, prompts, prompt_texts,
@@ -706,7 +618,6 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     # Off-policy (async): the old log-probs are the proximal policy's (the actor now, before this update),
     # and the engine's, the behaviour policy's, weight each token (the decoupled objective).
     source = "recompute" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
-    lean = cfg.fast_train_step
     exp = Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
                      old_logprobs=rollout_logprobs * mask, ref_logprobs=torch.zeros_like(mask), values=None,
@@ -760,9 +671,7 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
                   f"{cfg.old_logprobs_tolerance:g}); recomputing old log-probs with the actor from now on",
                   file=sys.stderr, flush=True)
             state.old_logprobs_fallback, source = True, "recompute"
-            with torch.no_grad(), precision.forward():
-                exp.old_logprobs = over_rows(exp, lambda part: policy_logprobs(
-                    actor.module, part, cfg.temperature, lean=lean, packed=packing_for(part, cfg, actor))[0])
+            exp.old_logprobs = recompute_old_logprobs(exp, cfg, actor, precision)
             kl_and_advantages(exp, cfg, kl_coef, with_reference, iteration)
             seq_kl = rl.sequence_kl(exp.kl, mask)
             loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)

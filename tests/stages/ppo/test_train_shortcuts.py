@@ -24,7 +24,8 @@ from alignflow.stages.common.training.precision import resolve_precision
 from alignflow.stages.ppo import losses as rl
 from alignflow.stages.ppo.checkpoints import RLState
 from alignflow.stages.ppo.experience import Experience, assemble, packing_for, policy_logprobs
-from alignflow.stages.ppo.stage import StaleOldLogprobs, old_logprob_source, train_on
+from alignflow.stages.ppo.experience_passes import old_logprob_source
+from alignflow.stages.ppo.stage import StaleOldLogprobs, train_on
 from tests.stages.common.generation.engine_test_models import engine_config, random_prompts, save_tiny_model
 
 PAD = 0
@@ -401,9 +402,9 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
     from alignflow.stages.common.models.loading import load_sequence_classifier
     from alignflow.stages.common.profiler import Profiler
     from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
-    from alignflow.stages.ppo import stage as ppo
+    from alignflow.stages.ppo import experience_passes as passes
     from alignflow.stages.ppo.critic_schedule import overlaps_critic, overlaps_passes
-    from alignflow.stages.ppo.stage import experience_passes
+    from alignflow.stages.ppo.experience_passes import experience_passes
 
     settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=1, micro_batch_size=6,
                              grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
@@ -423,8 +424,8 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
             return function(model, *args, **kwargs)
         return run
 
-    monkeypatch.setattr(ppo, "token_values", watched("values", ppo.token_values))
-    monkeypatch.setattr(ppo, "policy_logprobs", watched("old_logprobs", ppo.policy_logprobs))
+    monkeypatch.setattr(passes, "token_values", watched("values", passes.token_values))
+    monkeypatch.setattr(passes, "policy_logprobs", watched("old_logprobs", passes.policy_logprobs))
     torch.set_num_threads(2)  # one thread each (the autouse fixture restores 1 after the test)
     runs = {}
     for overlap in (False, True):
