@@ -189,9 +189,8 @@ def _train(conn, critic, updates: list[Update], iteration: int, gated: bool, cfg
             gate.append(bool(message[1]))
         return gate[0]
 
-    from alignflow.stages.ppo.stage import (
-        value_update,  # the stage's own update (its checks and NonFiniteError)
-    )
+    # The trainer's own update (its checks and NonFiniteError); imported here, as training_loop imports this module.
+    from alignflow.stages.ppo.training_loop import value_update
 
     critic.train()  # as the trainer sets its own critic before each iteration's updates
     results = []

@@ -17,7 +17,7 @@ from alignflow.stages.common.training.plain_trainer import STATE_FILE, PlainTorc
 from alignflow.stages.ppo.critic_schedule import critic_in_process, overlaps_critic
 from alignflow.stages.ppo.critic_worker import CriticSpec, CriticWorker, CriticWorkerError
 from alignflow.stages.ppo.experience import packing_for, token_values
-from alignflow.stages.ppo.stage import StaleOldLogprobs, train_on
+from alignflow.stages.ppo.training_loop import StaleOldLogprobs, train_on
 from tests.stages.ppo.test_train_shortcuts import FP32, PAD, checkpoint, ppo_config, rollout, trainer_settings
 
 __all__ = ["checkpoint", "rollout"]  # module fixtures shared with the shortcut tests

@@ -12,7 +12,7 @@ from alignflow.config import PPOConfig
 from alignflow.stages.ppo import losses as rl
 from alignflow.stages.ppo.experience import policy_logprobs
 from alignflow.stages.ppo.scoring import kl_estimator
-from alignflow.stages.ppo.stage import train_on
+from alignflow.stages.ppo.training_loop import train_on
 from tests.stages.ppo.test_train_shortcuts import (
     FP32,
     PlainTrainEngine,

@@ -25,7 +25,7 @@ from alignflow.stages.ppo import losses as rl
 from alignflow.stages.ppo.checkpoints import RLState
 from alignflow.stages.ppo.experience import Experience, assemble, packing_for, policy_logprobs
 from alignflow.stages.ppo.experience_passes import old_logprob_source
-from alignflow.stages.ppo.stage import StaleOldLogprobs, train_on
+from alignflow.stages.ppo.training_loop import StaleOldLogprobs, train_on
 from tests.stages.common.generation.engine_test_models import engine_config, random_prompts, save_tiny_model
 
 PAD = 0
