@@ -1,4 +1,4 @@
-"""The reward stage: one reward model = a scalar head on the SFT backbone, trained with the Bradley-Terry loss.
+"""The reward stage: one reward model, a scalar head on the SFT backbone trained with the Bradley-Terry loss.
 
 Inputs: `sft` (the SFT checkpoint, whose backbone the model starts from) and `data`. The spec's
 config holds the shared `reward` hyperparameters and this model's `model` entry (name, seed, data
@@ -10,7 +10,6 @@ pairwise accuracy and the score's mean/std on held-out responses (the RL stage n
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 
@@ -21,21 +20,20 @@ from alignflow.config import ModelConfig, RewardConfig, RewardModelSpec
 from alignflow.contract import StageResult, StageSpec
 from alignflow.stages.common.devices import device_of
 from alignflow.stages.common.models.loading import load_sequence_classifier, load_tokenizer
-from alignflow.stages.common.ranks import is_main, local_share, sum_over_ranks, world_size
-from alignflow.stages.common.runtime import StageContext, dump_json, section, stage_main, tracked
+from alignflow.stages.common.ranks import is_main, local_share, sum_over_ranks
+from alignflow.stages.common.runtime import StageContext, section, stage_main, tracked
 from alignflow.stages.common.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
-from alignflow.stages.common.training.deepspeed_setup import initialize
 from alignflow.stages.common.training.loop import (
     batch_indices,
     check_training_section,
-    optim_settings,
     progress_bar,
     split_micro,
     total_steps,
 )
-from alignflow.stages.common.training.lora import apply_lora, parameter_counts, save_trained
+from alignflow.stages.common.training.lora import apply_lora
 from alignflow.stages.common.training.placement import place_for_training
 from alignflow.stages.common.training.precision import Precision
+from alignflow.stages.common.training.supervised_stage import log_datasets, start_training
 from alignflow.stages.data.formats import load_preferences, render_prompt
 
 
@@ -48,8 +46,8 @@ def encode_pair(tokenizer, record, max_length: int) -> tuple[list[int], list[int
 
 
 def score(model, sequences: list[list[int]], pad_id: int, precision: Precision | None = None) -> torch.Tensor:
-    """[N] scalar rewards of right-padded sequences (the head reads the last non-pad token), computed on the model's
-    device in `precision` (None: the model's dtype)."""
+    """[N] scalar rewards of right-padded sequences (the head reads the last non-pad token), computed on the
+    model's device in `precision` (None: the model's dtype)."""
     device = device_of(model)
     input_ids = pad_right(sequences, pad_id).to(device)
     attention_mask = pad_right([[1] * len(s) for s in sequences], 0).to(device)
@@ -96,77 +94,61 @@ def run(spec: StageSpec) -> StageResult:
         model, precision = place_for_training(
             ctx, apply_lora(load_sequence_classifier(sft_dir, dtype=model_cfg.dtype, seed=rm.seed), cfg.lora,
                             "reward.lora", classifier=True), cfg.autocast, model_cfg.dtype, "reward")
-        trainable, total = parameter_counts(model)
         train_records = load_preferences(data_dir / "preferences_train.jsonl")
         eval_records = load_preferences(data_dir / "preferences_eval.jsonl")
         if rm.data_fraction < 1.0:
             keep = max(1, round(len(train_records) * rm.data_fraction))
             train_records = random.Random(rm.seed).sample(train_records, keep)
-        if ctx.tracker is not None:
-            data_manifest = ctx.input_manifest("data")
-            for name, records in (("preferences_train", train_records), ("preferences_eval", eval_records)):
-                ctx.tracker.log_dataset(name, f"{data_manifest.uri}/{name}.jsonl",
-                                        data_manifest.file(f"{name}.jsonl").sha256,
-                                        "training" if name.endswith("train") else "evaluation", len(records))
+        log_datasets(ctx, {"preferences_train": len(train_records), "preferences_eval": len(eval_records)})
         train = [encode_pair(tokenizer, r, cfg.max_length) for r in train_records]
         held_out = [encode_pair(tokenizer, r, cfg.max_length) for r in eval_records]
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
-        grad_accum = cfg.batch_size // (cfg.micro_batch_size * world_size())
-        engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
-        engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
-        ctx.record_device("train", engine.module)
-        log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
+        trainer = start_training(ctx, f"reward-{rm.name}", model, precision, cfg, steps, model_cfg.dtype)
+        engine, log = trainer.engine, trainer.log
         with ctx.profiler.phase("eval"):
             initial = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size, precision)
         log({"eval/accuracy": initial["eval/accuracy"], "eval/loss": initial["eval/loss"]}, step=0)
         started = time.perf_counter()
         with progress_bar(f"reward-{rm.name}", steps) as advance:
-            for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, rm.seed), start=1):
+            batches = batch_indices(len(train), cfg.batch_size, steps, rm.seed)
+            for step, indices in enumerate(batches, start=1):
                 step_loss, step_correct = 0.0, 0
                 share = local_share(indices)  # every rank draws the same global batch and trains on its share
                 with ctx.profiler.phase("train"):
                     for part in split_micro(share, cfg.micro_batch_size):
-                        both = score(engine, [train[i][0] for i in part] + [train[i][1] for i in part], pad_id,
-                                     precision)
+                        both = score(engine, [train[i][0] for i in part] + [train[i][1] for i in part],
+                                     pad_id, precision)
                         chosen, rejected = both[: len(part)], both[len(part):]
                         loss = bradley_terry_loss(chosen, rejected)
-                        # Mean over the global step's pairs: DeepSpeed divides by grad_accum in backward and
-                        # averages gradients over ranks, so scale back up.
-                        engine.backward(loss / len(indices) * grad_accum * world_size())
-                        engine.step()
+                        trainer.backward(loss, len(indices))  # the mean over the global step's pairs
                         step_loss += float(loss.detach())
                         step_correct += int((chosen > rejected).sum())
-                ctx.profiler.count(tokens=sum(len(train[i][0]) + len(train[i][1]) for i in share), samples=len(share))
+                ctx.profiler.count(tokens=sum(len(train[i][0]) + len(train[i][1]) for i in share),
+                                   samples=len(share))
                 step_loss, step_correct = sum_over_ranks(step_loss, step_correct)
                 train_loss = step_loss / len(indices)
-                if not math.isfinite(train_loss):
-                    raise RuntimeError(f"reward-{rm.name}: loss is {train_loss} at step {step}; lower reward.lr")
+                trainer.check_finite(train_loss, step, "lower reward.lr")
                 step_metrics = {"train/loss": train_loss, "train/accuracy": step_correct / len(indices),
-                                "train/lr": scheduler.get_last_lr()[0]}
+                                "train/lr": trainer.lr()}
                 if step % cfg.eval_every == 0 or step == steps:
                     with ctx.profiler.phase("eval"):
-                        step_metrics.update(evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size,
-                                                           precision))
+                        step_metrics.update(evaluate_pairs(engine.module, held_out, pad_id,
+                                                           cfg.micro_batch_size, precision))
                 log(step_metrics, step=step)
                 advance(f"loss {train_loss:.3f}")
         with ctx.profiler.phase("eval"):
             final = evaluate_pairs(engine.module, held_out, pad_id, cfg.micro_batch_size, precision)
         metrics = {**final, "eval/accuracy_initial": initial["eval/accuracy"], "train/steps": float(steps),
-                   "perf/autocast_bf16": float(precision.autocast_dtype is not None),
-                   "perf/trainable_parameters": float(trainable), "perf/trainable_share": trainable / total,
-                   "timing/train_s": time.perf_counter() - started}
+                   **trainer.perf_metrics(), "timing/train_s": time.perf_counter() - started}
         log({"timing/train_s": metrics["timing/train_s"]}, step=steps)
         with ctx.output_dir() as out:
-            with ctx.profiler.phase("save"):
-                save_trained(engine, out)  # every rank: a collective under ZeRO-3; rank 0 writes
+            trainer.save(out, tokenizer, {
+                "stage": "reward", "name": rm.name,
+                "lora": cfg.lora.model_dump() if cfg.lora.enabled else None, "weight": rm.weight,
+                "steps": steps, "pairs": len(train), "score_mean": final["eval/score_mean"],
+                "score_std": final["eval/score_std"], "metrics": metrics, "inputs": spec.inputs})
             if not is_main():
                 return ctx.rank_result(metrics)
-            with ctx.profiler.phase("save"):
-                tokenizer.save_pretrained(out)
-                dump_json({"stage": "reward", "name": rm.name, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None, "weight": rm.weight, "steps": steps,
-                           "pairs": len(train), "score_mean": final["eval/score_mean"],
-                           "score_std": final["eval/score_std"], "metrics": metrics, "inputs": spec.inputs},
-                          out / "alignflow_checkpoint.json")
             manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "eval/accuracy",
                                                         "name": rm.name})
         return ctx.result(manifest, metrics, "eval/accuracy",

@@ -8,7 +8,6 @@ output). Output: an HF-format safetensors checkpoint with its tokenizer and a si
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 
 import torch
@@ -19,7 +18,7 @@ from alignflow.kernels import selective_log_softmax
 from alignflow.stages.common.devices import device_of
 from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.common.ranks import is_main, local_share, sum_over_ranks, world_size
-from alignflow.stages.common.runtime import StageContext, dump_json, section, stage_main, tracked
+from alignflow.stages.common.runtime import StageContext, section, stage_main, tracked
 from alignflow.stages.common.tokenization import (
     IGNORE_INDEX,
     Encoded,
@@ -27,25 +26,24 @@ from alignflow.stages.common.tokenization import (
     encode_example,
     pad_token_id,
 )
-from alignflow.stages.common.training.deepspeed_setup import initialize
 from alignflow.stages.common.training.loop import (
     batch_indices,
     check_training_section,
-    optim_settings,
     progress_bar,
     split_micro,
     total_steps,
 )
-from alignflow.stages.common.training.lora import apply_lora, parameter_counts, save_trained
+from alignflow.stages.common.training.lora import apply_lora
 from alignflow.stages.common.training.placement import place_for_training, to_device
 from alignflow.stages.common.training.precision import Precision
+from alignflow.stages.common.training.supervised_stage import log_datasets, start_training
 from alignflow.stages.data.formats import load_sft, render_prompt
 
 
 def completion_nll(model, batch: dict[str, torch.Tensor], precision: Precision | None = None
                    ) -> tuple[torch.Tensor, int]:
-    """Summed negative log-likelihood of the completion tokens of a batch, and their count; the batch is moved to
-    the model's device and the forward runs in `precision` (None: the model's dtype).
+    """Summed negative log-likelihood of the completion tokens of a batch, and their count; the batch is moved
+    to the model's device and the forward runs in `precision` (None: the model's dtype).
 
     Uses the kernels' selective log-softmax: no [B, T, V] float32 log-softmax is materialised.
     """
@@ -82,42 +80,32 @@ def run(spec: StageSpec) -> StageResult:
         base_dir, data_dir = ctx.input("base"), ctx.input("data")
         tokenizer = load_tokenizer(base_dir)
         model, precision = place_for_training(
-            ctx, apply_lora(load_causal_lm(base_dir, dtype=model_cfg.dtype), cfg.lora, "sft.lora"), cfg.autocast,
-            model_cfg.dtype, "sft")
-        trainable, total = parameter_counts(model)
+            ctx, apply_lora(load_causal_lm(base_dir, dtype=model_cfg.dtype), cfg.lora, "sft.lora"),
+            cfg.autocast, model_cfg.dtype, "sft")
         pad_id = pad_token_id(tokenizer)
         train_records = load_sft(data_dir / "sft_train.jsonl")
         eval_records = load_sft(data_dir / "sft_eval.jsonl")
-        if ctx.tracker is not None:
-            data_manifest = ctx.input_manifest("data")
-            for name, records in (("sft_train", train_records), ("sft_eval", eval_records)):
-                ctx.tracker.log_dataset(name, f"{data_manifest.uri}/{name}.jsonl",
-                                        data_manifest.file(f"{name}.jsonl").sha256, "training" if
-                                        name.endswith("train") else "evaluation", len(records))
+        log_datasets(ctx, {"sft_train": len(train_records), "sft_eval": len(eval_records)})
 
         def encode(records) -> list[Encoded]:
-            return [encode_example(tokenizer, render_prompt(r.prompt, tokenizer), r.completion, cfg.max_length)
-                    for r in records]
+            return [encode_example(tokenizer, render_prompt(r.prompt, tokenizer), r.completion,
+                                   cfg.max_length) for r in records]
 
         train, held_out = encode(train_records), encode(eval_records)
         truncated = sum(e.truncated for e in train)
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
-        grad_accum = cfg.batch_size // (cfg.micro_batch_size * world_size())
-        engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
-        engine.train()  # from_pretrained returns eval mode; dropout (GPT-2 style models) must be on
-        ctx.record_device("train", engine.module)
+        trainer = start_training(ctx, "sft", model, precision, cfg, steps, model_cfg.dtype)
+        engine, log = trainer.engine, trainer.log
 
         with ctx.profiler.phase("eval"):
             initial_loss = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size, precision)
-        log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
         log({"eval/loss": initial_loss}, step=0)
-        metrics = {"eval/loss_initial": initial_loss, "perf/trainable_parameters": float(trainable),
-                   "perf/trainable_share": trainable / total,
-                   "perf/autocast_bf16": float(precision.autocast_dtype is not None)}
+        metrics = {"eval/loss_initial": initial_loss, **trainer.perf_metrics()}
         tokens_seen, started = 0, time.perf_counter()
         train_loss = float("nan")
         with progress_bar("sft", steps) as advance:
-            for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, cfg.seed), start=1):
+            batches = batch_indices(len(train), cfg.batch_size, steps, cfg.seed)
+            for step, indices in enumerate(batches, start=1):
                 # Every rank draws the same global batch and trains on its share of it.
                 micro = [collate_lm([train[i] for i in part], pad_id)
                          for part in split_micro(local_share(indices), cfg.micro_batch_size)]
@@ -128,22 +116,18 @@ def run(spec: StageSpec) -> StageResult:
                 with ctx.profiler.phase("train"):
                     for batch in micro:
                         nll, _ = completion_nll(engine, batch, precision)
-                        # Token-mean over the whole global step, not a mean of micro-batch means: DeepSpeed
-                        # divides by grad_accum in backward and averages gradients over ranks, so scale back up.
-                        engine.backward(nll / step_tokens * grad_accum * world_size())
-                        engine.step()
+                        trainer.backward(nll, step_tokens)  # the token-mean over the global step
                         step_nll += float(nll.detach())
                 ctx.profiler.count(tokens=local_tokens, samples=len(indices) // world_size())
                 train_loss = sum_over_ranks(step_nll)[0] / step_tokens
-                if not math.isfinite(train_loss):
-                    raise RuntimeError(f"sft: loss is {train_loss} at step {step}; lower sft.lr or check the data")
+                trainer.check_finite(train_loss, step, "lower sft.lr or check the data")
                 tokens_seen += step_all_tokens
-                step_metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
+                step_metrics = {"train/loss": train_loss, "train/lr": trainer.lr(),
                                 "perf/tokens_per_s": tokens_seen / (time.perf_counter() - started)}
                 if step % cfg.eval_every == 0 or step == steps:
                     with ctx.profiler.phase("eval"):
-                        step_metrics["eval/loss"] = eval_loss(engine.module, held_out, pad_id, cfg.micro_batch_size,
-                                                              precision)
+                        step_metrics["eval/loss"] = eval_loss(engine.module, held_out, pad_id,
+                                                              cfg.micro_batch_size, precision)
                 log(step_metrics, step=step)
                 advance(f"loss {train_loss:.3f}")
         final_loss = step_metrics["eval/loss"]
@@ -152,15 +136,12 @@ def run(spec: StageSpec) -> StageResult:
                         "timing/train_s": time.perf_counter() - started})
         log({"eval/loss_final": final_loss, "timing/train_s": metrics["timing/train_s"]}, step=steps)
         with ctx.output_dir() as out:
-            with ctx.profiler.phase("save"):
-                save_trained(engine, out)  # every rank: a collective under ZeRO-3; rank 0 writes
+            trainer.save(out, tokenizer, {
+                "stage": "sft", "steps": steps, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
+                "examples": len(train), "truncated_examples": truncated, "metrics": metrics,
+                "inputs": spec.inputs, "input_digests": spec.input_digests})
             if not is_main():
                 return ctx.rank_result(metrics)
-            with ctx.profiler.phase("save"):
-                tokenizer.save_pretrained(out)
-                dump_json({"stage": "sft", "steps": steps, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None, "examples": len(train), "truncated_examples": truncated,
-                           "metrics": metrics, "inputs": spec.inputs, "input_digests": spec.input_digests},
-                          out / "alignflow_checkpoint.json")
             manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "eval/loss"})
         return ctx.result(manifest, metrics, "eval/loss",
                           message=f"held-out loss {initial_loss:.3f} -> {final_loss:.3f}")

@@ -1,4 +1,4 @@
-"""The DPO stage: direct preference optimisation of the SFT policy on preference pairs, with no reward model or engine.
+"""The DPO stage: direct preference optimisation of the SFT policy, with no reward model or generation engine.
 
 Inputs: `sft` (the policy to start from, which is also the frozen reference) and `data` (the
 preference pairs). The reference log-probs of every pair are computed once, before the first
@@ -12,42 +12,38 @@ tokenizer, and `adapter/` with LoRA), `metrics.jsonl` (one row per optimizer ste
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from alignflow.config import DPOConfig, ModelConfig
 from alignflow.contract import StageResult, StageSpec
-from alignflow.kernels import selective_log_softmax
-from alignflow.stages.common.devices import device_of
 from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
-from alignflow.stages.common.ranks import is_main, local_share, sum_over_ranks, world_size
+from alignflow.stages.common.ranks import is_main, local_share, sum_over_ranks
 from alignflow.stages.common.runtime import (
     StageContext,
     StageInputError,
-    dump_json,
     section,
     stage_main,
     tracked,
 )
-from alignflow.stages.common.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
-from alignflow.stages.common.training.deepspeed_setup import initialize
+from alignflow.stages.common.tokenization import encode_completion, encode_prompt, pad_token_id
 from alignflow.stages.common.training.loop import (
     batch_indices,
     check_training_section,
-    optim_settings,
     progress_bar,
     split_micro,
     total_steps,
 )
-from alignflow.stages.common.training.lora import apply_lora, parameter_counts, save_trained
+from alignflow.stages.common.training.lora import apply_lora
 from alignflow.stages.common.training.placement import place_for_training
 from alignflow.stages.common.training.precision import Precision
+from alignflow.stages.common.training.response_logprobs import response_logprobs
+from alignflow.stages.common.training.supervised_stage import log_datasets, start_training
 from alignflow.stages.data.formats import load_preferences, render_prompt
 from alignflow.stages.dpo.losses import LENGTH_NORMALISED, preference_loss
 
@@ -62,8 +58,8 @@ class EncodedPair:
 
 
 def encode_pairs(tokenizer, records, max_length: int) -> tuple[list[EncodedPair], dict[str, int]]:
-    """Encoded pairs and what was dropped: pairs whose prompt leaves no room for a response ('no_room') and pairs
-    whose chosen response equals the rejected one ('identical', no preference to learn)."""
+    """Encoded pairs and what was dropped: pairs whose prompt leaves no room for a response ('no_room') and
+    pairs whose chosen response equals the rejected one ('identical', no preference to learn)."""
     pairs, dropped = [], {"no_room": 0, "identical": 0}
     for record in records:
         prompt = encode_prompt(tokenizer, render_prompt(record.prompt, tokenizer))
@@ -79,27 +75,13 @@ def encode_pairs(tokenizer, records, max_length: int) -> tuple[list[EncodedPair]
     return pairs, dropped
 
 
-def sequence_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool, precision: Precision | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """([N] chosen, [N] rejected) log pi(response | prompt) of the pairs: summed over response tokens, or their
-    per-token mean when `mean`. One forward over the 2N right-padded sequences, on the model's device, in
-    `precision` (None: the model's dtype)."""
-    device = device_of(model)
-    sequences = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
-    starts = [len(p.prompt) for p in pairs] * 2
-    input_ids = pad_right(sequences, pad_id).to(device)
-    attention_mask = pad_right([[1] * len(s) for s in sequences], 0).to(device)
-    with precision.forward() if precision is not None else contextlib.nullcontext():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    targets = input_ids[:, 1:]
-    positions = torch.arange(targets.shape[1], device=device).unsqueeze(0)
-    # Position t predicts token t+1: the response tokens are targets start-1 .. len-2.
-    response = (positions >= torch.tensor(starts, device=device).unsqueeze(1) - 1) & (attention_mask[:, 1:] > 0)
-    logp = selective_log_softmax(logits[:, :-1], targets) * response
-    per_sequence = logp.sum(-1)
-    if mean:
-        per_sequence = per_sequence / response.sum(-1)
-    return per_sequence[: len(pairs)], per_sequence[len(pairs):]
+def sequence_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool,
+                      precision: Precision | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] chosen, [N] rejected) float32 log pi(response | prompt) of the pairs: summed over response tokens,
+    or their per-token mean when `mean`. One forward over the 2N sequences (`response_logprobs`)."""
+    both = response_logprobs(model, [p.prompt for p in pairs] * 2,
+                             [p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id, mean, precision)
+    return both[: len(pairs)], both[len(pairs):]
 
 
 def chosen_nll(chosen_logprobs: torch.Tensor, pairs: list[EncodedPair], mean: bool) -> torch.Tensor:
@@ -123,15 +105,37 @@ def reference_logprobs(model, pairs: list[EncodedPair], pad_id: int, mean: bool,
 
 
 @torch.no_grad()
-def evaluate_pairs(model, pairs: list[EncodedPair], reference: tuple[torch.Tensor, torch.Tensor], cfg: DPOConfig,
-                   pad_id: int, precision: Precision | None = None) -> dict[str, float]:
-    """Held-out DPO loss and implicit-reward metrics (eval/loss, eval/rewards_{chosen,rejected,margin,accuracy})."""
+def evaluate_pairs(model, pairs: list[EncodedPair], reference: tuple[torch.Tensor, torch.Tensor],
+                   cfg: DPOConfig, pad_id: int, precision: Precision | None = None) -> dict[str, float]:
+    """Held-out DPO loss and implicit-reward metrics (eval/loss and
+    eval/rewards_{chosen,rejected,margin,accuracy})."""
     mean = cfg.loss in LENGTH_NORMALISED
     chosen, rejected = reference_logprobs(model, pairs, pad_id, mean, cfg.micro_batch_size, precision)
     out = preference_loss(cfg.loss, chosen, rejected, *reference, cfg.beta, cfg.label_smoothing,
                           chosen_nll=chosen_nll(chosen, pairs, mean), nll_coef=cfg.nll_coef)
     return {"eval/loss": float(out.losses.mean()),
             **{k.replace("rewards/", "eval/rewards_"): v for k, v in out.metrics().items()}}
+
+
+def load_pairs(data_dir: Path, tokenizer, cfg: DPOConfig
+               ) -> tuple[list[EncodedPair], list[EncodedPair], dict[str, int]]:
+    """(training pairs, held-out pairs, what was dropped from training) of the data input; the held-out pairs
+    are optional. No usable training pair is a StageInputError that says why."""
+    train_file, eval_file = data_dir / "preferences_train.jsonl", data_dir / "preferences_eval.jsonl"
+    if not train_file.is_file():
+        raise StageInputError(f"dpo: the data input has no preferences_train.jsonl ({data_dir}); DPO trains "
+                              "on preference pairs {prompt, chosen, rejected}: set data.preferences")
+    train, dropped = encode_pairs(tokenizer, load_preferences(train_file), cfg.max_length)
+    held_out, _ = (encode_pairs(tokenizer, load_preferences(eval_file), cfg.max_length) if eval_file.is_file()
+                   else ([], {}))
+    if not train:
+        raise StageInputError(f"dpo: no usable preference pair in {train_file.name} ({dropped['no_room']} "
+                              f"with no room for a response at dpo.max_length={cfg.max_length}, "
+                              f"{dropped['identical']} with chosen == rejected): DPO needs preference pairs")
+    if dropped["identical"] or dropped["no_room"]:
+        print(f"dpo: skipped {dropped['identical']} pairs with chosen == rejected and {dropped['no_room']} "
+              f"whose prompt fills dpo.max_length={cfg.max_length}", file=sys.stderr, flush=True)
+    return train, held_out, dropped
 
 
 def run(spec: StageSpec) -> StageResult:
@@ -144,52 +148,33 @@ def run(spec: StageSpec) -> StageResult:
         sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
         tokenizer = load_tokenizer(sft_dir)
         pad_id = pad_token_id(tokenizer)
-        train_file, eval_file = data_dir / "preferences_train.jsonl", data_dir / "preferences_eval.jsonl"
-        if not train_file.is_file():
-            raise StageInputError(f"dpo: the data input has no preferences_train.jsonl ({data_dir}); DPO trains on "
-                                  "preference pairs {prompt, chosen, rejected}: set data.preferences")
-        train, dropped = encode_pairs(tokenizer, load_preferences(train_file), cfg.max_length)
-        held_out, _ = encode_pairs(tokenizer, load_preferences(eval_file), cfg.max_length) \
-            if eval_file.is_file() else ([], {})
-        if not train:
-            raise StageInputError(f"dpo: no usable preference pair in {train_file.name} ({dropped['no_room']} with "
-                                  f"no room for a response at dpo.max_length={cfg.max_length}, "
-                                  f"{dropped['identical']} with chosen == rejected): DPO needs preference pairs")
-        if dropped["identical"] or dropped["no_room"]:
-            print(f"dpo: skipped {dropped['identical']} pairs with chosen == rejected and {dropped['no_room']} whose "
-                  f"prompt fills dpo.max_length={cfg.max_length}", file=sys.stderr, flush=True)
-        if ctx.tracker is not None:
-            data_manifest = ctx.input_manifest("data")
-            for name, count in (("preferences_train", len(train)), ("preferences_eval", len(held_out))):
-                if count:
-                    ctx.tracker.log_dataset(name, f"{data_manifest.uri}/{name}.jsonl",
-                                            data_manifest.file(f"{name}.jsonl").sha256,
-                                            "training" if name.endswith("train") else "evaluation", count)
+        train, held_out, dropped = load_pairs(data_dir, tokenizer, cfg)
+        log_datasets(ctx, {name: count for name, count in (("preferences_train", len(train)),
+                                                            ("preferences_eval", len(held_out))) if count})
         model, precision = place_for_training(
-            ctx, apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "dpo.lora"), cfg.autocast,
-            model_cfg.dtype, "dpo")
-        trainable, total = parameter_counts(model)
-        mean = cfg.loss in LENGTH_NORMALISED
+            ctx, apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "dpo.lora"),
+            cfg.autocast, model_cfg.dtype, "dpo")
+        mean, batch = cfg.loss in LENGTH_NORMALISED, cfg.micro_batch_size
         with ctx.profiler.phase("reference"):
             # The policy before its first update is the reference (LoRA's B matrices start at zero).
-            ref_train = reference_logprobs(model, train, pad_id, mean, cfg.micro_batch_size, precision)
-            ref_eval = (reference_logprobs(model, held_out, pad_id, mean, cfg.micro_batch_size, precision) if held_out
+            ref_train = reference_logprobs(model, train, pad_id, mean, batch, precision)
+            ref_eval = (reference_logprobs(model, held_out, pad_id, mean, batch, precision) if held_out
                         else None)
         steps = total_steps(len(train), cfg.epochs, cfg.batch_size)
-        grad_accum = cfg.batch_size // (cfg.micro_batch_size * world_size())
-        engine, _, scheduler = initialize(model, optim_settings(cfg, steps, model_cfg.dtype))
-        engine.train()
-        ctx.record_device("train", engine.module)
-        print(f"dpo: {cfg.loss} loss, beta {cfg.beta:g}, {len(train)} pairs, {steps} steps; trains {trainable:,} of "
-              f"{total:,} parameters" + (f" (LoRA rank {cfg.lora.rank})" if cfg.lora.enabled else ""),
-              file=sys.stderr, flush=True)
-        log = ctx.tracker.log_metrics if ctx.tracker is not None else (lambda *a, **k: None)
-        initial = evaluate_pairs(engine.module, held_out, ref_eval, cfg, pad_id, precision) if held_out else {}
+        trainer = start_training(ctx, "dpo", model, precision, cfg, steps, model_cfg.dtype)
+        engine, log = trainer.engine, trainer.log
+        print(f"dpo: {cfg.loss} loss, beta {cfg.beta:g}, {len(train)} pairs, {steps} steps; trains "
+              f"{trainer.trainable:,} of {trainer.total:,} parameters"
+              + (f" (LoRA rank {cfg.lora.rank})" if cfg.lora.enabled else ""), file=sys.stderr, flush=True)
+        def evaluate() -> dict[str, float]:
+            return evaluate_pairs(engine.module, held_out, ref_eval, cfg, pad_id, precision)
+
+        initial = evaluate() if held_out else {}
         log({"eval/loss": initial["eval/loss"]} if initial else {}, step=0)
         history: list[dict[str, float]] = []
         started = time.perf_counter()
         with progress_bar("dpo", steps) as advance:
-            for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, cfg.seed), start=1):
+            for step, indices in enumerate(batch_indices(len(train), cfg.batch_size, steps, cfg.seed), 1):
                 step_losses, chosen_rewards, rejected_rewards = [], [], []
                 share = local_share(indices)  # every rank draws the same global batch and trains on its share
                 with ctx.profiler.phase("train"):
@@ -201,65 +186,57 @@ def run(spec: StageSpec) -> StageResult:
                                               ref_train[1][rows], cfg.beta, cfg.label_smoothing,
                                               chosen_nll=chosen_nll(chosen.float(), pairs, mean),
                                               nll_coef=cfg.nll_coef)
-                        # Mean over the global step's pairs: DeepSpeed divides by grad_accum in backward and
-                        # averages gradients over ranks, so scale back up.
-                        engine.backward(out.losses.sum() / len(indices) * grad_accum * world_size())
-                        engine.step()
+                        trainer.backward(out.losses.sum(), len(indices))  # the mean over the step's pairs
                         step_losses.append(out.losses.detach())
                         chosen_rewards.append(out.chosen_rewards)
                         rejected_rewards.append(out.rejected_rewards)
-                ctx.profiler.count(tokens=sum(2 * len(train[i].prompt) + len(train[i].chosen) + len(train[i].rejected)
-                                              for i in share), samples=len(share))
-                losses, chosen_r, rejected_r = (torch.cat(x) for x in (step_losses, chosen_rewards, rejected_rewards))
+                ctx.profiler.count(tokens=sum(2 * len(train[i].prompt) + len(train[i].chosen)
+                                              + len(train[i].rejected) for i in share), samples=len(share))
+                losses, chosen_r, rejected_r = (torch.cat(x)
+                                                for x in (step_losses, chosen_rewards, rejected_rewards))
                 # Means over the global batch: sums over this rank's share, summed over ranks.
                 loss_sum, chosen_sum, rejected_sum, correct = sum_over_ranks(
                     float(losses.sum()), float(chosen_r.sum()), float(rejected_r.sum()),
                     float((chosen_r > rejected_r).sum()))
-                train_loss = loss_sum / len(indices)
-                if not math.isfinite(train_loss):
-                    raise RuntimeError(f"dpo: loss is {train_loss} at step {step}; lower dpo.lr or raise dpo.beta")
-                metrics = {"step": step, "train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
-                           "rewards/chosen": chosen_sum / len(indices), "rewards/rejected": rejected_sum / len(indices),
-                           "rewards/margin": (chosen_sum - rejected_sum) / len(indices),
-                           "rewards/accuracy": correct / len(indices)}
+                n = len(indices)
+                train_loss = loss_sum / n
+                trainer.check_finite(train_loss, step, "lower dpo.lr or raise dpo.beta")
+                metrics = {"step": step, "train/loss": train_loss, "train/lr": trainer.lr(),
+                           "rewards/chosen": chosen_sum / n, "rewards/rejected": rejected_sum / n,
+                           "rewards/margin": (chosen_sum - rejected_sum) / n, "rewards/accuracy": correct / n}
                 if held_out and (step % cfg.eval_every == 0 or step == steps):
                     with ctx.profiler.phase("eval"):
-                        metrics.update(evaluate_pairs(engine.module, held_out, ref_eval, cfg, pad_id, precision))
+                        metrics.update(evaluate())
                 history.append(metrics)
                 log({k: v for k, v in metrics.items() if k != "step"}, step=step)
                 advance(f"loss {train_loss:.3f} margin {metrics['rewards/margin']:+.3f}")
         final = history[-1]
         result_metrics = {k: v for k, v in final.items() if k != "step"}
         result_metrics.update({"train/steps": float(steps), "timing/train_s": time.perf_counter() - started,
-                               "perf/trainable_parameters": float(trainable),
-                               "perf/trainable_share": trainable / total,
-                               "perf/autocast_bf16": float(precision.autocast_dtype is not None)})
+                               **trainer.perf_metrics()})
         if initial:
             result_metrics["eval/loss_initial"] = initial["eval/loss"]
         with ctx.output_dir() as out:
-            with ctx.profiler.phase("save"):
-                policy_dir = out / "policy"
-                policy_dir.mkdir()
-                save_trained(engine, policy_dir)  # every rank: a collective under ZeRO-3; rank 0 writes
+            trainer.save(out / "policy", tokenizer, {
+                "stage": "dpo", "loss": cfg.loss, "beta": cfg.beta, "steps": steps, "pairs": len(train),
+                "dropped_pairs": dropped, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
+                "metrics": result_metrics, "inputs": spec.inputs, "input_digests": spec.input_digests,
+            }, files={
+                out / "metrics.jsonl": "".join(json.dumps(m) + "\n" for m in history),
+                out / "alignflow_run.json": {"algorithm": "dpo", "loss": cfg.loss, "beta": cfg.beta,
+                                             "steps": steps, "final": final},
+            })
             if not is_main():
                 return ctx.rank_result(result_metrics)
-            with ctx.profiler.phase("save"):
-                tokenizer.save_pretrained(policy_dir)
-                dump_json({"stage": "dpo", "loss": cfg.loss, "beta": cfg.beta, "steps": steps, "pairs": len(train),
-                           "dropped_pairs": dropped, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
-                           "metrics": result_metrics, "inputs": spec.inputs, "input_digests": spec.input_digests},
-                          policy_dir / "alignflow_checkpoint.json")
-                (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in history))
-                dump_json({"algorithm": "dpo", "loss": cfg.loss, "beta": cfg.beta, "steps": steps, "final": final},
-                          out / "alignflow_run.json")
             if ctx.tracker is not None:
                 ctx.tracker.log_artifact(out / "metrics.jsonl", "reports")
             key = "eval/rewards_accuracy" if held_out else "rewards/accuracy"
             manifest = ctx.publish_output(out, summary={"metrics": result_metrics, "key_metric": key})
         accuracy = result_metrics.get("eval/rewards_accuracy", result_metrics["rewards/accuracy"])
+        loss = result_metrics.get("eval/loss", train_loss)
         return ctx.result(manifest, result_metrics, key,
-                          message=f"{cfg.loss} loss {result_metrics.get('eval/loss', train_loss):.3f}, implicit-reward "
-                                  f"accuracy {accuracy:.3f} after {steps} steps")
+                          message=f"{cfg.loss} loss {loss:.3f}, implicit-reward accuracy {accuracy:.3f} "
+                                  f"after {steps} steps")
 
 
 def main(argv: list[str] | None = None) -> int:
