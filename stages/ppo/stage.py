@@ -5,8 +5,13 @@ and `reward_<name>` (frozen reward models; the first also initialises the PPO cr
 `policy/` (final actor, HF format), `critic/` (PPO), `rollouts/iter_NNNNN.parquet`,
 `checkpoints/iter_NNNNN/` (resumable, each with its own manifest), `metrics.jsonl`, `profile.md`.
 
-Each iteration reads like the algorithm: generate -> score -> reference/old log-probs -> values ->
-advantages -> write rollouts -> PPO epochs -> refit the engine, one profiler phase each.
+This file is the algorithm: set up (prompts, models and trainers, the engine; resume from the last checkpoint),
+then per iteration generate -> score -> the experience's passes (reference and old log-probs, values) ->
+advantages -> PPO epochs -> write rollouts -> refit the engine -> log and checkpoint, one profiler phase each;
+then publish. Its parts are modules beside it: scoring.py (scores, KL, advantages), experience_passes.py,
+training_loop.py (the PPO epochs), critic_schedule.py (where the critic runs), checkpoints.py (checkpoints,
+resume, the final outputs), rollout_client.py, rollout_workers.py and rollout_writer.py (generation and the
+rollout files), losses.py (the pure tensor functions).
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from __future__ import annotations
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -31,11 +37,8 @@ from alignflow.stages.common.generation.interface import (
     load_engine,
 )
 from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
-from alignflow.stages.common.ranks import (
-    from_main,
-    is_main,
-    world_size,
-)
+from alignflow.stages.common.profiler import Profiler
+from alignflow.stages.common.ranks import from_main, is_main, world_size
 from alignflow.stages.common.reward_scoring import load_reward_models
 from alignflow.stages.common.runtime import (
     StageContext,
@@ -55,10 +58,7 @@ from alignflow.stages.common.training.lora import (
     parameter_counts,
     unwrap_lora,
 )
-from alignflow.stages.common.training.plain_trainer import (
-    initialize_trainer,
-    resolve_train_backend,
-)
+from alignflow.stages.common.training.plain_trainer import initialize_trainer, resolve_train_backend
 from alignflow.stages.common.training.precision import Precision, resolve_precision
 from alignflow.stages.data.evaluators import Evaluator, load_evaluator
 from alignflow.stages.data.formats import load_prompts, render_prompt
@@ -73,11 +73,7 @@ from alignflow.stages.ppo.checkpoints import (
     working_dir,
     write_final,
 )
-from alignflow.stages.ppo.critic_schedule import (
-    overlaps_critic,
-    started_critic,
-    values_from_first_forward,
-)
+from alignflow.stages.ppo.critic_schedule import overlaps_critic, started_critic, values_from_first_forward
 from alignflow.stages.ppo.critic_worker import CriticWorker, load_critic_model
 from alignflow.stages.ppo.experience import Experience, assemble
 from alignflow.stages.ppo.experience_passes import (
@@ -89,7 +85,7 @@ from alignflow.stages.ppo.nan_guard import NonFiniteError, check_finite
 from alignflow.stages.ppo.reward_functions import dataset_columns, load_reward_function
 from alignflow.stages.ppo.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
 from alignflow.stages.ppo.rollout_workers import RolloutWorkers
-from alignflow.stages.ppo.rollout_writer import RolloutWriter
+from alignflow.stages.ppo.rollout_writer import RolloutWriter, rollout_rows
 from alignflow.stages.ppo.scoring import (
     checked_advantages,
     compute_scores,
@@ -101,12 +97,38 @@ from alignflow.stages.ppo.trainer_settings import optim_settings, training_atten
 from alignflow.stages.ppo.training_loop import StaleOldLogprobs, train_on
 from alignflow.storage import open_store
 
-T = TypeVar("T")
+
+@dataclass
+class Models:
+    """What an iteration runs: the trained models, the frozen ones and the reward functions."""
+
+    actor: Any                       # the actor's trainer (plain torch or DeepSpeed); .module is the model
+    critic: Any                      # PPO: the critic's trainer, or its own process (CriticWorker); GRPO: None
+    reference: Any                   # the frozen reference; None when the KL plays no part (needs_reference)
+    reward_models: list[Any]         # the frozen reward models, on rank 0 only (it scores for every rank)
+    reward_fns: list[tuple[str, Callable]]  # (name, function): ppo.reward_functions
+    precision: Precision             # the training forwards' dtype and autocast (ppo.autocast)
 
 
-# ----------------------------------------------------------------------------------------------
-# The algorithm
-# ----------------------------------------------------------------------------------------------
+@dataclass
+class Prompts:
+    """The prompt data set the iterations draw from, and how their completions are judged beside the reward."""
+
+    records: list[Any]               # data/prompts.jsonl, one record per prompt (with its dataset columns)
+    texts: list[str]                 # each prompt rendered with the chat template
+    ids: list[list[int]]             # each rendered prompt tokenized
+    tokenizer: Any
+    pad_id: int
+    evaluator: Evaluator | None      # the task's held-out gold score (stages/data/evaluators.py), if it has one
+
+
+@dataclass
+class Outputs:
+    """Where an iteration's outputs go."""
+
+    folder: Path                     # the working folder (checkpoints.working_dir): rollouts/, checkpoints/
+    rollout_writer: RolloutWriter
+    profiler: Profiler               # one phase per step of the iteration; timing/* metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,25 +154,299 @@ def run(spec: StageSpec) -> StageResult:
     out = working_dir(ctx)
     state = RLState(cfg)
     resume = latest_checkpoint(spec)
-    # The critic's process (ppo.critic_process) starts first: its interpreter, imports and model load (~3.4 s on 2
-    # cores, most of it transformers' imports) run beside this process's setup, loads and first rollout; its first
-    # request (iteration 1's values, or a resume's checkpoint) waits for the rest. Closed on every exit.
+    # The critic's own process (ppo.critic_process) starts first, so that its interpreter, imports and model
+    # load run beside this process's setup, loads and first rollout. Closed on every exit.
     with started_critic(ctx, cfg, model_cfg, engine_cfg, device) as remote_critic, tracked(ctx):
-        return _train(ctx, spec, cfg, model_cfg, engine_cfg, reward_fns, out, state, resume, device, remote_critic)
+        return _train(ctx, cfg, model_cfg, engine_cfg, reward_fns, out, state, resume, device, remote_critic)
 
 
-def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,
-           reward_fns, out: Path, state: RLState, resume: tuple[int, str] | None, device: torch.device,
-           remote_critic: CriticWorker | None = None) -> StageResult:
-    profiler = ctx.profiler
+def _train(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,
+           reward_fns: list[tuple[str, Callable]], out: Path, state: RLState, resume: tuple[int, str] | None,
+           device: torch.device, remote_critic: CriticWorker | None) -> StageResult:
+    """Set up, resume, the iterations, publish."""
+    spec, profiler = ctx.spec, ctx.profiler
     with profiler.phase("setup"):
-        sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
-        tokenizer = load_tokenizer(sft_dir)
-        pad_id = pad_token_id(tokenizer)
-        prompts = load_prompts(data_dir / "prompts.jsonl")
-        evaluator = load_evaluator(data_dir, prompts=("prompts",))  # the held-out gold score, where the task has one
-        prompt_texts = [render_prompt(p.prompt, tokenizer) for p in prompts]
-        prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
+        prompts = _load_prompts(ctx)
+    models, trainable, total = _build_models(ctx, cfg, model_cfg, engine_cfg, reward_fns, device, remote_critic)
+    with profiler.phase("engine_load"):
+        # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.
+        if world_size() > 1:  # rank 0 generates (and scores) for every trainer rank
+            rollouts = RanksRollouts(open_rollouts(ctx, cfg, engine_cfg, device) if is_main() else None, is_main(),
+                                     from_main)
+        else:
+            rollouts = open_rollouts(ctx, cfg, engine_cfg, device)
+    with closing(rollouts):  # every exit path closes it: no rollout worker process outlives the stage
+        if resume is not None:
+            load_checkpoint(ctx, resume[1], state, models.actor, models.critic)
+            with profiler.phase("refit"):
+                rollouts.refit(*refit_stream(models.actor))
+        rollouts.weights_version = state.iteration
+        if ctx.tracker is not None:
+            if resume is not None:
+                start_resumed_run(ctx, state)
+            state.mlflow_run_id = ctx.tracker.run_id
+        last_checkpoint = resume[1] if resume else None
+        outputs = Outputs(out, RolloutWriter(open_store(spec.output_uri, spec.storage), spec.output_uri), profiler)
+        in_flight = None
+        startup = startup_metrics(ctx)
+        if is_main():
+            print(f"{cfg.algorithm}: start-up " + ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s"
+                                                           for k, v in startup.items()), file=sys.stderr, flush=True)
+        try:
+            # Every file written before a checkpoint, the publish or an error's exit.
+            with closing(outputs.rollout_writer):
+                while state.iteration < cfg.iterations:
+                    iteration = state.iteration + 1
+                    started = time.perf_counter()
+                    with profiler.phase("generate"):
+                        if in_flight is None:
+                            in_flight = rollouts.submit(rollout_request(cfg, iteration, prompts.ids))
+                        rollout = rollouts.result(in_flight)
+                    in_flight = None
+                    if cfg.async_rollouts and iteration < cfg.iterations:
+                        in_flight = rollouts.submit(rollout_request(cfg, iteration + 1, prompts.ids))
+                    metrics = _iteration(iteration, cfg, state, rollout, rollouts, models, prompts, outputs, started)
+                    state.iteration = iteration
+                    state.history.append(metrics)
+                    _log_iteration(ctx, cfg, iteration, metrics)
+                    if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
+                        with profiler.phase("checkpoint"):
+                            outputs.rollout_writer.wait()  # the checkpoint's iterations have their rollouts on disk
+                            last_checkpoint = save_checkpoint(ctx, out, state, models.actor, models.critic)
+        except NonFiniteError as exc:
+            where = publish_last_good(ctx, out, state, models.actor, models.critic, last_checkpoint, exc)
+            raise NonFiniteError(f"{exc}; stopped. Last good checkpoint: {where}") from None
+        return _publish(ctx, cfg, state, models, prompts.tokenizer, out, startup, trainable, total)
+
+
+def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
+               rollouts: RolloutClient | RolloutWorkers | RanksRollouts, models: Models, prompts: Prompts,
+               outputs: Outputs, started: float) -> dict[str, float]:
+    """One RL iteration on a finished rollout (`started`: when the loop asked for it); returns its metrics
+    (namespaced) with 'iteration'."""
+    profiler = outputs.profiler
+    generation, rows = rollout.generation, rollout.request.prompt_indices
+    # Generated by an older policy than the one about to train (async rollouts): the engine's log-probs are
+    # the behaviour policy's, and the PPO ratio is taken against them.
+    off_policy = rollout.weights_version < state.iteration
+    memory: dict[str, float] = {}
+    if rollouts.unload_during_training:  # its KV cache, and on a GPU its weights, freed while the trainer trains
+        with profiler.phase("unload"):
+            memory = rollouts.unload()
+    profiler.count(tokens=sum(generation.lengths), samples=len(rows))
+    completions = [prompts.tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.response_token_ids]
+    texts = [prompts.texts[i] for i in rows]
+    exp = _experience_of(rollout, prompts.pad_id, device_of(models.actor))
+    mask = exp.response_mask
+    # Off-policy (async): the old log-probs are the proximal policy's (the actor now, before this update),
+    # and the engine's, the behaviour policy's, weight each token (the decoupled objective).
+    source = "recompute" if off_policy else old_logprob_source(cfg, models.precision, state, len(rows))
+
+    def score() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """(raw score, its components, the gold score): rank 0 scores (the others hold no reward model) and
+        sends the scores to every rank."""
+        scored = None
+        if is_main():
+            sequences = [p + r for p, r in zip(rollout.request.prompt_ids, generation.response_token_ids, strict=True)]
+            raw, components = compute_scores(models.reward_models, models.reward_fns, texts, completions, sequences,
+                                             generation.response_token_ids, list(generation.finish_reasons),
+                                             prompts.pad_id, cfg,
+                                             dataset_columns(prompts.records, rows) if models.reward_fns else None)
+            gold = (torch.tensor([prompts.evaluator(t, c) for t, c in zip(texts, completions, strict=True)])
+                    if prompts.evaluator is not None else None)
+            scored = (raw, components, gold)
+        return from_main(scored)
+
+    # score, reference, old_logprobs, values: one phase each.
+    values_first = not off_policy and values_from_first_forward(models.actor, models.critic, cfg, len(rows))
+    raw, components, gold = experience_passes(exp, cfg, models.actor, models.critic, models.reference,
+                                              models.precision, source, profiler, score, with_values=not values_first)
+    check_finite("the reward", raw, iteration)
+    finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
+    exp.scores = shape_scores(raw, finished, state, cfg).to(mask.device)
+    with_reference = needs_reference(cfg)
+    if off_policy:
+        exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
+                                                     cfg.async_weight_cap)
+    kl_coef = state.kl_controller.value
+    with profiler.phase("advantages"):
+        kl_and_advantages(exp, cfg, kl_coef, with_reference, iteration, values_known=not values_first)
+    with profiler.phase("train"):
+        loss_metrics, source = _update_models(iteration, cfg, state, exp, models, kl_coef, source, values_first)
+    # After training: the values (and so the advantages) may come from the critic's first training forward, and
+    # the stale-log-prob fallback recomputes the KL.
+    seq_kl = rl.sequence_kl(exp.kl, mask)
+    # Rank 0 writes the file, in line or on the writer's thread (RolloutWriter: where a core is free for it).
+    with profiler.phase("io"):
+        if is_main():
+            outputs.rollout_writer.submit(
+                rollout_rows(rollout, prompts.records, texts, completions, exp, components, seq_kl, with_reference),
+                outputs.folder / "rollouts" / f"iter_{iteration:05d}.parquet")
+    with profiler.phase("generate"):
+        rollouts.wait_idle()  # async: the next iteration's rollout, still generating on the old weights
+    if rollouts.unload_during_training:
+        with profiler.phase("reload"):
+            memory |= rollouts.reload()
+    with profiler.phase("refit"):
+        refit = rollouts.refit(*refit_stream(models.actor))
+    state.kl_controller.update(float(seq_kl.mean()), n_steps=len(rows))
+
+    lengths = mask.sum(-1)
+    metrics: dict[str, float] = {
+        "iteration": float(iteration),
+        "rollout/score_mean": float(raw.mean()),
+        "rollout/reward_total_mean": float(exp.scores.mean()),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/eos_fraction": float(finished.float().mean()),
+        "rollout/old_logprobs_recomputed": float(source != "engine"),
+        "kl/coef": float(kl_coef),
+        "kl/coef_next": float(state.kl_controller.value),
+        "refit/bytes": float(refit.bytes),
+        "refit/seconds": float(refit.seconds),  # the trainer's wall time of the refit (stream, send, every ack)
+        # Rollout workers: bytes the trainer broadcast (R x refit/bytes) and how evenly the queue spread the work.
+        **({"refit/bytes_sent": float(refit.bytes_sent)} if hasattr(refit, "bytes_sent") else {}),
+        **{k: v for k, v in generation.metrics.items() if k.startswith("perf/rollout_")},
+        **memory,
+        "rollout/policy_lag": float(state.iteration - rollout.weights_version),
+        "timing/generate_engine": rollout.seconds,
+        **{f"rollout/reward_{name}_mean": float(v.mean()) for name, v in components.items()},
+        **{k if "/" in k else f"losses/{k}": v for k, v in loss_metrics.items()},
+        **profiler.iteration_metrics(),
+        "timing/iteration": time.perf_counter() - started,
+    }
+    if with_reference:
+        metrics["kl/mean"] = float(seq_kl.mean())
+    if source == "recompute" and "rollout/logprob_engine_vs_actor_max" not in metrics:
+        metrics["rollout/logprob_engine_vs_actor_max"] = float(((exp.rollout_logprobs - exp.old_logprobs).abs()
+                                                                * mask).max())
+    if exp.values is not None:
+        metrics["losses/explained_variance"] = float(rl.explained_variance(exp.values, exp.returns, mask))
+    if gold is not None:
+        metrics["rollout/gold_score_mean"] = float(gold.mean())
+    return metrics
+
+
+def _update_models(iteration: int, cfg: PPOConfig, state: RLState, exp: Experience, models: Models,
+                   kl_coef: float, source: str, values_first: bool) -> tuple[dict[str, float], str]:
+    """The PPO epochs (train_on) on exp; returns their metrics and where the old log-probs came from in the end.
+
+    Under ppo.old_logprobs: auto the engine's old log-probs (source 'engine', on-policy only) are checked
+    against the first minibatch's forward before any step; stale, they are recomputed, the KL and advantages
+    with them, and the epochs run again from the same weights (and every later iteration recomputes).
+    values_first: the critic's first training forward gives the values (values_from_first_forward)."""
+    actor, critic, precision = models.actor, models.critic, models.precision
+    actor.train()
+    if critic is not None and not isinstance(critic, CriticWorker):  # the process sets it with each train request
+        critic.train()
+    check = cfg.old_logprobs_tolerance if source == "engine" and cfg.old_logprobs == "auto" else None
+    try:
+        return train_on(
+            exp, actor, critic, cfg, kl_coef, iteration, precision, check,
+            old_from_first_forward=source == "first_forward",
+            advantages_after_values=(lambda e: checked_advantages(e, cfg, kl_coef, iteration)) if values_first
+            else None), source
+    except StaleOldLogprobs as stale:
+        # No optimizer step ran: recompute at the same weights and train again; later iterations recompute.
+        print(f"{cfg.algorithm}: iteration {iteration}: {stale} (more than ppo.old_logprobs_tolerance = "
+              f"{cfg.old_logprobs_tolerance:g}); recomputing old log-probs with the actor from now on",
+              file=sys.stderr, flush=True)
+        state.old_logprobs_fallback = True
+        exp.old_logprobs = recompute_old_logprobs(exp, cfg, actor, precision)
+        kl_and_advantages(exp, cfg, kl_coef, needs_reference(cfg), iteration)
+        loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)
+        loss_metrics["rollout/logprob_engine_vs_actor_max"] = stale.measured
+        return loss_metrics, "recompute"
+
+
+def _log_iteration(ctx: StageContext, cfg: PPOConfig, iteration: int, metrics: dict[str, float]) -> None:
+    """The iteration's line on stderr (rank 0) and its metrics to MLflow, queued for the tracker's background
+    sender so that the loop never waits on the server."""
+    gold = (f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics
+            else "")
+    kl = f" kl {metrics['kl/mean']:.3f}" if "kl/mean" in metrics else ""
+    if is_main():
+        print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score "
+              f"{metrics['rollout/score_mean']:+.3f}{gold}{kl} len "
+              f"{metrics['rollout/response_length_mean']:.1f} ({metrics['timing/iteration']:.1f} s)",
+              file=sys.stderr, flush=True)
+    if ctx.tracker is not None:
+        ctx.tracker.log_metrics_async({k: v for k, v in metrics.items() if k != "iteration"}, iteration)
+
+
+def _publish(ctx: StageContext, cfg: PPOConfig, state: RLState, models: Models, tokenizer, out: Path,
+             startup: dict[str, float], trainable: int, total: int) -> StageResult:
+    """The final policy (and critic), metrics.jsonl and the stage's manifest; the StageResult."""
+    profiler = ctx.profiler
+    with profiler.phase("publish"):
+        write_final(out, state, models.actor, models.critic, tokenizer, cfg)
+        summary = profiler.summary()
+        if not is_main():
+            return ctx.rank_result({"iterations": float(state.iteration)})
+        final = state.history[-1]
+        metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"],
+                   "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")},
+                   "perf/trainable_parameters": float(trainable), "perf/trainable_share": trainable / total,
+                   **startup}
+        if "kl/mean" in final:
+            metrics["kl/mean"] = final["kl/mean"]
+        if "rollout/gold_score_mean" in final:
+            metrics["rollout/gold_score_mean"] = final["rollout/gold_score_mean"]
+        if ctx.tracker is not None:
+            ctx.tracker.log_artifact(out / "metrics.jsonl", "reports")
+        manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "rollout/reward_total_mean"})
+    return ctx.result(manifest, metrics, "rollout/reward_total_mean",
+                      message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
+
+
+def rollout_request(cfg: PPOConfig, iteration: int, prompt_ids: list[list[int]]) -> RolloutRequest:
+    """The prompts and sampling of `iteration`: a seeded draw, so a resumed run draws the same ones."""
+    chosen = random.Random(cfg.seed * 1_000_003 + iteration).sample(range(len(prompt_ids)),
+                                                                   min(cfg.prompts_per_iteration, len(prompt_ids)))
+    rows = [i for i in chosen for _ in range(cfg.group_size)]  # group-contiguous for GRPO
+    seeds = [(cfg.seed * 1_000_003 + iteration) * 4096 + k for k in range(len(rows))]
+    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                              max_new_tokens=cfg.max_new_tokens, seeds=seeds)
+    return RolloutRequest(iteration, rows, chosen, [prompt_ids[i] for i in rows], sampling)
+
+
+def _experience_of(rollout: Rollout, pad_id: int, device: torch.device) -> Experience:
+    """The rollout laid out for the forwards (experience.py) on the trained models' device: the engine's
+    log-probs as the rollout's and, until recomputed, the old ones; the rest zero until the passes fill it."""
+    generation = rollout.generation
+    input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(
+        rollout.request.prompt_ids, generation.response_token_ids, pad_id)
+    rollout_logprobs = generation.padded(pad_id)[1][:, : response_ids.shape[1]]
+    return Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
+                      old_logprobs=rollout_logprobs * mask, ref_logprobs=torch.zeros_like(mask), values=None,
+                      scores=torch.zeros(len(rollout.request.prompt_indices)), token_rewards=torch.zeros_like(mask),
+                      kl=torch.zeros_like(mask), advantages=torch.zeros_like(mask), returns=None,
+                      prompt_width=width_p).to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup and plumbing
+# ----------------------------------------------------------------------------------------------
+
+def _load_prompts(ctx: StageContext) -> Prompts:
+    """The data input's prompts, rendered and tokenized with the SFT model's tokenizer, and its evaluator."""
+    sft_dir, data_dir = ctx.input("sft"), ctx.input("data")
+    tokenizer = load_tokenizer(sft_dir)
+    pad_id = pad_token_id(tokenizer)
+    records = load_prompts(data_dir / "prompts.jsonl")
+    evaluator = load_evaluator(data_dir, prompts=("prompts",))  # the held-out gold score, where the task has one
+    texts = [render_prompt(p.prompt, tokenizer) for p in records]
+    ids = [encode_prompt(tokenizer, text) for text in texts]
+    return Prompts(records, texts, ids, tokenizer, pad_id, evaluator)
+
+
+def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                  reward_fns: list[tuple[str, Callable]], device: torch.device, remote_critic: CriticWorker | None
+                  ) -> tuple[Models, int, int]:
+    """The models loaded (phase load_models) and the actor's and critic's trainers built around them (phase
+    trainer_init); with the actor's trainable and total parameter counts."""
+    spec, profiler = ctx.spec, ctx.profiler
+    sft_dir = ctx.input("sft")
     with profiler.phase("load_models"):
         # Rank 0 scores every rollout and sends the scores with it: only it loads the reward models.
         reward_models = (load_reward_models(ctx, device=device)
@@ -214,84 +510,7 @@ def _train(ctx: StageContext, spec: StageSpec, cfg: PPOConfig, model_cfg: ModelC
                                      "perf/overlap_critic": float(overlapped),
                                      "perf/critic_process": float(isinstance(critic, CriticWorker)),
                                      "perf/trainable_share": trainable / total})
-    with profiler.phase("engine_load"):
-        # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.
-        if world_size() > 1:  # rank 0 generates (and scores) for every trainer rank
-            rollouts = RanksRollouts(open_rollouts(ctx, cfg, engine_cfg, device) if is_main() else None, is_main(),
-                                     from_main)
-        else:
-            rollouts = open_rollouts(ctx, cfg, engine_cfg, device)
-    with closing(rollouts):  # every exit path closes it: no rollout worker process outlives the stage
-        if resume is not None:
-            load_checkpoint(ctx, resume[1], state, actor, critic)
-            with profiler.phase("refit"):
-                rollouts.refit(*refit_stream(actor))
-        rollouts.weights_version = state.iteration
-        if ctx.tracker is not None:
-            if resume is not None:
-                start_resumed_run(ctx, state)
-            state.mlflow_run_id = ctx.tracker.run_id
-        last_checkpoint = resume[1] if resume else None
-        rollout_writer = RolloutWriter(open_store(spec.output_uri, spec.storage), spec.output_uri)
-        in_flight = None
-        startup = startup_metrics(ctx)
-        if is_main():
-            print(f"{cfg.algorithm}: start-up " + ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s"
-                                                           for k, v in startup.items()), file=sys.stderr, flush=True)
-        try:
-            with closing(rollout_writer):  # every file written before a checkpoint, the publish or an error's exit
-                while state.iteration < cfg.iterations:
-                    iteration = state.iteration + 1
-                    started = time.perf_counter()
-                    with profiler.phase("generate"):
-                        if in_flight is None:
-                            in_flight = rollouts.submit(rollout_request(cfg, iteration, prompt_ids))
-                        rollout = rollouts.result(in_flight)
-                    in_flight = None
-                    if cfg.async_rollouts and iteration < cfg.iterations:
-                        in_flight = rollouts.submit(rollout_request(cfg, iteration + 1, prompt_ids))
-                    metrics = _iteration(iteration, cfg, state, rollout, rollouts, actor, critic, reference,
-                                         reward_models, reward_fns, tokenizer, pad_id, prompts, prompt_texts,
-                                         evaluator, profiler, out, rollout_writer, precision, started)
-                    state.iteration = iteration
-                    state.history.append(metrics)
-                    gold = (f" gold {metrics['rollout/gold_score_mean']:+.3f}" if "rollout/gold_score_mean" in metrics
-                            else "")
-                    kl = f" kl {metrics['kl/mean']:.3f}" if "kl/mean" in metrics else ""
-                    if is_main():
-                        print(f"{cfg.algorithm}: iteration {iteration}/{cfg.iterations} score "
-                              f"{metrics['rollout/score_mean']:+.3f}{gold}{kl} len "
-                              f"{metrics['rollout/response_length_mean']:.1f} ({metrics['timing/iteration']:.1f} s)",
-                              file=sys.stderr, flush=True)
-                    if ctx.tracker is not None:  # live curves: queued for a background sender (0.12 ms)
-                        ctx.tracker.log_metrics_async({k: v for k, v in metrics.items() if k != "iteration"},
-                                                      iteration)
-                    if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
-                        with profiler.phase("checkpoint"):
-                            rollout_writer.wait()  # the checkpoint's iterations have their rollouts on disk
-                            last_checkpoint = save_checkpoint(ctx, out, state, actor, critic)
-        except NonFiniteError as exc:
-            where = publish_last_good(ctx, out, state, actor, critic, last_checkpoint, exc)
-            raise NonFiniteError(f"{exc}; stopped. Last good checkpoint: {where}") from None
-        with profiler.phase("publish"):
-            write_final(out, state, actor, critic, tokenizer, cfg)
-            summary = profiler.summary()
-            if not is_main():
-                return ctx.rank_result({"iterations": float(state.iteration)})
-            final = state.history[-1]
-            metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"],
-                       "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")},
-                       "perf/trainable_parameters": float(trainable), "perf/trainable_share": trainable / total,
-                       **startup}
-            if "kl/mean" in final:
-                metrics["kl/mean"] = final["kl/mean"]
-            if "rollout/gold_score_mean" in final:
-                metrics["rollout/gold_score_mean"] = final["rollout/gold_score_mean"]
-            if ctx.tracker is not None:
-                ctx.tracker.log_artifact(out / "metrics.jsonl", "reports")
-            manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "rollout/reward_total_mean"})
-        return ctx.result(manifest, metrics, "rollout/reward_total_mean",
-                          message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
+    return Models(actor, critic, reference, reward_models, reward_fns, precision), trainable, total
 
 
 def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, device: torch.device
@@ -349,185 +568,9 @@ def startup_metrics(ctx: StageContext) -> dict[str, float]:
         out["startup/since_run"] = since_run
     return out
 
-
-def rollout_request(cfg: PPOConfig, iteration: int, prompt_ids: list[list[int]]) -> RolloutRequest:
-    """The prompts and sampling of `iteration`: a seeded draw, so a resumed run draws the same ones."""
-    chosen = random.Random(cfg.seed * 1_000_003 + iteration).sample(range(len(prompt_ids)),
-                                                                   min(cfg.prompts_per_iteration, len(prompt_ids)))
-    rows = [i for i in chosen for _ in range(cfg.group_size)]  # group-contiguous for GRPO
-    seeds = [(cfg.seed * 1_000_003 + iteration) * 4096 + k for k in range(len(rows))]
-    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                              max_new_tokens=cfg.max_new_tokens, seeds=seeds)
-    return RolloutRequest(iteration, rows, chosen, [prompt_ids[i] for i in rows], sampling)
-
-
-def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
-               rollouts: RolloutClient | RolloutWorkers, actor,
-               critic, reference, reward_models, reward_fns, tokenizer, pad_id: int, prompts, prompt_texts,
-               evaluator: Evaluator | None, profiler, out: Path, rollout_writer: RolloutWriter, precision: Precision,
-               started: float) -> dict[str, float]:
-    """One RL iteration on a finished rollout (`started`: when the loop asked for it); returns its metrics
-    (namespaced) with 'iteration'."""
-    generation, chosen, rows = rollout.generation, rollout.request.chosen, rollout.request.prompt_indices
-    batch_prompt_ids = rollout.request.prompt_ids
-    # Generated by an older policy than the one about to train (async rollouts): the engine's log-probs are
-    # the behaviour policy's, and the PPO ratio is taken against them.
-    off_policy = rollout.weights_version < state.iteration
-    memory: dict[str, float] = {}
-    if rollouts.unload_during_training:  # its KV cache, and on a GPU its weights, freed while the trainer trains
-        with profiler.phase("unload"):
-            memory = rollouts.unload()
-    profiler.count(tokens=sum(generation.lengths), samples=len(rows))
-    completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.response_token_ids]
-    texts = [prompt_texts[i] for i in rows]
-    input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(
-        batch_prompt_ids, generation.response_token_ids, pad_id)
-    rollout_logprobs = generation.padded(pad_id)[1][:, : response_ids.shape[1]]
-
-    # Off-policy (async): the old log-probs are the proximal policy's (the actor now, before this update),
-    # and the engine's, the behaviour policy's, weight each token (the decoupled objective).
-    source = "recompute" if off_policy else old_logprob_source(cfg, precision, state, len(rows))
-    exp = Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
-                     old_logprobs=rollout_logprobs * mask, ref_logprobs=torch.zeros_like(mask), values=None,
-                     scores=torch.zeros(len(rows)), token_rewards=torch.zeros_like(mask), kl=torch.zeros_like(mask),
-                     advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p).to(device_of(actor))
-    mask = exp.response_mask
-
-    def score() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
-        scored = None
-        if is_main():  # with N trainer ranks rank 0 scores and sends the scores (the others hold no reward model)
-            raw, components = compute_scores(reward_models, reward_fns, texts, completions,
-                                             [p + r for p, r in zip(batch_prompt_ids, generation.response_token_ids,
-                                                                    strict=True)],
-                                             generation.response_token_ids, list(generation.finish_reasons), pad_id,
-                                             cfg, dataset_columns(prompts, rows) if reward_fns else None)
-            gold = (torch.tensor([evaluator(t, c) for t, c in zip(texts, completions, strict=True)])
-                    if evaluator is not None else None)
-            scored = (raw, components, gold)
-        return from_main(scored)
-
-    values_first = not off_policy and values_from_first_forward(actor, critic, cfg, len(rows))
-    raw, components, gold = experience_passes(exp, cfg, actor, critic, reference, precision, source, profiler, score,
-                                              with_values=not values_first)
-    check_finite("the reward", raw, iteration)
-    finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
-    exp.scores = shape_scores(raw, finished, state, cfg).to(mask.device)
-    with_reference = needs_reference(cfg)
-    if off_policy:
-        exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
-                                                     cfg.async_weight_cap)
-    kl_coef = state.kl_controller.value
-    with profiler.phase("advantages"):
-        kl_and_advantages(exp, cfg, kl_coef, with_reference, iteration, values_known=not values_first)
-    seq_kl = rl.sequence_kl(exp.kl, mask)
-
-    with profiler.phase("train"):
-        actor.train()
-        if critic is not None and not isinstance(critic, CriticWorker):  # the process sets it with each train request
-            critic.train()
-        check = (cfg.old_logprobs_tolerance if source == "engine" and cfg.old_logprobs == "auto" and not off_policy
-                 else None)
-        try:
-            loss_metrics = train_on(
-                exp, actor, critic, cfg, kl_coef, iteration, precision, check,
-                old_from_first_forward=source == "first_forward",
-                advantages_after_values=(lambda e: checked_advantages(e, cfg, kl_coef, iteration)) if values_first
-                else None)
-        except StaleOldLogprobs as stale:
-            # No optimizer step ran: recompute at the same weights and train again; later iterations recompute.
-            print(f"{cfg.algorithm}: iteration {iteration}: {stale} (more than ppo.old_logprobs_tolerance = "
-                  f"{cfg.old_logprobs_tolerance:g}); recomputing old log-probs with the actor from now on",
-                  file=sys.stderr, flush=True)
-            state.old_logprobs_fallback, source = True, "recompute"
-            exp.old_logprobs = recompute_old_logprobs(exp, cfg, actor, precision)
-            kl_and_advantages(exp, cfg, kl_coef, with_reference, iteration)
-            seq_kl = rl.sequence_kl(exp.kl, mask)
-            loss_metrics = train_on(exp, actor, critic, cfg, kl_coef, iteration, precision)
-            loss_metrics["rollout/logprob_engine_vs_actor_max"] = stale.measured
-    # After training: the values (and so the advantages) may come from its first forward, and a stale-log-prob
-    # fallback recomputes the KL; the file is written on rollout_writer's thread (rank 0), beside what follows.
-    with profiler.phase("io"):
-        if is_main():
-            rollout_writer.submit(_rollout_rows(iteration, rollout.weights_version, chosen, rows, prompts, texts,
-                                                completions, batch_prompt_ids, generation, exp, components, seq_kl,
-                                                with_reference), out / "rollouts" / f"iter_{iteration:05d}.parquet")
-    with profiler.phase("generate"):
-        rollouts.wait_idle()  # async: the next iteration's rollout, still generating on the old weights
-    if rollouts.unload_during_training:
-        with profiler.phase("reload"):
-            memory |= rollouts.reload()
-    with profiler.phase("refit"):
-        refit = rollouts.refit(*refit_stream(actor))
-    state.kl_controller.update(float(seq_kl.mean()), n_steps=len(rows))
-
-    lengths = mask.sum(-1)
-    metrics: dict[str, float] = {
-        "iteration": float(iteration),
-        "rollout/score_mean": float(raw.mean()),
-        "rollout/reward_total_mean": float(exp.scores.mean()),
-        "rollout/response_length_mean": float(lengths.mean()),
-        "rollout/eos_fraction": float(finished.float().mean()),
-        "rollout/old_logprobs_recomputed": float(source != "engine"),
-        "kl/coef": float(kl_coef),
-        "kl/coef_next": float(state.kl_controller.value),
-        "refit/bytes": float(refit.bytes),
-        "refit/seconds": float(refit.seconds),  # the trainer's wall time of the refit (stream, send, every ack)
-        # Rollout workers: bytes the trainer broadcast (R x refit/bytes) and how evenly the queue spread the work.
-        **({"refit/bytes_sent": float(refit.bytes_sent)} if hasattr(refit, "bytes_sent") else {}),
-        **{k: v for k, v in generation.metrics.items() if k.startswith("perf/rollout_")},
-        **memory,
-        "rollout/policy_lag": float(state.iteration - rollout.weights_version),
-        "timing/generate_engine": rollout.seconds,
-        **{f"rollout/reward_{name}_mean": float(v.mean()) for name, v in components.items()},
-        **{k if "/" in k else f"losses/{k}": v for k, v in loss_metrics.items()},
-        **profiler.iteration_metrics(),
-        "timing/iteration": time.perf_counter() - started,
-    }
-    if with_reference:
-        metrics["kl/mean"] = float(seq_kl.mean())
-    if source == "recompute" and "rollout/logprob_engine_vs_actor_max" not in metrics:
-        metrics["rollout/logprob_engine_vs_actor_max"] = float(((exp.rollout_logprobs - exp.old_logprobs).abs()
-                                                                * mask).max())
-    if exp.values is not None:
-        metrics["losses/explained_variance"] = float(rl.explained_variance(exp.values, exp.returns, mask))
-    if gold is not None:
-        metrics["rollout/gold_score_mean"] = float(gold.mean())
-    return metrics
-
-
-def _rollout_rows(iteration, policy_version, chosen, rows, prompts, texts, completions, prompt_ids, generation,
-                  exp: Experience, components, seq_kl, with_reference: bool) -> list[dict[str, Any]]:
-    # Each tensor to Python lists in one call, then sliced per row: a .tolist() of each row's slice was ~1,400
-    # operator calls on the demo's 32 rows (1.6 ms profiled).
-    def lists(tensor: torch.Tensor | None) -> list[list[float]] | None:
-        return None if tensor is None else tensor.tolist()
-
-    per_token = {"logprobs": lists(exp.rollout_logprobs), "ref_logprobs": lists(exp.ref_logprobs) if with_reference
-                 else None, "values": lists(exp.values), "token_rewards": lists(exp.token_rewards),
-                 "advantages": lists(exp.advantages), "returns": lists(exp.returns)}
-    rewards = {name: v.tolist() for name, v in components.items()}
-    totals, kls = exp.scores.tolist(), seq_kl.tolist()
-    out = []
-    for b, prompt_index in enumerate(rows):
-        n = len(generation.response_token_ids[b])
-        record = prompts[prompt_index]
-        out.append({
-            "iteration": iteration, "policy_version": policy_version,
-            "prompt_id": str(getattr(record, "id", None) or prompt_index), "prompt": texts[b],
-            "response": completions[b], "prompt_token_ids": prompt_ids[b],
-            "response_token_ids": generation.response_token_ids[b],
-            **{column: None if values is None else values[b][:n] for column, values in per_token.items()},
-            "rewards": {name: float(v[b]) for name, v in rewards.items()},
-            "reward_total": float(totals[b]), "kl": float(kls[b]), "length": n,
-            "finish_reason": generation.finish_reasons[b]})
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     return stage_main("ppo", run, argv)
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

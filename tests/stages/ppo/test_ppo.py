@@ -331,10 +331,11 @@ def test_failed_pipeline_rerun_skips_finished_stages_and_ppo_continues(upstream,
 def test_rollout_rows_hold_each_rows_own_slice_of_the_iterations_tensors(tmp_path, with_reference, critic):
     import torch
 
-    from alignflow.stages.common.generation.interface import Generation
+    from alignflow.stages.common.generation.interface import Generation, SamplingParams
     from alignflow.stages.common.rollouts import write_rollouts
     from alignflow.stages.ppo.experience import Experience
-    from alignflow.stages.ppo.stage import _rollout_rows
+    from alignflow.stages.ppo.rollout_client import Rollout, RolloutRequest
+    from alignflow.stages.ppo.rollout_writer import rollout_rows
 
     torch.manual_seed(0)
     lengths, width = [3, 5, 1], 5
@@ -347,8 +348,10 @@ def test_rollout_rows_hold_each_rows_own_slice_of_the_iterations_tensors(tmp_pat
     generation = Generation(response_token_ids=[[7] * n for n in lengths], logprobs=[[0.0] * n for n in lengths],
                             finish_reasons=["eos", "length", "eos"])
     components, seq_kl = {"rm": torch.randn(3), "len": torch.randn(3)}, torch.randn(3)
-    rows = _rollout_rows(4, 3, None, [2, 0, 1], [None, None, None], ["a", "b", "c"], ["x", "y", "z"],
-                         [[1, 2]] * 3, generation, exp, components, seq_kl, with_reference)
+    request = RolloutRequest(4, [2, 0, 1], [2, 0, 1], [[1, 2]] * 3, SamplingParams())
+    rollout = Rollout(request, generation, seconds=0.0, weights_version=3)
+    rows = rollout_rows(rollout, [None, None, None], ["a", "b", "c"], ["x", "y", "z"], exp, components, seq_kl,
+                        with_reference)
     for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         assert row["logprobs"] == exp.rollout_logprobs[b, :n].tolist()
         assert row["ref_logprobs"] == (exp.ref_logprobs[b, :n].tolist() if with_reference else None)
@@ -359,5 +362,6 @@ def test_rollout_rows_hold_each_rows_own_slice_of_the_iterations_tensors(tmp_pat
         assert row["rewards"] == {name: float(v[b]) for name, v in components.items()}
         assert (row["reward_total"], row["kl"], row["length"]) == (float(exp.scores[b]), float(seq_kl[b]), n)
         assert row["prompt_id"] == str([2, 0, 1][b])
+        assert (row["iteration"], row["policy_version"], row["prompt_token_ids"]) == (4, 3, [1, 2])
     write_rollouts(rows, tmp_path / "iter_00004.parquet")  # the schema takes them
     assert read_rollouts(tmp_path / "iter_00004.parquet").num_rows == 3
