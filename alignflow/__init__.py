@@ -1,3 +1,3 @@
-"""alignflow: the torch-free core shared by the flows and the stages (config, storage, manifests, tracking, CLI)."""
+"""alignflow: the torch-free core the flows and stages share (config, storage, manifests, tracking, CLI)."""
 
 __version__ = "0.1.0"

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 
-# When this command started, to the interpreter start before this line (20-30 ms on the 2-core box; psutil's process
-# creation time is read against a whole-second boot time on Linux, so it is up to 1 s off).
+# When this command started, taken before any other import so that only the interpreter's own start precedes
+# it (psutil's process creation time is read against a whole-second boot time on Linux, so it is up to 1 s
+# off).
 STARTED_AT = time.time()
 
 import argparse  # noqa: E402
@@ -51,10 +52,11 @@ def _check_data(config: PipelineConfig) -> bool:
 
 
 def _check_start(config: PipelineConfig, source: Path, machine: str = "note") -> bool:
-    """Make every stage's start checks (alignflow/start_checks.py) and print the problems, all together, each with
-    its stage and key. What the stages need of their machine that this one lacks is printed per `machine`: 'note'
-    (validate, plan: the stages may run elsewhere), 'warning' (run: they run here, but the GPU count is read from
-    the driver, not torch) or 'error' (--here). False when a stage would refuse to start."""
+    """Make every stage's start checks (alignflow/start_checks.py) and print the problems, all together, each
+    with its stage and key. What the stages need of their machine that this one lacks is printed per
+    `machine`: 'note' (validate, plan: the stages may run elsewhere), 'warning' (run: they run here, but the
+    GPU count is read from the driver, not torch) or 'error' (--here). False when a stage would refuse to
+    start."""
     from alignflow.flows.plan import machine_findings, start_problems
 
     problems = [f"{p.stage} [{p.key}]: {p.message}" for p in start_problems(config)]
@@ -66,16 +68,24 @@ def _check_start(config: PipelineConfig, source: Path, machine: str = "note") ->
     if machine == "error":
         problems += needs
         if elsewhere:
-            print(f"note: {', '.join(elsewhere)} run as their own deployments (deployment.stage_infra): their "
-                  "machine is not this one and was not checked", file=sys.stderr)
+            print(
+                f"note: {', '.join(elsewhere)} run as their own deployments (deployment.stage_infra): their "
+                "machine is not this one and was not checked",
+                file=sys.stderr,
+            )
     else:
-        where = ("where the stage runs; pass --here when that is this machine" if machine == "note"
-                 else "the stage checks it again when it starts")
+        where = (
+            "where the stage runs; pass --here when that is this machine"
+            if machine == "note"
+            else "the stage checks it again when it starts"
+        )
         for line in needs:
             print(f"{machine}: {line} ({where})", file=sys.stderr)
     if problems:
-        print(f"error: {source}: {len(problems)} stage start problem(s), as the stages would report them:",
-              file=sys.stderr)
+        print(
+            f"error: {source}: {len(problems)} stage start problem(s), as the stages would report them:",
+            file=sys.stderr,
+        )
         for line in problems:
             print(f"  - {line}", file=sys.stderr)
     return not problems
@@ -105,14 +115,15 @@ def _cmd_run(args) -> int:
     # Stages report their start-up against this (startup/since_run; the RL stage prints it).
     os.environ.setdefault(RUN_STARTED_AT_VAR, f"{STARTED_AT:.6f}")
     config = _load(args)
-    # Before Prefect's server and any stage process start (15-22 s): the data files, and every stage's start checks.
+    # Before Prefect's server and any stage process start, which take seconds (docs/performance.md#start-up),
+    # so a bad input fails at once: the data files, and every stage's start checks.
     data_ok = _check_data(config)
     if not (_check_start(config, args.config, "warning") and data_ok):
         return 2
     from alignflow.flows.launch import WARM, PrefectServerStart
 
     # Start-up in parallel: a stage process imports torch, a thread starts Prefect's server, and this thread
-    # imports the flow (one after the other: ~17 s to the first RL iteration with every stage cached).
+    # imports the flow; one after the other their times would add up (docs/performance.md#start-up).
     workdir = Path(config.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     WARM.start(workdir)
@@ -142,8 +153,10 @@ def _cmd_deploy(args) -> int:
     for name, deployment_id in deploy(config).items():
         print(f"deployed {name} ({deployment_id})")
     schedules = [s.cron or f"every {s.interval_s} s" for s in config.deployment.schedules]
-    print(f"schedules: {', '.join(schedules) or 'none'}; start a worker with: "
-          f"prefect worker start --pool {config.deployment.work_pool}")
+    print(
+        f"schedules: {', '.join(schedules) or 'none'}; start a worker with: "
+        f"prefect worker start --pool {config.deployment.work_pool}"
+    )
     return 0
 
 
@@ -154,26 +167,43 @@ def _cmd_ui(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="alignflow", description="RLHF pipeline: SFT -> reward -> engine -> PPO -> eval")
+    parser = argparse.ArgumentParser(
+        prog="alignflow", description="RLHF pipeline: SFT -> reward -> engine -> PPO -> eval"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn, helptext in (("run", _cmd_run, "run the pipeline (Prefect flow, stages as processes)"),
-                               ("validate", _cmd_validate, "validate a config and print it resolved"),
-                               ("plan", _cmd_plan, "print the stage calls a config makes"),
-                               ("deploy", _cmd_deploy, "register the pipeline deployment with a Prefect server")):
+    for name, fn, helptext in (
+        ("run", _cmd_run, "run the pipeline (Prefect flow, stages as processes)"),
+        ("validate", _cmd_validate, "validate a config and print it resolved"),
+        ("plan", _cmd_plan, "print the stage calls a config makes"),
+        ("deploy", _cmd_deploy, "register the pipeline deployment with a Prefect server"),
+    ):
         cmd = sub.add_parser(name, help=helptext)
         cmd.add_argument("config", type=Path, help="pipeline YAML, e.g. configs/tiny.yaml")
-        cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a config value, e.g. --set sft.lr=1e-4 (repeatable)")
-        cmd.add_argument("--verbose", action="store_true",
-                         help="show other libraries' logs, warnings and progress bars too (in the stages as well: "
-                              f"sets {console.VERBOSE_VAR}=1)")
+        cmd.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config value, e.g. --set sft.lr=1e-4 (repeatable)",
+        )
+        cmd.add_argument(
+            "--verbose",
+            action="store_true",
+            help="show other libraries' logs, warnings and progress bars too (in the stages as well: "
+            f"sets {console.VERBOSE_VAR}=1)",
+        )
         if name in ("validate", "plan"):
-            cmd.add_argument("--here", action="store_true",
-                             help="the stages run on this machine (as `alignflow run` runs them): what they need of "
-                                  "it (a GPU for model.device cuda, the engine backend's package, in "
-                                  "engine.worker_python too: started to look) are problems, not notes")
+            cmd.add_argument(
+                "--here",
+                action="store_true",
+                help="the stages run on this machine (as `alignflow run` runs them): what they need of "
+                "it (a GPU for model.device cuda, the engine backend's package, in "
+                "engine.worker_python too: started to look) are problems, not notes",
+            )
         cmd.set_defaults(fn=fn)
-    ui = sub.add_parser("ui", help="start a local Prefect server and MLflow UI on 127.0.0.1 and print their URLs")
+    ui = sub.add_parser(
+        "ui", help="start a local Prefect server and MLflow UI on 127.0.0.1 and print their URLs"
+    )
     ui.add_argument("--workdir", type=Path, default=Path("."), help="where mlflow.db lives (default: .)")
     ui.add_argument("--prefect-port", type=int, default=4200)
     ui.add_argument("--mlflow-port", type=int, default=5000)

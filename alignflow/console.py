@@ -35,8 +35,8 @@ QUIET_ENV = {
     "MLFLOW_LOGGING_LEVEL": "WARNING",
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # "View run ... at: http://..." on a REST store
     "PYTHONWARNINGS": "ignore",  # warnings at import time in child processes; quiet() lets ours through after
-    # vLLM's INFO lines (~40 per engine start) and its "Chat template warmup failed" traceback, which it logs as a
-    # warning on every start with skip_tokenizer_init (alignflow gives it token ids, never text).
+    # vLLM's INFO lines (~40 per engine start) and its "Chat template warmup failed" traceback, which it logs
+    # as a warning on every start with skip_tokenizer_init (alignflow gives it token ids, never text).
     "VLLM_LOGGING_LEVEL": "ERROR",
 }
 
@@ -53,7 +53,8 @@ def verbose() -> bool:
 
 
 def set_verbose() -> None:
-    """`--verbose`: leave every library's console output on, here and in the stage processes started from here.
+    """`--verbose`: leave every library's console output on, here and in the stage processes started from
+    here.
 
     Call before alignflow.offline.set_offline_defaults, whose PREFECT_LOGGING_LEVEL=WARNING this overrides.
     """

@@ -39,8 +39,8 @@ def stage_program(stage: str) -> str:
 
 
 class TrackingUnavailableError(RuntimeError):
-    """The MLflow server stayed unreachable past alignflow.tracking's outage limit. A stage reports it in one line
-    and exits 1 (transient: the flow retries; an RL stage resumes from its last checkpoint)."""
+    """The MLflow server stayed unreachable past alignflow.tracking's outage limit. A stage reports it in one
+    line and exits 1 (transient: the flow retries; an RL stage resumes from its last checkpoint)."""
 
 
 class TrackingSpec(BaseModel):
@@ -85,22 +85,34 @@ class StageResult(BaseModel):
     status: Literal["ok", "skipped", "failed"]
     output_uri: str | None = None
     manifest_digest: str | None = None
-    metrics: dict[str, float] = Field(default_factory=dict, description="Key metrics (a few, not every step).")
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="Key metrics (a few, not every step)."
+    )
     key_metric: str | None = Field(None, description="Name of the metric that summarises the stage.")
     mlflow_run_id: str | None = None
     duration_s: float = 0.0
     message: str = ""
     devices: dict[str, str] = Field(
-        default_factory=dict, description="Where the stage computed, by role (train, reference, score, generate, "
-        "...): the device of the models themselves, e.g. 'cuda:0' or 'cpu'.")
+        default_factory=dict,
+        description="Where the stage computed, by role (train, reference, score, generate, "
+        "...): the device of the models themselves, e.g. 'cuda:0' or 'cpu'.",
+    )
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest, status: Literal["ok", "skipped"], **fields: Any) -> StageResult:
+    def from_manifest(
+        cls, manifest: Manifest, status: Literal["ok", "skipped"], **fields: Any
+    ) -> StageResult:
         """The result of a stage whose output `manifest` is published (its summary holds the key metrics)."""
-        return cls(stage=manifest.stage, status=status, output_uri=manifest.uri, manifest_digest=manifest.digest,
-                   metrics={k: float(v) for k, v in manifest.summary.get("metrics", {}).items()},
-                   key_metric=manifest.summary.get("key_metric"),
-                   devices=dict(manifest.summary.get("devices", {})), **fields)
+        return cls(
+            stage=manifest.stage,
+            status=status,
+            output_uri=manifest.uri,
+            manifest_digest=manifest.digest,
+            metrics={k: float(v) for k, v in manifest.summary.get("metrics", {}).items()},
+            key_metric=manifest.summary.get("key_metric"),
+            devices=dict(manifest.summary.get("devices", {})),
+            **fields,
+        )
 
     def to_line(self) -> str:
         return self.model_dump_json()
@@ -120,4 +132,6 @@ class StageResult(BaseModel):
                     return cls.model_validate(json.loads(line))
                 except ValueError:
                     continue
-        raise ValueError(f"no StageResult JSON line at the end of the stage output (last line: {lines[-1][:200]!r})")
+        raise ValueError(
+            f"no StageResult JSON line at the end of the stage output (last line: {lines[-1][:200]!r})"
+        )

@@ -58,7 +58,9 @@ class Manifest(BaseModel):
     inputs: dict[str, InputRef] = Field(default_factory=dict)
     files: list[FileEntry]
     summary: dict[str, Any] = Field(default_factory=dict, description="Small results: metrics, reports.")
-    digest: str = Field("", description="sha256 over the sorted (path, size, sha256) list: the content digest.")
+    digest: str = Field(
+        "", description="sha256 over the sorted (path, size, sha256) list: the content digest."
+    )
 
     def file(self, path: str) -> FileEntry:
         for entry in self.files:
@@ -96,10 +98,19 @@ def code_version() -> str:
     if not (repo / ".git").exists():
         return __version__
     try:
-        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"],
-                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        diff = subprocess.run(["git", "-C", str(repo), "diff", "HEAD", "--", "alignflow", "flows", "stages",
-                               "kernels"], capture_output=True, timeout=10, check=True).stdout
+        commit = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        diff = subprocess.run(
+            ["git", "-C", str(repo), "diff", "HEAD", "--", "alignflow", "flows", "stages", "kernels"],
+            capture_output=True,
+            timeout=10,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return __version__
     version = f"{__version__}+g{commit}"
@@ -113,13 +124,26 @@ def output_uri(root: str, stage: str, config: Any, input_digests: dict[str, str]
 
     The same inputs land in the same place, so a re-run finds the finished manifest and skips the work.
     """
-    key = json.dumps({"stage": stage, "config": config, "inputs": input_digests, "code": version},
-                     sort_keys=True, separators=(",", ":"), default=str)
+    key = json.dumps(
+        {"stage": stage, "config": config, "inputs": input_digests, "code": version},
+        sort_keys=True,
+        separators=(",", ":"),
+        default=str,
+    )
     return join_uri(root, stage, hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
-def publish(local_dir: Path, uri: str, *, stage: str, config: dict[str, Any], inputs: dict[str, InputRef],
-            version: str, summary: dict[str, Any] | None = None, storage: StorageConfig | None = None) -> Manifest:
+def publish(
+    local_dir: Path,
+    uri: str,
+    *,
+    stage: str,
+    config: dict[str, Any],
+    inputs: dict[str, InputRef],
+    version: str,
+    summary: dict[str, Any] | None = None,
+    storage: StorageConfig | None = None,
+) -> Manifest:
     """Upload every file under `local_dir` to `uri`, then write the manifest last.
 
     A crash part-way leaves files without a manifest, which readers refuse; a re-run overwrites them.
@@ -135,8 +159,15 @@ def publish(local_dir: Path, uri: str, *, stage: str, config: dict[str, Any], in
         store.put_file(path, join_uri(uri, rel))
     if not entries:
         raise ManifestError(f"stage '{stage}' produced no files in {local_dir}; nothing to publish")
-    manifest = Manifest(stage=stage, uri=uri, code_version=version, config=config, inputs=inputs,
-                        files=entries, summary=summary or {})
+    manifest = Manifest(
+        stage=stage,
+        uri=uri,
+        code_version=version,
+        config=config,
+        inputs=inputs,
+        files=entries,
+        summary=summary or {},
+    )
     manifest.digest = content_digest(entries)
     store.put_bytes(manifest.model_dump_json(indent=2).encode(), join_uri(uri, MANIFEST_NAME))
     return manifest
@@ -149,8 +180,10 @@ def read_manifest(uri: str, storage: StorageConfig | None = None) -> Manifest:
         raw = store.get_bytes(join_uri(uri, MANIFEST_NAME))
     except StorageError as exc:
         if "no such object" in str(exc):
-            raise ManifestError(f"{uri}: not a published output (no {MANIFEST_NAME}); "
-                                "it is missing or its stage did not finish") from None
+            raise ManifestError(
+                f"{uri}: not a published output (no {MANIFEST_NAME}); "
+                "it is missing or its stage did not finish"
+            ) from None
         raise
     try:
         return Manifest.model_validate_json(raw)
@@ -172,8 +205,10 @@ def _verify_local(manifest: Manifest, folder: Path) -> None:
         if not path.is_file():
             raise ManifestError(f"{manifest.uri}: file '{entry.path}' listed in the manifest is missing")
         if path.stat().st_size != entry.size:
-            raise ManifestError(f"{manifest.uri}: file '{entry.path}' has {path.stat().st_size} bytes, "
-                                f"manifest says {entry.size}")
+            raise ManifestError(
+                f"{manifest.uri}: file '{entry.path}' has {path.stat().st_size} bytes, "
+                f"manifest says {entry.size}"
+            )
         if sha256_file(path) != entry.sha256:
             raise ManifestError(f"{manifest.uri}: file '{entry.path}' fails its sha256 check (corrupted)")
 

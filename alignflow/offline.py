@@ -8,7 +8,8 @@ OFFLINE_ENV = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "DO_NOT_TRACK": "true",  # MLflow honours it only when exactly "true"
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    # The 20 s default is too short on 2 cores: a fresh ephemeral server takes 10-30 s.
+    # Prefect's 20 s default is too short on a small, loaded machine, where a fresh ephemeral server can take
+    # longer than that to start (docs/performance.md#start-up).
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_LOGGING_LEVEL": "WARNING",
     "AWS_EC2_METADATA_DISABLED": "true",  # don't probe for instance credentials off-cloud

@@ -34,8 +34,20 @@ class TransientStorageError(StorageError):
 
 
 # Error codes S3 (and S3-compatible stores) answer when the fault is theirs and passes; botocore retried them.
-_TRANSIENT_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "RequestLimitExceeded", "BandwidthLimitExceeded", "500", "502", "503", "504"}
+_TRANSIENT_CODES = {
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "BandwidthLimitExceeded",
+    "500",
+    "502",
+    "503",
+    "504",
+}
 
 
 _retries: Counter[str] = Counter()  # S3 operation ("PutObject", "download", ...) -> retries in this process
@@ -86,7 +98,7 @@ def normalize_root(root: str, workdir: str | Path = ".") -> str:
     """Turn a bare path or a relative file:// root into an absolute file:// URI."""
     parsed = urlparse(root)
     if parsed.scheme in ("", "file"):
-        raw = root[len("file://"):] if root.startswith("file://") else root
+        raw = root[len("file://") :] if root.startswith("file://") else root
         path = Path(raw)
         if not path.is_absolute():
             path = Path(workdir) / path
@@ -134,12 +146,13 @@ def _file_path(uri: str) -> Path:
     parsed = urlparse(uri)
     if parsed.scheme not in ("", "file"):
         raise StorageError(f"'{uri}' is not a file:// URI")
-    return Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+    return Path(uri[len("file://") :] if uri.startswith("file://") else uri)
 
 
 @contextlib.contextmanager
 def _removed_on_failure(tmp: str) -> Iterator[None]:
-    """Delete the temp file of an atomic write that failed (a full disk, say) instead of leaving half of it."""
+    """Delete the temp file of an atomic write that failed (a full disk,
+    say) instead of leaving half of it."""
     try:
         yield
     except BaseException:
@@ -247,8 +260,9 @@ class S3Store(ObjectStore):
         threshold = config.multipart_threshold_mb * 1024 * 1024
         # One attempt per download inside s3transfer: a cut-off download is retried (and counted) by
         # `_retry_cut_read`, not silently by s3transfer's own loop.
-        self._transfer = TransferConfig(multipart_threshold=threshold, multipart_chunksize=threshold,
-                                        num_download_attempts=1)
+        self._transfer = TransferConfig(
+            multipart_threshold=threshold, multipart_chunksize=threshold, num_download_attempts=1
+        )
 
     def _call(self, what: str, uri: str, fn, *args, **kwargs):
         from boto3.exceptions import S3UploadFailedError
@@ -284,20 +298,26 @@ class S3Store(ObjectStore):
             raise StorageError(f"{what} {uri}: invalid S3 request ({exc})") from None
         except (ConnectionClosedError, ReadTimeoutError) as exc:  # it answered before: not a wrong endpoint
             where = self.endpoint_url or "the default AWS endpoint"
-            raise TransientStorageError(f"{what} {uri} failed: the connection to {where} broke in each of "
-                                        f"{self.max_attempts} attempts ({exc})") from None
+            raise TransientStorageError(
+                f"{what} {uri} failed: the connection to {where} broke in each of "
+                f"{self.max_attempts} attempts ({exc})"
+            ) from None
         except (NoCredentialsError, PartialCredentialsError) as exc:  # found before any connection: bad input
             raise StorageError(
-                f"{what} {uri} failed: no AWS credentials ({exc}); export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                "(or AWS_PROFILE naming a profile in ~/.aws/credentials) where the stage runs; a local moto server "
-                "accepts any non-empty pair") from None
+                f"{what} {uri} failed: no AWS credentials ({exc}); export AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE naming a profile in ~/.aws/credentials) where the "
+                "stage runs; a local moto server accepts any non-empty pair"
+            ) from None
         except BotoCoreError as exc:
             where = self.endpoint_url or "the default AWS endpoint"
             # Refused or timed out in every attempt: a wrong endpoint, or a server that is down or restarting.
             # The two look the same here, so it is transient (exit 1, the flow retries the stage: ~30 s of
             # delays at the defaults before a wrong endpoint's error shows) rather than bad input.
-            error = TransientStorageError if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)) \
+            error = (
+                TransientStorageError
+                if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
                 else StorageError
+            )
             raise error(
                 f"{what} {uri} failed: cannot reach S3 at {where} ({exc}); "
                 "check storage.endpoint_url / AWS_ENDPOINT_URL_S3 and that the server is up"
@@ -312,20 +332,34 @@ class S3Store(ObjectStore):
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return read()
-            except (IncompleteReadError, ReadTimeoutError, ResponseStreamingError, RetriesExceededError) as exc:
+            except (
+                IncompleteReadError,
+                ReadTimeoutError,
+                ResponseStreamingError,
+                RetriesExceededError,
+            ) as exc:
                 if attempt == self.max_attempts:
                     raise TransientStorageError(
                         f"{what} {uri} failed: the response was cut off in each of {attempt} attempts "
                         f"(last: {exc}); check the connection to {self.endpoint_url or 'S3'} or raise "
-                        "storage.max_attempts") from None
+                        "storage.max_attempts"
+                    ) from None
                 _count_retry(what)
-                time.sleep(random.uniform(0, min(0.05 * 2**attempt, 2.0)))  # jittered backoff, like botocore's
+                # jittered backoff, like botocore's
+                time.sleep(random.uniform(0, min(0.05 * 2**attempt, 2.0)))
         raise AssertionError("unreachable")
 
     def put_file(self, local_path: Path, uri: str) -> None:
         loc = _s3_location(uri)
-        self._call("upload", uri, self._client.upload_file, str(local_path), loc.bucket, loc.key,
-                   Config=self._transfer)
+        self._call(
+            "upload",
+            uri,
+            self._client.upload_file,
+            str(local_path),
+            loc.bucket,
+            loc.key,
+            Config=self._transfer,
+        )
 
     def put_bytes(self, data: bytes, uri: str) -> None:
         loc = _s3_location(uri)
@@ -344,8 +378,19 @@ class S3Store(ObjectStore):
         loc = _s3_location(uri)
         Path(local_path).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(str(local_path) + ".part")
-        self._retry_cut_read("download", uri, lambda: self._call(
-            "download", uri, self._client.download_file, loc.bucket, loc.key, str(tmp), Config=self._transfer))
+        self._retry_cut_read(
+            "download",
+            uri,
+            lambda: self._call(
+                "download",
+                uri,
+                self._client.download_file,
+                loc.bucket,
+                loc.key,
+                str(tmp),
+                Config=self._transfer,
+            ),
+        )
         os.replace(tmp, local_path)
 
     def exists(self, uri: str) -> bool:
@@ -362,7 +407,9 @@ class S3Store(ObjectStore):
         loc = _s3_location(prefix_uri)
         prefix = loc.key.rstrip("/") + "/" if loc.key else ""
         paginator = self._client.get_paginator("list_objects_v2")
-        pages = self._call("list", prefix_uri, lambda: list(paginator.paginate(Bucket=loc.bucket, Prefix=prefix)))
+        pages = self._call(
+            "list", prefix_uri, lambda: list(paginator.paginate(Bucket=loc.bucket, Prefix=prefix))
+        )
         for page in pages:
             for obj in page.get("Contents", []):
                 yield f"s3://{loc.bucket}/{obj['Key']}", int(obj["Size"])
@@ -371,8 +418,13 @@ class S3Store(ObjectStore):
         loc = _s3_location(prefix_uri)
         keys = [{"Key": _s3_location(uri).key} for uri, _ in self.list(prefix_uri)]
         for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            self._call("delete", prefix_uri, self._client.delete_objects, Bucket=loc.bucket,
-                       Delete={"Objects": keys[start:start + 1000]})
+            self._call(
+                "delete",
+                prefix_uri,
+                self._client.delete_objects,
+                Bucket=loc.bucket,
+                Delete={"Objects": keys[start : start + 1000]},
+            )
 
     def create_bucket(self, bucket: str) -> None:
         """Create a bucket (tests and local stacks); a no-op when it exists."""

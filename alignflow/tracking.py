@@ -45,23 +45,26 @@ from alignflow.offline import set_offline_defaults
 _PARAM_MAX_CHARS = 6000
 # log_batch accepts at most 1000 metrics per call.
 _METRICS_PER_BATCH = 1000
-# The metric sender's wait for an unreachable server: 15 min by default, past MLflow's own retries (RETRIES_VAR; a
-# server restart or upgrade fits); a PPO iteration's ~45 metrics every 0.3 s is ~135k kept metrics, tens of MB.
+# The metric sender's wait for an unreachable server: 15 min by default, past MLflow's own retries
+# (RETRIES_VAR; a server restart or upgrade fits); a PPO iteration's ~45 metrics every 0.3 s is ~135k kept
+# metrics, tens of MB.
 OUTAGE_VAR = "ALIGNFLOW_TRACKING_OUTAGE_S"
 _OUTAGE_DEFAULT_S = 900.0
 _RETRY_FIRST_S, _RETRY_MAX_S = 1.0, 30.0
-# MLflow's client retries an HTTP call itself: 7 retries at its default, backoff 0, 4, 8, ... capped at 120 s, about
-# 4 min before a call to a server that is down fails. A stage's synchronous calls (opening its run, logging params,
-# the output's manifest and tags at publish time) block the stage meanwhile, so in a process that uses this module
-# the default is 5 retries: about 1 min (0 + 4 + 8 + 16 + 32 s, plus up to 1 s of jitter each), which still covers a
-# server restart (18-44 s here, ENVIRONMENT.md). Past it the stage stops with one line and exit 1; its re-run reuses
-# what was published (and the RL stage resumes from its checkpoint). A value the user exported is kept.
+# MLflow's client retries an HTTP call itself: 7 retries at its default, backoff 0, 4, 8, ... capped at 120 s,
+# about 4 min before a call to a server that is down fails. A stage's synchronous calls (opening its run,
+# logging params, the output's manifest and tags at publish time) block the stage meanwhile, so in a process
+# that uses this module the default is 5 retries: about 1 min (0 + 4 + 8 + 16 + 32 s, plus up to 1 s of jitter
+# each), which still covers a server restart (tens of seconds). Past it the stage stops with one
+# line and exit 1; its re-run reuses what was published (and the RL stage resumes from its checkpoint). A
+# value the user exported is kept.
 RETRIES_VAR = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
 _RETRIES_DEFAULT = 5
 ATTEMPT_KEY_TAG = "alignflow.attempt_key"
 SUPERSEDED_BY_TAG = "alignflow.superseded_by"
 # The object-store folder a registered version stands for. It is also the version's `source`, except where an
-# MLflow server refuses a local folder as a source (it only accepts local paths inside the run's artifact folder).
+# MLflow server refuses a local folder as a source (it only accepts local paths inside the run's artifact
+# folder).
 SOURCE_TAG = "alignflow.source"
 # Where a run whose local folder the server refused gets its pointer artifact (`source.txt`).
 REGISTERED_OUTPUT_PATH = "registered-output"
@@ -79,8 +82,9 @@ def resolve_tracking_uri(config: TrackingConfig, workdir: str | Path) -> str:
 
 
 def preload() -> None:
-    """Import MLflow's SQL tracking store now (0.9 s on the 2-core box), which MLflow otherwise imports on a
-    client's first call: a warm stage process (alignflow.stages.common.warm) does it before it has a stage to run."""
+    """Import MLflow's SQL tracking store now, which MLflow otherwise imports on a client's first call: a warm
+    stage process (alignflow.stages.common.warm) pays that second of start-up before it has a stage to run
+    (docs/performance.md#start-up)."""
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
 
@@ -93,14 +97,15 @@ def _mlflow(uri: str):
 
 @contextlib.contextmanager
 def reaching(uri: str, what: str) -> Iterator[None]:
-    """Turn a synchronous call's "the tracking server did not answer" (after MLflow's own retries) into a one-line
-    TrackingUnavailableError that names the server and what to do; other errors pass through unchanged.
+    """Turn a synchronous call's "the tracking server did not answer" (after MLflow's own retries) into a
+    one-line TrackingUnavailableError that names the server and what to do; other errors pass through
+    unchanged.
 
-    Why fail and not buffer, as the metric sender does: these calls either need the server's answer (a run id), or
-    record the output the stage publishes; a stage that reported success while its run missed them would leave the
-    pipeline's stage table and the registry without it. Stages are idempotent, so exit 1 and a re-run (the flow's
-    task retry) lose at most the work since the last checkpoint. Only an HTTP server is a server: with a local
-    store (sqlite, a folder) an OSError is the disk's, and is raised as it is."""
+    Why fail and not buffer, as the metric sender does: these calls either need the server's answer (a run
+    id), or record the output the stage publishes; a stage that reported success while its run missed them
+    would leave the pipeline's stage table and the registry without it. Stages are idempotent, so exit 1 and a
+    re-run (the flow's task retry) lose at most the work since the last checkpoint. Only an HTTP server is a
+    server: with a local store (sqlite, a folder) an OSError is the disk's, and is raised as it is."""
     try:
         yield
     except TrackingUnavailableError:
@@ -110,9 +115,10 @@ def reaching(uri: str, what: str) -> Iterator[None]:
             raise
         retries = os.environ.get(RETRIES_VAR, str(_RETRIES_DEFAULT))
         raise TrackingUnavailableError(
-            f"MLflow tracking server {uri} unreachable while {what} ({_first_line(exc)}, after {retries} retries, "
-            f"{RETRIES_VAR}); start the server (or fix tracking.uri), then re-run: published outputs are reused "
-            "and the RL stage resumes from its last checkpoint") from None
+            f"MLflow tracking server {uri} unreachable while {what} ({_first_line(exc)}, after {retries} "
+            f"retries, {RETRIES_VAR}); start the server (or fix tracking.uri), then re-run: published "
+            "outputs are reused and the RL stage resumes from its last checkpoint"
+        ) from None
 
 
 def _ensure_experiment(mlflow, name: str) -> str:
@@ -122,8 +128,9 @@ def _ensure_experiment(mlflow, name: str) -> str:
     return experiment.experiment_id
 
 
-def start_parent_run(uri: str, experiment: str, run_name: str, params: dict[str, Any],
-                     tags: dict[str, str]) -> str:
+def start_parent_run(
+    uri: str, experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str]
+) -> str:
     """Create the pipeline's parent run (left open for the flow's lifetime) and return its id."""
     mlflow = _mlflow(uri)
     with reaching(uri, "creating the pipeline's run"):
@@ -144,7 +151,7 @@ def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
     flat = flatten(params) if any(isinstance(v, dict) for v in params.values()) else params
     items = [Param(k, _param_text(v)) for k, v in flat.items()]
     for start in range(0, len(items), 100):  # log_batch accepts at most 100 params per call
-        client.log_batch(run_id, params=items[start:start + 100])
+        client.log_batch(run_id, params=items[start : start + 100])
 
 
 def _param_text(value: Any) -> str:
@@ -159,7 +166,7 @@ class StageRun:
         self._client = client
         self._mlflow = mlflow_module
         self.run_id = run_id
-        self._uri = uri  # for the one-line error of a synchronous call the server does not answer (`reaching`)
+        self._uri = uri
         self._sender: MetricSender | None = None
 
     def _reaching(self, what: str):
@@ -174,7 +181,7 @@ class StageRun:
         items = _metric_items(metrics, step or 0)
         with self._reaching("logging metrics"):
             for start in range(0, len(items), _METRICS_PER_BATCH):
-                self._client.log_batch(self.run_id, metrics=items[start:start + _METRICS_PER_BATCH])
+                self._client.log_batch(self.run_id, metrics=items[start : start + _METRICS_PER_BATCH])
 
     def log_metrics_async(self, metrics: dict[str, float], step: int) -> None:
         """Queue metrics for the background sender and return at once (a training loop's per-step metrics)."""
@@ -214,11 +221,14 @@ class StageRun:
     def log_dataset(self, name: str, source_uri: str, digest: str, context: str, n_records: int) -> None:
         """Record a dataset as a run input (name, source URI, digest) without copying its records."""
         dataset = MetaDataset(source=UriDatasetSource(source_uri), name=name, digest=digest[:36])
-        tags = [InputTag(key="mlflow.data.context", value=context),
-                InputTag(key="alignflow.records", value=str(n_records))]
+        tags = [
+            InputTag(key="mlflow.data.context", value=context),
+            InputTag(key="alignflow.records", value=str(n_records)),
+        ]
         with self._reaching(f"logging dataset {name}"):
-            self._client.log_inputs(self.run_id, datasets=[DatasetInput(dataset=dataset._to_mlflow_entity(),
-                                                                        tags=tags)])
+            self._client.log_inputs(
+                self.run_id, datasets=[DatasetInput(dataset=dataset._to_mlflow_entity(), tags=tags)]
+            )
 
 
 def _metric_items(metrics: dict[str, float], step: int) -> list[Metric]:
@@ -229,19 +239,20 @@ def _metric_items(metrics: dict[str, float], step: int) -> list[Metric]:
 class MetricSender:
     """Logs metrics to one MLflow run from a background thread, in the order they were queued.
 
-    Why a thread: one log_batch of an RL iteration's ~45 metrics took 61-64 ms median, 106-125 ms max, on
-    the SQLite store of the loaded 2-core box, against 0.3-0.6 s iterations of configs/tiny.yaml (10-20 %
-    of each); queueing them takes 0.12 ms median. When the store is slower than the loop, whatever is
-    queued meanwhile goes out in one call (up to 1000 metrics). A failure is raised by the next `send`,
+    Why a thread: a log_batch of an RL iteration's metrics is a round trip to the store, a sizeable share of
+    a short iteration (configs/tiny.yaml's on a small machine's SQLite store), while queueing them costs a
+    fraction of a millisecond. When the store is slower than the loop, whatever is queued meanwhile goes out
+    in one call (up to 1000 metrics). A failure is raised by the next `send`,
     `flush` or `close`, as a synchronous log would have raised it, so a run never silently loses its curves.
 
     Server outages: MLflow's client retries a call itself (RETRIES_VAR: ~1 min). A batch that still
-    fails because the server is unreachable (connection refused or cut, timeout, 5xx, 429) is kept, not dropped:
-    the loop goes on queueing and the sender tries the kept batch again (1 s doubling to 30 s) until the server
-    answers, then everything queued meanwhile, in order. Past `outage_s` of failing it gives up with a
-    TrackingUnavailableError (one line; the stage exits 1 and its re-run resumes). A re-sent batch is never
-    doubled in the run: its metrics keep the timestamps they were queued with, and MLflow's SQL store skips a
-    metric whose (key, timestamp, step, value) is already in the run, as when a batch was stored but its reply lost.
+    fails because the server is unreachable (connection refused or cut, timeout, 5xx, 429) is kept, not
+    dropped: the loop goes on queueing and the sender tries the kept batch again (1 s doubling to 30 s) until
+    the server answers, then everything queued meanwhile, in order. Past `outage_s` of failing it gives up
+    with a TrackingUnavailableError (one line; the stage exits 1 and its re-run resumes). A re-sent batch is
+    never doubled in the run: its metrics keep the timestamps they were queued with, and MLflow's SQL store
+    skips a metric whose (key, timestamp, step, value) is already in the run, as when a batch was stored but
+    its reply lost.
     """
 
     def __init__(self, client, run_id: str, outage_s: float | None = None):
@@ -250,7 +261,7 @@ class MetricSender:
         self._outage_s = outage_limit_s() if outage_s is None else outage_s
         self._queue: queue.Queue[list[Metric] | None] = queue.Queue()
         self._error: BaseException | None = None
-        self._gave_up: str | None = None  # the TrackingUnavailableError's message, once the outage limit passed
+        self._gave_up: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"mlflow-metrics-{run_id[:8]}", daemon=True)
         self._thread.start()
 
@@ -295,12 +306,13 @@ class MetricSender:
                     self._queue.task_done()
 
     def _send_through_outages(self, items: list[Metric]) -> None:
-        """log_batch `items` in order, waiting out an unreachable server for up to `outage_s` (class docstring)."""
+        """log_batch `items` in order,
+        waiting out an unreachable server for up to `outage_s` (class docstring)."""
         if self._gave_up is not None:  # once given up, fail at once: the stage is stopping, don't wait again
             raise TrackingUnavailableError(self._gave_up)
         sent, down_since, wait = 0, None, _RETRY_FIRST_S
         while sent < len(items):
-            batch = items[sent:sent + _METRICS_PER_BATCH]
+            batch = items[sent : sent + _METRICS_PER_BATCH]
             try:
                 self._client.log_batch(self._run_id, metrics=batch)
             except Exception as exc:
@@ -309,37 +321,46 @@ class MetricSender:
                 now = time.monotonic()
                 if down_since is None:
                     down_since = now
-                    _warn(f"MLflow unreachable while logging run {self._run_id} ({_first_line(exc)}); the stage goes "
-                          f"on and its metrics are kept and sent when the server is back (giving up after "
-                          f"{self._outage_s:.0f} s)")
+                    _warn(
+                        f"MLflow unreachable while logging run {self._run_id} ({_first_line(exc)}); the "
+                        "stage goes on and its metrics are kept and sent when the server is back (giving up "
+                        f"after {self._outage_s:.0f} s)"
+                    )
                 if now - down_since >= self._outage_s:
-                    self._gave_up = (f"MLflow unreachable for {now - down_since:.0f} s (limit {self._outage_s:.0f} s, "
-                                     f"{OUTAGE_VAR}) while logging run {self._run_id}: {_first_line(exc)}; start the "
-                                     "server again, then re-run: the stage resumes and its new run gets every step")
+                    self._gave_up = (
+                        f"MLflow unreachable for {now - down_since:.0f} s (limit {self._outage_s:.0f} s, "
+                        f"{OUTAGE_VAR}) while logging run {self._run_id}: {_first_line(exc)}; start the "
+                        "server again, then re-run: the stage resumes and its new run gets every step"
+                    )
                     raise TrackingUnavailableError(self._gave_up) from None
                 time.sleep(min(wait, max(self._outage_s - (now - down_since), 0.0)))
                 wait = min(2 * wait, _RETRY_MAX_S)
                 continue
             sent += len(batch)
         if down_since is not None:
-            _warn(f"MLflow reachable again after {time.monotonic() - down_since:.0f} s; the metrics kept meanwhile "
-                  f"({len(items)}) are in run {self._run_id}")
+            _warn(
+                f"MLflow reachable again after {time.monotonic() - down_since:.0f} s; the metrics kept "
+                f"meanwhile ({len(items)}) are in run {self._run_id}"
+            )
 
 
 def outage_limit_s() -> float:
-    """How long the metric sender waits out an unreachable MLflow server: ALIGNFLOW_TRACKING_OUTAGE_S, or 900 s."""
+    """How long the metric sender waits out an unreachable MLflow server:
+    ALIGNFLOW_TRACKING_OUTAGE_S, or 900 s."""
     value = os.environ.get(OUTAGE_VAR, "")
     try:
         return float(value) if value else _OUTAGE_DEFAULT_S
     except ValueError:
-        raise ValueError(f"{OUTAGE_VAR}='{value}' is not a number of seconds; unset it (default "
-                         f"{_OUTAGE_DEFAULT_S:.0f}) or set e.g. {OUTAGE_VAR}=600") from None
+        raise ValueError(
+            f"{OUTAGE_VAR}='{value}' is not a number of seconds; unset it (default "
+            f"{_OUTAGE_DEFAULT_S:.0f}) or set e.g. {OUTAGE_VAR}=600"
+        ) from None
 
 
 def server_unreachable(exc: BaseException) -> bool:
-    """True when a tracking call failed because the server could not answer (worth trying again later): a network
-    error anywhere in the chain (requests' errors are OSErrors), or an MLflow error with HTTP status 5xx or 429.
-    A 4xx (a bad value, a run no longer active) is the caller's fault and is raised."""
+    """True when a tracking call failed because the server could not answer (worth trying again later): a
+    network error anywhere in the chain (requests' errors are OSErrors), or an MLflow error with HTTP status
+    5xx or 429. A 4xx (a bad value, a run no longer active) is the caller's fault and is raised."""
     error: BaseException | None = exc
     while error is not None:
         if isinstance(error, OSError):
@@ -391,8 +412,15 @@ class UriDatasetSource(DatasetSource):
 
 
 @contextlib.contextmanager
-def stage_run(uri: str, experiment: str, stage: str, parent_run_id: str | None, tags: dict[str, str] | None = None,
-              run_name: str | None = None, attempt_of: str | None = None) -> Iterator[StageRun]:
+def stage_run(
+    uri: str,
+    experiment: str,
+    stage: str,
+    parent_run_id: str | None,
+    tags: dict[str, str] | None = None,
+    run_name: str | None = None,
+    attempt_of: str | None = None,
+) -> Iterator[StageRun]:
     """Open a stage's nested run under the pipeline's parent run; FINISHED on exit, FAILED on exception.
 
     `attempt_of`: the output URI the stage writes. The runs of earlier, unfinished attempts at it are
@@ -428,9 +456,10 @@ def stage_run(uri: str, experiment: str, stage: str, parent_run_id: str | None, 
 
 
 def _end_failed(client, run_id: str, exc: BaseException) -> None:
-    """End the run FAILED, unless the server is what failed: then the call would only wait out MLflow's retries
-    (RETRIES_VAR) and fail too; the run stays RUNNING until the re-run's attempt marks it superseded (KILLED).
-    A server that stops answering only now leaves it RUNNING the same way, and the stage's own error is raised."""
+    """End the run FAILED, unless the server is what failed: then the call would only wait out MLflow's
+    retries (RETRIES_VAR) and fail too; the run stays RUNNING until the re-run's attempt marks it superseded
+    (KILLED). A server that stops answering only now leaves it RUNNING the same way, and the stage's own error
+    is raised."""
     if isinstance(exc, TrackingUnavailableError):
         return
     try:
@@ -442,7 +471,8 @@ def _end_failed(client, run_id: str, exc: BaseException) -> None:
 
 
 def attempt_key(output_uri: str) -> str:
-    """The `alignflow.attempt_key` tag of a stage run writing `output_uri` (a digest: safe in a filter string)."""
+    """The `alignflow.attempt_key` tag of a stage run writing `output_uri` (a digest:
+    safe in a filter string)."""
     return hashlib.sha256(output_uri.encode()).hexdigest()[:32]
 
 
@@ -454,8 +484,9 @@ def supersede_earlier_attempts(client, experiment_id: str, run_id: str, key: str
     `alignflow.supersedes` with their ids.
     """
     superseded = []
-    for run in client.search_runs([experiment_id], filter_string=f"tags.`{ATTEMPT_KEY_TAG}` = '{key}'",
-                                  max_results=1000):
+    for run in client.search_runs(
+        [experiment_id], filter_string=f"tags.`{ATTEMPT_KEY_TAG}` = '{key}'", max_results=1000
+    ):
         if run.info.run_id == run_id or SUPERSEDED_BY_TAG in run.data.tags:
             continue
         if run.info.status in ("RUNNING", "SCHEDULED"):
@@ -468,8 +499,15 @@ def supersede_earlier_attempts(client, experiment_id: str, run_id: str, key: str
     return superseded
 
 
-def record_skipped_stage(uri: str, experiment: str, stage: str, parent_run_id: str | None, output_uri: str,
-                         original_run_id: str | None, tags: dict[str, str] | None = None) -> str:
+def record_skipped_stage(
+    uri: str,
+    experiment: str,
+    stage: str,
+    parent_run_id: str | None,
+    output_uri: str,
+    original_run_id: str | None,
+    tags: dict[str, str] | None = None,
+) -> str:
     """A nested run that says the stage was reused from an earlier pipeline run (and where)."""
     extra = {"alignflow.cached": "true", "alignflow.output_uri": output_uri, **(tags or {})}
     if original_run_id:
@@ -488,27 +526,46 @@ def run_tag(uri: str, run_id: str, key: str, value: str) -> None:
 # Model registry: versions point at object-store folders (never a copy), aliases name the roles.
 # ------------------------------------------------------------------------------------------------
 
-def register_version(uri: str, name: str, source: str, run_id: str | None, tags: dict[str, str],
-                     aliases: tuple[str, ...] = ("candidate",), description: str = "") -> str:
+
+def register_version(
+    uri: str,
+    name: str,
+    source: str,
+    run_id: str | None,
+    tags: dict[str, str],
+    aliases: tuple[str, ...] = ("candidate",),
+    description: str = "",
+) -> str:
     """Register `source` (an object-store folder) as a new version of model `name`; returns the version.
 
-    The folder is the version's `source` and its `alignflow.source` tag. An MLflow server refuses a local folder
-    (a `storage.root` on the local disk) as a source, so there the source is `runs:/<run_id>/registered-output`,
-    where a `source.txt` names the folder, and the tag is what `resolve_models_uri` and `alias_version` read.
+    The folder is the version's `source` and its `alignflow.source` tag. An MLflow server refuses a local
+    folder (a `storage.root` on the local disk) as a source, so there the source is
+    `runs:/<run_id>/registered-output`, where a `source.txt` names the folder, and the tag is what
+    `resolve_models_uri` and `alias_version` read.
     """
     _mlflow(uri)
     with reaching(uri, f"registering a version of model '{name}'"):
         return _register_version(MlflowClient(uri), uri, name, source, run_id, tags, aliases, description)
 
 
-def _register_version(client, uri: str, name: str, source: str, run_id: str | None, tags: dict[str, str],
-                      aliases: tuple[str, ...], description: str) -> str:
+def _register_version(
+    client,
+    uri: str,
+    name: str,
+    source: str,
+    run_id: str | None,
+    tags: dict[str, str],
+    aliases: tuple[str, ...],
+    description: str,
+) -> str:
     registry_source = source
     if _server_refuses_local_source(uri, source):
         if not run_id:
-            raise ValueError(f"registering '{source}' as a version of '{name}' on the MLflow server {uri} needs the "
-                             "stage's MLflow run (the server refuses a local folder as a source); put storage.root "
-                             "on S3, or re-run the stage with tracking on")
+            raise ValueError(
+                f"registering '{source}' as a version of '{name}' on the MLflow server {uri} needs the "
+                "stage's MLflow run (the server refuses a local folder as a source); put storage.root "
+                "on S3, or re-run the stage with tracking on"
+            )
         client.log_text(run_id, f"{source}\n", f"{REGISTERED_OUTPUT_PATH}/source.txt")
         registry_source = f"runs:/{run_id}/{REGISTERED_OUTPUT_PATH}"
     try:
@@ -517,22 +574,28 @@ def _register_version(client, uri: str, name: str, source: str, run_id: str | No
         if uri.startswith(("http://", "https://")) and server_unreachable(exc):
             raise  # not "no such model": `reaching` reports it
         client.create_registered_model(name, description=description or None)
-    version = client.create_model_version(name, source=registry_source, run_id=run_id,
-                                          tags={**{k: str(v) for k, v in tags.items()}, SOURCE_TAG: source})
+    version = client.create_model_version(
+        name,
+        source=registry_source,
+        run_id=run_id,
+        tags={**{k: str(v) for k, v in tags.items()}, SOURCE_TAG: source},
+    )
     for alias in aliases:
         client.set_registered_model_alias(name, alias, version.version)
     return str(version.version)
 
 
 def _server_refuses_local_source(uri: str, source: str) -> bool:
-    """True for a local folder registered through an MLflow server (HTTP): the server's source check refuses it."""
+    """True for a local folder registered through an MLflow server (HTTP):
+    the server's source check refuses it."""
     from mlflow.utils.uri import is_local_uri
 
     return uri.startswith(("http://", "https://")) and is_local_uri(source, is_tracking_or_registry_uri=False)
 
 
 def _folder_of(version) -> str:
-    """The object-store folder a registered version stands for (its tag; the source for versions made before it)."""
+    """The object-store folder a registered version stands for (its tag;
+    the source for versions made before it)."""
     return version.tags.get(SOURCE_TAG, version.source)
 
 

@@ -32,23 +32,52 @@ def _binary(name: str) -> str:
 def serve(workdir: Path, prefect_port: int, mlflow_port: int) -> int:
     """Start both servers, print their URLs, and keep them running until Ctrl-C."""
     workdir = workdir.resolve()
-    env = {**os.environ, "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(prefect_port),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+    env = {
+        **os.environ,
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(prefect_port),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "true",
+    }
     # The port goes by env var: `--port` would leave the UI pointing at 4200.
-    prefect = subprocess.Popen([_binary("prefect"), "server", "start"], env=env, cwd=workdir,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    mlflow = subprocess.Popen([_binary("mlflow"), "ui", "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
-                               "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
-                              env=env, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    prefect = subprocess.Popen(
+        [_binary("prefect"), "server", "start"],
+        env=env,
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    mlflow = subprocess.Popen(
+        [
+            _binary("mlflow"),
+            "ui",
+            "--backend-store-uri",
+            f"sqlite:///{workdir / 'mlflow.db'}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(mlflow_port),
+            "--workers",
+            "1",
+        ],
+        env=env,
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     prefect_url, mlflow_url = f"http://127.0.0.1:{prefect_port}", f"http://127.0.0.1:{mlflow_port}"
     try:
         ok_prefect = _wait_http(f"{prefect_url}/api/health", 120)
         ok_mlflow = _wait_http(f"{mlflow_url}/health", 120)
         print(f"Prefect UI: {prefect_url}  ({'up' if ok_prefect else 'NOT responding'})")
         print(f"MLflow UI:  {mlflow_url}  ({'up' if ok_mlflow else 'NOT responding'})")
-        print(f"Point runs at them with: export PREFECT_API_URL={prefect_url}/api "
-              f"ALIGNFLOW_MLFLOW_UI_URL={mlflow_url} PREFECT_UI_URL={prefect_url}")
+        print(
+            f"Point runs at them with: export PREFECT_API_URL={prefect_url}/api "
+            f"ALIGNFLOW_MLFLOW_UI_URL={mlflow_url} PREFECT_UI_URL={prefect_url}"
+        )
         print("Ctrl-C stops both.", flush=True)
         if not (ok_prefect and ok_mlflow):
             return 1
