@@ -1,4 +1,4 @@
-"""Fused ops for the engine and the RL stage: per-token log-probs/entropy and sampling (not models, not losses).
+"""Fused ops for the engine and the RL stage: per-token log-probs/entropy and sampling (not models, losses).
 
 Each op has a torch reference (what runs on CPU) and a Triton kernel (what ``impl="auto"`` runs on
 CUDA); tests compare the two in Triton's CPU interpreter. Nothing here imports triton until a

@@ -1,22 +1,22 @@
-"""Eager CPU sampler: sampling.sample_torch's tokens and log-probs bit for bit, in cache-sized vocabulary chunks.
+"""Eager CPU sampler: sampling.sample_torch's tokens and log-probs bit for bit, in cache-sized vocab chunks.
 
 The reference builds ~40 full [B, V] int64 temporaries per call (the hash in 16-bit halves, two
-logs, masks); at [64, 32000] each is 16 MB, so it streams ~650 MB through memory (85-130 ms eager,
-2 threads). Here the same arithmetic runs
+logs, masks); at [64, 32000] each is 16 MB, so it streams ~650 MB through memory. Here the same
+arithmetic runs
 
 * in 32-bit words (int32 tensors holding the hash's uint32 bits): shifts made logical by masking
   the sign-extended bits, products and the one sum wrapping mod 2**32. torch's int32 kernels wrap
   (AVX-512 vpmulld/vpaddd; the scalar tail is an imul) although C++ leaves signed overflow
-  undefined; torch's uint32 multiply would be defined but is not vectorised (210 us vs 14 us per
-  [64, 4096] call). The tests' bit-for-bit comparison with the overflow-free int64 reference is
+  undefined; torch's uint32 multiply would be defined but is not vectorised, and many times slower.
+  The tests' bit-for-bit comparison with the overflow-free int64 reference is
   what guards this on every platform CI runs on;
 * in place on [B, chunk] buffers sized to stay in L2 (~1 MB each), with one scratch buffer;
 * with a running (max, first index) across chunks, later chunks winning only when strictly
   greater, which is argmax's first-index tie rule over the whole row.
 
 Top-k/top-p thresholds come from the reference's ``kept_thresholds`` (sorted prefixes of each row,
-a full sort only for rows no prefix decides) and are applied per chunk. Every value that decides the token is computed by the same fp32
-operations as the reference: tokens, log-probs and thresholds are equal, not close
+a full sort only for rows no prefix decides) and are applied per chunk. Every value that decides the token is
+computed by the same fp32 operations as the reference: tokens, log-probs and thresholds are equal, not close
 (tests/kernels/test_sampling.py). Timings: ``python benchmarks/sampler_bench.py``.
 """
 
@@ -35,9 +35,9 @@ from alignflow.kernels.sampling import (
     ordered_keys32,
 )
 
-# int32 elements per chunk buffer: 256 Ki x 4 B = 1 MB, a quarter of this box's 4 MB L2 (a chunk has
-# about three such buffers live). Measured at B = 64 on the first version of this file: 1024-column
-# chunks 25 ms, 4096 21 ms, the whole 32000-column row 38 ms.
+# int32 elements per chunk buffer: 256 Ki x 4 B = 1 MB, a quarter of a 4 MB L2 (a chunk has about three
+# such buffers live). Much smaller chunks pay their per-chunk overhead, a whole row does not stay in cache
+# (python benchmarks/sampler_bench.py times it).
 _CHUNK_ELEMENTS = 1 << 18
 _MIN_CHUNK = 1024
 
@@ -109,7 +109,8 @@ def sample(
     logits: torch.Tensor, rows: SamplingRows, flags: BatchFlags, thresholds: torch.Tensor | None = None,
     want_tau: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Same contract and results as sampling.sample_torch: (tokens int64 [B], logprobs fp32 [B], tau int64 [B]).
+    """Same contract and results as sampling.sample_torch: (tokens int64 [B], logprobs fp32 [B], tau int64
+    [B]).
 
     want_tau=False: tau is None when nothing is cut, and the batch-wide facts in `flags` stand in for per-row
     work: with no greedy row and no truncation a step needs only 1/T of normalised_rows, and no order keys
@@ -120,16 +121,19 @@ def sample(
     x = logits.to(torch.float32)
     if flags.any_greedy or truncated or want_tau:
         inv_t, greedy, top_k, top_p = normalised_rows(rows, vocab)
-    else:  # every row samples: normalised_rows' inv_t is where(greedy, 1, 1 / T) = 1 / T, the same fp32 division
+    else:
+        # every row samples: normalised_rows' inv_t is where(greedy, 1, 1 / T) = 1 / T, the same fp32 division
         inv_t, greedy = 1.0 / rows.temperature, None
     z = x * inv_t[:, None]
     keys = tau = tau32 = None
     if truncated or want_tau:
-        keys = ordered_keys32(x)  # sliced per chunk below: slicing x and keying each slice copied it (5 ms at B=64)
+        # sliced per chunk below: slicing x and keying each slice would copy it
+        keys = ordered_keys32(x)
         if thresholds is not None:
             tau = thresholds
         elif truncated:
-            tau = kept_thresholds(keys, z, top_k, top_p, flags)  # int32 keys: an int64 copy cost 3.3 ms at B=64
+            # int32 keys: an int64 copy would be one more pass over [B, V]
+            tau = kept_thresholds(keys, z, top_k, top_p, flags)
         else:
             tau = keys.amin(dim=1).to(torch.int64)  # what the reference returns when nothing is cut
         tau32 = tau.to(torch.int32)  # int32 keys against int64 tau would promote (copy) every key to int64
@@ -141,7 +145,8 @@ def sample(
         tokens = score.argmax(dim=1)
         return tokens, z.gather(1, tokens[:, None]).squeeze(1) - logprobs_base, tau
 
-    mixed = flags.any_greedy and bool(greedy.any())  # greedy rows beside sampled ones: their noise is scaled by 0
+    # greedy rows beside sampled ones: their noise is scaled by 0
+    mixed = flags.any_greedy and bool(greedy.any())
     noise_scale = (~greedy).to(torch.float32)[:, None] if mixed else None
     if rows.noise is not None:  # the whole row's noise, computed beforehand: one chunk, no hash
         score = (rows.noise * noise_scale if mixed else rows.noise) + z  # greedy rows: z + 0 * G, as below

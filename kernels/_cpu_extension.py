@@ -1,15 +1,16 @@
-"""Builds and loads the C++ CPU kernels of kernels/csrc/ as torch extensions (the choice of path is the caller's).
+"""Builds and loads the C++ CPU kernels of kernels/csrc/ as torch extensions (callers choose the path).
 
-Compiled on first use with torch.utils.cpp_extension (g++, ninja; 54-66 s on the 2-core CI box),
-then cached in TORCH_EXTENSIONS_DIR and loaded from there. The kernels use AVX-512: on a CPU without it, or where the
-build fails, `extension()` is None and `unavailable_reason()` says why; the build failure also warns
-once, because the callers then fall back to slower torch paths.
+Compiled on first use with torch.utils.cpp_extension (g++, ninja; about a minute on 2 cores,
+docs/engines.md#the-native-generation-engine-on-a-cpu), then cached in TORCH_EXTENSIONS_DIR and loaded from
+there. The kernels use AVX-512: on a CPU without it, or where the build fails, `extension()` is None and
+`unavailable_reason()` says why; the build failure also warns once, because the callers then fall back to
+slower torch paths.
 
 The sampler and skinny_linear also have an AVX2 build (csrc/avx2/, its own extension, which alone has the
 training step's log-prob and entropy kernels, `logprob_kernels()`): `sampler()` and
-`linear_kernels()` are the AVX-512 extension where it runs, else that one on CPUs with AVX2 and FMA. On the
-AVX2 EPYC the demo's sampling ([32, 512] logits) took ~430 us of each ~1.6 ms decode step through the chunked
-torch path (Gumbel windows and ~20 operator calls); skinny_linear's figures are in kernels/skinny_linear.py.
+`linear_kernels()` are the AVX-512 extension where it runs, else that one on CPUs with AVX2 and FMA: there
+the chunked torch sampler (Gumbel windows and ~20 operator calls) is a large share of a small model's decode
+step (docs/performance.md#cpu-kernels).
 
 Each build lives in a directory named by a digest of what goes into it (`build_key`): <name>_<digest12> under
 TORCH_EXTENSIONS_DIR, holding a copy of its sources (src/) and a key.json saying what the digest covers. Every
@@ -50,9 +51,9 @@ AVX2_NAME = "alignflow_cpu_kernels_avx2"
 _AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 # A build holds <build dir>/lock while it compiles, and torch's `load` waits, without a time limit, for
-# that file to go. A process killed mid-build leaves it behind, and every later load then hangs (seen
-# here: a whole test run stuck at collection). The longest build measured is ~110 s (all three
-# extensions at once on 2 cores), so a lock 15 minutes old is taken to be a leftover and removed.
+# that file to go. A process killed mid-build leaves it behind, and every later load then hangs (a whole
+# test run stuck at collection). A build takes a few minutes at most, all three extensions at once on 2
+# cores included, so a lock 15 minutes old is taken to be a leftover and removed.
 STALE_LOCK_SECONDS = 15 * 60
 
 # The sources copied into a build directory all carry this modification time (1980-01-01, zip's epoch). Their
@@ -74,8 +75,12 @@ def clear_stale_lock(name: str, build_directory: Path | None = None) -> Path | N
         return None
     if age < STALE_LOCK_SECONDS:
         return None  # another process may be compiling now: torch's load waits for it
-    warnings.warn(f"removing the build lock {lock}, left {age / 60:.0f} minutes ago by a build that did not "
-                  f"finish (a killed process); the extension {name} is built again", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"removing the build lock {lock}, left {age / 60:.0f} minutes ago by a build that did not "
+        f"finish (a killed process); the extension {name} is built again",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     lock.unlink(missing_ok=True)
     return lock
 
@@ -149,8 +154,10 @@ def compile_keyed(name: str, sources: list[Path], flags: list[str], root: Path =
     staged = build_directory / "src"
     for rel, data in files.items():
         _write_once(staged / rel, data)
-    _write_once(build_directory / "key.json",
-                json.dumps({"name": name, "digest": build_digest(key), **key}, indent=1, sort_keys=True).encode())
+    _write_once(
+        build_directory / "key.json",
+        json.dumps({"name": name, "digest": build_digest(key), **key}, indent=1, sort_keys=True).encode(),
+    )
     return _compile(name, [staged / source.relative_to(root) for source in sources], flags, build_directory)
 
 
@@ -160,8 +167,14 @@ def _compile(name: str, sources: list[Path], flags: list[str], build_directory: 
     clear_stale_lock(name, build_directory)
     # torch's load holds build_directory/lock (a file created with O_EXCL) while it compiles, so two
     # processes building one digest at once compile it once: the second waits, then imports.
-    return load(name, sources=[str(s) for s in sources], extra_cflags=list(flags), extra_ldflags=list(_LDFLAGS),
-                build_directory=None if build_directory is None else str(build_directory), verbose=False)
+    return load(
+        name,
+        sources=[str(s) for s in sources],
+        extra_cflags=list(flags),
+        extra_ldflags=list(_LDFLAGS),
+        build_directory=None if build_directory is None else str(build_directory),
+        verbose=False,
+    )
 
 
 def _library_path(module_name: str, build_directory: str, is_python_module: bool) -> str:
@@ -174,12 +187,13 @@ def build_ahead() -> Path:
     """Compile the extension into TORCH_EXTENSIONS_DIR now, on any x86-64 CPU; returns the .so's path.
 
     For container images: a stage container starts from the image's file system every run, so a
-    kernel compiled at run time is compiled again by every engine and PPO stage (54-66 s on 2 cores).
+    kernel compiled at run time is compiled again by every engine and PPO stage (about a minute on 2
+    cores each time).
     The build host need not have AVX-512 (the flags, not the host, decide the instructions); at run
     time `extension()` finds this build, up to date, and only loads it. Raises if compiling fails.
 
     It compiles without loading: loading runs the module's initialisers, which -O3 -mavx512f may
-    vectorise with AVX-512, so an AVX2-only build host died with SIGILL (exit 132) here. torch 2.13's
+    vectorise with AVX-512, so an AVX2-only build host would die with SIGILL (exit 132). torch 2.13's
     `load` has no build-only mode (is_python_module=False still dlopens via torch.ops.load_library), so
     its last step, the import, is replaced by returning the library's path; everything before it (the
     same keyed build directory as `extension()`, ninja's up-to-date check, the lock) is torch's own or
@@ -189,7 +203,8 @@ def build_ahead() -> Path:
     from torch.utils import cpp_extension
 
     with mock.patch.object(cpp_extension, "_import_module_from_library", _library_path):
-        compile_keyed(AVX2_NAME, AVX2_SOURCES, _AVX2_FLAGS)  # the sampler and skinny_linear of AVX2-only hosts
+        # the sampler and skinny_linear of AVX2-only hosts
+        compile_keyed(AVX2_NAME, AVX2_SOURCES, _AVX2_FLAGS)
         return Path(compile_keyed(NAME, SOURCES, _FLAGS))
 
 
@@ -204,9 +219,14 @@ def _build(name: str, sources: list[Path], flags: list[str]) -> tuple[object | N
     try:
         module = compile_keyed(name, sources, flags)
     except Exception as exc:  # no compiler, no ninja, no headers: the callers keep their torch paths
-        why = f"building {', '.join(s.name for s in sources)} failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
-        warnings.warn(f"{why}; CPU kernels fall back to torch (slower decoding). Install g++ and ninja, and make "
-                      "TORCH_EXTENSIONS_DIR writable, to use them", RuntimeWarning, stacklevel=4)
+        names = ", ".join(s.name for s in sources)
+        why = f"building {names} failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
+        warnings.warn(
+            f"{why}; CPU kernels fall back to torch (slower decoding). Install g++ and ninja, and make "
+            "TORCH_EXTENSIONS_DIR writable, to use them",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return None, why
     return module, None
 
@@ -216,7 +236,8 @@ def _load_sampler() -> tuple[object | None, str | None]:
     module, why = _load()
     if module is not None:
         return module, None
-    # Its noise equals the reference's where torch's own log kernels are the AVX2 ones (the same SLEEF function).
+    # Its noise equals the reference's where torch's own log kernels are the AVX2 ones (the same SLEEF
+    # function).
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
         return None, f"{why}, and torch's CPU kernels are {capability}, not AVX2"
@@ -249,7 +270,8 @@ def unavailable_reason() -> str | None:
 
 
 def linear_kernels():
-    """A compiled module with skinny_linear: the AVX-512 extension, else the AVX2 one's; None where neither runs."""
+    """A compiled module with skinny_linear: the AVX-512 extension, else the AVX2 one's;
+    None where neither runs."""
     return _load_linear()[0]
 
 
@@ -259,10 +281,12 @@ def linear_kernels_unavailable_reason() -> str | None:
 
 
 def logprob_kernels():
-    """The AVX2 extension (logprobs_entropy, rms_norm) on any CPU with AVX2 and FMA, AVX-512 ones included; else None.
+    """The AVX2 extension (logprobs_entropy, rms_norm) on any CPU with AVX2 and FMA, AVX-512 ones included;
+    else None.
 
     Only the AVX2 build has these kernels; AVX-512 CPUs run it too. An AVX-512 build was not written: the
-    ones with bf16 arithmetic train in autocast, and bf16 logits keep the torch reference (kernels/logprobs.py)."""
+    ones with bf16 arithmetic train in autocast, and bf16 logits keep the torch reference
+    (kernels/logprobs.py)."""
     return _load_avx2()[0]
 
 
@@ -272,7 +296,8 @@ def logprob_kernels_unavailable_reason() -> str | None:
 
 
 def sampler():
-    """A compiled module with sample_tokens: the AVX-512 extension, else the AVX2 sampler's; None where neither runs."""
+    """A compiled module with sample_tokens: the AVX-512 extension, else the AVX2 sampler's;
+    None where neither runs."""
     return _load_sampler()[0]
 
 

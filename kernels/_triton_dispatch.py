@@ -2,9 +2,9 @@
 
 ``impl="auto"`` runs Triton when the tensor is on a CUDA (or ROCm) device and triton imports, else the
 C++ CPU kernel where the op has one and it builds (``"cpp"``: sample_tokens and the log-prob ops), else
-sample_tokens' ``"chunked"`` torch path, else the torch reference. ``impl="triton"`` on a CPU tensor only works in Triton's interpreter, which has to be
-switched on (``TRITON_INTERPRET=1``) before the ``_triton_*`` kernel modules are first imported,
-because ``@triton.jit`` reads that variable when it decorates a function.
+sample_tokens' ``"chunked"`` torch path, else the torch reference. ``impl="triton"`` on a CPU tensor only
+works in Triton's interpreter, which has to be switched on (``TRITON_INTERPRET=1``) before the ``_triton_*``
+kernel modules are first imported, because ``@triton.jit`` reads that variable when it decorates a function.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def _cpp_module_and_reason(op: str) -> tuple[object | None, str | None]:
 
 
 def cpp_available(op: str = "sample_tokens") -> bool:
-    """True when `op`'s C++ CPU kernel runs here (AVX-512 or AVX2 CPU, extension built; the first call builds it)."""
+    """True when `op`'s C++ CPU kernel runs here (AVX-512 or AVX2 CPU, extension built;
+    the first call builds it)."""
     return _cpp_module_and_reason(op)[0] is not None
 
 
@@ -48,9 +49,15 @@ def interpreter_requested() -> bool:
 
 
 def resolve_impl(impl: str, device: torch.device, op: str) -> str:
-    """Returns "torch", "chunked", "cpp" or "triton" for ``op`` on ``device``; raises with the fix when ``impl`` cannot run."""
-    valid = ("auto", "torch", *(("chunked",) if op in CHUNKED_OPS else ()), *(("cpp",) if op in CPP_OPS else ()),
-             "triton")
+    """Returns "torch", "chunked", "cpp" or "triton" for ``op`` on ``device``;
+    raises with the fix when ``impl`` cannot run."""
+    valid = (
+        "auto",
+        "torch",
+        *(("chunked",) if op in CHUNKED_OPS else ()),
+        *(("cpp",) if op in CPP_OPS else ()),
+        "triton",
+    )
     if impl not in valid:
         raise ValueError(f"{op}: impl={impl!r} is not one of {valid}")
     if impl == "torch":
@@ -60,11 +67,14 @@ def resolve_impl(impl: str, device: torch.device, op: str) -> str:
         return "chunked"
     if impl == "cpp":
         if on_gpu:
-            raise RuntimeError(f"{op}: impl='cpp' runs on CPU tensors only; use impl='auto' or 'triton' on {device}")
+            raise RuntimeError(
+                f"{op}: impl='cpp' runs on CPU tensors only; use impl='auto' or 'triton' on {device}"
+            )
         if not cpp_available(op):
             other = "'chunked' or 'auto'" if op in CHUNKED_OPS else "'torch' or 'auto'"
-            raise RuntimeError(f"{op}: impl='cpp' is not available here ({_cpp_module_and_reason(op)[1]}); "
-                               f"use impl={other}")
+            raise RuntimeError(
+                f"{op}: impl='cpp' is not available here ({_cpp_module_and_reason(op)[1]}); use impl={other}"
+            )
         return "cpp"
     if impl == "auto":
         if on_gpu and triton_available():
@@ -78,22 +88,23 @@ def resolve_impl(impl: str, device: torch.device, op: str) -> str:
         )
     if not on_gpu and not interpreter_requested():
         raise RuntimeError(
-            f"{op}: impl='triton' on a {device.type} tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
-            "in the environment before alignflow.kernels first runs a Triton kernel, move the tensor to CUDA, "
-            "or use impl='torch'"
+            f"{op}: impl='triton' on a {device.type} tensor needs Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment before alignflow.kernels first runs a Triton kernel, move "
+            "the tensor to CUDA, or use impl='torch'"
         )
     return "triton"
 
 
 def check_kernel_mode(kernel: object, device: torch.device, op: str) -> None:
-    """Raises if a CPU tensor meets a kernel that was compiled for the GPU (decorated before TRITON_INTERPRET=1)."""
+    """Raises if a CPU tensor meets a kernel that was compiled for the GPU
+    (decorated before TRITON_INTERPRET=1)."""
     if device.type == "cuda":
         return
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(kernel, InterpretedFunction):
         raise RuntimeError(
-            f"{op}: the Triton kernels were imported before TRITON_INTERPRET=1 was set, so they are compiled for a "
-            "GPU and cannot run on CPU tensors; set TRITON_INTERPRET=1 before the first import of "
+            f"{op}: the Triton kernels were imported before TRITON_INTERPRET=1 was set, so they are compiled "
+            "for a GPU and cannot run on CPU tensors; set TRITON_INTERPRET=1 before the first import of "
             "alignflow.kernels._triton_* (e.g. at the top of conftest.py), or use impl='torch'"
         )

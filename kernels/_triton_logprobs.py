@@ -1,4 +1,4 @@
-"""Triton kernels behind logprobs.py: one program per row, online logsumexp over vocab blocks (no autograd here).
+"""Triton kernels behind logprobs.py: one program per row, online logsumexp over vocab blocks (no autograd).
 
 Forward reads each logit once and writes three fp32 numbers per row (log-prob at the index,
 entropy, logsumexp); backward reads the logits once more and writes the gradient in the logits'
@@ -172,7 +172,8 @@ def backward(
     grad_entropy: torch.Tensor | None,
     temperature: float,
 ) -> torch.Tensor:
-    """Same contract as logprobs._backward_torch: the logits' gradient, logits' dtype and shape, contiguous."""
+    """Same contract as logprobs._backward_torch: the logits' gradient,
+    logits' dtype and shape, contiguous."""
     check_kernel_mode(_logprobs_bwd_kernel, logits.device, "selective_log_softmax")
     vocab = logits.shape[-1]
     n_rows = logits.numel() // vocab

@@ -153,9 +153,8 @@ def _sample_kernel(
     # (in-kernel so that a decode step is one launch, not ~70 tiny torch ops).
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
-    inv_t = tl.where(
-        greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, temperature))
-    )  # IEEE 1/T, as torch
+    # IEEE 1/T, as torch
+    inv_t = tl.where(greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, temperature)))
     noise_scale = tl.where(greedy, 0.0, 1.0)
     top_k = tl.load(top_k_ptr + row).to(tl.int64)
     top_k = tl.where(greedy | (top_k >= V), 0, top_k)
@@ -232,7 +231,8 @@ def _block_v(device: torch.device, vocab: int) -> int:
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as sampling.sample_torch: (tokens int64 [B], logprobs fp32 [B], threshold keys int64 [B])."""
+    """Same contract as sampling.sample_torch: (tokens int64 [B], logprobs fp32 [B],
+    threshold keys int64 [B])."""
     check_kernel_mode(_sample_kernel, logits.device, "sample_tokens")
     batch, vocab = logits.shape
     if logits.stride(1) != 1:

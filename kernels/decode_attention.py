@@ -1,19 +1,12 @@
-"""One decode step's attention over the KV cache in float32 on AVX-512 CPUs (C++ kernel), with a torch reference.
+"""One decode step's float32 attention over the KV cache on AVX-512 CPUs (C++ kernel), with a torch reference.
 
 Why: with one query per row, attention reads every cached key and value once and does ~2 flops per
 element, so it is bound by that read. This kernel (csrc/decode_attention.cpp) reads each key row once
 for all query heads of its KV group, prefetches the next keys and this row's values in software (the
 hardware prefetcher stops at 4 KB pages, and one (row, head) block of the cache spans only a few),
 does the softmax vectorised (its own polynomial exp; outputs within 5e-7 of the reference in the
-tests) and streams the values once. The
-~110M engine's 12 layers, 57 of 88 cache slots filled, 2 threads, Ice Lake CI box, ms per step
-(`python benchmarks/cpu_kernels_bench.py`):
-
-    batch                      8      32      64
-    cache read (MB)           34     134     269
-    this kernel             1.75    6.99   15.40   (17.5-19.2 GB/s)
-    torch reference         2.47    8.61   16.12
-    reference, compiled     4.00   10.15   18.16   (what the compiled engine ran before)
+tests) and streams the values once. Its speed against the torch reference, eager and compiled, is in
+docs/performance.md#cpu-kernels (`python benchmarks/cpu_kernels_bench.py`).
 
 Layout: q [B, kv_heads, G, D] (the G query heads of a KV group), keys/values [B, kv_heads, L, D] as
 views of the cache (strided over B, heads and L), mask [B, L] additive (0 / -inf). D must be a
@@ -33,18 +26,25 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    """Why `available()` is False (no AVX-512: the kernel has no AVX2 build, or the compiler's error), else None."""
+    """Why `available()` is False (no AVX-512: the kernel has no AVX2 build,
+    or the compiler's error), else None."""
     return _cpu_extension.unavailable_reason()
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel runs queries of this device, dtype and head size here (building it if needed)."""
-    return (device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256
-            and available())
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and head_dim % 16 == 0
+        and head_dim <= 256
+        and available()
+    )
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """softmax(scale * q K^T + mask) V per (row, KV head) -> [B, kv_heads, G, D]; see the module docstring."""
     module = _cpu_extension.extension()
     if module is None:
@@ -60,15 +60,18 @@ _LIBRARY.impl("decode_attention", decode_attention, "CPU")
 
 
 @torch.library.register_fake("alignflow::decode_attention")
-def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
 op = torch.ops.alignflow.decode_attention
 
 
-def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-              scale: float) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """The same in torch: two batched matmuls and a float32 softmax (what the engine runs elsewhere)."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale + mask[:, None, None, :]
     return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)

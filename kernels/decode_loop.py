@@ -1,26 +1,20 @@
-"""A Llama-family float32 model's whole decode loop in one C++ call (AVX-512 or AVX2); the engine's loop its reference.
+"""A Llama-family fp32 decode loop in one C++ call (AVX-512 or AVX2); the engine's torch loop its reference.
 
 Why: the eager decode step is ~280 operator calls, each paying Python and the dispatcher, and on a small
-model that is nearly all of the step (the demo model, hidden 64, 2 layers, 32 rows: ~0.7 ms per step, a
-32-token generate 23-25 ms on 2 threads, Intel Xeon with AMX). csrc/decode_loop.cpp runs sampling, the
-stop check and the forward of every step by pointer through the same kernels (skinny_linear's tiles,
+model (the demo's: hidden 64, 2 layers) that is nearly all of the step. csrc/decode_loop.cpp runs sampling,
+the stop check and the forward of every step by pointer through the same kernels (skinny_linear's tiles,
 decode_attention's body, the sampler's row function), in one OpenMP team. The same loop is compiled into the
-AVX2 extension over its own pieces (csrc/avx2/: skinny_linear, the sampler, an attention body), so CPUs without
-AVX-512 run it too. stages/common/generation/native/decode_loop.py decides where the engine uses it. Tokens/s of a 64-token generate, 2
-threads, fp32, same box (`benchmarks/engine_throughput.py --dtypes float32`, best of 3 interleaved runs):
+AVX2 extension over its own pieces (csrc/avx2/: skinny_linear, the sampler, an attention body), so CPUs
+without AVX-512 run it too. stages/common/generation/native/decode_loop.py decides where the engine uses it.
 
-    model, batch       this loop    eager torch step    compiled torch step
-    demo 0.1M, 8         100,981              19,477                 20,711
-    demo 0.1M, 64        179,367              70,899                 87,201
-    ~110M, 8                 381                 283                    310
-    ~110M, 64                741                 675                    720
-
-On the small model it removes the per-step overhead (~0.3 ms of a 0.4 ms step at 8 rows); on the ~110M one the
-linears dominate and it gains what the ~280 calls per step cost (1.03-1.23x the compiled step).
+On the small model it removes most of each step; on the ~110M one the linears dominate and it gains only
+what the ~280 calls per step cost. Tokens/s of each path: docs/performance.md#generation-engine-throughput
+(`benchmarks/engine_throughput.py --dtypes float32`).
 
 Numerics: the linears and attention are those kernels' (bit for bit); RMSNorm, RoPE and SiLU are written
 out here with other rounding and summation orders than torch's, so logits agree with the eager step to
-~1e-6 and the tokens are the sampler's function of them (tests/stages/common/generation/test_engine_decode_loop.py).
+~1e-6 and the tokens are the sampler's function of them
+(tests/stages/common/generation/test_engine_decode_loop.py).
 """
 
 from __future__ import annotations
@@ -36,7 +30,8 @@ def _module():
 
 
 def available() -> bool:
-    """True where the loop can run (AVX-512 or AVX2 CPU, extension built); builds the extension on the first call."""
+    """True where the loop can run (AVX-512 or AVX2 CPU, extension built);
+    builds the extension on the first call."""
     return _module() is not None
 
 
@@ -46,22 +41,59 @@ def unavailable_reason() -> str | None:
 
 
 def isa() -> str | None:
-    """The instruction set of the build that runs the loop here ("AVX-512" or "AVX2"), None where none does."""
+    """The instruction set of the build that runs the loop here ("AVX-512" or "AVX2"),
+    None where none does."""
     module = _module()
     return None if module is None else module.isa
 
 
-def decode_loop(first_logits: torch.Tensor, layers: list[torch.Tensor], embed: torch.Tensor, norm: torch.Tensor,
-                lm_head: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], cos: torch.Tensor,
-                sin_signed: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, first_slot: int,
-                temperature: torch.Tensor, seeds: torch.Tensor, ends: torch.Tensor, max_new_tokens: int,
-                num_heads: int, num_kv_heads: int, eps: float, kept_logits: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(tokens [B, new], log-probs [B, new], lengths [B], steps run); the arguments are csrc/decode_loop.cpp's."""
+def decode_loop(
+    first_logits: torch.Tensor,
+    layers: list[torch.Tensor],
+    embed: torch.Tensor,
+    norm: torch.Tensor,
+    lm_head: torch.Tensor,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    first_slot: int,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    ends: torch.Tensor,
+    max_new_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    kept_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(tokens [B, new], log-probs [B, new], lengths [B], steps run);
+    the arguments are csrc/decode_loop.cpp's."""
     module = _module()
     if module is None:
         raise RuntimeError(f"decode_loop is not available: {unavailable_reason()}")
     kept = first_logits.new_empty(0) if kept_logits is None else kept_logits
-    return module.decode_loop(first_logits, layers, embed, norm, lm_head, k_cache, v_cache, cos, sin_signed, mask,
-                              positions, first_slot, temperature, seeds, ends, max_new_tokens, num_heads,
-                              num_kv_heads, eps, kept)
+    return module.decode_loop(
+        first_logits,
+        layers,
+        embed,
+        norm,
+        lm_head,
+        k_cache,
+        v_cache,
+        cos,
+        sin_signed,
+        mask,
+        positions,
+        first_slot,
+        temperature,
+        seeds,
+        ends,
+        max_new_tokens,
+        num_heads,
+        num_kv_heads,
+        eps,
+        kept,
+    )

@@ -1,4 +1,4 @@
-"""Per-token log-probabilities and entropy from logits, without a full fp32 log-softmax (not sampling: see sampling.py).
+"""Per-token log-probabilities and entropy from logits without a full fp32 log-softmax (not sampling).
 
 ``log softmax(logits / T)[index]`` is what PPO/GRPO need for every generated token, but the plain
 ``log_softmax(logits.float(), -1).gather(...)`` materialises a [B, T, V] fp32 tensor: at B*T = 16k
@@ -17,14 +17,12 @@ On CPU, for float32 logits laid out as contiguous rows, a C++ kernel (``csrc/avx
 ``impl="cpp"``, what ``"auto"`` takes where it builds) does the same per row with the row in L1: two passes in
 the forward (max; exp-sum with the entropy's sum beside it), one in the backward from the saved log-sum-exp,
 where the reference makes ~6 passes, each into a fresh [r, V] tensor. The two are one C++ autograd node, whose
-backward does not take the GIL (a Python Function's does: see kernels/rms_norm.py). Its log-sum-exp is the AVX2 sampler's
-(same lanes and order), so at equal logits the training log-probs equal the engine's bit for bit. Why: the
-PPO training step computes log-probs and the entropy (a metric) for every minibatch. The ladder's PPO
-minibatch (496 rows x 2,048, fp32), 1 thread, AVX2 EPYC, best of 20 (``benchmarks/kernels_bench.py --rl
---threads 1 --reps 20``): log-probs + entropy forward 3.8 -> 1.7 ms, forward+backward 5.8 -> 3.2 ms; inside
-the PPO stage (the actor's thread, medians of 23 calls) the forward went 7.7 -> 1.5 ms and the backward
-1.9 -> 1.6 ms: ~26 ms of the actor's ~1.3 s of training per iteration. Other dtypes and strided logits
-(``logits[:, :-1]``) keep the chunked reference, which never copies the logits.
+backward does not take the GIL (a Python Function's does: see kernels/rms_norm.py). Its log-sum-exp is the
+AVX2 sampler's (same lanes and order), so at equal logits the training log-probs equal the engine's bit for
+bit. Why: the PPO training step computes log-probs and the entropy (a metric) for every minibatch, and
+fewer passes over the logits make that cheaper (docs/performance.md#cpu-kernels;
+``benchmarks/kernels_bench.py --rl --threads 1 --reps 20``). Other dtypes and strided logits (``logits[:,
+:-1]``) keep the chunked reference, which never copies the logits.
 
 Gradients (z = logits / T, p = softmax(z), H = -sum p log p; per row):
     d logp[i] / d z_j = 1[j == i] - p_j
@@ -43,8 +41,8 @@ from alignflow.kernels._triton_dispatch import resolve_impl
 
 # Rows per chunk = _CHUNK_ELEMENTS // V. 2**22 fp32 elements = 16 MiB per temporary; the reference
 # holds at most three of them (upcast logits, log-probs, probabilities), so < 50 MiB of scratch
-# whatever B*T is: 131 rows at V = 32k, 27 rows at V = 152k. One chunk is 12-25 ms of log_softmax on
-# 2 CPU threads against tens of us of per-chunk Python (< 1%), so smaller chunks only add overhead
+# whatever B*T is: 131 rows at V = 32k, 27 rows at V = 152k. One chunk's log_softmax takes milliseconds
+# against tens of us of per-chunk Python, so smaller chunks only add overhead
 # and larger ones only add memory (2**24: 196 MiB peak forward vs 52 MiB; run
 # `benchmarks/kernels_bench.py --chunk-sweep`).
 _CHUNK_ELEMENTS = 1 << 22
@@ -78,7 +76,8 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, impl: st
 def logprobs_and_entropy(
     logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, impl: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(selective_log_softmax, entropy_from_logits) in one pass over the logits; both [...] fp32, differentiable."""
+    """(selective_log_softmax, entropy_from_logits) in one pass over the logits;
+    both [...] fp32, differentiable."""
     logp, entropy = _run(
         "logprobs_and_entropy", logits, index, temperature, impl, want_logp=True, want_entropy=True
     )
@@ -116,8 +115,8 @@ def _validate(op: str, logits: torch.Tensor, index: torch.Tensor | None, tempera
         raise TypeError(f"{op}: index must be an integer tensor (torch.long), got {got}")
     if tuple(index.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
-            f"{op}: index shape {tuple(index.shape)} must equal logits.shape[:-1] = {tuple(logits.shape[:-1])} "
-            "(for next-token log-probs pass logits[:, :-1] with input_ids[:, 1:])"
+            f"{op}: index shape {tuple(index.shape)} must equal logits.shape[:-1] = "
+            f"{tuple(logits.shape[:-1])} (for next-token log-probs pass logits[:, :-1] with input_ids[:, 1:])"
         )
     if index.device != logits.device:
         raise ValueError(f"{op}: index is on {index.device} but logits are on {logits.device}")
@@ -144,11 +143,13 @@ def _run(
     chosen = resolve_impl(impl, logits.device, op)
     if chosen == "cpp" and logits.dtype != torch.float32:
         if impl == "cpp":
-            raise ValueError(f"{op}: impl='cpp' takes float32 logits, got {logits.dtype}; use impl='auto' (the torch "
-                             "reference for other dtypes) or upcast the logits")
+            raise ValueError(
+                f"{op}: impl='cpp' takes float32 logits, got {logits.dtype}; use impl='auto' (the torch "
+                "reference for other dtypes) or upcast the logits"
+            )
         chosen = "torch"
     if chosen == "cpp" and impl == "auto" and not logits.is_contiguous():
-        chosen = "torch"  # the kernel would need a contiguous copy of every logit; the reference works in chunks
+        chosen = "torch"
     if chosen == "cpp":
         return _apply_cpp(logits, index, float(temperature), want_logp, want_entropy)
     return _LogprobsEntropy.apply(logits, index, float(temperature), chosen, want_logp, want_entropy)
@@ -201,14 +202,17 @@ def _rows(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
 def _apply_cpp(
     logits: torch.Tensor, index: torch.Tensor | None, temperature: float, want_logp: bool, want_entropy: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(logp, entropy) through the C++ autograd node (forward and backward kernels, the backward without the GIL:
-    a Python Function's backward takes it, and the PPO critic's thread trains beside the actor's)."""
+    """(logp, entropy) through the C++ autograd node (forward and backward kernels, the backward without the
+    GIL: a Python Function's backward takes it, and the PPO critic's thread trains beside the actor's)."""
     from alignflow.kernels import _cpu_extension
 
     lead = logits.shape[:-1]
-    flat = logits.reshape(-1, logits.shape[-1]).contiguous()  # a copy only where impl="cpp" was asked for by name
+    flat = logits.reshape(
+        -1, logits.shape[-1]
+    ).contiguous()  # a copy only where impl="cpp" was asked for by name
     logp, entropy = _cpu_extension.logprob_kernels().logprobs_entropy(
-        flat, _rows(index if want_logp else None, torch.int64), temperature, want_entropy)
+        flat, _rows(index if want_logp else None, torch.int64), temperature, want_entropy
+    )
     return logp.view(lead) if want_logp else None, entropy.view(lead) if want_entropy else None
 
 
@@ -250,8 +254,8 @@ def _forward_torch(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
     """Returns (logp, entropy, None), fp32 shaped like logits.shape[:-1] (None when unwanted).
 
-    Uses torch's fused log_softmax per chunk: on 2 CPU threads it is ~2x faster than logsumexp (which
-    runs amax, sub, exp, sum, log as separate passes). No logsumexp is kept for the backward, which
+    Uses torch's fused log_softmax per chunk: faster than logsumexp, which runs amax, sub, exp, sum, log
+    as separate passes. No logsumexp is kept for the backward, which
     recomputes softmax with the fused kernel too.
     """
     lead = logits.shape[:-1]

@@ -1,15 +1,16 @@
-"""RMSNorm of float32 rows as one autograd node: a C++ kernel on CPU (csrc/avx2/rms_norm_avx2.cpp), F.rms_norm elsewhere.
+"""RMSNorm of float32 rows as one autograd node: a C++ kernel on CPU (csrc/avx2/), F.rms_norm elsewhere.
 
 Why: torch 2.13 differentiates `F.rms_norm` on CPU through its decomposition: pow, mean, add, rsqrt and two
-muls, six autograd nodes and ~35 operator calls for one norm. On a [640, 64] block (the demo model's packed
-minibatch), 1 thread, Intel Xeon with AMX, forward+backward took 216 us that way and 74 us here; the demo's
-PPO step runs 5 norms per forward, for the actor and the critic, 4 steps an iteration. Without autograd (the
-engine, the no-grad passes): 23.8 -> 13.9 us on [640, 64], 9.9 -> 6.8 us on the demo's decode step, [32, 64].
+muls, six autograd nodes and ~35 operator calls for one norm, where one call does (timings:
+docs/performance.md#cpu-kernels). On a small model that per-call cost is what a norm spends, and the demo's
+PPO step runs 5 norms per forward, for the actor and the critic, 4 steps an iteration; the engine and the
+no-grad passes take the same kernel without autograd.
 
 The node is a C++ autograd Function (its backward never takes the GIL: a Python one's does, and with the PPO
-critic training on a second Python thread beside the actor, waiting for it made the demo's train phase slower
+critic training on a second Python thread beside the actor, waiting for it would make the train phase slower
 than torch's six nodes), and each direction is one call without the GIL, with the sums of a row in a fixed
-order and the weight's gradient summed over rows in row order, so its results do not depend on the thread count.
+order and the weight's gradient summed over rows in row order, so its results do not depend on the thread
+count.
 
 Same formula and order as transformers' LlamaRMSNorm (x * rsqrt(mean(x^2) + eps), then * weight); the torch
 path (`impl="torch"`) is the reference it is tested against, to float rounding (the mean's summation order
@@ -26,7 +27,8 @@ from alignflow.kernels import _cpu_extension
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
-    """x / sqrt(mean(x^2, -1) + eps) * weight over the last dim; x [..., H], weight [H]. impl: auto, cpp, torch."""
+    """x / sqrt(mean(x^2, -1) + eps) * weight over the last dim; x [..., H],
+    weight [H]. impl: auto, cpp, torch."""
     if impl == "auto":
         kernels = _kernels_for(x, weight)
     elif impl == "cpp":
@@ -34,8 +36,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "aut
         if kernels is None:
             raise RuntimeError(f"rms_norm impl='cpp': {_cpu_extension.logprob_kernels_unavailable_reason()}")
         if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"rms_norm impl='cpp' takes float32 CPU tensors, got x {x.dtype} on {x.device} and "
-                             f"weight {weight.dtype}; use impl='auto'")
+            raise ValueError(
+                f"rms_norm impl='cpp' takes float32 CPU tensors, got x {x.dtype} on {x.device} and "
+                f"weight {weight.dtype}; use impl='auto'"
+            )
     elif impl == "torch":
         kernels = None
     else:

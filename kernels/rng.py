@@ -1,4 +1,4 @@
-"""Counter-based random numbers for sampling, in torch integer ops (not a general RNG; no torch.Generator state).
+"""Counter-based random numbers for sampling, in torch integer ops (not a general RNG; no Generator state).
 
 Every random number is a pure function of (seed, step, vocab index), so a sequence's samples do not
 depend on which other requests share its batch, and the Triton kernel in ``_triton_sampling.py``
@@ -66,11 +66,12 @@ def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def row_keys_per_step(seeds: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """row_keys for every step 0..steps-1 at once: (k1 [B], k2 [B, steps]), k2[:, t] = row_keys(seeds, t)'s k2.
+    """row_keys for every step 0..steps-1 at once: (k1 [B], k2 [B, steps]), k2[:, t] = row_keys(seeds, t)'s
+    k2.
 
     A decode loop's rows keep their seeds and share the step: computed once per generate call, the ~90
-    small integer ops of row_keys leave the per-token sampler (on the demo model, [32, 512] logits, 2 threads
-    on the AVX2 EPYC, row_keys was ~1/3 of the eager chunked sampler's time).
+    small integer ops of row_keys leave the per-token sampler, where on small logits (the demo's [32, 512])
+    they are a large share of the eager chunked sampler's time.
     """
     seeds = seeds.to(torch.int64)
     seed_lo, seed_hi = seeds & MASK32, (seeds >> 32) & MASK32

@@ -24,14 +24,13 @@ the rest in one AVX-512 pass per row: the same hash in uint32 lanes and the same
 kernels call, so the same noise bits and tokens; its log-sum-exp sums in another order (log-probs
 within a few ulps). ``impl="chunked"`` (``_chunked_sampling.py``, "auto" where the C++ kernels do not
 build) does the reference's arithmetic in 32-bit words over cache-sized vocabulary chunks and gives
-the same tokens and log-probs bit for bit, 3-6x faster than the eager reference. At [64, 32000], no
-top-k/top-p, 2 threads (``python benchmarks/sampler_bench.py``): reference 101 ms, compiled 8.7,
-chunked 17.2, cpp 3.98. The Triton kernel
-(``_triton_sampling.py``) finds the same thresholds by a 16-way search over the int32 keys (8-9 passes each). Both use the same noise bits, the same
-thresholds-by-key and the same tie rule, so they pick the same token unless two candidates' scores,
-or a top-p cumulative mass and its target, fall within a few fp32 ulps of each other (fp32 sums
-differ in order; exp/log differ by an ulp between libm and the GPU): we estimate such a near tie at
-about 1e-6 per draw.
+the same tokens and log-probs bit for bit, several times faster than the eager reference (every path's
+timings: ``python benchmarks/sampler_bench.py``, docs/performance.md#cpu-kernels). The Triton kernel
+(``_triton_sampling.py``) finds the same thresholds by a 16-way search over the int32 keys (8-9 passes each).
+Both use the same noise bits, the same thresholds-by-key and the same tie rule, so they pick the same token
+unless two candidates' scores, or a top-p cumulative mass and its target, fall within a few fp32 ulps of each
+other (fp32 sums differ in order; exp/log differ by an ulp between libm and the GPU): we estimate such a near
+tie at about 1e-6 per draw.
 
 A request's samples depend only on its own (seed, step) and logits: the same seed gives the same
 tokens in any batch position and alongside any other requests. Callers must give each sequence its
@@ -107,23 +106,31 @@ def sample_tokens(
     chosen = resolve_impl(impl, logits.device, "sample_tokens")
     if row_keys is not None:
         if chosen in ("triton", "cpp"):
-            raise ValueError(f"sample_tokens: row_keys= is for the torch and chunked impls; {chosen} hashes in-kernel")
+            raise ValueError(
+                f"sample_tokens: row_keys= is for the torch and chunked impls; {chosen} hashes in-kernel"
+            )
         if any(k.shape != rows.seeds.shape or k.dtype != torch.int64 for k in row_keys):
-            raise ValueError(f"sample_tokens: row_keys must be two int64 [{rows.seeds.shape[0]}] tensors, got "
-                             f"{[(tuple(k.shape), k.dtype) for k in row_keys]}")
+            raise ValueError(
+                f"sample_tokens: row_keys must be two int64 [{rows.seeds.shape[0]}] tensors, got "
+                f"{[(tuple(k.shape), k.dtype) for k in row_keys]}"
+            )
         rows = rows._replace(keys=row_keys)
     if noise is not None:
         if chosen != "chunked":
             raise ValueError(f"sample_tokens: noise= is for the chunked impl; {chosen} draws its own")
         if noise.shape != logits.shape or noise.dtype != torch.float32:
-            raise ValueError(f"sample_tokens: noise must be float32 of the logits' shape {tuple(logits.shape)}, got "
-                             f"{tuple(noise.shape)} {noise.dtype}")
+            raise ValueError(
+                f"sample_tokens: noise must be float32 of the logits' shape {tuple(logits.shape)}, got "
+                f"{tuple(noise.shape)} {noise.dtype}"
+            )
         rows = rows._replace(noise=noise)
     if chosen == "triton":
         from alignflow.kernels import _triton_sampling
 
         if thresholds is not None:
-            raise ValueError("sample_tokens: thresholds= is for the torch and chunked impls; Triton finds its own")
+            raise ValueError(
+                "sample_tokens: thresholds= is for the torch and chunked impls; Triton finds its own"
+            )
         tokens, logprobs, _ = _triton_sampling.sample(logits, rows)
     elif chosen == "cpp":
         from alignflow.kernels import _cpu_extension
@@ -132,9 +139,12 @@ def sample_tokens(
         if thresholds is None and (flags.any_top_k or flags.any_top_p):
             thresholds = kept_set_thresholds(logits, rows.temperature, rows.top_k, rows.top_p, flags)
         tokens, logprobs = _cpu_extension.sampler().sample_tokens(
-            logits.to(torch.float32).contiguous(), rows.temperature.contiguous(), rows.seeds.contiguous(),
+            logits.to(torch.float32).contiguous(),
+            rows.temperature.contiguous(),
+            rows.seeds.contiguous(),
             rows.steps.contiguous(),
-            thresholds.to(torch.int64).contiguous() if thresholds is not None else _NO_THRESHOLDS)
+            thresholds.to(torch.int64).contiguous() if thresholds is not None else _NO_THRESHOLDS,
+        )
     elif chosen == "chunked":
         from alignflow.kernels import _chunked_sampling
 
@@ -153,10 +163,11 @@ def kept_set_thresholds(
     top_p: torch.Tensor | float,
     flags: BatchFlags | None = None,
 ) -> torch.Tensor:
-    """The kept-set threshold keys [B] int64 that sample_tokens applies to ``logits`` [B, V] (see kept_thresholds).
+    """The kept-set threshold keys [B] int64 that sample_tokens applies to ``logits`` [B, V] (see
+    kept_thresholds).
 
     Arguments as in sample_tokens (values are not checked). Call it eagerly: under torch.compile
-    it takes the sort, which at [64, 32000] costs ~60 ms against ~3 ms for a top-k prefix.
+    it takes the sort, which at a real vocabulary size costs many times a top-k prefix.
     """
     rows = sampling_rows("kept_set_thresholds", logits, temperature, top_k, top_p, 0, 0, validate=False)
     inv_t, _, k, p = normalised_rows(rows, logits.shape[1])
@@ -176,8 +187,12 @@ class BatchFlags(NamedTuple):
 def uniform_flags(temperature: float, top_k: int, top_p: float, vocab: int) -> BatchFlags:
     """BatchFlags of a batch whose rows all share these sampling values (no tensor, no sync)."""
     greedy = temperature == 0
-    return BatchFlags(all_greedy=greedy, any_top_k=not greedy and 0 < top_k < vocab,
-                      any_top_p=not greedy and top_p < 1, any_greedy=greedy)
+    return BatchFlags(
+        all_greedy=greedy,
+        any_top_k=not greedy and 0 < top_k < vocab,
+        any_top_p=not greedy and top_p < 1,
+        any_greedy=greedy,
+    )
 
 
 def batch_flags(rows: SamplingRows, vocab: int) -> BatchFlags:
@@ -185,7 +200,9 @@ def batch_flags(rows: SamplingRows, vocab: int) -> BatchFlags:
     greedy = rows.temperature == 0
     use_k = ~greedy & (rows.top_k > 0) & (rows.top_k < vocab)
     use_p = ~greedy & (rows.top_p < 1)
-    all_greedy, any_k, any_p, any_greedy = torch.stack([greedy.all(), use_k.any(), use_p.any(), greedy.any()]).tolist()
+    all_greedy, any_k, any_p, any_greedy = torch.stack(
+        [greedy.all(), use_k.any(), use_p.any(), greedy.any()]
+    ).tolist()
     return BatchFlags(all_greedy, any_k, any_p, any_greedy)
 
 
@@ -201,7 +218,8 @@ class SamplingRows(NamedTuple):
     top_p: torch.Tensor  # fp32, (0, 1]
     seeds: torch.Tensor  # int64
     steps: torch.Tensor  # int64, >= 0
-    # rng.row_keys(seeds, steps) when the caller computed them beforehand (sample_tokens' row_keys=), else None
+    # rng.row_keys(seeds, steps) when the caller computed them beforehand (sample_tokens' row_keys=), else
+    # None
     keys: tuple[torch.Tensor, torch.Tensor] | None = None
     # [B, V] fp32 rng.gumbel_noise for these keys, computed beforehand (sample_tokens' noise=), else None
     noise: torch.Tensor | None = None
@@ -233,7 +251,8 @@ def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> str:
 def sampling_rows(
     op: str, logits: torch.Tensor, temperature, top_k, top_p, seeds, step, validate: bool = True
 ) -> SamplingRows:
-    """Checks shapes and dtypes (always) and values (when ``validate``; one host sync); raises naming the bad row."""
+    """Checks shapes and dtypes (always) and values (when ``validate``; one host sync);
+    raises naming the bad row."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.ndim != 2:
         got = (
             f"shape {tuple(logits.shape)} {logits.dtype}"
@@ -279,7 +298,8 @@ def sampling_rows(
 
 
 def ordered_keys(x: torch.Tensor) -> torch.Tensor:
-    """int32 keys with the order of fp32 ``x`` (-0.0 just below +0.0, -inf lowest): int64 tensor, same shape."""
+    """int32 keys with the order of fp32 ``x`` (-0.0 just below +0.0, -inf lowest):
+    int64 tensor, same shape."""
     return ordered_keys32(x).to(torch.int64)
 
 
@@ -287,16 +307,16 @@ def ordered_keys32(x: torch.Tensor) -> torch.Tensor:
     """ordered_keys' values as an int32 tensor (half the memory traffic; topk, min and compares take it)."""
     bits = x.to(torch.float32).contiguous().view(torch.int32)
     # Negative floats (sign bit set) keep the sign and flip the other 31 bits: bits ^ 0x7FFFFFFF.
-    # The arithmetic shift gives that mask without a where; in place it is 3 passes over int32
-    # (eager, [64, 32000]: 0.8 ms, against 7.7 ms for the int64 where() this replaced).
+    # The arithmetic shift gives that mask without a where; in place it is 3 passes over int32, where an
+    # int64 where() would allocate and stream several tensors twice the size.
     flip = torch.bitwise_right_shift(bits, 31)
     flip &= 0x7FFFFFFF
     flip ^= bits
     return flip
 
 
-# Widest top-k threshold taken with torch.topk rather than a sort (topk slows down as k grows: at
-# [64, 32000] int64, k = 1024 took 8 ms and k = 4096 13 ms, against 59 ms for the sort).
+# Widest top-k threshold taken with torch.topk rather than a sort (topk slows down as k grows; up to this
+# width it stays well below the cost of the sort).
 _TOPK_INSTEAD_OF_SORT = 1024
 # Prefix widths tried, in order, for the top-p cut of the rows still undecided; then a sort. A
 # trained LM's nucleus is usually within the first 256 tokens.
@@ -310,7 +330,11 @@ def mass_bits(vocab: int) -> int:
 
 
 def kept_thresholds(
-    keys: torch.Tensor, z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, flags: BatchFlags | None = None,
+    keys: torch.Tensor,
+    z: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    flags: BatchFlags | None = None,
     method: str = "auto",
 ) -> torch.Tensor:
     """Per-row kept-set threshold key tau (int64 [B]): the kept set is keys >= tau.
@@ -339,8 +363,8 @@ def kept_thresholds(
     if any_k:
         k_max = int(top_k.max()) if eager else None
         if k_max is not None and k_max <= _TOPK_INSTEAD_OF_SORT:
-            # Only the k-th largest key matters: topk instead of a sort (at [64, 32000]: topk(50)
-            # 1.4 ms, the sort 55 ms). With top-p, twice as wide plus 64, to hold ties with the k-th.
+            # Only the k-th largest key matters: topk instead of a sort, which costs far more at a small k.
+            # With top-p, twice as wide plus 64, to hold ties with the k-th.
             width = min(keys.shape[1], 2 * k_max + 64 if any_p else max(k_max, 1))
             prefix = keys.topk(width, dim=1)
         else:
@@ -354,12 +378,16 @@ def kept_thresholds(
         # Every top-p row's survivors lie in the prefix: its masses alone give the exact total.
         largest, order = prefix
         z_sorted = z.gather(1, order)
-        mass = _fixed_point(z_sorted, z_sorted[:, :1], scale).masked_fill_(largest < tau[:, None].to(largest.dtype), 0)
+        mass = _fixed_point(z_sorted, z_sorted[:, :1], scale).masked_fill_(
+            largest < tau[:, None].to(largest.dtype), 0
+        )
         target = top_p.to(torch.float64) * mass.sum(dim=1).to(torch.float64)
         tau_p = _top_p_cut(largest, mass, target)[0]
         return torch.where(use_p, torch.maximum(tau_p, tau), tau)
     # Fixed-point masses of the top-k survivors (keys >= tau) over whole rows, their exact total, the target.
-    mass = _fixed_point(z, z.max(dim=1, keepdim=True).values, scale).masked_fill_(keys < tau[:, None].to(keys.dtype), 0)
+    mass = _fixed_point(z, z.max(dim=1, keepdim=True).values, scale).masked_fill_(
+        keys < tau[:, None].to(keys.dtype), 0
+    )
     target = top_p.to(torch.float64) * mass.sum(dim=1).to(torch.float64)
     if eager:
         tau_p = _top_p_cut_by_prefixes(keys, mass, target, use_p)
@@ -374,8 +402,9 @@ def _fixed_point(z: torch.Tensor, z_max: torch.Tensor, scale: float) -> torch.Te
     return mass.exp_().mul_(scale).to(torch.int64)
 
 
-def _nucleus_inside(largest: torch.Tensor, tau: torch.Tensor, use_k: torch.Tensor, use_p: torch.Tensor,
-                    vocab: int) -> bool:
+def _nucleus_inside(
+    largest: torch.Tensor, tau: torch.Tensor, use_k: torch.Tensor, use_p: torch.Tensor, vocab: int
+) -> bool:
     """Whether every top-p row has top-k and its survivors (keys >= tau) all lie in this sorted prefix."""
     if largest.shape[1] == vocab:
         return True
@@ -391,8 +420,9 @@ def _sorted_prefix(keys: torch.Tensor, mass: torch.Tensor, width: int) -> tuple[
     return largest, mass.gather(1, order)
 
 
-def _top_p_cut(largest: torch.Tensor, mass_sorted: torch.Tensor,
-               target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _top_p_cut(
+    largest: torch.Tensor, mass_sorted: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tau_p int64 [R], decided bool [R], prefix mass fp64 [R]) from a sorted prefix.
 
     tau_p = the key at the first index whose running mass reaches the target; decided = that index
@@ -405,11 +435,16 @@ def _top_p_cut(largest: torch.Tensor, mass_sorted: torch.Tensor,
     first = torch.searchsorted(cumulative, torch.ceil(target).to(torch.int64)[:, None]).squeeze(1)
     decided = first < largest.shape[1]
     first = first.clamp(max=largest.shape[1] - 1)
-    return largest.gather(1, first[:, None]).squeeze(1).to(torch.int64), decided, cumulative[:, -1].to(torch.float64)
+    return (
+        largest.gather(1, first[:, None]).squeeze(1).to(torch.int64),
+        decided,
+        cumulative[:, -1].to(torch.float64),
+    )
 
 
-def _top_p_cut_by_prefixes(keys: torch.Tensor, mass: torch.Tensor, target: torch.Tensor,
-                           use_p: torch.Tensor) -> torch.Tensor:
+def _top_p_cut_by_prefixes(
+    keys: torch.Tensor, mass: torch.Tensor, target: torch.Tensor, use_p: torch.Tensor
+) -> torch.Tensor:
     """Eager top-p cut: prefixes of _TOP_P_PREFIXES widths, each for the rows still undecided, then a sort.
 
     A row goes straight to the sort when even the next prefix cannot reach its target (the masses
@@ -433,7 +468,9 @@ def _top_p_cut_by_prefixes(keys: torch.Tensor, mass: torch.Tensor, target: torch
         if pending.numel() == 0:
             continue
         everyone = pending.numel() == keys.shape[0]
-        largest, mass_sorted = _sorted_prefix(*((keys, mass) if everyone else (keys[pending], mass[pending])), width)
+        largest, mass_sorted = _sorted_prefix(
+            *((keys, mass) if everyone else (keys[pending], mass[pending])), width
+        )
         cut, decided, reached = _top_p_cut(largest, mass_sorted, target[pending])
         tau_p[pending[decided]] = cut[decided]
         if width == vocab:
@@ -469,7 +506,9 @@ def normalised_rows(
 
 
 def sample_torch(
-    logits: torch.Tensor, rows: SamplingRows, flags: BatchFlags | None = None,
+    logits: torch.Tensor,
+    rows: SamplingRows,
+    flags: BatchFlags | None = None,
     thresholds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference: (tokens int64 [B], logprobs fp32 [B], kept-set threshold keys int64 [B]).
@@ -488,9 +527,11 @@ def sample_torch(
         k1, k2 = rows.keys if rows.keys is not None else rng.row_keys(rows.seeds, rows.steps)
         score = z + rng.gumbel_noise(k1, k2, vocab) * (~greedy).to(torch.float32)[:, None]
     # Without top-k or top-p, tau is the row minimum and the mask keeps everything: skipping it
-    # saves a pass over [B, V] (compiled, B = 64, V = 32000: ~1 ms of an 8 ms sampler).
-    truncated = (flags.any_top_k or flags.any_top_p) if flags else thresholds is not None or bool(
-        ((top_k > 0) | (top_p < 1)).any()
+    # saves a pass over [B, V], a noticeable share of the compiled sampler.
+    truncated = (
+        (flags.any_top_k or flags.any_top_p)
+        if flags
+        else thresholds is not None or bool(((top_k > 0) | (top_p < 1)).any())
     )
     if truncated:
         score = torch.where(keys >= tau[:, None], score, torch.full_like(z, float("-inf")))

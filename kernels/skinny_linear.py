@@ -1,35 +1,21 @@
-"""A float32 x @ W.T for a decode step's few rows on AVX-512 and AVX2 CPUs (C++ kernels), F.linear the reference.
+"""A float32 x @ W.T for a decode step's few rows on AVX-512 and AVX2 CPUs (C++), F.linear the reference.
 
-Why: a decode step of batch B is a chain of [B, K] x [K, N] products that read every weight once.
-On the 2-core Ice Lake CI box oneDNN's packed fp32 kernel streams the ~110M engine's weights at
-~17 GB/s at B = 8, where a plain read runs at 22-27 GB/s. This kernel (csrc/skinny_linear.cpp) reads W
-in 16-column blocks and keeps a tile of 3 blocks x 8 rows in registers. The 49 linears of one step,
-2 threads, ms (`python benchmarks/cpu_kernels_bench.py`; two runs, the second in brackets):
-
-    rows               1            8           32           64           128          512
-    this kernel    19.4 (18.3)  18.1 (17.5)  41.2 (34.1)  64.9 (62.9)  106.6 (101.1)  449.0
-    oneDNN         25.0 (20.7)  31.2 (26.1)  47.8 (44.9)  62.9 (69.5)  139.1 (112.2)  430.1
-    F.linear       19.8 (16.7)  54.2 (47.3)  56.5 (50.0)  80.1 (85.9)  151.3 (113.2)  452.1
-
-From 64 rows on the product is compute-bound and the three are within run-to-run noise of each other;
-callers use this kernel up to max_rows() (MAX_ROWS) and F.linear above. (At 1 row MKL's GEMV is as fast;
-the engine's decode batches are larger.)
+Why: a decode step of batch B is a chain of [B, K] x [K, N] products that read every weight once, so
+it runs at the speed the weights stream from memory, and oneDNN's packed fp32 kernel streams them well
+below what a plain read reaches. This kernel (csrc/skinny_linear.cpp) reads W in 16-column blocks and
+keeps a tile of 3 blocks x 8 rows in registers. From 64 rows on the product is compute-bound and this
+kernel, oneDNN and F.linear run about even; callers use this kernel up to max_rows() (MAX_ROWS) and
+F.linear above. (At 1 row MKL's GEMV is as fast; the engine's decode batches are larger.)
 
 The AVX2 build (csrc/avx2/skinny_linear_avx2.cpp: one 16-column block x 6 rows, 12 of the 16 registers)
-reads the same blocked layout. On the AVX2 EPYC (no AVX-512), the 17 linears of one decode step of the
-4.7M RL-benchmark model (4 layers of [768, 256, 2048 x 256] and [256 x 1024], a [2048 x 256] head; 19 MB),
-2 threads, best of 9, ms per step
-(`python benchmarks/cpu_kernels_bench.py --model rl-4.7m --rows 4,16,40,64,128,256 --repeats 9`):
+reads the same blocked layout. On a CPU with AVX2 and no AVX-512 it leads oneDNN and F.linear at every
+size up to 256 rows (a prefill of 16 prompts is ~190), so the AVX2 build's limit is MAX_ROWS_AVX2.
 
-    rows               4       16       40       64      128      256
-    this kernel      0.6      1.3      2.8      4.2      7.9     14.5
-    oneDNN          1.36     2.16     3.91     5.39     9.97    18.23
-    F.linear        3.08     3.29     5.11     6.66    10.47    20.80
+Numerics: each output is one float32 fused multiply-add chain over k in order in both builds (the same
+bits), another summation order than MKL's; tests bound both against float64.
 
-There the kernel leads at every size up to 256 rows (a prefill of 16 prompts is ~190), so the AVX2
-build's limit is MAX_ROWS_AVX2. Numerics: each output is one float32 fused multiply-add chain over k in
-order in both builds (the same bits), another summation order than MKL's; tests bound both against
-float64.
+Timings of both builds per row count: docs/performance.md#cpu-kernels
+(`python benchmarks/cpu_kernels_bench.py`, with `--model rl-4.7m --rows 4,16,40,64,128,256` for AVX2).
 
 The C++ is built on first use (kernels/_cpu_extension.py). Where it cannot be built or the CPU has
 neither AVX-512 nor AVX2, `available()` is False with the reason in `unavailable_reason()`, and callers
@@ -44,12 +30,15 @@ import torch.nn.functional as F
 from alignflow.kernels import _cpu_extension
 
 BLOCK = 16  # output columns per block of the blocked layout (one AVX-512 register of float32)
-MAX_ROWS = 128  # measured at least even with oneDNN and F.linear up to here (table above); above, F.linear
-MAX_ROWS_AVX2 = 256  # the AVX2 build led oneDNN and F.linear up to here (second table)
+# The AVX-512 build runs at least even with oneDNN and F.linear up to here; above, F.linear. The AVX2
+# build leads both up to its own limit (module docstring, docs/performance.md#cpu-kernels).
+MAX_ROWS = 128
+MAX_ROWS_AVX2 = 256
 
 
 def available() -> bool:
-    """True when the kernel can run here (AVX-512 or AVX2 CPU, extension built); builds it on the first call."""
+    """True when the kernel can run here (AVX-512 or AVX2 CPU, extension built);
+    builds it on the first call."""
     return _cpu_extension.linear_kernels() is not None
 
 
@@ -65,7 +54,7 @@ def isa() -> str | None:
 
 
 def max_rows() -> int:
-    """The most rows callers give the kernel (F.linear above): the limit measured for the build that runs here."""
+    """The most rows callers give the kernel (F.linear above): the limit of the build that runs here."""
     return MAX_ROWS_AVX2 if isa() == "AVX2" else MAX_ROWS
 
 
@@ -73,32 +62,38 @@ def block_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch
     """W [N, K] float32 -> [ceil(N / 16), K, 16]: block b, row k holds W[16b : 16b + 16, k] (zero-padded).
 
     out: a [ceil(N / 16), K, 16] float32 tensor to write into (an engine's refit repacks into the copies it
-    has): one strided copy instead of a zeroed, padded copy and a transposing one into fresh memory; the 17
-    weights of the 4.7M RL-benchmark model took 3.5-3.7 against 13.2-13.9 ms (2 threads, AVX2 EPYC).
+    has): one strided copy instead of a zeroed, padded copy and a transposing one into fresh memory, which
+    makes a refit's repack several times cheaper.
     """
     if weight.dim() != 2 or weight.dtype != torch.float32:
-        raise ValueError(f"block_weight: expected a float32 [N, K] weight, got {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(
+            f"block_weight: expected a float32 [N, K] weight, got {tuple(weight.shape)} {weight.dtype}"
+        )
     n, k = weight.shape
     blocks, full = -(-n // BLOCK), n // BLOCK
     if out is None:
         out = weight.new_empty(blocks, k, BLOCK)
     elif out.shape != (blocks, k, BLOCK) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"block_weight: out must be a contiguous float32 {(blocks, k, BLOCK)} tensor for a "
-                         f"{(n, k)} weight, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"block_weight: out must be a contiguous float32 {(blocks, k, BLOCK)} tensor for a "
+            f"{(n, k)} weight, got {tuple(out.shape)} {out.dtype}"
+        )
     if full:
         out[:full].copy_(weight[: full * BLOCK].view(full, BLOCK, k).transpose(1, 2))
     if n % BLOCK:  # the last block's columns past N are zeros
         out[full].zero_()
-        out[full, :, : n % BLOCK].copy_(weight[full * BLOCK:].t())
+        out[full, :, : n % BLOCK].copy_(weight[full * BLOCK :].t())
     return out
 
 
 def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., out_features] float32, W given as block_weight(W). Raises if not available()."""
+    """x [..., K] @ W.T -> [..., out_features] float32,
+    W given as block_weight(W). Raises if not available()."""
     module = _cpu_extension.linear_kernels()
     if module is None:
         raise RuntimeError(f"skinny_linear is not available: {unavailable_reason()}; use F.linear")
-    if x.dim() == 2 and x.is_contiguous():  # a decode step's [B, K] goes in as it is, without reshape and view
+    # a decode step's [B, K] goes in as it is, without reshape and view
+    if x.dim() == 2 and x.is_contiguous():
         return module.skinny_linear(x, blocked, out_features)
     rows = x.reshape(-1, x.shape[-1])
     return module.skinny_linear(rows.contiguous(), blocked, out_features).view(*x.shape[:-1], out_features)
