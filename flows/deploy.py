@@ -7,8 +7,9 @@ no image registry or git remote needed); a deployment given an image (docker/kub
 imports the flow from the alignflow package installed in that image instead (a module entrypoint,
 no pull step: the source folder does not exist inside the container).
 
-It also creates the automation that marks a flow run whose process died (its worker or machine killed) Crashed,
-so that `prefect flow-run retry` can run it again: without it Prefect shows such a run Running forever.
+It also creates the automation that marks a flow run whose process died (its worker or machine killed)
+Crashed, so that `prefect flow-run retry` can run it again: without it Prefect shows such a run Running
+forever.
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ def check_pipeline_pool(config: PipelineConfig, limits: dict[str, int | None]) -
     shared = sorted(stage for stage, infra in dep.stage_infra.items() if infra.work_pool == dep.work_pool)
     if limit is not None and shared:
         raise ValueError(
-            f"deployment.work_pool: '{dep.work_pool}' has a concurrency limit of {limit} and also runs the stages "
-            f"{', '.join(shared)} (deployment.stage_infra); the pipeline flow would hold a slot while waiting on them "
-            f"(deadlock). Put the pipeline on a pool without a limit, e.g. deployment.work_pool=alignflow-process")
+            f"deployment.work_pool: '{dep.work_pool}' has a concurrency limit of {limit} and also runs the "
+            f"stages {', '.join(shared)} (deployment.stage_infra); the pipeline flow would hold a slot while "
+            "waiting on them (deadlock). Put the pipeline on a pool without a limit, e.g. "
+            "deployment.work_pool=alignflow-process"
+        )
 
 
 def _pool_limits(names: set[str]) -> dict[str, int | None]:
@@ -93,7 +96,8 @@ def _pool_limits(names: set[str]) -> dict[str, int | None]:
 
 
 def _flow_for(local: Flow, name: str, source: Path, image: str | None) -> Flow:
-    """The flow to deploy: from the source folder, or (with an image) the one the installed package defines."""
+    """The flow to deploy: from the source folder, or
+    (with an image) the one the installed package defines."""
     return local if image else Flow.from_source(source=str(source), entrypoint=f"flows/pipeline.py:{name}")
 
 
@@ -107,29 +111,45 @@ _MISSED_HEARTBEATS = 3
 
 
 def zombie_automation() -> AutomationCore:
-    """The automation that marks a flow run Crashed once its heartbeats stop (its process died with its worker).
+    """The automation that marks a flow run Crashed once its heartbeats stop (its process died with its
+    worker).
 
-    Every deployed flow run's process sends `prefect.flow-run.heartbeat` every PREFECT_FLOWS_HEARTBEAT_FREQUENCY
-    seconds (180 by default in prefect 3.8, at least 30). The server's triggers service fires when, after a
-    heartbeat, neither another heartbeat nor a final state arrives within `_MISSED_HEARTBEATS` periods. The period is
-    read where `alignflow deploy` runs: give the workers the same PREFECT_FLOWS_HEARTBEAT_FREQUENCY. It runs inside
-    the Prefect server (SQLite or Postgres), so it works offline."""
+    Every deployed flow run's process sends `prefect.flow-run.heartbeat` every
+    PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (180 by default in prefect 3.8, at least 30). The server's
+    triggers service fires when, after a heartbeat, neither another heartbeat nor a final state arrives within
+    `_MISSED_HEARTBEATS` periods. The period is read where `alignflow deploy` runs: give the workers the same
+    PREFECT_FLOWS_HEARTBEAT_FREQUENCY. It runs inside the Prefect server (SQLite or Postgres), so it works
+    offline."""
     period = get_current_settings().flows.heartbeat_frequency or 180
     within = timedelta(seconds=_MISSED_HEARTBEATS * period)
     return AutomationCore(
         name=ZOMBIE_AUTOMATION,
-        description=f"A flow run with no heartbeat for {within.total_seconds():.0f} s ({_MISSED_HEARTBEATS} x "
-                    f"{period} s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY) is marked Crashed: its process is gone. Retry it "
-                    "with `prefect flow-run retry <id>`; finished stages are reused.",
+        description=f"A flow run with no heartbeat for {within.total_seconds():.0f} s ({_MISSED_HEARTBEATS} "
+        f"x {period} s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY) is marked Crashed: its process is gone. Retry it "
+        "with `prefect flow-run retry <id>`; finished stages are reused.",
         trigger=EventTrigger(
             after={"prefect.flow-run.heartbeat"},
-            expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
-                    "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+            expect={
+                "prefect.flow-run.heartbeat",
+                "prefect.flow-run.Completed",
+                "prefect.flow-run.Failed",
+                "prefect.flow-run.Cancelled",
+                "prefect.flow-run.Crashed",
+            },
             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
-            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1, within=within),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                    message=f"no heartbeat for {within.total_seconds():.0f} s: the flow run's process "
-                                            "died (worker or machine lost); retry it with `prefect flow-run retry`")])
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=within,
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {within.total_seconds():.0f} s: the flow run's process "
+                "died (worker or machine lost); retry it with `prefect flow-run retry`",
+            )
+        ],
+    )
 
 
 def ensure_zombie_automation() -> str:
@@ -146,29 +166,46 @@ def ensure_zombie_automation() -> str:
 
 
 def deploy(config: PipelineConfig, source: Path = REPO) -> dict[str, str]:
-    """Register the pipeline deployment (and stage deployments) and the zombie-run automation; returns
-    {deployment name: id}."""
+    """Register the pipeline deployment (and stage deployments) and the zombie-run automation;
+    returns {deployment name: id}."""
     dep = config.deployment
     check_pipeline_pool(config, _pool_limits({dep.work_pool}))
     ensure_work_pool(dep.work_pool, dep.work_pool_type)
     ensure_zombie_automation()
     deployed = {}
     deployment_id = _flow_for(alignflow_pipeline, "alignflow_pipeline", source, dep.image).deploy(
-        name=dep.name, work_pool_name=dep.work_pool, build=False, push=False, **_image_args(dep.image),
+        name=dep.name,
+        work_pool_name=dep.work_pool,
+        build=False,
+        push=False,
+        **_image_args(dep.image),
         job_variables={"gpu_count": 0} if dep.image else None,  # the flow only plans and waits: no GPU
-        parameters={"config": config.model_dump(mode="json")}, schedules=schedules_of(config), tags=dep.tags,
+        parameters={"config": config.model_dump(mode="json")},
+        schedules=schedules_of(config),
+        tags=dep.tags,
         description=f"alignflow pipeline '{config.name}': SFT -> reward -> engine -> RL -> evaluation",
-        print_next_steps=False, ignore_warnings=True)
+        print_next_steps=False,
+        ignore_warnings=True,
+    )
     deployed[f"alignflow-pipeline/{dep.name}"] = str(deployment_id)
     for stage, infra in dep.stage_infra.items():
         ensure_work_pool(infra.work_pool, "kubernetes" if infra.image and infra.gpus else "process")
         stage_flow = _flow_for(alignflow_stage, "alignflow_stage", source, infra.image)
-        # `gpu_count` is the GPU variable of both templates in infra/work-pools; 0 leaves GPUs out (CPU hosts).
+        # `gpu_count` is the GPU variable of both templates in infra/work-pools; 0 leaves GPUs out (CPU
+        # hosts).
         job_variables: dict[str, Any] = {"gpu_count": infra.gpus} if infra.image else {}
         stage_id = stage_flow.deploy(
-            name=f"{dep.name}-{stage}", work_pool_name=infra.work_pool, build=False, push=False,
-            **_image_args(infra.image), job_variables=job_variables or None, tags=[*dep.tags, f"stage:{stage}"],
-            description=f"alignflow '{stage}' stage: runs `python -m alignflow.stages {stage}` with the given spec",
-            print_next_steps=False, ignore_warnings=True)
+            name=f"{dep.name}-{stage}",
+            work_pool_name=infra.work_pool,
+            build=False,
+            push=False,
+            **_image_args(infra.image),
+            job_variables=job_variables or None,
+            tags=[*dep.tags, f"stage:{stage}"],
+            description=f"alignflow '{stage}' stage: runs `python -m alignflow.stages {stage}` with the "
+            "given spec",
+            print_next_steps=False,
+            ignore_warnings=True,
+        )
         deployed[f"{STAGE_FLOW_NAME}/{dep.name}-{stage}"] = str(stage_id)
     return deployed

@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     code = _run_prefect(argv)
     if code != 0:  # Prefect's own error (no flow run, API unreachable) already said why
         return code
-    flow_run_id = next((a for a in argv if not a.startswith("-")), None) or os.environ.get("PREFECT__FLOW_RUN_ID")
+    flow_run_id = next((a for a in argv if not a.startswith("-")), None) or os.environ.get(
+        "PREFECT__FLOW_RUN_ID"
+    )
     if flow_run_id is None:
         return code
     from prefect.client.orchestration import get_client

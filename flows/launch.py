@@ -19,13 +19,14 @@ RUNTIME_ENV_PREFIXES = ("MLFLOW_", "PREFECT_", "AWS_", "ALIGNFLOW_")
 
 
 class WarmStages:
-    """At most one spare stage process (`python -m alignflow.stages.common.warm`) that is importing the ML stack.
+    """At most one spare stage process (`python -m alignflow.stages.common.warm`) that is importing the ML
+    stack.
 
     `start(workdir)` spawns it (a no-op when one is there); `take(workdir, env)` hands it to a launch, with
     the environment changes to apply, when it was started in the same folder and its environment differs
     only in variables read at run time (RUNTIME_ENV_PREFIXES); else None, and the launch starts a cold
-    process. `close()` stops a spare one. Measured on the 2-core box: the RL stage's imports (torch,
-    transformers' loaders, MLflow; ~4.5 s) run while the CLI imports Prefect and starts Prefect's server.
+    process. `close()` stops a spare one. The point: the RL stage's imports (torch, transformers' loaders,
+    MLflow) run while the CLI imports Prefect and starts Prefect's server (docs/performance.md#start-up).
     """
 
     def __init__(self) -> None:
@@ -36,19 +37,29 @@ class WarmStages:
         if os.environ.get("ALIGNFLOW_WARM_STAGES", "1") == "0" or self._spare is not None:
             return
         env = stage_env()
-        proc = subprocess.Popen([sys.executable, "-m", "alignflow.stages.common.warm"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=workdir, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "alignflow.stages.common.warm"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=workdir,
+            env=env,
+        )
         self._spare = (proc, Path(workdir).resolve(), env)
 
-    def take(self, workdir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, dict[str, str | None]] | None:
+    def take(
+        self, workdir: Path, env: dict[str, str]
+    ) -> tuple[subprocess.Popen, dict[str, str | None]] | None:
         """(process, {variable: new value, or None to unset}) or None."""
         with self._lock:
             if self._spare is None:
                 return None
             proc, where, spawned_env = self._spare
             self._spare = None
-        changes: dict[str, str | None] = {k: env.get(k) for k in spawned_env.keys() | env.keys()
-                                          if spawned_env.get(k) != env.get(k)}
+        changes: dict[str, str | None] = {
+            k: env.get(k) for k in spawned_env.keys() | env.keys() if spawned_env.get(k) != env.get(k)
+        }
         import_time = [k for k in changes if not k.startswith(RUNTIME_ENV_PREFIXES)]
         if proc.poll() is not None or where != Path(workdir).resolve() or import_time:
             _dismiss(proc)
@@ -64,7 +75,7 @@ class WarmStages:
 
 def _dismiss(proc: subprocess.Popen) -> None:
     """Stop an unused warm process: it has only imported modules, so killing it loses nothing (waiting
-    for it to finish importing and exit would hold the flow up to ~5 s)."""
+    for it to finish importing and exit would hold the flow up for seconds)."""
     if proc.poll() is None:
         proc.kill()
     proc.wait()
@@ -77,8 +88,9 @@ WARM = WarmStages()
 
 
 class PrefectServerStart:
-    """Starts Prefect's ephemeral API server on a background thread, so that its ~5 s start (3 s of them in its
-    own process, measured on the 2-core box) runs while the CLI imports the flow, instead of after it.
+    """Starts Prefect's ephemeral API server on a background thread, so that its start (seconds, most of
+    them in its own process) runs while the CLI imports the flow, instead of after it
+    (docs/performance.md#start-up).
 
     Only when no API is configured (PREFECT_API_URL unset) and the ephemeral server is allowed, as Prefect
     itself would start it; `wait()` must return before the flow runs (Prefect's client takes the running
@@ -116,7 +128,8 @@ def stage_env() -> dict[str, str]:
 
 
 def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) -> tuple[StageResult, int]:
-    """Run the stage's program (`python -m alignflow.stages.<program> --spec <file>`); stdout is echoed and logged, stderr passes through.
+    """Run the stage's program (`python -m alignflow.stages.<program> --spec <file>`); stdout is echoed and
+    logged, stderr passes through.
 
     The child inherits the environment (AWS credentials stay in the AWS chain, never in the spec).
     Returns the StageResult and the exit code (2 means bad input: not worth retrying).
@@ -134,17 +147,24 @@ def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) ->
     lines: list[str] = []
     env = stage_env()
     warm = WARM.take(workdir, env)
-    launched_at = f"{time.time():.6f}"  # the stage times its own start-up from here (profile.md: process_start)
+    launched_at = f"{time.time():.6f}"
     if warm is not None:
         proc, changes = warm
         assert proc.stdin is not None
-        proc.stdin.write(json.dumps({"stage": spec.stage, "argv": argv,
-                                     "env": {**changes, LAUNCHED_AT_VAR: launched_at}}) + "\n")
+        proc.stdin.write(
+            json.dumps({"stage": spec.stage, "argv": argv, "env": {**changes, LAUNCHED_AT_VAR: launched_at}})
+            + "\n"
+        )
         proc.stdin.close()
     else:
-        proc = subprocess.Popen([sys.executable, "-m", stage_program(spec.stage), *argv],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=workdir,
-                                env={**env, LAUNCHED_AT_VAR: launched_at})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", stage_program(spec.stage), *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=workdir,
+            env={**env, LAUNCHED_AT_VAR: launched_at},
+        )
     with open(log_path, "w") as log, proc:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -157,10 +177,13 @@ def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) ->
         result = StageResult.from_output("".join(lines))
     except ValueError as exc:
         tail = "".join(lines[-15:])
-        result = StageResult(stage=spec.stage, status="failed",
-                             message=f"exit code {code}; {exc}; see {log_path}\n{tail}")
+        result = StageResult(
+            stage=spec.stage, status="failed", message=f"exit code {code}; {exc}; see {log_path}\n{tail}"
+        )
     if code != 0 and result.status != "failed":
-        result = result.model_copy(update={"status": "failed", "message": f"exit code {code}; see {log_path}"})
+        result = result.model_copy(
+            update={"status": "failed", "message": f"exit code {code}; see {log_path}"}
+        )
     if result.duration_s == 0.0:
         result = result.model_copy(update={"duration_s": round(time.perf_counter() - started, 3)})
     return result, code

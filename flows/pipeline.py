@@ -1,4 +1,4 @@
-"""The alignflow pipeline as a Prefect flow: one task per stage call, each a separate process, URIs in between.
+"""The alignflow pipeline as a Prefect flow: one task per stage call, each its own process, URIs in between.
 
 The flow never imports torch: it plans the stage calls, derives each output URI from (stage,
 config, input digests, code version), skips a stage whose output is already published, launches
@@ -58,7 +58,9 @@ def _raw_data_digests(config: PipelineConfig, workdir: Path) -> dict[str, str]:
         uri = getattr(config.data, name)
         if uri:
             path = uri if "://" in uri else str((workdir / uri).resolve())
-            digests[f"file:{name}"] = hashlib.sha256(open_store(path, config.storage).get_bytes(path)).hexdigest()
+            digests[f"file:{name}"] = hashlib.sha256(
+                open_store(path, config.storage).get_bytes(path)
+            ).hexdigest()
     return digests
 
 
@@ -68,8 +70,15 @@ def _reused(key: str, spec: StageSpec) -> StageResult | None:
         return None
     run_id = None
     if spec.tracking is not None and spec.tracking.enabled:
-        run_id = tracking.record_skipped_stage(spec.tracking.uri, spec.tracking.experiment, key,
-                                               spec.tracking.parent_run_id, manifest.uri, None, tags=spec.tracking.tags)
+        run_id = tracking.record_skipped_stage(
+            spec.tracking.uri,
+            spec.tracking.experiment,
+            key,
+            spec.tracking.parent_run_id,
+            manifest.uri,
+            None,
+            tags=spec.tracking.tags,
+        )
     return StageResult.from_manifest(manifest, "skipped", mlflow_run_id=run_id, message=REUSED_MESSAGE)
 
 
@@ -86,15 +95,23 @@ def _run_as_deployment(key: str, spec: StageSpec, deployment: str) -> StageResul
     from prefect.deployments import run_deployment
 
     started = time.perf_counter()
-    flow_run = run_deployment(deployment, parameters={"key": key, "spec": spec.model_dump(mode="json")},
-                              timeout=None, as_subflow=True)
+    flow_run = run_deployment(
+        deployment,
+        parameters={"key": key, "spec": spec.model_dump(mode="json")},
+        timeout=None,
+        as_subflow=True,
+    )
     manifest = find_published(spec.output_uri, spec.storage)
     if flow_run.state is not None and flow_run.state.is_completed() and manifest is not None:
         return StageResult.from_manifest(manifest, "ok", duration_s=round(time.perf_counter() - started, 3))
     state = flow_run.state.name if flow_run.state else "unknown"
     message = (flow_run.state.message if flow_run.state else "") or f"deployment run ended {state}"
-    return StageResult(stage=spec.stage, status="failed", message=f"{deployment}: {_stage_reason(key, message)}",
-                       duration_s=round(time.perf_counter() - started, 3))
+    return StageResult(
+        stage=spec.stage,
+        status="failed",
+        message=f"{deployment}: {_stage_reason(key, message)}",
+        duration_s=round(time.perf_counter() - started, 3),
+    )
 
 
 @task(name="stage", task_run_name="{key}")
@@ -112,18 +129,34 @@ def run_stage(key: str, spec: StageSpec, workdir: str, deployment: str | None = 
     return result
 
 
-def build_spec(call: StageCall, config: PipelineConfig, results: dict[str, StageResult], root: str,
-               version: str, tracking_spec: TrackingSpec | None, workdir: Path, extra_digests: dict[str, str],
-               extra_inputs: dict[str, tuple[str, str]] | None = None) -> StageSpec:
+def build_spec(
+    call: StageCall,
+    config: PipelineConfig,
+    results: dict[str, StageResult],
+    root: str,
+    version: str,
+    tracking_spec: TrackingSpec | None,
+    workdir: Path,
+    extra_digests: dict[str, str],
+    extra_inputs: dict[str, tuple[str, str]] | None = None,
+) -> StageSpec:
     """The spec of one stage call; `extra_inputs` adds inputs not in the plan (name -> (uri, digest))."""
     inputs = {name: results[up].output_uri for name, up in call.inputs.items()}
     digests = {name: results[up].manifest_digest for name, up in call.inputs.items()}
     for name, (uri, digest) in (extra_inputs or {}).items():
         inputs[name], digests[name] = uri, digest
     identity = {**digests, **(extra_digests if call.stage == "data" else {})}
-    return StageSpec(stage=call.stage, config=call.config, inputs=inputs, input_digests=digests,
-                     output_uri=output_uri(root, call.stage, call.config, identity, version),
-                     storage=config.storage, tracking=tracking_spec, code_version=version, workdir=str(workdir))
+    return StageSpec(
+        stage=call.stage,
+        config=call.config,
+        inputs=inputs,
+        input_digests=digests,
+        output_uri=output_uri(root, call.stage, call.config, identity, version),
+        storage=config.storage,
+        tracking=tracking_spec,
+        code_version=version,
+        workdir=str(workdir),
+    )
 
 
 def parallel_stages(config: PipelineConfig) -> int:
@@ -154,7 +187,8 @@ def _flow_run_tags() -> dict[str, str]:
 
 @flow(name="alignflow-pipeline", log_prints=True)
 def alignflow_pipeline(config: PipelineConfig) -> list[dict[str, Any]]:
-    """Run SFT -> reward model(s) -> engine build -> PPO/GRPO (or SFT -> DPO) -> evaluation for one pipeline config."""
+    """Run SFT -> reward model(s) -> engine build -> PPO/GRPO
+    (or SFT -> DPO) -> evaluation for one pipeline config."""
     logger = get_run_logger()
     workdir = Path(config.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -168,13 +202,22 @@ def alignflow_pipeline(config: PipelineConfig) -> list[dict[str, Any]]:
     prefect_tags = _flow_run_tags()
     if config.tracking.enabled:
         parent_run_id = tracking.start_parent_run(
-            tracking_uri, config.tracking.experiment, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+            tracking_uri,
+            config.tracking.experiment,
+            f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}",
             config.model_dump(mode="json"),
-            tags={"alignflow.code_version": version, "alignflow.config_digest": config_digest(config)[:16],
-                  **prefect_tags})
-        tracking_spec = TrackingSpec(uri=tracking_uri, experiment=config.tracking.experiment,
-                                     parent_run_id=parent_run_id,
-                                     tags={"alignflow.pipeline_run": parent_run_id, **prefect_tags})
+            tags={
+                "alignflow.code_version": version,
+                "alignflow.config_digest": config_digest(config)[:16],
+                **prefect_tags,
+            },
+        )
+        tracking_spec = TrackingSpec(
+            uri=tracking_uri,
+            experiment=config.tracking.experiment,
+            parent_run_id=parent_run_id,
+            tags={"alignflow.pipeline_run": parent_run_id, **prefect_tags},
+        )
     extra = _raw_data_digests(config, workdir)
     retries = config.deployment.stage_retries
     delays = [config.deployment.retry_delay_s * 2**i for i in range(max(retries, 1))]
@@ -199,19 +242,31 @@ def alignflow_pipeline(config: PipelineConfig) -> list[dict[str, Any]]:
                     champion = champion_output(config, tracking_uri)
                     if champion is not None:
                         extra_inputs["champion"] = (champion[1], champion[2])
-                spec = build_spec(call, config, results, root, version, tracking_spec, workdir, extra, extra_inputs)
+                spec = build_spec(
+                    call, config, results, root, version, tracking_spec, workdir, extra, extra_inputs
+                )
                 infra = config.deployment.stage_infra.get(call.stage)
                 deployment = f"{STAGE_FLOW_NAME}/{config.deployment.name}-{call.stage}" if infra else None
-                logger.info("stage %s -> %s%s", call.key, spec.output_uri, f" via {deployment}" if deployment else "")
+                logger.info(
+                    "stage %s -> %s%s", call.key, spec.output_uri, f" via {deployment}" if deployment else ""
+                )
                 running[call.key] = run_stage.with_options(
-                    task_run_name=call.key, retries=retries, retry_delay_seconds=delays,
-                    retry_condition_fn=_retry_transient).submit(call.key, spec, str(workdir), deployment)
+                    task_run_name=call.key,
+                    retries=retries,
+                    retry_delay_seconds=delays,
+                    retry_condition_fn=_retry_transient,
+                ).submit(call.key, spec, str(workdir), deployment)
             finished = next(as_completed(list(running.values())))
             key = next(k for k, future in running.items() if future is finished)
             del running[key]
             results[key] = finished.result()  # a failed stage raises here; stages already running finish
-            rows.append({"key": key, **results[key].model_dump(),
-                         "finished_at_s": round(time.time() - pipeline_started, 3)})
+            rows.append(
+                {
+                    "key": key,
+                    **results[key].model_dump(),
+                    "finished_at_s": round(time.time() - pipeline_started, 3),
+                }
+            )
         order = [c.key for c in calls]
         rows.sort(key=lambda row: order.index(row["key"]))
     except BaseException:
@@ -226,34 +281,63 @@ def alignflow_pipeline(config: PipelineConfig) -> list[dict[str, Any]]:
     promotion = None
     by_key = {row["key"]: row for row in rows}
     if config.registry.enabled and config.tracking.enabled and "evaluate" in by_key:
-        promotion = register_and_gate(config, by_key, tracking_uri, parent_run_id, champion[0] if champion else None)
-        rows.append({"key": "registry", "stage": "registry", "status": promotion["verdict"], "duration_s": 0.0,
-                     "output_uri": None, "mlflow_run_id": None, "metrics": {}, "key_metric": None,
-                     "message": promotion["reason"], "parent_run_id": parent_run_id, "promotion": promotion})
+        promotion = register_and_gate(
+            config, by_key, tracking_uri, parent_run_id, champion[0] if champion else None
+        )
+        rows.append(
+            {
+                "key": "registry",
+                "stage": "registry",
+                "status": promotion["verdict"],
+                "duration_s": 0.0,
+                "output_uri": None,
+                "mlflow_run_id": None,
+                "metrics": {},
+                "key_metric": None,
+                "message": promotion["reason"],
+                "parent_run_id": parent_run_id,
+                "promotion": promotion,
+            }
+        )
     publish_artifacts(config, rows, tracking_uri, promotion)
     return rows
 
 
-def publish_artifacts(config: PipelineConfig, rows: list[dict[str, Any]], tracking_uri: str,
-                      promotion: dict[str, Any] | None) -> None:
-    """Prefect artifacts on the flow run: the stage table, MLflow links, evaluation and promotion summaries."""
-    create_markdown_artifact(key="alignflow-summary", markdown=summary_markdown(config, rows),
-                             description="stage, status, duration, key metric, output URI, MLflow run")
-    mlflow_ui = os.environ.get("ALIGNFLOW_MLFLOW_UI_URL") or (tracking_uri if tracking_uri.startswith("http") else "")
+def publish_artifacts(
+    config: PipelineConfig, rows: list[dict[str, Any]], tracking_uri: str, promotion: dict[str, Any] | None
+) -> None:
+    """Prefect artifacts on the flow run: the stage table, MLflow links,
+    evaluation and promotion summaries."""
+    create_markdown_artifact(
+        key="alignflow-summary",
+        markdown=summary_markdown(config, rows),
+        description="stage, status, duration, key metric, output URI, MLflow run",
+    )
+    mlflow_ui = os.environ.get("ALIGNFLOW_MLFLOW_UI_URL") or (
+        tracking_uri if tracking_uri.startswith("http") else ""
+    )
     parent = rows[0].get("parent_run_id") if rows else None
     if mlflow_ui and parent:
-        create_link_artifact(key="alignflow-mlflow", link=f"{mlflow_ui.rstrip('/')}/#/runs/{parent}",
-                             link_text="MLflow parent run")
+        create_link_artifact(
+            key="alignflow-mlflow",
+            link=f"{mlflow_ui.rstrip('/')}/#/runs/{parent}",
+            link_text="MLflow parent run",
+        )
     evaluation = next((r for r in rows if r.get("stage") == "evaluate" and r.get("output_uri")), None)
     if evaluation is not None:
         uri = join_uri(evaluation["output_uri"], "eval_report.md")
         report = open_store(uri, config.storage).get_bytes(uri).decode()
-        create_markdown_artifact(key="alignflow-evaluation", markdown=evaluation_markdown(report),
-                                 description="policy vs SFT on held-out prompts")
+        create_markdown_artifact(
+            key="alignflow-evaluation",
+            markdown=evaluation_markdown(report),
+            description="policy vs SFT on held-out prompts",
+        )
     if promotion is not None:
-        create_markdown_artifact(key="alignflow-promotion",
-                                 markdown=decision_markdown(promotion, config.registry.policy_name),
-                                 description="registry promotion gate")
+        create_markdown_artifact(
+            key="alignflow-promotion",
+            markdown=decision_markdown(promotion, config.registry.policy_name),
+            description="registry promotion gate",
+        )
 
 
 @flow(name=STAGE_FLOW_NAME, log_prints=True)

@@ -35,44 +35,67 @@ def plan(config: PipelineConfig) -> list[StageCall]:
     if "base" in chosen:
         calls.append(StageCall("base", "base", {"model": model}, {"data": "data"}))
     if "sft" in chosen:
-        calls.append(StageCall("sft", "sft", {"sft": dump["sft"], "model": model}, {"base": "base", "data": "data"}))
+        calls.append(
+            StageCall("sft", "sft", {"sft": dump["sft"], "model": model}, {"base": "base", "data": "data"})
+        )
     reward_keys = []
     if "reward" in chosen:
         shared = {k: v for k, v in dump["reward"].items() if k != "models"}
         for rm in dump["reward"]["models"]:
             key = f"reward-{rm['name']}"
             reward_keys.append(key)
-            calls.append(StageCall(key, "reward", {"reward": shared, "reward_model": rm, "model": model},
-                                   {"sft": "sft", "data": "data"}))
-    built = {k: v for k, v in dump["engine"].items() if k not in RL_ONLY_ENGINE_KEYS}  # what the build depends on
+            calls.append(
+                StageCall(
+                    key,
+                    "reward",
+                    {"reward": shared, "reward_model": rm, "model": model},
+                    {"sft": "sft", "data": "data"},
+                )
+            )
+    # what the build depends on
+    built = {k: v for k, v in dump["engine"].items() if k not in RL_ONLY_ENGINE_KEYS}
     if built["backend"] == "native":
         # The native engine is saved whole and split when the RL stage's rollout workers load it (each
-        # tensor-parallel rank keeps its shard), so its tensor_parallel_size does not change the build (1 there:
-        # the same stage key as a one-process run, so a TP run reuses its engine).
+        # tensor-parallel rank keeps its shard), so its tensor_parallel_size does not change the build (1
+        # there: the same stage key as a one-process run, so a TP run reuses its engine).
         built["tensor_parallel_size"] = 1
     if "engine" in chosen:
-        calls.append(StageCall("engine", "engine", {"engine": built, "model": model},
-                               {"sft": "sft", "data": "data"}))
+        calls.append(
+            StageCall("engine", "engine", {"engine": built, "model": model}, {"sft": "sft", "data": "data"})
+        )
     rewards = {f"reward_{key.removeprefix('reward-')}": key for key in reward_keys}
     if "ppo" in chosen:
-        calls.append(StageCall("ppo", "ppo", {"ppo": dump["ppo"], "model": model, "engine": dump["engine"]},
-                               {"engine": "engine", "sft": "sft", "data": "data", **rewards}))
+        calls.append(
+            StageCall(
+                "ppo",
+                "ppo",
+                {"ppo": dump["ppo"], "model": model, "engine": dump["engine"]},
+                {"engine": "engine", "sft": "sft", "data": "data", **rewards},
+            )
+        )
     if "dpo" in chosen:
-        calls.append(StageCall("dpo", "dpo", {"dpo": dump["dpo"], "model": model}, {"sft": "sft", "data": "data"}))
+        calls.append(
+            StageCall("dpo", "dpo", {"dpo": dump["dpo"], "model": model}, {"sft": "sft", "data": "data"})
+        )
     if "evaluate" in chosen:
         # The policy input is named after the stage that trained it (the config allows exactly one).
         policy = "ppo" if "ppo" in chosen else "dpo"
-        calls.append(StageCall("evaluate", "evaluate",
-                               {"evaluate": dump["evaluate"], "model": model, "engine": built},
-                               {policy: policy, "sft": "sft", "data": "data", **rewards}))
+        calls.append(
+            StageCall(
+                "evaluate",
+                "evaluate",
+                {"evaluate": dump["evaluate"], "model": model, "engine": built},
+                {policy: policy, "sft": "sft", "data": "data", **rewards},
+            )
+        )
     return calls
 
 
 @dataclass(frozen=True)
 class StartFinding:
-    """A start check of one stage call: `stage` is the call's key (e.g. 'reward-helpful'), `key` the dotted config
-    key, `message` what the stage says. From `start_problems` a refusal; from `machine_findings` an unmet need of
-    the machine the stage runs on."""
+    """A start check of one stage call: `stage` is the call's key (e.g. 'reward-helpful'), `key` the dotted
+    config key, `message` what the stage says. From `start_problems` a refusal; from `machine_findings` an
+    unmet need of the machine the stage runs on."""
 
     stage: str
     key: str
@@ -80,15 +103,19 @@ class StartFinding:
 
 
 def start_problems(config: PipelineConfig) -> list[StartFinding]:
-    """Every problem any stage call of `config` would refuse to start with (alignflow/start_checks.py: the stages
-    make the same checks, with the same messages, when they start)."""
+    """Every problem any stage call of `config` would refuse to start with (alignflow/start_checks.py: the
+    stages make the same checks, with the same messages, when they start)."""
     workdir = Path(config.workdir).resolve()
-    return [StartFinding(call.key, problem.key, problem.message) for call in plan(config)
-            for problem in start_checks.stage_problems(call.stage, call.config, call.inputs, workdir)]
+    return [
+        StartFinding(call.key, problem.key, problem.message)
+        for call in plan(config)
+        for problem in start_checks.stage_problems(call.stage, call.config, call.inputs, workdir)
+    ]
 
 
-def machine_findings(config: PipelineConfig, probe: bool = False, gpus: int | None = None
-                     ) -> tuple[list[StartFinding], list[str]]:
+def machine_findings(
+    config: PipelineConfig, probe: bool = False, gpus: int | None = None
+) -> tuple[list[StartFinding], list[str]]:
     """What the stage calls need of the machine they run on that this machine lacks, and the stages left out
     because they run as their own deployments (deployment.stage_infra: another machine or image).
 

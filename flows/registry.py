@@ -70,30 +70,49 @@ def decide(metrics: dict[str, float], kl_budget: float, min_improvement: float,
         baseline, name = metrics[score.champion], f"champion v{champion_version}"
     else:
         baseline, name = metrics[score.sft], "sft"
-    common = dict(score=score.name, candidate_score=candidate, baseline_score=baseline, baseline=name, kl_to_ref=kl,
-                  kl_budget=kl_budget)
+    common = dict(
+        score=score.name,
+        candidate_score=candidate,
+        baseline_score=baseline,
+        baseline=name,
+        kl_to_ref=kl,
+        kl_budget=kl_budget,
+    )
     if kl > kl_budget:
-        return GateDecision(False, f"KL to the reference {kl:.3f} exceeds the budget {kl_budget:.3f}", **common)
+        return GateDecision(
+            False, f"KL to the reference {kl:.3f} exceeds the budget {kl_budget:.3f}", **common
+        )
     if candidate < baseline + min_improvement:
-        return GateDecision(False, f"{score.words} {candidate:.4f} does not beat {name}'s {baseline:.4f}"
-                                   f" by {min_improvement:g}", **common)
-    return GateDecision(True, f"{score.words} {candidate:.4f} beats {name}'s {baseline:.4f} "
-                              f"with KL {kl:.3f} <= {kl_budget:.3f}", **common)
+        return GateDecision(
+            False,
+            f"{score.words} {candidate:.4f} does not beat {name}'s {baseline:.4f} by {min_improvement:g}",
+            **common,
+        )
+    return GateDecision(
+        True,
+        f"{score.words} {candidate:.4f} beats {name}'s {baseline:.4f} with KL {kl:.3f} <= {kl_budget:.3f}",
+        **common,
+    )
 
 
 def policy_row(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The run row of the stage that trained the policy: 'ppo' or 'dpo' (a pipeline that evaluates has one)."""
+    """The run row of the stage that trained the policy: 'ppo' or 'dpo'
+    (a pipeline that evaluates has one)."""
     found = [rows[key] for key in POLICY_STAGES if key in rows]
     if len(found) != 1:
-        raise ValueError(f"registering a policy needs exactly one of the rows {list(POLICY_STAGES)}; the run has "
-                         f"{sorted(rows)}")
+        raise ValueError(
+            f"registering a policy needs exactly one of the rows {list(POLICY_STAGES)}; the run has "
+            f"{sorted(rows)}"
+        )
     return found[0]
 
 
 def champion_output(config: PipelineConfig, tracking_uri: str) -> tuple[str, str, str] | None:
-    """(version, output URI of the stage that trained it, its manifest digest) of the current champion, if any.
+    """(version, output URI of the stage that trained it, its manifest digest) of the current champion, if
+    any.
 
-    The evaluate stage reads the champion's checkpoint from `<output>/policy`, the layout of both policy stages.
+    The evaluate stage reads the champion's checkpoint from `<output>/policy`, the layout of both policy
+    stages.
     """
     version = tracking.alias_version(tracking_uri, config.registry.policy_name, "champion")
     if version is None:
@@ -105,8 +124,13 @@ def champion_output(config: PipelineConfig, tracking_uri: str) -> tuple[str, str
     return version["version"], uri, manifest.digest
 
 
-def register_and_gate(config: PipelineConfig, rows: dict[str, dict[str, Any]], tracking_uri: str,
-                      parent_run_id: str | None, champion_version: str | None) -> dict[str, Any]:
+def register_and_gate(
+    config: PipelineConfig,
+    rows: dict[str, dict[str, Any]],
+    tracking_uri: str,
+    parent_run_id: str | None,
+    champion_version: str | None,
+) -> dict[str, Any]:
     """Register reward models and the policy as 'candidate'; move 'champion' if the gate passes."""
     registry = config.registry
     data_digest = rows["data"]["manifest_digest"]
@@ -115,40 +139,72 @@ def register_and_gate(config: PipelineConfig, rows: dict[str, dict[str, Any]], t
     for key, row in rows.items():
         if row["stage"] == "reward":
             name = f"{registry.reward_prefix}-{key.removeprefix('reward-')}"
-            tags = {**common_tags, "alignflow.output_uri": row["output_uri"],
-                    "eval.accuracy": row["metrics"].get("eval/accuracy", "")}
-            registered[name] = tracking.register_version(tracking_uri, name, row["output_uri"],
-                                                         row.get("mlflow_run_id"), tags)
+            tags = {
+                **common_tags,
+                "alignflow.output_uri": row["output_uri"],
+                "eval.accuracy": row["metrics"].get("eval/accuracy", ""),
+            }
+            registered[name] = tracking.register_version(
+                tracking_uri, name, row["output_uri"], row.get("mlflow_run_id"), tags
+            )
     metrics = rows["evaluate"]["metrics"]
     policy = policy_row(rows)
-    tags = {**common_tags, "alignflow.output_uri": policy["output_uri"], "alignflow.policy_stage": policy["stage"],
-            **{k.replace("/", "."): v for k, v in metrics.items()}}
-    version = tracking.register_version(tracking_uri, registry.policy_name, join_uri(policy["output_uri"], "policy"),
-                                        policy.get("mlflow_run_id"), tags)
+    tags = {
+        **common_tags,
+        "alignflow.output_uri": policy["output_uri"],
+        "alignflow.policy_stage": policy["stage"],
+        **{k.replace("/", "."): v for k, v in metrics.items()},
+    }
+    version = tracking.register_version(
+        tracking_uri,
+        registry.policy_name,
+        join_uri(policy["output_uri"], "policy"),
+        policy.get("mlflow_run_id"),
+        tags,
+    )
     registered[registry.policy_name] = version
     decision = decide(metrics, config.evaluate.kl_budget, registry.min_improvement, champion_version)
     promoted = decision.promote and registry.promote
     if promoted:
         tracking.set_alias(tracking_uri, registry.policy_name, "champion", version)
     verdict = "promoted" if promoted else ("gate passed, promotion off" if decision.promote else "rejected")
-    record = {"alignflow.promotion": verdict, "alignflow.promotion_reason": decision.reason,
-              "alignflow.promotion_score": decision.score or "none"}
+    record = {
+        "alignflow.promotion": verdict,
+        "alignflow.promotion_reason": decision.reason,
+        "alignflow.promotion_score": decision.score or "none",
+    }
     tracking.tag_version(tracking_uri, registry.policy_name, version, record)
     if parent_run_id:
         for key, value in record.items():
             tracking.run_tag(tracking_uri, parent_run_id, key, value)
-    return {"registered": registered, "policy_version": version, "promoted": promoted, "verdict": verdict,
-            **asdict(decision)}
+    return {
+        "registered": registered,
+        "policy_version": version,
+        "promoted": promoted,
+        "verdict": verdict,
+        **asdict(decision),
+    }
 
 
 def decision_markdown(result: dict[str, Any], policy_name: str) -> str:
-    """The promotion decision as Markdown (the Prefect artifact): verdict, reason, and the numbers compared."""
+    """The promotion decision as Markdown (the Prefect artifact): verdict, reason,
+    and the numbers compared."""
+
     def number(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.4f}"
 
-    return "\n".join([
-        f"## Promotion of `{policy_name}` v{result['policy_version']}: **{result['verdict']}**", "",
-        result["reason"] + ".", "",
-        f"| | held-out {result['score'] or 'score'} | KL to reference |", "|---|---:|---:|",
-        f"| candidate v{result['policy_version']} | {number(result['candidate_score'])} | {result['kl_to_ref']:.3f} |",
-        f"| {result['baseline']} | {number(result['baseline_score'])} | (budget {result['kl_budget']:.3f}) |", ""])
+    return "\n".join(
+        [
+            f"## Promotion of `{policy_name}` v{result['policy_version']}: **{result['verdict']}**",
+            "",
+            result["reason"] + ".",
+            "",
+            f"| | held-out {result['score'] or 'score'} | KL to reference |",
+            "|---|---:|---:|",
+            f"| candidate v{result['policy_version']} | {number(result['candidate_score'])} | "
+            f"{result['kl_to_ref']:.3f} |",
+            f"| {result['baseline']} | {number(result['baseline_score'])} | (budget "
+            f"{result['kl_budget']:.3f}) |",
+            "",
+        ]
+    )
