@@ -29,13 +29,17 @@ from cpu_roofline import best_seconds  # noqa: E402  (sibling scripts, not a pac
 from engine_throughput import MODELS as ENGINE_MODELS  # noqa: E402
 from rl_setup import BENCH_MODEL  # noqa: E402
 
-MODELS = {**ENGINE_MODELS, "rl-4.7m": {k: v for k, v in BENCH_MODEL.items() if k != "max_position_embeddings"}}
+MODELS = {
+    **ENGINE_MODELS,
+    "rl-4.7m": {k: v for k, v in BENCH_MODEL.items() if k != "max_position_embeddings"},
+}
 
 CACHE_SLOTS = 88  # the benchmark engine's max_seq_len: 24 prompt + 64 new tokens
 
 
 def step_shapes(model: dict) -> list[tuple[int, int]]:
-    """(out, in) of every linear of one decode step in the engine's fused layout: qkv, o, gate_up, down, head."""
+    """(out, in) of every linear of one decode step in the engine's fused layout: qkv, o,
+    gate_up, down, head."""
     hidden, inter = model["hidden_size"], model["intermediate_size"]
     head_dim = hidden // model["num_attention_heads"]
     qkv = hidden + 2 * model["num_key_value_heads"] * head_dim
@@ -43,8 +47,9 @@ def step_shapes(model: dict) -> list[tuple[int, int]]:
     return layer * model["num_hidden_layers"] + [(model["vocab_size"], hidden)]
 
 
-def bench_linears(model: dict, rows_list: list[int], repeats: int, with_skinny: bool = True,
-                  floor: int | None = None) -> list[dict]:
+def bench_linears(
+    model: dict, rows_list: list[int], repeats: int, with_skinny: bool = True, floor: int | None = None
+) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -62,7 +67,9 @@ def bench_linears(model: dict, rows_list: list[int], repeats: int, with_skinny: 
     for rows in rows_list:
         xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-        kernels = {"skinny": lambda i, x: skinny.skinny_linear(x, blocked[i], shapes[i][0])} if with_skinny else {}
+        kernels = (
+            {"skinny": lambda i, x: skinny.skinny_linear(x, blocked[i], shapes[i][0])} if with_skinny else {}
+        )
 
         def onednn(i, x, packed=packed):
             return torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
@@ -70,16 +77,22 @@ def bench_linears(model: dict, rows_list: list[int], repeats: int, with_skinny: 
         def plain(i, x):
             return F.linear(x, weights[i])
 
-        kernels |= {"onednn": onednn, "F.linear": plain,
-                    "engine": lambda i, x, onednn=onednn: (onednn if engine_packs[i] else plain)(i, x)}
+        kernels |= {
+            "onednn": onednn,
+            "F.linear": plain,
+            "engine": lambda i, x, onednn=onednn: (onednn if engine_packs[i] else plain)(i, x),
+        }
         row: dict = {"rows": rows, "weights_mb": megabytes}
         for name, kernel in kernels.items():
-            worst = max((kernel(i, xs[k]) - F.linear(xs[k], weights[i])).abs().max().item()
-                        for i, (_, k) in enumerate(shapes[:5]))
+            worst = max(
+                (kernel(i, xs[k]) - F.linear(xs[k], weights[i])).abs().max().item()
+                for i, (_, k) in enumerate(shapes[:5])
+            )
             if worst > 1e-3:
                 raise SystemExit(f"{name} disagrees with F.linear at {rows} rows: max abs error {worst:.2e}")
             row[f"{name}_ms"] = 1e3 * best_seconds(
-                lambda kernel=kernel, xs=xs: [kernel(i, xs[k]) for i, (_, k) in enumerate(shapes)], repeats)
+                lambda kernel=kernel, xs=xs: [kernel(i, xs[k]) for i, (_, k) in enumerate(shapes)], repeats
+            )
         out.append(row)
     return out
 
@@ -96,8 +109,13 @@ def bench_attention(model: dict, rows_list: list[int], kv_len: int, repeats: int
     torch.manual_seed(0)
     out = []
     for rows in rows_list:
-        caches = [(torch.randn(max(rows_list), kv_heads, CACHE_SLOTS, head_dim),
-                   torch.randn(max(rows_list), kv_heads, CACHE_SLOTS, head_dim)) for _ in range(layers)]
+        caches = [
+            (
+                torch.randn(max(rows_list), kv_heads, CACHE_SLOTS, head_dim),
+                torch.randn(max(rows_list), kv_heads, CACHE_SLOTS, head_dim),
+            )
+            for _ in range(layers)
+        ]
         q = torch.randn(rows, kv_heads, heads // kv_heads, head_dim)
         mask = torch.zeros(rows, kv_len)
         impls = {"kernel": da.decode_attention, "torch": da.reference, "compiled": compiled}
@@ -110,8 +128,10 @@ def bench_attention(model: dict, rows_list: list[int], kv_len: int, repeats: int
                 raise SystemExit(f"attention {name} disagrees with the reference at {rows} rows: {worst:.2e}")
             row[f"{name}_ms"] = 1e3 * best_seconds(
                 lambda impl=impl, q=q, mask=mask, caches=caches, rows=rows: [
-                    impl(q, kc[:rows, :, :kv_len], vc[:rows, :, :kv_len], mask, scale) for kc, vc in caches],
-                repeats)
+                    impl(q, kc[:rows, :, :kv_len], vc[:rows, :, :kv_len], mask, scale) for kc, vc in caches
+                ],
+                repeats,
+            )
         out.append(row)
     return out
 
@@ -124,8 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="llama-100m", choices=list(MODELS))
-    parser.add_argument("--engine-floor-kib", type=int, default=None,
-                        help="the engine column with this packing floor instead of prepack.MIN_PACKED_BYTES")
+    parser.add_argument(
+        "--engine-floor-kib",
+        type=int,
+        default=None,
+        help="the engine column with this packing floor instead of prepack.MIN_PACKED_BYTES",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -137,18 +161,34 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     kernels = skinny.available()
     if not kernels:
-        print(f"skinny_linear is not available here ({skinny.unavailable_reason()}): no skinny column",
-              file=sys.stderr)
+        print(
+            f"skinny_linear is not available here ({skinny.unavailable_reason()}): no skinny column",
+            file=sys.stderr,
+        )
     attention = _cpu_extension.extension() is not None
     if not attention:
-        print(f"the AVX-512 kernels are not available here ({_cpu_extension.unavailable_reason()}): no attention "
-              "table", file=sys.stderr)
+        print(
+            f"the AVX-512 kernels are not available here ({_cpu_extension.unavailable_reason()}): no "
+            "attention table",
+            file=sys.stderr,
+        )
     model = MODELS[args.model]
-    result = {"model": args.model, "threads": args.threads,
-              "linears": bench_linears(model, [int(r) for r in args.rows.split(",")], args.repeats, kernels,
-                                       None if args.engine_floor_kib is None else args.engine_floor_kib << 10),
-              "attention": bench_attention(model, [int(r) for r in args.attention_rows.split(",")], args.kv_len,
-                                           args.repeats) if attention else []}
+    result = {
+        "model": args.model,
+        "threads": args.threads,
+        "linears": bench_linears(
+            model,
+            [int(r) for r in args.rows.split(",")],
+            args.repeats,
+            kernels,
+            None if args.engine_floor_kib is None else args.engine_floor_kib << 10,
+        ),
+        "attention": bench_attention(
+            model, [int(r) for r in args.attention_rows.split(",")], args.kv_len, args.repeats
+        )
+        if attention
+        else [],
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -157,30 +197,56 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=120)
     mb = result["linears"][0]["weights_mb"]
-    table = Table(title=f"fp32 linears of one {args.model} decode step ({mb:.0f} MB of weights), "
-                        f"{args.threads} threads, best of {args.repeats}")
-    columns = (("rows", "skinny ms", "onednn ms", "F.linear ms", "engine ms", "skinny GB/s", "skinny x onednn")
-               if kernels else ("rows", "onednn ms", "F.linear ms", "engine ms", "onednn GB/s"))
+    table = Table(
+        title=f"fp32 linears of one {args.model} decode step ({mb:.0f} MB of weights), "
+        f"{args.threads} threads, best of {args.repeats}"
+    )
+    columns = (
+        ("rows", "skinny ms", "onednn ms", "F.linear ms", "engine ms", "skinny GB/s", "skinny x onednn")
+        if kernels
+        else ("rows", "onednn ms", "F.linear ms", "engine ms", "onednn GB/s")
+    )
     for column in columns:
         table.add_column(column, justify="right")
     for row in result["linears"]:
         times = [f"{row['onednn_ms']:.2f}", f"{row['F.linear_ms']:.2f}", f"{row['engine_ms']:.2f}"]
         if kernels:
-            table.add_row(str(row["rows"]), f"{row['skinny_ms']:.1f}", *times, f"{mb / row['skinny_ms']:.1f}",
-                          f"{row['onednn_ms'] / row['skinny_ms']:.2f}")
+            table.add_row(
+                str(row["rows"]),
+                f"{row['skinny_ms']:.1f}",
+                *times,
+                f"{mb / row['skinny_ms']:.1f}",
+                f"{row['onednn_ms'] / row['skinny_ms']:.2f}",
+            )
         else:
             table.add_row(str(row["rows"]), *times, f"{mb / row['onednn_ms']:.1f}")
     console.print(table)
     if not attention:
         return 0
-    table = Table(title=f"fp32 decode attention of one {args.model} step, {args.kv_len} of {CACHE_SLOTS} cache "
-                        f"slots filled, {args.threads} threads, best of {args.repeats}")
-    for column in ("rows", "cache MB", "kernel ms", "torch ms", "compiled ms", "kernel GB/s", "kernel x compiled"):
+    table = Table(
+        title=f"fp32 decode attention of one {args.model} step, {args.kv_len} of {CACHE_SLOTS} cache "
+        f"slots filled, {args.threads} threads, best of {args.repeats}"
+    )
+    for column in (
+        "rows",
+        "cache MB",
+        "kernel ms",
+        "torch ms",
+        "compiled ms",
+        "kernel GB/s",
+        "kernel x compiled",
+    ):
         table.add_column(column, justify="right")
     for row in result["attention"]:
-        table.add_row(str(row["rows"]), f"{row['cache_read_mb']:.0f}", f"{row['kernel_ms']:.2f}",
-                      f"{row['torch_ms']:.2f}", f"{row['compiled_ms']:.2f}",
-                      f"{row['cache_read_mb'] / row['kernel_ms']:.1f}", f"{row['compiled_ms'] / row['kernel_ms']:.2f}")
+        table.add_row(
+            str(row["rows"]),
+            f"{row['cache_read_mb']:.0f}",
+            f"{row['kernel_ms']:.2f}",
+            f"{row['torch_ms']:.2f}",
+            f"{row['compiled_ms']:.2f}",
+            f"{row['cache_read_mb'] / row['kernel_ms']:.1f}",
+            f"{row['compiled_ms'] / row['kernel_ms']:.2f}",
+        )
     console.print(table)
     return 0
 

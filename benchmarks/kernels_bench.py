@@ -1,4 +1,4 @@
-"""Benchmark of alignflow.kernels.selective_log_softmax against the naive fp32 log_softmax + gather (not a test).
+"""Benchmark of kernels.selective_log_softmax against the naive fp32 log_softmax + gather (not a test).
 
 For each (B, T, V, dtype) case it reports the best-of-N time of the forward and of forward+backward,
 and the peak memory each needs on top of its inputs. On CPU every measurement runs in a fresh
@@ -101,7 +101,7 @@ def _measure(
     def best_ms(fn) -> tuple[float, float]:
         """(wall ms, process CPU ms summed over threads), each the best of ``reps`` runs.
 
-        Best, not median: on a shared box other jobs only ever add time. CPU time is reported too
+        Best, not median: on a shared machine other jobs only ever add time. CPU time is reported too
         because it barely moves when other processes compete for the cores and wall time does.
         """
         fn()  # warm-up (Triton compile, allocator)
@@ -211,7 +211,11 @@ def _print_table(rows: list[dict]) -> None:
         for row in body:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
         return
-    what = "torch reference vs C++ kernel" if "[" in rows[0]["method"] else "selective_log_softmax vs log_softmax(fp32).gather"
+    what = (
+        "torch reference vs C++ kernel"
+        if "[" in rows[0]["method"]
+        else "selective_log_softmax vs log_softmax(fp32).gather"
+    )
     table = Table(title=f"{what} on {rows[0]['device']}, {rows[0]['threads']} threads")
     for h in headers:
         table.add_column(h, justify="right")
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
-        "--threads", type=int, default=2, help="torch intra-op threads (the CI box has 2 cores)"
+        "--threads", type=int, default=2, help="torch intra-op threads (CI machines have 2 cores)"
     )
     parser.add_argument(
         "--reps", type=int, default=5, help="timed repetitions per measurement (best reported)"
@@ -235,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-sweep", action="store_true", help="time the torch reference at several chunk sizes"
     )
-    parser.add_argument("--rl", action="store_true",
-                        help="the RL training step's rows (16 x 31 x 2048 fp32): torch reference vs C++ kernel")
+    parser.add_argument(
+        "--rl",
+        action="store_true",
+        help="the RL training step's rows (16 x 31 x 2048 fp32): torch reference vs C++ kernel",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -261,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rl:
         from alignflow.kernels._triton_dispatch import cpp_available
 
-        impls = ("torch", "cpp") if args.device == "cpu" and cpp_available("selective_log_softmax") else ("torch",)
+        impls = (
+            ("torch", "cpp")
+            if args.device == "cpu" and cpp_available("selective_log_softmax")
+            else ("torch",)
+        )
         for op in RL_OPS:
             for impl in impls:
                 rows.append(_run_child(args, f"{op}[{impl}]", RL_CASE, "float32", None))

@@ -1,4 +1,4 @@
-"""LoRA vs full fine-tuning in the SFT and RL stages: trainable parameters, peak memory, step time, refit bytes.
+"""LoRA vs full fine-tuning in the SFT and RL stages: trainable parameters, peak memory, step time, refit.
 
     .venv/bin/python benchmarks/lora_vs_full.py [--rank 8] [--workdir DIR] [--set KEY=VALUE ...] [--json]
 
@@ -9,8 +9,9 @@ critic and a KL reference, from the full SFT checkpoint) as its own process, and
 Peak memory is the stage process's own peak RSS (VmHWM, Linux), which includes ~0.5 GiB of
 interpreter, torch and library imports common to every row, and in the RL rows the engine, the
 reward model and (full fine-tuning only) the separate reference model. LoRA adapts every linear layer
-of a block (q, k, v, o, gate, up, down), and in a third variant q_proj and v_proj only. Time is seconds per optimizer step for SFT and the median
-seconds per iteration (generate, score, forwards, train, refit; the first iteration left out) for PPO.
+of a block (q, k, v, o, gate, up, down), and in a third variant q_proj and v_proj only. Time is seconds per
+optimizer step for SFT and the median seconds per iteration (generate, score, forwards, train, refit; the
+first iteration left out) for PPO.
 """
 
 from __future__ import annotations
@@ -78,37 +79,74 @@ def run_stage(spec: StageSpec, workdir: Path) -> tuple[StageResult, float]:
     result_line = stdout.strip().splitlines()[-1]
     result = StageResult.model_validate_json(result_line)
     if result.status == "skipped":  # found its published output: nothing ran, nothing was measured
-        raise SystemExit(f"{spec.stage}: {result.output_uri} is published already; remove {workdir / 'bench'} or "
-                         "pass another --workdir")
+        raise SystemExit(
+            f"{spec.stage}: {result.output_uri} is published already; remove {workdir / 'bench'} or "
+            "pass another --workdir"
+        )
     return result, peak_kib / 1024
 
 
-def stage_spec(stage: str, config, rows: dict, inputs: dict[str, str], variant: str, workdir: Path) -> StageSpec:
+def stage_spec(
+    stage: str, config, rows: dict, inputs: dict[str, str], variant: str, workdir: Path
+) -> StageSpec:
     dump = config.model_dump(mode="json")
-    sections = {"sft": {"sft": dump["sft"], "model": dump["model"]},
-                "ppo": {"ppo": dump["ppo"], "model": dump["model"], "engine": dump["engine"]}}[stage]
-    return StageSpec(stage=stage, config=sections, inputs={k: rows[v]["output_uri"] for k, v in inputs.items()},
-                     input_digests={k: rows[v]["manifest_digest"] for k, v in inputs.items()},
-                     output_uri=output_uri(f"file://{workdir}/bench", stage, {"variant": variant, **sections}, {}, "b"),
-                     code_version="bench", workdir=str(workdir))
+    sections = {
+        "sft": {"sft": dump["sft"], "model": dump["model"]},
+        "ppo": {"ppo": dump["ppo"], "model": dump["model"], "engine": dump["engine"]},
+    }[stage]
+    return StageSpec(
+        stage=stage,
+        config=sections,
+        inputs={k: rows[v]["output_uri"] for k, v in inputs.items()},
+        input_digests={k: rows[v]["manifest_digest"] for k, v in inputs.items()},
+        output_uri=output_uri(f"file://{workdir}/bench", stage, {"variant": variant, **sections}, {}, "b"),
+        code_version="bench",
+        workdir=str(workdir),
+    )
 
 
 def measure(cfg, rows: dict, variant: str, workdir: Path) -> list[dict[str, Any]]:
     """The SFT row and the PPO row of one variant, each stage in its own process."""
-    sft, sft_peak = run_stage(stage_spec("sft", cfg, rows, {"base": "base", "data": "data"}, variant, workdir),
-                              workdir)
-    ppo, ppo_peak = run_stage(stage_spec("ppo", cfg, rows, {"engine": "engine", "sft": "sft", "data": "data",
-                                                            "reward_rm": "reward-rm"}, variant, workdir), workdir)
-    history = [json.loads(line) for line in
-               (Path(ppo.output_uri.removeprefix("file://")) / "metrics.jsonl").read_text().splitlines()]
-    return [{"stage": "sft", "variant": variant, "trainable_parameters": sft.metrics["perf/trainable_parameters"],
-             "trainable_share": sft.metrics["perf/trainable_share"], "peak_rss_mib": sft_peak,
-             "seconds": sft.metrics["timing/train_s"] / sft.metrics["train/steps"], "per": "step",
-             "refit_bytes": None},
-            {"stage": "ppo", "variant": variant, "trainable_parameters": ppo.metrics["perf/trainable_parameters"],
-             "trainable_share": ppo.metrics["perf/trainable_share"], "peak_rss_mib": ppo_peak,
-             "seconds": statistics.median(h["timing/iteration"] for h in history[1:] or history),
-             "per": "iteration", "refit_bytes": history[-1]["refit/bytes"]}]
+    sft, sft_peak = run_stage(
+        stage_spec("sft", cfg, rows, {"base": "base", "data": "data"}, variant, workdir), workdir
+    )
+    ppo, ppo_peak = run_stage(
+        stage_spec(
+            "ppo",
+            cfg,
+            rows,
+            {"engine": "engine", "sft": "sft", "data": "data", "reward_rm": "reward-rm"},
+            variant,
+            workdir,
+        ),
+        workdir,
+    )
+    history = [
+        json.loads(line)
+        for line in (Path(ppo.output_uri.removeprefix("file://")) / "metrics.jsonl").read_text().splitlines()
+    ]
+    return [
+        {
+            "stage": "sft",
+            "variant": variant,
+            "trainable_parameters": sft.metrics["perf/trainable_parameters"],
+            "trainable_share": sft.metrics["perf/trainable_share"],
+            "peak_rss_mib": sft_peak,
+            "seconds": sft.metrics["timing/train_s"] / sft.metrics["train/steps"],
+            "per": "step",
+            "refit_bytes": None,
+        },
+        {
+            "stage": "ppo",
+            "variant": variant,
+            "trainable_parameters": ppo.metrics["perf/trainable_parameters"],
+            "trainable_share": ppo.metrics["perf/trainable_share"],
+            "peak_rss_mib": ppo_peak,
+            "seconds": statistics.median(h["timing/iteration"] for h in history[1:] or history),
+            "per": "iteration",
+            "refit_bytes": history[-1]["refit/bytes"],
+        },
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,30 +161,61 @@ def main(argv: list[str] | None = None) -> int:
     base = [f"workdir={workdir}", "tracking.enabled=false", *MODEL, *SHORT, *args.set]
     config = load_config(REPO / "configs/tiny.yaml", [*base, "stages=[data, base, sft, reward, engine]"])
     rows = {row["key"]: row for row in alignflow_pipeline(config)}
-    lora = [f"sft.lora.rank={args.rank}", f"sft.lora.alpha={2 * args.rank}", f"ppo.lora.rank={args.rank}",
-            f"ppo.lora.alpha={2 * args.rank}"]
-    # Every linear layer (the default) vs attention's q and v only: the refit sends the adapted modules' merged
-    # weights, so how much it saves depends on target_modules, not on the rank.
+    lora = [
+        f"sft.lora.rank={args.rank}",
+        f"sft.lora.alpha={2 * args.rank}",
+        f"ppo.lora.rank={args.rank}",
+        f"ppo.lora.alpha={2 * args.rank}",
+    ]
+    # Every linear layer (the default) vs attention's q and v only: the refit sends the adapted modules'
+    # merged weights, so how much it saves depends on target_modules, not on the rank.
     qv = [*lora, "sft.lora.target_modules=[q_proj,v_proj]", "ppo.lora.target_modules=[q_proj,v_proj]"]
-    results = [row for variant, overrides in (("full", []), ("lora", lora), ("lora q,v", qv))
-               for row in measure(load_config(REPO / "configs/tiny.yaml", [*base, *overrides]), rows, variant,
-                                  workdir)]
+    results = [
+        row
+        for variant, overrides in (("full", []), ("lora", lora), ("lora q,v", qv))
+        for row in measure(
+            load_config(REPO / "configs/tiny.yaml", [*base, *overrides]), rows, variant, workdir
+        )
+    ]
     results.sort(key=lambda r: r["stage"] == "ppo")  # SFT rows first, then PPO
     if args.json:
-        print(json.dumps({"rank": args.rank, "parameters": rows["base"]["metrics"]["model/parameters"],
-                          "rows": results}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "rank": args.rank,
+                    "parameters": rows["base"]["metrics"]["model/parameters"],
+                    "rows": results,
+                },
+                indent=2,
+            )
+        )
         return 0
-    table = Table(title=f"LoRA (rank {args.rank}; lora: every linear layer of a block, lora q,v: q_proj and "
-                        "v_proj) vs full fine-tuning; "
-                        f"{rows['base']['metrics']['model/parameters'] / 1e6:.1f}M-parameter Llama, "
-                        f"{os.cpu_count()} CPU threads")
-    for column in ("stage", "variant", "trainable parameters", "share", "peak RSS (MiB)", "seconds",
-                   "refit per iteration"):
+    table = Table(
+        title=f"LoRA (rank {args.rank}; lora: every linear layer of a block, lora q,v: q_proj and "
+        "v_proj) vs full fine-tuning; "
+        f"{rows['base']['metrics']['model/parameters'] / 1e6:.1f}M-parameter Llama, "
+        f"{os.cpu_count()} CPU threads"
+    )
+    for column in (
+        "stage",
+        "variant",
+        "trainable parameters",
+        "share",
+        "peak RSS (MiB)",
+        "seconds",
+        "refit per iteration",
+    ):
         table.add_column(column, justify="right")
     for r in results:
-        table.add_row(r["stage"], r["variant"], f"{r['trainable_parameters']:,.0f}", f"{r['trainable_share']:.2%}",
-                      f"{r['peak_rss_mib']:,.0f}", f"{r['seconds']:.3f} per {r['per']}",
-                      "" if r["refit_bytes"] is None else f"{r['refit_bytes'] / 2**20:,.2f} MiB")
+        table.add_row(
+            r["stage"],
+            r["variant"],
+            f"{r['trainable_parameters']:,.0f}",
+            f"{r['trainable_share']:.2%}",
+            f"{r['peak_rss_mib']:,.0f}",
+            f"{r['seconds']:.3f} per {r['per']}",
+            "" if r["refit_bytes"] is None else f"{r['refit_bytes'] / 2**20:,.2f} MiB",
+        )
     Console(file=sys.stdout, width=200).print(table)
     return 0
 

@@ -36,9 +36,14 @@ def run_backend(workdir: Path, backend: str, iterations: int) -> dict[str, float
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     samples = config.ppo.prompts_per_iteration * config.ppo.group_size
     mean_iteration = statistics.mean(m["timing/iteration"] for m in metrics)
-    result = {"backend": backend, "iteration_s": mean_iteration, "samples_per_s": samples / mean_iteration,
-              "gen_tokens_per_s": statistics.mean(m["rollout/response_length_mean"] * samples / m["timing/generate"]
-                                                  for m in metrics)}
+    result = {
+        "backend": backend,
+        "iteration_s": mean_iteration,
+        "samples_per_s": samples / mean_iteration,
+        "gen_tokens_per_s": statistics.mean(
+            m["rollout/response_length_mean"] * samples / m["timing/generate"] for m in metrics
+        ),
+    }
     for phase in PHASES:
         result[f"{phase}_s"] = statistics.mean(m.get(f"timing/{phase}", 0.0) for m in metrics)
     return result
@@ -56,12 +61,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    table = Table(title=f"PPO iteration on configs/tiny.yaml ({args.iterations - 1} iterations after warm-up)")
+    table = Table(
+        title=f"PPO iteration on configs/tiny.yaml ({args.iterations - 1} iterations after warm-up)"
+    )
     for column in ("backend", "iteration s", "samples/s", "gen tokens/s", *(f"{p} s" for p in PHASES)):
         table.add_column(column, justify="right")
     for r in results:
-        table.add_row(r["backend"], f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.1f}",
-                      f"{r['gen_tokens_per_s']:.0f}", *(f"{r[f'{p}_s']:.3f}" for p in PHASES))
+        table.add_row(
+            r["backend"],
+            f"{r['iteration_s']:.2f}",
+            f"{r['samples_per_s']:.1f}",
+            f"{r['gen_tokens_per_s']:.0f}",
+            *(f"{r[f'{p}_s']:.3f}" for p in PHASES),
+        )
     Console(file=sys.stdout, width=200).print(table)
     return 0
 

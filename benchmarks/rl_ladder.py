@@ -1,4 +1,4 @@
-"""The RL optimisation ladder: GRPO and PPO iteration time from the baseline to every optimisation, against TRL.
+"""The RL optimisation ladder: GRPO and PPO iteration time from the baseline to every optimisation, vs TRL.
 
     .venv/bin/python benchmarks/rl_ladder.py [--rounds 3] [--iterations 10] [--shapes grpo,ppo]
         [--levels baseline,...] [--trl-python PY] [--trl-ppo-python PY] [--workdir DIR] [--json]
@@ -21,7 +21,7 @@ Each level adds to the one before:
   async           generation of iteration k+1 overlapped with training on k (one-step off-policy)
 
 A round runs every level of every shape, each as the PPO stage's own process, and TRL's trainer on
-the same model and shape (benchmarks/trl_baseline.py) in between, so drifts of a shared box hit
+the same model and shape (benchmarks/trl_baseline.py) in between, so drifts of a shared machine hit
 both. Iteration time is the median of iterations 2..N of a run; the ratio to TRL is taken per round
 and its median reported. The bottleneck column is the profiler's sentence for the iterations' phases.
 """
@@ -104,11 +104,18 @@ def run_level(up: rl_setup.Upstream, shape: str, level: str, iterations: int, th
               ) -> dict[str, Any]:
     engine, overrides = level_config(level)
     ppo = {**SHAPES[shape], **overrides, "iterations": iterations, "checkpoint_every": iterations}
-    spec = rl_setup.ppo_spec(up, engine, ppo, WITH_REWARD_MODEL[shape], scratch / f"spec-{shape}-{level}.json")
+    spec = rl_setup.ppo_spec(
+        up, engine, ppo, WITH_REWARD_MODEL[shape], scratch / f"spec-{shape}-{level}.json"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "alignflow.stages.ppo", "--spec", str(spec)], capture_output=True,
-                          text=True, env=env, cwd=up.workdir)
+    done = subprocess.run(
+        [sys.executable, "-m", "alignflow.stages.ppo", "--spec", str(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=up.workdir,
+    )
     total = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{shape}/{level} failed:\n{done.stderr[-3000:]}")
@@ -116,23 +123,50 @@ def run_level(up: rl_setup.Upstream, shape: str, level: str, iterations: int, th
     seconds = statistics.median(m["timing/iteration"] for m in metrics)
     completions = SHAPES[shape]["prompts_per_iteration"] * SHAPES[shape]["group_size"]
     phases = sorted({k for m in metrics for k in m if k.startswith("timing/") and k != "timing/iteration"})
-    return {"shape": shape, "level": level, "iteration_s": seconds, "completions_per_s": completions / seconds,
-            "stage_wall_s": total, "bottleneck": bottleneck(metrics),
-            "phases_s": {k.removeprefix("timing/"): statistics.median(m.get(k, 0.0) for m in metrics)
-                         for k in phases}}
+    return {
+        "shape": shape,
+        "level": level,
+        "iteration_s": seconds,
+        "completions_per_s": completions / seconds,
+        "stage_wall_s": total,
+        "bottleneck": bottleneck(metrics),
+        "phases_s": {
+            k.removeprefix("timing/"): statistics.median(m.get(k, 0.0) for m in metrics) for k in phases
+        },
+    }
 
 
-def run_trl(python: str, up: rl_setup.Upstream, shape: str, iterations: int, threads: int) -> dict[str, Any] | None:
-    """TRL's figure for `shape`, or None (with the reason on stderr) when that interpreter has no usable TRL."""
+def run_trl(
+    python: str, up: rl_setup.Upstream, shape: str, iterations: int, threads: int
+) -> dict[str, Any] | None:
+    """TRL's figure for `shape`, or None
+    (with the reason on stderr) when that interpreter has no usable TRL."""
     prompts = Path(up.data[0].removeprefix("file://")) / "prompts.jsonl"
     sft_dir = Path(up.sft[0].removeprefix("file://"))
-    command = [python, str(Path(__file__).with_name("trl_baseline.py")), "--model-dir", str(sft_dir), "--shape",
-               shape, "--iterations", str(iterations), "--threads", str(threads), "--prompts-file", str(prompts),
-               "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    command = [
+        python,
+        str(Path(__file__).with_name("trl_baseline.py")),
+        "--model-dir",
+        str(sft_dir),
+        "--shape",
+        shape,
+        "--iterations",
+        str(iterations),
+        "--threads",
+        str(threads),
+        "--prompts-file",
+        str(prompts),
+        "--json",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)}
+    )
     if done.returncode != 0:
-        print(f"TRL {shape}: skipped ({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode})",
-              file=sys.stderr)
+        print(
+            f"TRL {shape}: skipped "
+            f"({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode})",
+            file=sys.stderr,
+        )
         return None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -145,25 +179,42 @@ def summarise(rounds: list[dict[str, Any]], shapes: list[str], levels: list[str]
         for level in levels:
             runs = [r["levels"][(shape, level)] for r in rounds]
             trl = [r["trl"].get(shape) for r in rounds]
-            ratios = [run["completions_per_s"] / t["completions_per_s"] for run, t in zip(runs, trl, strict=True) if t]
-            rows.append({
-                "shape": shape, "level": level,
-                "iteration_s": statistics.median(x["iteration_s"] for x in runs),
-                "completions_per_s": statistics.median(x["completions_per_s"] for x in runs),
-                "speedup_vs_baseline": statistics.median(x["completions_per_s"] / b for x, b in zip(runs, base, strict=True)),
-                "vs_trl": statistics.median(ratios) if ratios else None,
-                "vs_trl_rounds": ratios,
-                "bottleneck": runs[-1]["bottleneck"],
-                "phases_s": runs[-1]["phases_s"],
-            })
+            ratios = [
+                run["completions_per_s"] / t["completions_per_s"]
+                for run, t in zip(runs, trl, strict=True)
+                if t
+            ]
+            rows.append(
+                {
+                    "shape": shape,
+                    "level": level,
+                    "iteration_s": statistics.median(x["iteration_s"] for x in runs),
+                    "completions_per_s": statistics.median(x["completions_per_s"] for x in runs),
+                    "speedup_vs_baseline": statistics.median(
+                        x["completions_per_s"] / b for x, b in zip(runs, base, strict=True)
+                    ),
+                    "vs_trl": statistics.median(ratios) if ratios else None,
+                    "vs_trl_rounds": ratios,
+                    "bottleneck": runs[-1]["bottleneck"],
+                    "phases_s": runs[-1]["phases_s"],
+                }
+            )
         # (TRL run, the same round's baseline) for the rounds whose TRL run was not skipped
         trl_runs = [(r["trl"][shape], b) for r, b in zip(rounds, base, strict=True) if r["trl"].get(shape)]
         if trl_runs:
-            rows.append({"shape": shape, "level": f"TRL {trl_runs[0][0].get('trl_version', '')}",
-                         "iteration_s": statistics.median(t["median_s"] for t, _ in trl_runs),
-                         "completions_per_s": statistics.median(t["completions_per_s"] for t, _ in trl_runs),
-                         "speedup_vs_baseline": statistics.median(t["completions_per_s"] / b for t, b in trl_runs),
-                         "vs_trl": 1.0, "vs_trl_rounds": [], "bottleneck": "", "phases_s": {}})
+            rows.append(
+                {
+                    "shape": shape,
+                    "level": f"TRL {trl_runs[0][0].get('trl_version', '')}",
+                    "iteration_s": statistics.median(t["median_s"] for t, _ in trl_runs),
+                    "completions_per_s": statistics.median(t["completions_per_s"] for t, _ in trl_runs),
+                    "speedup_vs_baseline": statistics.median(t["completions_per_s"] / b for t, b in trl_runs),
+                    "vs_trl": 1.0,
+                    "vs_trl_rounds": [],
+                    "bottleneck": "",
+                    "phases_s": {},
+                }
+            )
     return rows
 
 
@@ -174,11 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="grpo,ppo")
     parser.add_argument("--levels", default=",".join(LEVELS))
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every run (OMP_NUM_THREADS)")
-    parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl for the GRPO shape")
-    parser.add_argument("--trl-ppo-python", default=None,
-                        help="interpreter with a trl that still has PPO (1.12; dropped in 1.16); default --trl-python")
+    parser.add_argument(
+        "--trl-python", default=sys.executable, help="interpreter with trl for the GRPO shape"
+    )
+    parser.add_argument(
+        "--trl-ppo-python",
+        default=None,
+        help="interpreter with a trl that still has PPO (1.12; dropped in 1.16); default --trl-python",
+    )
     parser.add_argument("--no-trl", action="store_true")
-    parser.add_argument("--workdir", type=Path, default=None, help="reuse a workdir (keeps the upstream cache)")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="reuse a workdir (keeps the upstream cache)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -196,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     set_offline_defaults()
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="rl-ladder-"))).resolve()
-    # What the upstream stages and DeepSpeed's import print goes to stderr: with --json, stdout is the JSON alone.
+    # What the upstream stages and DeepSpeed's import print goes to stderr: with --json, stdout is the JSON
+    # alone.
     with contextlib.redirect_stdout(sys.stderr):
         up = rl_setup.prepare(workdir)
     scratch = workdir / "ladder"
@@ -207,34 +266,55 @@ def main(argv: list[str] | None = None) -> int:
         record: dict[str, Any] = {"levels": {}, "trl": {}}
         for shape in shapes:
             if not args.no_trl:
-                trl = record["trl"][shape] = run_trl(trl_python[shape], up, shape, args.iterations, args.threads)
+                trl = record["trl"][shape] = run_trl(
+                    trl_python[shape], up, shape, args.iterations, args.threads
+                )
                 if trl:
-                    print(f"round {index + 1}: {shape:4s} {'TRL ' + trl.get('trl_version', ''):13s} "
-                          f"{trl['median_s']:.3f} s/iteration {trl['completions_per_s']:6.1f} completions/s",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"round {index + 1}: {shape:4s} {'TRL ' + trl.get('trl_version', ''):13s} "
+                        f"{trl['median_s']:.3f} s/iteration {trl['completions_per_s']:6.1f} completions/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             for level in levels:
                 result = run_level(up, shape, level, args.iterations, args.threads, scratch)
                 record["levels"][(shape, level)] = result
-                print(f"round {index + 1}: {shape:4s} {level:13s} {result['iteration_s']:.3f} s/iteration "
-                      f"{result['completions_per_s']:6.1f} completions/s", file=sys.stderr, flush=True)
+                print(
+                    f"round {index + 1}: {shape:4s} {level:13s} {result['iteration_s']:.3f} s/iteration "
+                    f"{result['completions_per_s']:6.1f} completions/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         rounds.append(record)
     rows = summarise(rounds, shapes, levels)
     machine = {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": args.threads}
     if args.json:
-        print(json.dumps({"machine": machine, "rounds": args.rounds, "iterations": args.iterations, "rows": rows},
-                         indent=2))
+        print(
+            json.dumps(
+                {"machine": machine, "rounds": args.rounds, "iterations": args.iterations, "rows": rows},
+                indent=2,
+            )
+        )
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"RL ladder: median of {args.rounds} rounds, iterations 2-{args.iterations}, "
-                        f"{args.threads} threads, {machine['cpu']}")
+    table = Table(
+        title=f"RL ladder: median of {args.rounds} rounds, iterations 2-{args.iterations}, "
+        f"{args.threads} threads, {machine['cpu']}"
+    )
     for column in ("shape", "level", "s/iteration", "completions/s", "x baseline", "x TRL", "bottleneck"):
         table.add_column(column, justify="left" if column in ("shape", "level", "bottleneck") else "right")
     for r in rows:
-        table.add_row(r["shape"], r["level"], f"{r['iteration_s']:.3f}", f"{r['completions_per_s']:.1f}",
-                      f"{r['speedup_vs_baseline']:.2f}", f"{r['vs_trl']:.2f}" if r["vs_trl"] else "-",
-                      r["bottleneck"][:90])
+        table.add_row(
+            r["shape"],
+            r["level"],
+            f"{r['iteration_s']:.3f}",
+            f"{r['completions_per_s']:.1f}",
+            f"{r['speedup_vs_baseline']:.2f}",
+            f"{r['vs_trl']:.2f}" if r["vs_trl"] else "-",
+            r["bottleneck"][:90],
+        )
     Console(file=sys.stdout, width=220).print(table)
     return 0
 

@@ -7,7 +7,8 @@ FFN 1024, byte-level BPE vocab 2048, tied embeddings, 256 positions: 4.72M param
 the TRL comparison in the RL-speed issue) into `<workdir>/bench-model`, then runs the pipeline's
 data, base (`model.base` pointing at that folder), SFT, reward and engine stages once per engine
 variant (hf, native eager, native compiled, native with the C++ decode loop). Everything is cached by the
-manifests, so a second call costs seconds. `ppo_spec` then writes a PPO-stage spec for any RL config over those outputs.
+manifests, so a second call costs seconds. `ppo_spec` then writes a PPO-stage spec for any RL config over
+those outputs.
 """
 
 from __future__ import annotations
@@ -20,18 +21,35 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
-BENCH_MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
-               "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 256,
-               "tie_word_embeddings": True}
+BENCH_MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 2048,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
 
 # Engine variants of the ladder: name -> engine config overrides.
 ENGINES: dict[str, dict[str, Any]] = {
     "hf": {"backend": "hf"},
     "native": {"backend": "native", "compile": False, "cpu_kernels": False, "cpu_prepack": False},
-    "native_compiled": {"backend": "native", "compile": True, "cpu_kernels": True, "cpu_prepack": True,
-                        "cpu_decode_loop": False},
-    "native_loop": {"backend": "native", "compile": False, "cpu_kernels": True, "cpu_prepack": True,
-                    "cpu_decode_loop": True},
+    "native_compiled": {
+        "backend": "native",
+        "compile": True,
+        "cpu_kernels": True,
+        "cpu_prepack": True,
+        "cpu_decode_loop": False,
+    },
+    "native_loop": {
+        "backend": "native",
+        "compile": False,
+        "cpu_kernels": True,
+        "cpu_prepack": True,
+        "cpu_decode_loop": True,
+    },
 }
 
 
@@ -64,34 +82,52 @@ def build_model(model_dir: Path, seed: int = 0) -> Path:
 
 
 def prepare(workdir: Path) -> Upstream:
-    """Build the checkpoint and run data -> base -> sft -> reward -> engine (x3) through the pipeline, cached."""
+    """Build the checkpoint and run data -> base -> sft -> reward -> engine
+    (x3) through the pipeline, cached."""
     from alignflow.config import load_config
     from alignflow.flows.pipeline import alignflow_pipeline
 
     workdir = workdir.resolve()
     model_dir = build_model(workdir / "bench-model")
-    overrides = [f"workdir={workdir}", "stages=[data,base,sft,reward,engine]", "tracking.enabled=false",
-                 f"model.base={model_dir}", "data.demo.n_sft=256", "data.demo.n_preferences=256",
-                 "sft.epochs=1", "reward.epochs=1", "engine.max_batch_size=16", "engine.max_seq_len=128"]
+    overrides = [
+        f"workdir={workdir}",
+        "stages=[data,base,sft,reward,engine]",
+        "tracking.enabled=false",
+        f"model.base={model_dir}",
+        "data.demo.n_sft=256",
+        "data.demo.n_preferences=256",
+        "sft.epochs=1",
+        "reward.epochs=1",
+        "engine.max_batch_size=16",
+        "engine.max_seq_len=128",
+    ]
     engines: dict[str, tuple[str, str]] = {}
     rows: dict[str, dict[str, Any]] = {}
     config = None
     for name, engine in ENGINES.items():
-        config = load_config(REPO / "configs/tiny.yaml", overrides + [f"engine.{k}={v}" for k, v in engine.items()])
+        config = load_config(
+            REPO / "configs/tiny.yaml", overrides + [f"engine.{k}={v}" for k, v in engine.items()]
+        )
         rows = {row["key"]: row for row in alignflow_pipeline(config)}
         engines[name] = (rows["engine"]["output_uri"], rows["engine"]["manifest_digest"])
     assert config is not None
     from alignflow.manifest import code_version
 
-    return Upstream(workdir=workdir, model_dir=model_dir,
-                    sft=(rows["sft"]["output_uri"], rows["sft"]["manifest_digest"]),
-                    data=(rows["data"]["output_uri"], rows["data"]["manifest_digest"]),
-                    reward=(rows["reward-rm"]["output_uri"], rows["reward-rm"]["manifest_digest"]),
-                    engines=engines, config=config.model_dump(mode="json"), code_version=code_version())
+    return Upstream(
+        workdir=workdir,
+        model_dir=model_dir,
+        sft=(rows["sft"]["output_uri"], rows["sft"]["manifest_digest"]),
+        data=(rows["data"]["output_uri"], rows["data"]["manifest_digest"]),
+        reward=(rows["reward-rm"]["output_uri"], rows["reward-rm"]["manifest_digest"]),
+        engines=engines,
+        config=config.model_dump(mode="json"),
+        code_version=code_version(),
+    )
 
 
 def ppo_spec(up: Upstream, engine: str, ppo: dict[str, Any], with_reward_model: bool, path: Path) -> Path:
-    """Write a PPO-stage spec over `up` (engine variant `engine`, PPO section `ppo`) to `path`; a fresh output."""
+    """Write a PPO-stage spec over `up` (engine variant `engine`,
+    PPO section `ppo`) to `path`; a fresh output."""
     from alignflow.contract import StageSpec
 
     engine_cfg = {**up.config["engine"], **ENGINES[engine]}
@@ -99,9 +135,15 @@ def ppo_spec(up: Upstream, engine: str, ppo: dict[str, Any], with_reward_model: 
     if with_reward_model:
         inputs["reward_rm"] = up.reward
     out = up.workdir / "runs" / f"ppo-{uuid.uuid4().hex[:12]}"
-    spec = StageSpec(stage="ppo", config={"ppo": ppo, "model": up.config["model"], "engine": engine_cfg},
-                     inputs={k: v[0] for k, v in inputs.items()}, input_digests={k: v[1] for k, v in inputs.items()},
-                     output_uri=f"file://{out}", code_version=up.code_version, workdir=str(up.workdir))
+    spec = StageSpec(
+        stage="ppo",
+        config={"ppo": ppo, "model": up.config["model"], "engine": engine_cfg},
+        inputs={k: v[0] for k, v in inputs.items()},
+        input_digests={k: v[1] for k, v in inputs.items()},
+        output_uri=f"file://{out}",
+        code_version=up.code_version,
+        workdir=str(up.workdir),
+    )
     path.write_text(spec.model_dump_json(indent=2))
     return path
 

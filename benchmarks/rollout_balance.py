@@ -1,4 +1,4 @@
-"""Rollout workers under skewed response lengths: the work queue against a static split, wall time and imbalance.
+"""Rollout workers under skewed response lengths: work queue vs static split, wall time and imbalance.
 
     .venv/bin/python benchmarks/rollout_balance.py [--model small] [--sequences 64] [--batch 8]
         [--new-tokens 64] [--workers 2] [--chunk 8] [--repeats 3] [--layouts grouped,shuffled]
@@ -80,9 +80,17 @@ def build(root: Path, name: str, batch: int, max_seq_len: int, torch_step: bool 
     model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=max_seq_len, bos_token_id=1, eos_token_id=2,
                                          **MODELS[name]))
     model.save_pretrained(root / "checkpoint")
-    engine = build_engine(root / "checkpoint", EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len,
-                                                            cuda_graphs=False, parity_prompts=2, parity_new_tokens=4,
-                                                            cpu_decode_loop=not torch_step))
+    engine = build_engine(
+        root / "checkpoint",
+        EngineConfig(
+            max_batch_size=batch,
+            max_seq_len=max_seq_len,
+            cuda_graphs=False,
+            parity_prompts=2,
+            parity_new_tokens=4,
+            cpu_decode_loop=not torch_step,
+        ),
+    )
     engine.save(root / "engine")
     return root / "engine", sum(p.numel() for p in model.parameters())
 
@@ -101,8 +109,9 @@ def skewed_request(engine, n: int, new_tokens: int, vocab: int, seed: int = 0):
     pool = 4 * n
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(8, 25))] for _ in range(pool)]
     seeds = [rng.randrange(2**62) for _ in range(pool)]
-    free = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seeds=seeds,
-                                                   ignore_eos=True)).response_token_ids
+    free = engine.generate(
+        prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seeds=seeds, ignore_eos=True)
+    ).response_token_ids
     candidates = list(range(3, vocab))
     rng.shuffle(candidates)
     for k in range(1, len(candidates)):
@@ -111,9 +120,13 @@ def skewed_request(engine, n: int, new_tokens: int, vocab: int, seed: int = 0):
         if statistics.median(lengths) <= new_tokens / 4:
             break
     order = sorted(range(pool), key=lambda i: lengths[i])
-    chosen = order[-(n - n // 2):][::-1] + order[: n // 2]  # long half first, then the short half
-    return ([prompts[i] for i in chosen], [seeds[i] for i in chosen], sorted(stops),
-            [lengths[i] for i in chosen])
+    chosen = order[-(n - n // 2) :][::-1] + order[: n // 2]  # long half first, then the short half
+    return (
+        [prompts[i] for i in chosen],
+        [seeds[i] for i in chosen],
+        sorted(stops),
+        [lengths[i] for i in chosen],
+    )
 
 
 def run_schedule(workers, prompts, sampling, chunk: int) -> dict[str, Any]:
@@ -123,9 +136,14 @@ def run_schedule(workers, prompts, sampling, chunk: int) -> dict[str, Any]:
     rows = list(range(len(prompts)))
     rollout = workers.result(workers.submit(RolloutRequest(0, rows, rows, prompts, sampling)))
     busy = workers.last_busy
-    return {"wall_s": rollout.seconds, "imbalance": max(busy) / (sum(busy) / len(busy)), "busy_s": busy,
-            "chunks_per_worker": [workers.last_chunks.count(w) for w in range(len(busy))],
-            "tokens": sum(rollout.generation.lengths), "token_ids": rollout.generation.response_token_ids}
+    return {
+        "wall_s": rollout.seconds,
+        "imbalance": max(busy) / (sum(busy) / len(busy)),
+        "busy_s": busy,
+        "chunks_per_worker": [workers.last_chunks.count(w) for w in range(len(busy))],
+        "tokens": sum(rollout.generation.lengths),
+        "token_ids": rollout.generation.response_token_ids,
+    }
 
 
 def bench(args: argparse.Namespace, log) -> dict[str, Any]:
@@ -135,36 +153,56 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
     from alignflow.stages.common.generation.native.weights import checkpoint_tensors
     from alignflow.stages.ppo.rollout_workers import RolloutWorkers
 
-    result: dict[str, Any] = {"model": args.model, "sequences": args.sequences, "batch": args.batch,
-                              "new_tokens": args.new_tokens, "workers": args.workers, "chunk": args.chunk,
-                              "worker_threads": args.worker_threads, "repeats": args.repeats,
-                              "torch": torch.__version__, "machine": machine(), "load_before": os.getloadavg()[0],
-                              "rows": []}
+    result: dict[str, Any] = {
+        "model": args.model,
+        "sequences": args.sequences,
+        "batch": args.batch,
+        "new_tokens": args.new_tokens,
+        "workers": args.workers,
+        "chunk": args.chunk,
+        "worker_threads": args.worker_threads,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "machine": machine(),
+        "load_before": os.getloadavg()[0],
+        "rows": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         log(f"building the {args.model} engine")
         engine_dir, params = build(Path(tmp), args.model, args.batch, 32 + args.new_tokens, args.torch_step)
         result["parameters"] = params
-        # One thread outside the in-process row: an OpenMP team of 2 on a box that other processes load stalls at
-        # every barrier (the in-process row took 18-85 s there against 4-8 s for the workers).
+        # One thread outside the in-process row: an OpenMP team of 2 on a machine that other processes load
+        # stalls at every barrier, many times slower than the workers.
         torch.set_num_threads(1)
         in_process = load_engine(engine_dir)
-        prompts, seeds, stops, lengths = skewed_request(in_process, args.sequences, args.new_tokens,
-                                                        MODELS[args.model]["vocab_size"])
+        prompts, seeds, stops, lengths = skewed_request(
+            in_process, args.sequences, args.new_tokens, MODELS[args.model]["vocab_size"]
+        )
         result["stop_tokens"] = len(stops)
-        log(f"request: {len(prompts)} sequences, calibrated lengths {lengths[0]}..{lengths[-1]}, {len(stops)} stop "
-            "tokens")
+        log(
+            f"request: {len(prompts)} sequences, calibrated lengths {lengths[0]}..{lengths[-1]}, "
+            f"{len(stops)} stop tokens"
+        )
         static_chunk = math.ceil(args.sequences / args.workers)
-        with RolloutWorkers(engine_dir, args.workers, chunk_size=args.chunk, threads=args.worker_threads) as workers:
+        with RolloutWorkers(
+            engine_dir, args.workers, chunk_size=args.chunk, threads=args.worker_threads
+        ) as workers:
             for layout in args.layouts:
                 order = list(range(len(prompts)))
                 if layout == "shuffled":
                     random.Random(1).shuffle(order)
                 p = [prompts[i] for i in order]
-                sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens,
-                                          seeds=[seeds[i] for i in order], stop_token_ids=stops, ignore_eos=True)
+                sampling = SamplingParams(
+                    temperature=1.0,
+                    max_new_tokens=args.new_tokens,
+                    seeds=[seeds[i] for i in order],
+                    stop_token_ids=stops,
+                    ignore_eos=True,
+                )
                 runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.schedules}
                 run_schedule(workers, p, sampling, args.chunk)  # warm both workers' first batch shapes
-                for _ in range(args.repeats):  # interleaved: a disturbance of the shared box hits every schedule
+                # interleaved: a disturbance of the shared machine hits every schedule
+                for _ in range(args.repeats):
                     if "static" in runs:
                         runs["static"].append(run_schedule(workers, p, sampling, static_chunk))
                     if "queue" in runs:
@@ -173,42 +211,68 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
                         torch.set_num_threads(os.cpu_count() or 1)
                         started = time.perf_counter()
                         generation = in_process.generate(p, sampling)
-                        runs["in-process"].append({"wall_s": time.perf_counter() - started,
-                                                   "tokens": sum(generation.lengths),
-                                                   "token_ids": generation.response_token_ids})
+                        runs["in-process"].append(
+                            {
+                                "wall_s": time.perf_counter() - started,
+                                "tokens": sum(generation.lengths),
+                                "token_ids": generation.response_token_ids,
+                            }
+                        )
                         torch.set_num_threads(1)
                 first = next(iter(runs.values()))[0]
                 same = all(r["token_ids"] == first["token_ids"] for rs in runs.values() for r in rs)
                 for schedule, rs in runs.items():
                     median = statistics.median(r["wall_s"] for r in rs)
-                    row = {"layout": layout, "schedule": schedule, "wall_s": median,
-                           "wall_min_s": min(r["wall_s"] for r in rs), "tokens": rs[0]["tokens"],
-                           "tokens_per_s": rs[0]["tokens"] / median, "same_tokens": same}
+                    row = {
+                        "layout": layout,
+                        "schedule": schedule,
+                        "wall_s": median,
+                        "wall_min_s": min(r["wall_s"] for r in rs),
+                        "tokens": rs[0]["tokens"],
+                        "tokens_per_s": rs[0]["tokens"] / median,
+                        "same_tokens": same,
+                    }
                     if schedule == "in-process":
                         row.update(chunk=args.sequences, threads=os.cpu_count() or 1)
                     else:
                         mid = sorted(rs, key=lambda r: r["wall_s"])[len(rs) // 2]
-                        row.update(chunk=static_chunk if schedule == "static" else args.chunk,
-                                   threads=workers.threads, imbalance=statistics.median(r["imbalance"] for r in rs),
-                                   busy_s=mid["busy_s"], chunks_per_worker=mid["chunks_per_worker"])
+                        row.update(
+                            chunk=static_chunk if schedule == "static" else args.chunk,
+                            threads=workers.threads,
+                            imbalance=statistics.median(r["imbalance"] for r in rs),
+                            busy_s=mid["busy_s"],
+                            chunks_per_worker=mid["chunks_per_worker"],
+                        )
                         if schedule == "static":
                             # The split is static only if every worker took exactly one part, every time.
-                            row["one_part_each"] = all(r["chunks_per_worker"] == [1] * args.workers for r in rs)
+                            row["one_part_each"] = all(
+                                r["chunks_per_worker"] == [1] * args.workers for r in rs
+                            )
                     result["rows"].append(row)
                     log(json.dumps(row))
                 if "static" in runs and "queue" in runs:
-                    static = next(r for r in result["rows"] if r["layout"] == layout and r["schedule"] == "static")
-                    queue = next(r for r in result["rows"] if r["layout"] == layout and r["schedule"] == "queue")
+                    static = next(
+                        r for r in result["rows"] if r["layout"] == layout and r["schedule"] == "static"
+                    )
+                    queue = next(
+                        r for r in result["rows"] if r["layout"] == layout and r["schedule"] == "queue"
+                    )
                     queue["speedup_vs_static"] = static["wall_s"] / queue["wall_s"]
-            # The refit the RL loop does after every update: the whole checkpoint over the workers' gloo group,
-            # each worker copying every tensor into its engine as it arrives.
-            refits = [workers.refit(checkpoint_tensors(Path(tmp) / "checkpoint")) for _ in range(args.repeats)]
+            # The refit the RL loop does after every update: the whole checkpoint over the workers' gloo
+            # group, each worker copying every tensor into its engine as it arrives.
+            refits = [
+                workers.refit(checkpoint_tensors(Path(tmp) / "checkpoint")) for _ in range(args.repeats)
+            ]
             middle = sorted(refits, key=lambda r: r.seconds)[len(refits) // 2]
-            result["refit"] = {"tensors": middle.tensors, "bytes": middle.bytes, "bytes_sent": middle.bytes_sent,
-                               "seconds": middle.seconds,
-                               "worker_copy_seconds": max(w.seconds for w in middle.workers)}
+            result["refit"] = {
+                "tensors": middle.tensors,
+                "bytes": middle.bytes,
+                "bytes_sent": middle.bytes_sent,
+                "seconds": middle.seconds,
+                "worker_copy_seconds": max(w.seconds for w in middle.workers),
+            }
             log(json.dumps(result["refit"]))
-    # Other processes on the box slow whichever schedule they overlap: compare runs with a load near 0.
+    # Other processes on the machine slow whichever schedule they overlap: compare runs with a load near 0.
     result["load_after"] = os.getloadavg()[0]
     return result
 
@@ -218,35 +282,59 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(width=150)
-    table = Table(title=f"Rollouts of {result['sequences']} sequences (half long, half short) on {result['workers']} "
-                        f"workers x {result['worker_threads']} thread(s): {result['model']} model "
-                        f"({result['parameters'] / 1e6:.1f}M), engine batch {result['batch']}, up to "
-                        f"{result['new_tokens']} new tokens, median of {result['repeats']} interleaved runs")
-    for column in ("layout", "schedule", "chunk", "wall s", "x static", "imbalance", "busy s per worker",
-                   "chunks per worker", "tokens", "tokens/s"):
+    table = Table(
+        title=f"Rollouts of {result['sequences']} sequences (half long, half short) on {result['workers']} "
+        f"workers x {result['worker_threads']} thread(s): {result['model']} model "
+        f"({result['parameters'] / 1e6:.1f}M), engine batch {result['batch']}, up to "
+        f"{result['new_tokens']} new tokens, median of {result['repeats']} interleaved runs"
+    )
+    for column in (
+        "layout",
+        "schedule",
+        "chunk",
+        "wall s",
+        "x static",
+        "imbalance",
+        "busy s per worker",
+        "chunks per worker",
+        "tokens",
+        "tokens/s",
+    ):
         table.add_column(column, justify="left" if column in ("layout", "schedule") else "right")
     for row in result["rows"]:
-        table.add_row(row["layout"], row["schedule"] + (f" ({row['threads']} threads)" if row["schedule"] ==
-                                                         "in-process" else ""),
-                      str(row["chunk"]), f"{row['wall_s']:.3f}",
-                      f"{row['speedup_vs_static']:.2f}" if "speedup_vs_static" in row else "-",
-                      f"{row['imbalance']:.2f}" if "imbalance" in row else "-",
-                      " / ".join(f"{b:.2f}" for b in row.get("busy_s", [])) or "-",
-                      " / ".join(map(str, row.get("chunks_per_worker", []))) or "-",
-                      str(row["tokens"]), f"{row['tokens_per_s']:.0f}")
+        table.add_row(
+            row["layout"],
+            row["schedule"] + (f" ({row['threads']} threads)" if row["schedule"] == "in-process" else ""),
+            str(row["chunk"]),
+            f"{row['wall_s']:.3f}",
+            f"{row['speedup_vs_static']:.2f}" if "speedup_vs_static" in row else "-",
+            f"{row['imbalance']:.2f}" if "imbalance" in row else "-",
+            " / ".join(f"{b:.2f}" for b in row.get("busy_s", [])) or "-",
+            " / ".join(map(str, row.get("chunks_per_worker", []))) or "-",
+            str(row["tokens"]),
+            f"{row['tokens_per_s']:.0f}",
+        )
     console.print(table)
     refit = result["refit"]
     queue_walls = [r["wall_s"] for r in result["rows"] if r["schedule"] == "queue"]
-    console.print(f"refit over the gloo group: {refit['tensors']} tensors, {refit['bytes'] / 2**20:.1f} MiB to each "
-                  f"worker ({refit['bytes_sent'] / 2**20:.1f} MiB sent), {refit['seconds']:.3f} s (median; workers' "
-                  f"copies {refit['worker_copy_seconds']:.3f} s)"
-                  + (f" = {refit['seconds'] / min(queue_walls):.1%} of the fastest queue rollout" if queue_walls else ""))
+    console.print(
+        f"refit over the gloo group: {refit['tensors']} tensors, {refit['bytes'] / 2**20:.1f} MiB to each "
+        f"worker ({refit['bytes_sent'] / 2**20:.1f} MiB sent), {refit['seconds']:.3f} s (median; workers' "
+        f"copies {refit['worker_copy_seconds']:.3f} s)"
+        + (
+            f" = {refit['seconds'] / min(queue_walls):.1%} of the fastest queue rollout"
+            if queue_walls
+            else ""
+        )
+    )
     statics = [r for r in result["rows"] if r["schedule"] == "static"]
-    console.print(f"{result['machine']['cpu']}, {result['machine']['cpus']} CPUs; same tokens in every schedule: "
-                  f"{all(r['same_tokens'] for r in result['rows'])}; static split one part per worker: "
-                  f"{all(r['one_part_each'] for r in statics) if statics else '-'}; {result['stop_tokens']} stop "
-                  "tokens; load average "
-                  f"before/after: {result['load_before']:.1f} / {result['load_after']:.1f}")
+    console.print(
+        f"{result['machine']['cpu']}, {result['machine']['cpus']} CPUs; same tokens in every schedule: "
+        f"{all(r['same_tokens'] for r in result['rows'])}; static split one part per worker: "
+        f"{all(r['one_part_each'] for r in statics) if statics else '-'}; {result['stop_tokens']} stop "
+        "tokens; load average "
+        f"before/after: {result['load_before']:.1f} / {result['load_after']:.1f}"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -256,17 +344,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="the engine's max_batch_size")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--chunk", type=int, default=8, help="queue chunk (the engine batch keeps batches full)")
-    parser.add_argument("--worker-threads", type=int, default=0, help="torch threads per worker; 0 = cores / workers")
+    parser.add_argument(
+        "--chunk", type=int, default=8, help="queue chunk (the engine batch keeps batches full)"
+    )
+    parser.add_argument(
+        "--worker-threads", type=int, default=0, help="torch threads per worker; 0 = cores / workers"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layouts", default="grouped,shuffled")
-    parser.add_argument("--schedules", default="static,queue,in-process",
-                        help="in-process: one engine in this process with every core's threads, for scale")
+    parser.add_argument(
+        "--schedules",
+        default="static,queue,in-process",
+        help="in-process: one engine in this process with every core's threads, for scale",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--torch-step", action="store_true",
-                        help="the engine's torch decode step instead of its C++ decode loop (engine.cpu_decode_loop): "
-                             "on the tiny model the loop's steps (~30 us) are below the per-call costs, so the length "
-                             "skew shows only with the torch step's")
+    parser.add_argument(
+        "--torch-step",
+        action="store_true",
+        help="the engine's torch decode step instead of its C++ decode loop (engine.cpu_decode_loop): "
+        "on the tiny model the loop's steps (~30 us) are below the per-call costs, so the length "
+        "skew shows only with the torch step's",
+    )
     args = parser.parse_args(argv)
     args.layouts = [x for x in args.layouts.split(",") if x]
     bad = sorted(set(args.layouts) - {"grouped", "shuffled"})

@@ -1,4 +1,4 @@
-"""Benchmark of alignflow.kernels.sample_tokens on CPU: the torch reference vs the eager fast paths (not a test).
+"""Benchmark of kernels.sample_tokens on CPU: the torch reference vs the eager fast paths (not a test).
 
 `torch` is the sort-based reference, `compiled` the same under torch.compile (what a compiled engine
 ran before the C++ kernel; plain mode only, one compile per shape), `chunked` the eager torch-op path
@@ -79,26 +79,40 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"vocab": vocab, "batch": batch, "mode": mode}
                 outputs = {}
                 for impl in impls:
-                    call = functools.partial(sample_tokens, logits, temperature, top_k, top_p, seeds, 3, impl=impl,
-                                             validate=False)
+                    call = functools.partial(
+                        sample_tokens, logits, temperature, top_k, top_p, seeds, 3, impl=impl, validate=False
+                    )
                     outputs[impl] = call()
                     row[f"{impl}_ms"] = best_ms(call, args.repeats)
                 if any(not torch.equal(out.tokens, outputs["torch"].tokens) for out in outputs.values()):
                     raise SystemExit(f"tokens differ between impls at batch {batch}, vocab {vocab}, {mode}")
                 if mode == "plain":
                     flags = uniform_flags(temperature, top_k, top_p, vocab)
-                    row["compiled_ms"] = best_ms(functools.partial(
-                        compiled, logits, torch.full((batch,), temperature), torch.zeros(batch, dtype=torch.long),
-                        torch.ones(batch), seeds, torch.full((batch,), 3), "torch", validate=False, flags=flags),
-                        args.repeats)
+                    row["compiled_ms"] = best_ms(
+                        functools.partial(
+                            compiled,
+                            logits,
+                            torch.full((batch,), temperature),
+                            torch.zeros(batch, dtype=torch.long),
+                            torch.ones(batch),
+                            seeds,
+                            torch.full((batch,), 3),
+                            "torch",
+                            validate=False,
+                            flags=flags,
+                        ),
+                        args.repeats,
+                    )
                 row["speedup"] = row["torch_ms"] / min(row[f"{impl}_ms"] for impl in impls[1:])
                 if top_k or top_p < 1:
                     row["sort_thresholds_ms"], row["prefix_thresholds_ms"] = threshold_ms(
-                        logits, temperature, top_k, top_p, args.repeats)
+                        logits, temperature, top_k, top_p, args.repeats
+                    )
                 if mode == "plain":
                     row["multinomial_ms"] = best_ms(
                         functools.partial(lambda p: torch.multinomial(torch.softmax(p, dim=-1), 1), logits),
-                        args.repeats)
+                        args.repeats,
+                    )
                 rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -107,17 +121,38 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     table = Table(title=f"sample_tokens on CPU, {args.threads} threads, best of {args.repeats} (ms per call)")
-    for column in ("vocab", "batch", "mode", "reference (torch)", "compiled", "chunked", "cpp", "speedup",
-                   "softmax+multinomial", "thresholds: sort", "by prefix"):
+    for column in (
+        "vocab",
+        "batch",
+        "mode",
+        "reference (torch)",
+        "compiled",
+        "chunked",
+        "cpp",
+        "speedup",
+        "softmax+multinomial",
+        "thresholds: sort",
+        "by prefix",
+    ):
         table.add_column(column, justify="left" if column == "mode" else "right")
 
     def cell(r, key):
         return "" if r.get(key) is None else f"{r[key]:.2f}"
 
     for r in rows:
-        table.add_row(str(r["vocab"]), str(r["batch"]), r["mode"], cell(r, "torch_ms"), cell(r, "compiled_ms"),
-                      cell(r, "chunked_ms"), cell(r, "cpp_ms"), f"{r['speedup']:.1f}x", cell(r, "multinomial_ms"), cell(r, "sort_thresholds_ms"),
-                      cell(r, "prefix_thresholds_ms"))
+        table.add_row(
+            str(r["vocab"]),
+            str(r["batch"]),
+            r["mode"],
+            cell(r, "torch_ms"),
+            cell(r, "compiled_ms"),
+            cell(r, "chunked_ms"),
+            cell(r, "cpp_ms"),
+            f"{r['speedup']:.1f}x",
+            cell(r, "multinomial_ms"),
+            cell(r, "sort_thresholds_ms"),
+            cell(r, "prefix_thresholds_ms"),
+        )
     Console(width=150).print(table)
     return 0
 

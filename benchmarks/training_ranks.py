@@ -7,7 +7,7 @@ then the SFT stage from the base model in each variant, interleaved `--repeats` 
 own process (the ranks: torch's elastic launcher from the stage's entry point). The global batch is
 the same in every variant (32 sequences: 1 rank accumulates 2 micro-batches of 16, each of 2 ranks
 runs 1), so the held-out losses should agree and the time is the cost or gain of splitting it. On a
-CPU box the ranks share the cores (OMP_NUM_THREADS = cores / ranks): this measures the overhead of the
+CPU machine the ranks share the cores (OMP_NUM_THREADS = cores / ranks): this measures the overhead of the
 distributed path (gloo all-reduce, ZeRO-3's gathers), not a speed-up; on GPUs each rank has its own device.
 """
 
@@ -63,30 +63,49 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         for name, overrides in VARIANTS.items():
             cfg = load_config(REPO / "configs/tiny.yaml", [*base, *overrides])
-            spec = stage_spec("sft", cfg, rows, {"base": "base", "data": "data"}, f"{name} #{repeat}", workdir)
+            spec = stage_spec(
+                "sft", cfg, rows, {"base": "base", "data": "data"}, f"{name} #{repeat}", workdir
+            )
             result, _ = run_stage(spec, workdir)
             runs[name].append(result)
     results = []
     for name, done in runs.items():
-        results.append({
-            "variant": name,
-            "seconds_per_step": statistics.median(r.metrics["timing/train_s"] / r.metrics["train/steps"] for r in done),
-            "tokens_per_s": statistics.median(r.metrics["perf/tokens_per_s"] for r in done),
-            "stage_seconds": statistics.median(r.duration_s for r in done),
-            "eval_loss": statistics.median(r.metrics["eval/loss"] for r in done),
-            "steps": done[0].metrics["train/steps"]})
-    header = {"parameters": rows["base"]["metrics"]["model/parameters"], "cpu": cpu_name(),
-              "cores": os.cpu_count(), "repeats": args.repeats}
+        results.append(
+            {
+                "variant": name,
+                "seconds_per_step": statistics.median(
+                    r.metrics["timing/train_s"] / r.metrics["train/steps"] for r in done
+                ),
+                "tokens_per_s": statistics.median(r.metrics["perf/tokens_per_s"] for r in done),
+                "stage_seconds": statistics.median(r.duration_s for r in done),
+                "eval_loss": statistics.median(r.metrics["eval/loss"] for r in done),
+                "steps": done[0].metrics["train/steps"],
+            }
+        )
+    header = {
+        "parameters": rows["base"]["metrics"]["model/parameters"],
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "repeats": args.repeats,
+    }
     if args.json:
         print(json.dumps({**header, "rows": results}, indent=2))
         return 0
-    table = Table(title=f"SFT, global batch 32, {header['parameters'] / 1e6:.1f}M-parameter Llama, {header['cpu']}, "
-                        f"{header['cores']} cores; medians of {args.repeats} interleaved runs")
+    table = Table(
+        title=f"SFT, global batch 32, {header['parameters'] / 1e6:.1f}M-parameter Llama, {header['cpu']}, "
+        f"{header['cores']} cores; medians of {args.repeats} interleaved runs"
+    )
     for column in ("variant", "s / step", "tokens / s", "stage wall (s)", "held-out loss", "steps"):
         table.add_column(column, justify="right")
     for r in results:
-        table.add_row(r["variant"], f"{r['seconds_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}",
-                      f"{r['stage_seconds']:.1f}", f"{r['eval_loss']:.4f}", f"{r['steps']:.0f}")
+        table.add_row(
+            r["variant"],
+            f"{r['seconds_per_step']:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['stage_seconds']:.1f}",
+            f"{r['eval_loss']:.4f}",
+            f"{r['steps']:.0f}",
+        )
     Console(file=sys.stdout, width=200).print(table)
     return 0
 

@@ -74,9 +74,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=("grpo", "ppo"), required=True)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompts-file", type=Path, default=None, help='JSONL with a "prompt" field per record')
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: fp32; cuda: the first GPU, bf16 autocast over fp32 weights")
+    parser.add_argument(
+        "--prompts-file", type=Path, default=None, help='JSONL with a "prompt" field per record'
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: fp32; cuda: the first GPU, bf16 autocast over fp32 weights",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     args = parser.parse_args(argv)
     if args.iterations < 1:
@@ -98,10 +104,15 @@ def isolate_from_repo() -> None:
 
 def offline_env() -> None:
     """Never reach the Hub or a tracker: the model is local and the run must not phone home."""
-    for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                       "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
-                       "DO_NOT_TRACK": "true",
-                       "TRL_EXPERIMENTAL_SILENCE": "1"}.items():  # PPO lives in trl.experimental; we know
+    for key, value in {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DO_NOT_TRACK": "true",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+    }.items():  # PPO lives in trl.experimental; we know
         os.environ.setdefault(key, value)
 
 
@@ -138,7 +149,9 @@ def import_trl(shape: str):
         import trl
     except Exception as exc:  # broken installs raise more than ImportError (see isolate_from_repo)
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise MissingTrainer(f"trl is not importable ({first_line}); --shape {shape} needs {MIN_TRL[shape]}") from exc
+        raise MissingTrainer(
+            f"trl is not importable ({first_line}); --shape {shape} needs {MIN_TRL[shape]}"
+        ) from exc
     return trl
 
 
@@ -158,7 +171,9 @@ def grpo_classes(trl):
     try:
         from trl import GRPOConfig, GRPOTrainer
     except Exception as exc:
-        raise MissingTrainer(f"trl {trl.__version__} has no GRPOTrainer; --shape grpo needs {MIN_TRL['grpo']}") from exc
+        raise MissingTrainer(
+            f"trl {trl.__version__} has no GRPOTrainer; --shape grpo needs {MIN_TRL['grpo']}"
+        ) from exc
     return GRPOConfig, GRPOTrainer
 
 
@@ -198,8 +213,8 @@ def iteration_timer():
 
 
 def common_args(output_dir: str, device: str = "cpu") -> dict:
-    """TrainingArguments shared by both shapes: fp32 CPU or bf16-autocast GPU, no saving/eval/reporting, quiet,
-    seeded."""
+    """TrainingArguments shared by both shapes: fp32 CPU or bf16-autocast GPU,
+    no saving/eval/reporting, quiet, seeded."""
     import dataclasses
 
     from transformers import TrainingArguments
@@ -207,24 +222,40 @@ def common_args(output_dir: str, device: str = "cpu") -> dict:
     # TRL defaults checkpointing to True, which would add a recompute to every backward; transformers 5.23
     # renamed the field (the old name still works but warns).
     names = {field.name for field in dataclasses.fields(TrainingArguments)}
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    checkpointing = (
+        "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    )
     return dict(
-        output_dir=output_dir, report_to="none", save_strategy="no", eval_strategy="no",
-        use_cpu=device == "cpu", bf16=device == "cuda", fp16=False,  # TRL defaults bf16 to True, also on a CPU
+        output_dir=output_dir,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
+        fp16=False,  # TRL defaults bf16 to True, also on a CPU
         **{checkpointing: False},
-        learning_rate=LEARNING_RATE, lr_scheduler_type="constant", seed=SEED, data_seed=SEED,
-        per_device_train_batch_size=COMPLETIONS_PER_ITERATION, gradient_accumulation_steps=1,
-        dataloader_num_workers=0, disable_tqdm=True, temperature=1.0,
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        seed=SEED,
+        data_seed=SEED,
+        per_device_train_batch_size=COMPLETIONS_PER_ITERATION,
+        gradient_accumulation_steps=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        temperature=1.0,
     )
 
 
 def e_share(completions, **kwargs) -> list[float]:
-    """Reward: share of the letter "e" in each completion's text (conversational ones use their last message)."""
+    """Reward: share of the letter "e" in each completion's text
+    (conversational ones use their last message)."""
     texts = [c if isinstance(c, str) else (c[-1]["content"] if c else "") for c in completions]
     return [text.count("e") / len(text) if text else 0.0 for text in texts]
 
 
-def build_grpo(trl, model_dir: Path, prompts: list[str], iterations: int, output_dir: str, device: str = "cpu"):
+def build_grpo(
+    trl, model_dir: Path, prompts: list[str], iterations: int, output_dir: str, device: str = "cpu"
+):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -232,21 +263,32 @@ def build_grpo(trl, model_dir: Path, prompts: list[str], iterations: int, output
     GRPOConfig, GRPOTrainer = grpo_classes(trl)
     config = GRPOConfig(
         **common_args(output_dir, device),
-        max_steps=iterations, logging_strategy="no",
-        num_generations=GRPO_GENERATIONS, max_completion_length=MAX_NEW_TOKENS,
-        num_iterations=1, beta=0.0, use_vllm=False, log_completions=False,
+        max_steps=iterations,
+        logging_strategy="no",
+        num_generations=GRPO_GENERATIONS,
+        max_completion_length=MAX_NEW_TOKENS,
+        num_iterations=1,
+        beta=0.0,
+        use_vllm=False,
+        log_completions=False,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     timer = iteration_timer()
     trainer = GRPOTrainer(
-        model=model, reward_funcs=e_share, args=config, processing_class=tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[timer],
+        model=model,
+        reward_funcs=e_share,
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        callbacks=[timer],
     )
     return trainer, timer
 
 
-def build_ppo(trl, model_dir: Path, prompts: list[str], iterations: int, output_dir: str, device: str = "cpu"):
+def build_ppo(
+    trl, model_dir: Path, prompts: list[str], iterations: int, output_dir: str, device: str = "cpu"
+):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -254,8 +296,10 @@ def build_ppo(trl, model_dir: Path, prompts: list[str], iterations: int, output_
     PPOConfig, PPOTrainer = ppo_classes(trl)
     config = PPOConfig(
         **common_args(output_dir, device),
-        total_episodes=iterations * COMPLETIONS_PER_ITERATION, num_mini_batches=1,
-        num_ppo_epochs=PPO_EPOCHS, response_length=MAX_NEW_TOKENS,
+        total_episodes=iterations * COMPLETIONS_PER_ITERATION,
+        num_mini_batches=1,
+        num_ppo_epochs=PPO_EPOCHS,
+        response_length=MAX_NEW_TOKENS,
         local_rollout_forward_batch_size=COMPLETIONS_PER_ITERATION,
         num_sample_generations=0,  # else it samples the eval set every few iterations
         stop_token=None,  # no truncation at EOS: every response is scored at full length
@@ -269,8 +313,14 @@ def build_ppo(trl, model_dir: Path, prompts: list[str], iterations: int, output_
     dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
     timer = iteration_timer()
     trainer = PPOTrainer(
-        args=config, processing_class=tokenizer, model=policy, ref_model=reference,
-        reward_model=reward, value_model=value, train_dataset=dataset, callbacks=[timer],
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=reference,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=dataset,
+        callbacks=[timer],
     )
     return trainer, timer
 
@@ -296,23 +346,33 @@ def run(args: argparse.Namespace) -> dict:
         print(f"warning: timed {len(seconds)} iterations, asked for {args.iterations}", file=sys.stderr)
     median = statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
     return {
-        "trl_version": trl.__version__, "shape": args.shape,
-        "iterations": [round(s, 4) for s in seconds], "median_s": round(median, 4),
+        "trl_version": trl.__version__,
+        "shape": args.shape,
+        "iterations": [round(s, 4) for s in seconds],
+        "median_s": round(median, 4),
         "completions_per_s": round(COMPLETIONS_PER_ITERATION / median, 3),
-        "total_s": round(time.perf_counter() - START, 2), "cpu": cpu_model(), "device": args.device,
+        "total_s": round(time.perf_counter() - START, 2),
+        "cpu": cpu_model(),
+        "device": args.device,
         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-        "completions_per_iteration": COMPLETIONS_PER_ITERATION, "threads": args.threads,
-        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "completions_per_iteration": COMPLETIONS_PER_ITERATION,
+        "threads": args.threads,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
     }
 
 
 def print_table(result: dict) -> None:
-    print(f"TRL {result['trl_version']} {result['shape']} (transformers {result['transformers_version']}, "
-          f"torch {result['torch_version']}, {result['threads']} threads, {result['gpu'] or result['cpu']})")
+    print(
+        f"TRL {result['trl_version']} {result['shape']} (transformers {result['transformers_version']}, "
+        f"torch {result['torch_version']}, {result['threads']} threads, {result['gpu'] or result['cpu']})"
+    )
     for index, seconds in enumerate(result["iterations"], start=1):
         print(f"  iteration {index:>3}  {seconds:8.3f} s{'  (warm-up, not in median)' if index == 1 else ''}")
-    print(f"  median {result['median_s']:.3f} s/iteration, {result['completions_per_s']:.2f} completions/s "
-          f"({result['completions_per_iteration']} per iteration), total {result['total_s']:.1f} s")
+    print(
+        f"  median {result['median_s']:.3f} s/iteration, {result['completions_per_s']:.2f} completions/s "
+        f"({result['completions_per_iteration']} per iteration), total {result['total_s']:.1f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
