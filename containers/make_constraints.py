@@ -1,4 +1,4 @@
-"""Write containers/constraints.txt: the exact versions of alignflow's `[ml]` dependency closure, from a tested venv.
+"""Write containers/constraints.txt: the exact versions of the `[ml]` dependency closure, from a tested venv.
 
 Run it in the environment the test suite passed in (`.venv/bin/python containers/make_constraints.py
 > containers/constraints.txt`). torch and its CUDA/Triton wheels are left out on purpose: each
@@ -38,7 +38,12 @@ def closure(root: str, extras: tuple[str, ...]) -> dict[str, str]:
             expanded.add((key, extra))
             for raw in dist.requires or []:
                 req = Requirement(raw)
-                if req.marker is None and extra == "" or req.marker is not None and req.marker.evaluate({"extra": extra}):
+                if (
+                    req.marker is None
+                    and extra == ""
+                    or req.marker is not None
+                    and req.marker.evaluate({"extra": extra})
+                ):
                     pending.append((req.name, tuple(req.extras)))
     return found
 
@@ -46,8 +51,11 @@ def closure(root: str, extras: tuple[str, ...]) -> dict[str, str]:
 def main() -> int:
     pins = closure("alignflow", ("ml",))
     if "alignflow" not in pins:
-        print("error: alignflow is not installed in this environment; run with the project venv "
-              "(.venv/bin/python containers/make_constraints.py)", file=sys.stderr)
+        print(
+            "error: alignflow is not installed in this environment; run with the project venv "
+            "(.venv/bin/python containers/make_constraints.py)",
+            file=sys.stderr,
+        )
         return 2
     print("# Versions the alignflow test suite passed with (alignflow[ml] closure, torch excluded).")
     print("# Regenerate: .venv/bin/python containers/make_constraints.py > containers/constraints.txt")

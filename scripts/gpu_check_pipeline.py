@@ -1,4 +1,4 @@
-"""The pipeline step of scripts/gpu_check.sh: SFT -> reward -> engine -> PPO -> evaluate, then GRPO, on one device.
+"""gpu_check.sh's pipeline step: SFT -> reward -> engine -> PPO -> evaluate, then GRPO, on one device.
 
     python scripts/gpu_check_pipeline.py --config configs/gpu-small.yaml --device cuda --workdir DIR \\
         [--set key=value ...] [--result FILE]
@@ -37,10 +37,12 @@ def log(message: str) -> None:
 
 def run_stages(config, stages: list[str] | None = None, rename: dict[str, str] | None = None,
                substitute: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Run the stage calls of `config` (those of `stages`, default all) in plan order; rows as the flow returns them.
+    """Run the stage calls of `config` (those of `stages`, default all) in plan order; rows as the flow
+    returns them.
 
-    `substitute` maps an upstream key to another (e.g. {"sft": "base"}: the base checkpoint stands in for SFT's);
-    `rename` labels rows (e.g. {"ppo": "ppo (grpo)"}). A stage whose output is published is reused ('skipped').
+    `substitute` maps an upstream key to another (e.g. {"sft": "base"}: the base checkpoint stands in for
+    SFT's); `rename` labels rows (e.g. {"ppo": "ppo (grpo)"}). A stage whose output is published is reused
+    ('skipped').
     """
     from alignflow.contract import StageResult, StageSpec
     from alignflow.flows.launch import launch_local
@@ -60,15 +62,25 @@ def run_stages(config, stages: list[str] | None = None, rename: dict[str, str] |
         missing = [up for up in inputs.values() if up not in results]
         if missing:
             raise SystemExit(f"stage {call.key} needs {missing}, which this run does not produce")
-        # As flows/pipeline.py's build_spec: the output URI is a digest of (stage, config, inputs, code version).
+        # As flows/pipeline.py's build_spec: the output URI is a digest of (stage, config, inputs, code
+        # version).
         digests = {name: results[up].manifest_digest for name, up in inputs.items()}
-        spec = StageSpec(stage=call.stage, config=call.config,
-                         inputs={name: results[up].output_uri for name, up in inputs.items()},
-                         input_digests=digests, output_uri=output_uri(root, call.stage, call.config, digests, version),
-                         storage=config.storage, tracking=None, code_version=version, workdir=str(workdir))
+        spec = StageSpec(
+            stage=call.stage,
+            config=call.config,
+            inputs={name: results[up].output_uri for name, up in inputs.items()},
+            input_digests=digests,
+            output_uri=output_uri(root, call.stage, call.config, digests, version),
+            storage=config.storage,
+            tracking=None,
+            code_version=version,
+            workdir=str(workdir),
+        )
         manifest = find_published(spec.output_uri, spec.storage)
         if manifest is not None:
-            result = StageResult.from_manifest(manifest, "skipped", message="output already published; reused")
+            result = StageResult.from_manifest(
+                manifest, "skipped", message="output already published; reused"
+            )
         else:
             log(f"--- stage {call.key}")
             started = time.perf_counter()
@@ -85,8 +97,12 @@ def run_stages(config, stages: list[str] | None = None, rename: dict[str, str] |
 
 def cpu_roles(rows: list[dict[str, Any]]) -> list[str]:
     """'stage: role' for every role a stage recorded on the CPU."""
-    return [f"{row['key']}: {role}" for row in rows for role, where in (row.get("devices") or {}).items()
-            if where == "cpu"]
+    return [
+        f"{row['key']}: {role}"
+        for row in rows
+        for role, where in (row.get("devices") or {}).items()
+        if where == "cpu"
+    ]
 
 
 def gold_gain(row: dict[str, Any]) -> dict[str, float] | None:
@@ -112,18 +128,33 @@ def print_table(rows: list[dict[str, Any]], device: str) -> None:
         devices = ", ".join(f"{role} {where}" for role, where in (row.get("devices") or {}).items()) or "-"
         name = row.get("key_metric")
         value = (row.get("metrics") or {}).get(name) if name else None
-        table.add_row(row["key"], row["status"], f"{row['duration_s']:.1f}", devices,
-                      f"{name}={value:.4g}" if value is not None else "-")
+        table.add_row(
+            row["key"],
+            row["status"],
+            f"{row['duration_s']:.1f}",
+            devices,
+            f"{name}={value:.4g}" if value is not None else "-",
+        )
     Console(file=sys.stdout, width=160).print(table)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=REPO / "configs/gpu-small.yaml")
-    parser.add_argument("--device", choices=("cpu", "cuda"), required=True, help="model.device of every stage")
-    parser.add_argument("--workdir", type=Path, required=True, help="outputs and logs (reused when run again)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, repeatable (CPU mode shrinks the model and the runs with these)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), required=True, help="model.device of every stage"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, required=True, help="outputs and logs (reused when run again)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, repeatable (CPU mode shrinks the model and the runs with these)",
+    )
     parser.add_argument("--result", type=Path, default=None, help="write this step's JSON object here")
     return parser.parse_args(argv)
 
@@ -135,57 +166,94 @@ def main(argv: list[str] | None = None) -> int:
     from alignflow.offline import set_offline_defaults
 
     set_offline_defaults()
-    # One code version for the whole run: on a checkout others edit meanwhile, the GRPO run must still find the
-    # PPO run's upstream outputs (their URIs digest the code version).
+    # One code version for the whole run: on a checkout others edit meanwhile, the GRPO run must still find
+    # the PPO run's upstream outputs (their URIs digest the code version).
     os.environ.setdefault("ALIGNFLOW_CODE_VERSION", code_version())
     started = time.perf_counter()
-    base = [f"workdir={args.workdir.resolve()}", "tracking.enabled=false", f"model.device={args.device}",
-            f"stages=[{','.join(PIPELINE)}]", *args.overrides]
+    base = [
+        f"workdir={args.workdir.resolve()}",
+        "tracking.enabled=false",
+        f"model.device={args.device}",
+        f"stages=[{','.join(PIPELINE)}]",
+        *args.overrides,
+    ]
     rows = run_stages(load_config(args.config, base))
     if rows and all(r["status"] != "failed" for r in rows):
         ppo = load_config(args.config, base).ppo
-        grpo_overrides = ["ppo.algorithm=grpo", f"ppo.group_size={GROUP_SIZE}",
-                          f"ppo.prompts_per_iteration={max(1, ppo.prompts_per_iteration // GROUP_SIZE)}"]
-        grpo = run_stages(load_config(args.config, base + grpo_overrides),  # upstream reused: its RL and eval run
-                          rename={"ppo": "ppo (grpo)", "evaluate": "evaluate (grpo)"})
+        grpo_overrides = [
+            "ppo.algorithm=grpo",
+            f"ppo.group_size={GROUP_SIZE}",
+            f"ppo.prompts_per_iteration={max(1, ppo.prompts_per_iteration // GROUP_SIZE)}",
+        ]
+        grpo = run_stages(
+            load_config(args.config, base + grpo_overrides),  # upstream reused: its RL and eval run
+            rename={"ppo": "ppo (grpo)", "evaluate": "evaluate (grpo)"},
+        )
         rows += [r for r in grpo if r["key"].endswith("(grpo)") or r["status"] == "failed"]
     print_table(rows, args.device)
 
     failed = [r["key"] for r in rows if r["status"] == "failed"]
     ran = {r["key"] for r in rows}
-    missing = [k for k in ("data", "base", "sft", "engine", "ppo", "evaluate", "ppo (grpo)", "evaluate (grpo)")
-               if k not in ran] + ([] if any(k.startswith("reward") for k in ran) else ["reward"])
+    missing = [
+        k
+        for k in ("data", "base", "sft", "engine", "ppo", "evaluate", "ppo (grpo)", "evaluate (grpo)")
+        if k not in ran
+    ] + ([] if any(k.startswith("reward") for k in ran) else ["reward"])
     on_cpu = cpu_roles(rows) if args.device == "cuda" else []
-    gains = {"ppo": gold_gain(next((r for r in rows if r["key"] == "evaluate"), {})),
-             "grpo": gold_gain(next((r for r in rows if r["key"] == "evaluate (grpo)"), {}))}
+    gains = {
+        "ppo": gold_gain(next((r for r in rows if r["key"] == "evaluate"), {})),
+        "grpo": gold_gain(next((r for r in rows if r["key"] == "evaluate (grpo)"), {})),
+    }
     for name, gain in gains.items():
         if gain is not None:
             se = gain.get("gold_delta_se")
             print(f"held-out gold gain, {name}: {gain['gold_delta']:+.4f}" + (f" ± {se:.4f}" if se else ""))
-    problems = ([f"stage(s) failed: {', '.join(failed)}"] if failed else []) \
-        + ([f"not run: {', '.join(missing)}"] if missing and not failed else []) \
+    problems = (
+        ([f"stage(s) failed: {', '.join(failed)}"] if failed else [])
+        + ([f"not run: {', '.join(missing)}"] if missing and not failed else [])
         + ([f"computed on cpu under --device cuda: {'; '.join(on_cpu)}"] if on_cpu else [])
+    )
     recorded = "devices" in (rows[0] if rows else {})
     status = "fail" if problems else "pass"
     if problems:
         summary = "; ".join(problems)
     elif any(gains.values()):
         summary = "held-out gold gain: " + ", ".join(
-            f"{name} {gain['gold_delta']:+.3f}" + (f" ± {se:.3f}" if (se := gain.get("gold_delta_se")) else "")
-            for name, gain in gains.items() if gain)
+            f"{name} {gain['gold_delta']:+.3f}"
+            + (f" ± {se:.3f}" if (se := gain.get("gold_delta_se")) else "")
+            for name, gain in gains.items()
+            if gain
+        )
     else:
         summary = "ok (no gold scorer)"
-    silent = [r["key"] for r in rows if r["status"] == "ok" and not r.get("devices")
-              and r["key"].split(" ")[0].split("-")[0] in COMPUTING]
+    silent = [
+        r["key"]
+        for r in rows
+        if r["status"] == "ok" and not r.get("devices") and r["key"].split(" ")[0].split("-")[0] in COMPUTING
+    ]
     if not recorded:
         summary += " (stages record no devices: StageResult has no 'devices' field here)"
     elif silent:
         summary += f" (no devices recorded by: {', '.join(silent)})"
-    figures = {"step": "pipeline", "status": status, "summary": summary,
-               "seconds": round(time.perf_counter() - started, 1),
-               "figures": {"stages": {r["key"]: {"status": r["status"], "seconds": r["duration_s"],
-                                                 "devices": r.get("devices") or {}} for r in rows},
-                           "gold_gain": gains, "on_cpu": on_cpu, "devices_recorded": recorded}}
+    figures = {
+        "step": "pipeline",
+        "status": status,
+        "summary": summary,
+        "seconds": round(time.perf_counter() - started, 1),
+        "figures": {
+            "stages": {
+                r["key"]: {
+                    "status": r["status"],
+                    "seconds": r["duration_s"],
+                    "devices": r.get("devices") or {},
+                }
+                for r in rows
+            },
+            "gold_gain": gains,
+            "on_cpu": on_cpu,
+            "devices_recorded": recorded,
+        },
+    }
     print(f"pipeline: {status}: {summary}")
     if args.result is not None:
         args.result.write_text(json.dumps(figures))

@@ -1,16 +1,16 @@
-"""The RL step of scripts/gpu_check.sh: one GRPO iteration of alignflow beside TRL's GRPOTrainer, same device and model.
+"""gpu_check.sh's RL step: one GRPO iteration of alignflow beside TRL's GRPOTrainer, same device and model.
 
     python scripts/gpu_check_rl.py --config configs/gpu-small.yaml --device cuda --workdir DIR \\
         [--iterations 8] [--set key=value ...] [--result FILE]
 
 The shape is benchmarks/rl_ladder.py's GRPO shape (4 prompts x 4 completions of 32 new tokens, one update per
 generation, KL 0, reward = share of the letter "e"); the model is the config's base model, random init (an RL
-iteration costs the same whatever SFT taught the policy, so by default this step needs neither SFT nor a reward
-model and does not depend on the pipeline step; --policy sft takes the pipeline step's SFT checkpoint and engine
-instead, which saves the CPU mode an engine build). alignflow's side is the RL stage as configured (model.device, the
-config's engine: CUDA graphs on a GPU), run as its own process like the pipeline runs it; TRL's side is
-benchmarks/trl_baseline.py --shape grpo on the same checkpoint, prompts and device. Both report the median
-seconds per iteration of iterations 2..N; the ratio is alignflow's completions/s over TRL's.
+iteration costs the same whatever SFT taught the policy, so by default this step needs neither SFT nor a
+reward model and does not depend on the pipeline step; --policy sft takes the pipeline step's SFT checkpoint
+and engine instead, which saves the CPU mode an engine build). alignflow's side is the RL stage as configured
+(model.device, the config's engine: CUDA graphs on a GPU), run as its own process like the pipeline runs it;
+TRL's side is benchmarks/trl_baseline.py --shape grpo on the same checkpoint, prompts and device. Both report
+the median seconds per iteration of iterations 2..N; the ratio is alignflow's completions/s over TRL's.
 
 Without an importable trl (>= 1.16) TRL's side is "not run: trl not installed": the step then reports that and
 alignflow's own figure, and it is not a pass.
@@ -42,13 +42,15 @@ def completions_per_iteration() -> int:
 
 
 def ours(config_path: Path, overrides: list[str], iterations: int, policy: str) -> tuple[dict, Path, Path]:
-    """alignflow's figure, and the (model folder, prompts file) TRL gets; `policy` is the checkpoint both start
-    from: 'base' (the random init) or 'sft' (the pipeline step's, reused with its engine when published)."""
+    """alignflow's figure, and the (model folder, prompts file) TRL gets; `policy` is the checkpoint both
+    start from: 'base' (the random init) or 'sft' (the pipeline step's, reused with its engine when
+    published)."""
     from alignflow.config import load_config
 
     ppo = {**SHAPES[SHAPE], "iterations": iterations, "checkpoint_every": iterations}
     rl = [f"ppo.{key}={json.dumps(value)}" for key, value in ppo.items()]
-    # sft stays in `stages` (the engine and RL stages need an input named sft); the base checkpoint is that input.
+    # sft stays in `stages` (the engine and RL stages need an input named sft); the base checkpoint is that
+    # input.
     config = load_config(config_path, [*overrides, "stages=[data,base,sft,engine,ppo]", *rl])
     if config.engine.max_batch_size < completions_per_iteration():
         config = load_config(config_path, [*overrides, "stages=[data,base,sft,engine,ppo]", *rl,
@@ -63,10 +65,18 @@ def ours(config_path: Path, overrides: list[str], iterations: int, policy: str) 
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     seconds = statistics.median(m["timing/iteration"] for m in metrics[1:] or metrics)  # iteration 1: warm-up
     phases = sorted({k for m in metrics for k in m if k.startswith("timing/") and k != "timing/iteration"})
-    figure = {"iteration_s": round(seconds, 4), "completions_per_s": round(completions_per_iteration() / seconds, 2),
-              "iterations": len(metrics), "devices": rows["ppo"].get("devices") or {},
-              "phases_s": {k.removeprefix("timing/"): round(statistics.median(m.get(k, 0.0) for m in metrics[1:]
-                                                                             or metrics), 4) for k in phases}}
+    figure = {
+        "iteration_s": round(seconds, 4),
+        "completions_per_s": round(completions_per_iteration() / seconds, 2),
+        "iterations": len(metrics),
+        "devices": rows["ppo"].get("devices") or {},
+        "phases_s": {
+            k.removeprefix("timing/"): round(
+                statistics.median(m.get(k, 0.0) for m in metrics[1:] or metrics), 4
+            )
+            for k in phases
+        },
+    }
     model_dir = Path(rows[policy]["output_uri"].removeprefix("file://"))
     prompts = Path(rows["data"]["output_uri"].removeprefix("file://")) / "prompts.jsonl"
     return figure, model_dir, prompts
@@ -79,9 +89,21 @@ def trl(model_dir: Path, prompts: Path, iterations: int, device: str, log_path: 
     if importlib.util.find_spec("trl") is None:  # before a process that imports torch to find that out
         log_path.write_text("trl is not installed here\n")
         return "not run: trl not installed"
-    command = [sys.executable, str(REPO / "benchmarks" / "trl_baseline.py"), "--model-dir", str(model_dir),
-               "--shape", SHAPE, "--iterations", str(iterations), "--device", device, "--prompts-file", str(prompts),
-               "--json"]
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "trl_baseline.py"),
+        "--model-dir",
+        str(model_dir),
+        "--shape",
+        SHAPE,
+        "--iterations",
+        str(iterations),
+        "--device",
+        device,
+        "--prompts-file",
+        str(prompts),
+        "--json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     log_path.write_text(done.stderr)
     if done.returncode == 2 and "trl is not importable" in done.stderr:
@@ -97,10 +119,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=REPO / "configs/gpu-small.yaml")
     parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
     parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--iterations", type=int, default=8, help="per side; the first is warm-up and left out")
-    parser.add_argument("--policy", choices=("base", "sft"), default="base",
-                        help="the checkpoint both sides start from: base (needs no SFT: this step stands alone) or "
-                             "sft (the pipeline step's SFT and engine outputs in --workdir, reused)")
+    parser.add_argument(
+        "--iterations", type=int, default=8, help="per side; the first is warm-up and left out"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=("base", "sft"),
+        default="base",
+        help="the checkpoint both sides start from: base (needs no SFT: this step stands alone) or "
+        "sft (the pipeline step's SFT and engine outputs in --workdir, reused)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--result", type=Path, default=None, help="write this step's JSON object here")
     args = parser.parse_args(argv)
@@ -117,17 +145,26 @@ def main(argv: list[str] | None = None) -> int:
     set_offline_defaults()
     os.environ.setdefault("ALIGNFLOW_CODE_VERSION", code_version())  # one version for every stage of this run
     started = time.perf_counter()
-    overrides = [f"workdir={args.workdir.resolve()}", "tracking.enabled=false", f"model.device={args.device}",
-                 *args.overrides]
+    overrides = [
+        f"workdir={args.workdir.resolve()}",
+        "tracking.enabled=false",
+        f"model.device={args.device}",
+        *args.overrides,
+    ]
     shape = SHAPES[SHAPE]
-    figures: dict = {"shape": f"{SHAPE}: {shape['prompts_per_iteration']} prompts x {shape['group_size']} "
-                              f"completions, {shape['max_new_tokens']} new tokens"}
+    figures: dict = {
+        "shape": f"{SHAPE}: {shape['prompts_per_iteration']} prompts x {shape['group_size']} "
+        f"completions, {shape['max_new_tokens']} new tokens"
+    }
     try:
         figures["alignflow"], model_dir, prompts = ours(args.config, overrides, args.iterations, args.policy)
     except RuntimeError as exc:
         status, summary = "fail", f"alignflow's RL stage: {exc}"
     else:
-        log(f"alignflow {figures['alignflow']['iteration_s']:.3f} s/iteration; TRL's GRPOTrainer on {model_dir}")
+        log(
+            f"alignflow {figures['alignflow']['iteration_s']:.3f} s/iteration; TRL's GRPOTrainer on "
+            f"{model_dir}"
+        )
         theirs = trl(model_dir, prompts, args.iterations, args.device, args.workdir / "trl.log")
         ours_cps = figures["alignflow"]["completions_per_s"]
         if isinstance(theirs, str):
@@ -135,17 +172,26 @@ def main(argv: list[str] | None = None) -> int:
             summary = f"TRL {theirs}; alignflow {ours_cps:.1f} completions/s"
             figures["trl"] = theirs
         else:
-            figures["trl"] = {k: theirs[k] for k in ("trl_version", "median_s", "completions_per_s", "iterations")}
+            figures["trl"] = {
+                k: theirs[k] for k in ("trl_version", "median_s", "completions_per_s", "iterations")
+            }
             figures["ratio"] = round(ours_cps / theirs["completions_per_s"], 3)
             status = "pass"
-            summary = (f"alignflow {ours_cps:.1f} vs TRL {theirs['trl_version']} {theirs['completions_per_s']:.1f} "
-                       f"completions/s: {figures['ratio']:.2f}x")
+            summary = (
+                f"alignflow {ours_cps:.1f} vs TRL {theirs['trl_version']} {theirs['completions_per_s']:.1f} "
+                f"completions/s: {figures['ratio']:.2f}x"
+            )
         on_cpu = [role for role, where in figures["alignflow"]["devices"].items() if where == "cpu"]
         if args.device == "cuda" and on_cpu:
             status, summary = "fail", f"{summary}; computed on cpu under --device cuda: {', '.join(on_cpu)}"
     print(f"rl: {status}: {summary}")
-    line = {"step": "rl", "status": status, "summary": summary, "seconds": round(time.perf_counter() - started, 1),
-            "figures": figures}
+    line = {
+        "step": "rl",
+        "status": status,
+        "summary": summary,
+        "seconds": round(time.perf_counter() - started, 1),
+        "figures": figures,
+    }
     if args.result is not None:
         args.result.write_text(json.dumps(line))
     return 0 if status in ("pass", "not run") else 1
