@@ -38,7 +38,6 @@ import torch
 from alignflow import start_checks
 from alignflow.config import POLICY_STAGES, EngineConfig, EvaluateConfig, ModelConfig
 from alignflow.contract import StageResult, StageSpec
-from alignflow.kernels import selective_log_softmax
 from alignflow.stages.common.generation.interface import Generation, SamplingParams, build_engine
 from alignflow.stages.common.generation.worker_python import call_in, resolve
 from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
@@ -55,7 +54,8 @@ from alignflow.stages.common.runtime import (
     stage_main,
     tracked,
 )
-from alignflow.stages.common.tokenization import encode_prompt, pad_right, pad_token_id
+from alignflow.stages.common.tokenization import encode_prompt, pad_token_id
+from alignflow.stages.common.training.response_logprobs import response_logprobs
 from alignflow.stages.data.evaluators import load_evaluator
 from alignflow.stages.data.formats import load_prompts, render_prompt
 
@@ -114,27 +114,10 @@ def paired_delta(policy: Sequence[float], baseline: Sequence[float]) -> tuple[fl
 @torch.no_grad()
 def response_logprob_sums(model: Any, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
                           batch_size: int = KL_BATCH) -> torch.Tensor:
-    """[N] float32: sum over response tokens of log p(token | prefix) under `model` (temperature 1).
-
-    Sequences are prompt + response, right-padded; position t's logits predict token t + 1, so response
-    token j of sequence i (at position P_i + j) is scored by the logits at P_i + j - 1.
-    """
-    device = next(model.parameters()).device
-    sums = []
-    for start in range(0, len(prompt_ids), batch_size):
-        prompts, responses = prompt_ids[start:start + batch_size], response_ids[start:start + batch_size]
-        sequences = [p + r for p, r in zip(prompts, responses, strict=True)]
-        ids = pad_right(sequences, pad_id).to(device)  # [B, T]
-        attention = pad_right([[1] * len(s) for s in sequences], 0).to(device)
-        logits = model(input_ids=ids, attention_mask=attention).logits  # [B, T, V]
-        logp = selective_log_softmax(logits[:, :-1], ids[:, 1:])  # [B, T-1]: log p(ids[:, t+1])
-        positions = torch.arange(ids.shape[1] - 1, device=device)[None, :]
-        first = torch.tensor([len(p) - 1 for p in prompts], device=device)[:, None]
-        last = torch.tensor([len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)],
-                            device=device)[:, None]
-        mask = (positions >= first) & (positions < last)  # [B, T-1]: the response tokens
-        sums.append((logp * mask).sum(-1).float().cpu())
-    return torch.cat(sums)
+    """[N] float32 on the CPU: sum over response tokens of log p(token | prefix) under `model` (temperature
+    1), `batch_size` sequences per forward (`response_logprobs` has the shapes)."""
+    return torch.cat([response_logprobs(model, prompt_ids[i:i + batch_size], response_ids[i:i + batch_size],
+                                        pad_id).cpu() for i in range(0, len(prompt_ids), batch_size)])
 
 
 def kl_to_reference(policy: Any, reference: Any, prompt_ids: list[list[int]], response_ids: list[list[int]],
