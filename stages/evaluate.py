@@ -1,4 +1,4 @@
-"""The evaluation stage: the final policy against the SFT policy on held-out prompts, in numbers, words and plots.
+"""The evaluation stage: the final policy against the SFT policy on held-out prompts; numbers, words, plots.
 
 Inputs: the policy, named after the stage that trained it (exactly one of the two, same layout:
 policy/, metrics.jsonl, alignflow_run.json): `ppo` (the RL stage's output, one metrics row per
@@ -73,8 +73,10 @@ PLOTS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
         ("rollout/reward_total_mean", "reward after shaping"),
         ("rollout/gold_score_mean", "gold score"),
     ]),
-    "kl": ("KL to the reference during training", "nats per response", [("kl/mean", "KL(policy || reference)")]),
-    "length": ("Response length during training", "tokens", [("rollout/response_length_mean", "mean length")]),
+    "kl": ("KL to the reference during training", "nats per response",
+           [("kl/mean", "KL(policy || reference)")]),
+    "length": ("Response length during training", "tokens",
+               [("rollout/response_length_mean", "mean length")]),
     "implicit_rewards": ("Implicit rewards during training", "beta x log-ratio to the reference", [
         ("rewards/chosen", "chosen (training batch)"),
         ("rewards/rejected", "rejected (training batch)"),
@@ -146,23 +148,26 @@ def policy_input(inputs: Mapping[str, str]) -> str:
 
 
 def history_x(row: Mapping[str, Any]) -> float | None:
-    """A metrics row's position on the training axis: its RL 'iteration' or its DPO 'step' (None if neither)."""
+    """A metrics row's position on the training axis: its RL 'iteration' or its DPO 'step' (None if
+    neither)."""
     x = row.get("iteration", row.get("step"))
     return None if x is None else float(x)
 
 
 def read_history(path: Path, input_name: str = "ppo") -> list[dict[str, float]]:
-    """The policy stage's metrics (one JSON object per line: per RL iteration or per DPO step), in that order."""
+    """The policy stage's metrics (one JSON object per line: per RL iteration or per DPO step), in that
+    order."""
     if not path.is_file():
-        raise StageInputError(f"{path} not found: the '{input_name}' input must be a {input_name} stage output "
-                              "with metrics.jsonl")
+        raise StageInputError(f"{path} not found: the '{input_name}' input must be a {input_name} stage "
+                              "output with metrics.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return sorted(rows, key=lambda r: history_x(r) or 0)
 
 
-def training_summary(input_name: str, run_info: Mapping[str, Any], history: list[dict[str, float]]) -> dict[str, Any]:
-    """What trained the policy, from its alignflow_run.json (the history when absent): the RL stage's algorithm and
-    iterations, or the DPO stage's algorithm, loss, beta and optimizer steps."""
+def training_summary(input_name: str, run_info: Mapping[str, Any], history: list[dict[str, float]]
+                     ) -> dict[str, Any]:
+    """What trained the policy, from its alignflow_run.json (the history when absent): the RL stage's
+    algorithm and iterations, or the DPO stage's algorithm, loss, beta and optimizer steps."""
     if input_name == "dpo":
         return {"algorithm": run_info.get("algorithm", "dpo"), "loss": run_info.get("loss"),
                 "beta": run_info.get("beta"), "steps": run_info.get("steps", len(history))}
@@ -171,7 +176,8 @@ def training_summary(input_name: str, run_info: Mapping[str, Any], history: list
 
 def early_late(history: list[dict[str, float]], key: str) -> tuple[float, float] | None:
     """Mean of `key` over the first and the last quarter of the iterations (at least one each), or None."""
-    values = [float(r[key]) for r in history if key in r and r[key] is not None and math.isfinite(float(r[key]))]
+    values = [float(r[key]) for r in history
+              if key in r and r[key] is not None and math.isfinite(float(r[key]))]
     if len(values) < 2:
         return None
     k = max(1, len(values) // 4)
@@ -195,15 +201,15 @@ def reward_hacking_sentence(rm_delta: float, gold_delta: float | None, gold_se: 
         z = abs(gold_delta) / gold_se
         noise = (f" (the gold drop is {z:.1f} standard errors" + (", within noise" if z < 2 else "") + ")")
     if algorithm == "dpo":
-        advice = ("DPO never saw the reward model, so the two disagree about this policy: the preference data "
-                  "rewards something the gold scorer does not. Check the preference pairs, raise dpo.beta (a "
-                  "stronger pull to the reference), or train fewer steps.")
+        advice = ("DPO never saw the reward model, so the two disagree about this policy: the preference "
+                  "data rewards something the gold scorer does not. Check the preference pairs, raise "
+                  "dpo.beta (a stronger pull to the reference), or train fewer steps.")
     else:
-        advice = ("The policy exploits the reward model's blind spots instead of getting better: raise ppo.kl_coef "
-                  "(or lower ppo.target_kl), stop after fewer iterations, or train the reward models on more or "
-                  "harder preference data (an ensemble is harder to exploit).")
-    return (f"Reward hacking {where}: the reward-model score rose by {rm_delta:+.3f} while the gold score fell by "
-            f"{gold_delta:+.3f}{noise}. {advice}")
+        advice = ("The policy exploits the reward model's blind spots instead of getting better: raise "
+                  "ppo.kl_coef (or lower ppo.target_kl), stop after fewer iterations, or train the reward "
+                  "models on more or harder preference data (an ensemble is harder to exploit).")
+    return (f"Reward hacking {where}: the reward-model score rose by {rm_delta:+.3f} while the gold score "
+            f"fell by {gold_delta:+.3f}{noise}. {advice}")
 
 
 def kl_budget_sentence(kl: float, budget: float, algorithm: str | None = None) -> str | None:
@@ -211,14 +217,15 @@ def kl_budget_sentence(kl: float, budget: float, algorithm: str | None = None) -
         return None
     advice = ("Its text may have drifted far from the SFT policy's; raise dpo.beta (a stronger pull to the "
               "reference) or train fewer steps (dpo.epochs)." if algorithm == "dpo" else
-              "Its text may have drifted where the reward models were never trained; raise ppo.kl_coef or use "
-              "adaptive KL (ppo.adaptive_kl) with a lower ppo.target_kl.")
+              "Its text may have drifted where the reward models were never trained; raise ppo.kl_coef or "
+              "use adaptive KL (ppo.adaptive_kl) with a lower ppo.target_kl.")
     return (f"KL warning: the policy is {kl:.2f} nats per response from the SFT reference, above "
             f"evaluate.kl_budget = {budget:g}. {advice}")
 
 
 def headline(result: dict[str, Any]) -> str:
-    """The one-line summary of the StageResult message: each available score's delta and win rate, and the KL."""
+    """The one-line summary of the StageResult message: each available score's delta and win rate, and the
+    KL."""
     parts = []
     if result["rm_available"]:
         parts.append(f"RM {result['rm_delta']:+.3f} (win rate {result['win_rate_rm']:.0%})")
@@ -229,7 +236,8 @@ def headline(result: dict[str, Any]) -> str:
     else:
         parts.append("no score (no reward model, no gold scorer)")
     return (f"policy vs SFT on {result['n_prompts']} prompts: " + ", ".join(parts)
-            + f", KL {result['kl_to_ref']:.2f} nats" + ("; REWARD HACKING" if result["reward_hacking"] else ""))
+            + f", KL {result['kl_to_ref']:.2f} nats"
+            + ("; REWARD HACKING" if result["reward_hacking"] else ""))
 
 
 def _cell(text: str | None, limit: int = CELL_CHARS) -> str:
@@ -244,8 +252,8 @@ def _num(value: float | None, fmt: str = "+.3f") -> str:
 
 
 def render_report(result: dict[str, Any], samples: list[dict[str, Any]], n_shown: int) -> str:
-    """eval_report.md from eval.json's content and the per-prompt samples; reward-model rows and columns only when
-    there were reward models."""
+    """eval_report.md from eval.json's content and the per-prompt samples; reward-model rows and columns only
+    when there were reward models."""
     pol, sft = result["policy"], result["sft"]
     gold, rm = result["gold_available"], result["rm_available"]
     run = result.get("training", {})
@@ -261,40 +269,45 @@ def render_report(result: dict[str, Any], samples: list[dict[str, Any]], n_shown
              "| | SFT | policy | delta (± 1 s.e.) | policy win rate |", "|---|---:|---:|---:|---:|"]
     if rm:
         lines.append(f"| reward-model score (z) | {sft['rm_score']:+.3f} | {pol['rm_score']:+.3f} | "
-                     f"{result['rm_delta']:+.3f} ± {result['rm_delta_se']:.3f} | {result['win_rate_rm']:.1%} |")
+                     f"{result['rm_delta']:+.3f} ± {result['rm_delta_se']:.3f} | "
+                     f"{result['win_rate_rm']:.1%} |")
     if gold:
         lines.append(f"| gold score | {sft['gold_score']:+.3f} | {pol['gold_score']:+.3f} | "
-                     f"{result['gold_delta']:+.3f} ± {result['gold_delta_se']:.3f} | {result['win_rate_gold']:.1%} |")
+                     f"{result['gold_delta']:+.3f} ± {result['gold_delta_se']:.3f} | "
+                     f"{result['win_rate_gold']:.1%} |")
     else:
         lines.append("| gold score | n/a | n/a | n/a | n/a |")
     lines += [f"| response length (tokens) | {sft['length']:.1f} | {pol['length']:.1f} | "
               f"{pol['length'] - sft['length']:+.1f} | |",
               f"| ended with EOS | {sft['eos_fraction']:.0%} | {pol['eos_fraction']:.0%} | | |", "",
-              f"KL(policy || SFT): {result['kl_to_ref']:.3f} ± {result['kl_to_ref_se']:.3f} nats per response "
-              f"(k1 estimate on {result['n_prompts']} temperature-1 samples; budget {result['kl_budget']:g}).", ""]
+              f"KL(policy || SFT): {result['kl_to_ref']:.3f} ± {result['kl_to_ref_se']:.3f} nats per "
+              f"response (k1 estimate on {result['n_prompts']} temperature-1 samples; budget "
+              f"{result['kl_budget']:g}).", ""]
     if not gold:
         lines += ["Gold score unavailable: the data is not the demo task, so there is no hidden scorer.", ""]
     if not rm:
-        lines += ["No reward model was given, so there is no reward-model score and no reward-hacking check (it "
-                  "compares the reward-model score with the gold score).", ""]
+        lines += ["No reward model was given, so there is no reward-model score and no reward-hacking check "
+                  "(it compares the reward-model score with the gold score).", ""]
     if len(result["reward_models"]) > 1:
         lines += ["Per reward model (z-scored):", "", "| model | SFT | policy |", "|---|---:|---:|"]
         lines += [f"| {name} | {sft['rm_scores'][name]:+.3f} | {pol['rm_scores'][name]:+.3f} |"
                   for name in pol["rm_scores"]]
         lines.append("")
-    findings = [s for s in (result.get("reward_hacking_sentence"), result.get("training_reward_hacking_sentence"),
+    findings = [s for s in (result.get("reward_hacking_sentence"),
+                            result.get("training_reward_hacking_sentence"),
                             kl_budget_sentence(result["kl_to_ref"], result["kl_budget"], algorithm)) if s]
     lines += ["## Findings", ""]
     if findings:
         lines += [f"- **{s.split(':', 1)[0]}**:{s.split(':', 1)[1]}" for s in findings]
     elif gold or rm:
-        direction = "improved" if (result["gold_delta"] if gold else result["rm_delta"]) > 0 else "did not improve"
+        direction = ("improved" if (result["gold_delta"] if gold else result["rm_delta"]) > 0
+                     else "did not improve")
         hacking = "no reward hacking seen" if rm else "no reward-hacking check without a reward model"
-        lines.append(f"- The policy {direction} on the {'gold' if gold else 'reward-model'} score; {hacking} and "
-                     "the KL is within budget.")
+        lines.append(f"- The policy {direction} on the {'gold' if gold else 'reward-model'} score; {hacking} "
+                     "and the KL is within budget.")
     else:
-        lines.append("- No score measures the policy's quality here (no reward model, and no gold scorer outside the "
-                     "demo task); the KL is within budget.")
+        lines.append("- No score measures the policy's quality here (no reward model, and no gold scorer "
+                     "outside the demo task); the KL is within budget.")
     lines += ["", "## Training curves", ""]
     plots = result.get("plots", [])
     lines += [line for name in plots for line in (f"![{name}](plots/{name}.png)", "")] or [
@@ -306,7 +319,8 @@ def render_report(result: dict[str, Any], samples: list[dict[str, Any]], n_shown
             lines += ["| # | prompt | SFT response | RM | gold | policy response | RM | gold |",
                       "|---:|---|---|---:|---:|---|---:|---:|"]
         else:
-            lines += ["| # | prompt | SFT response | gold | policy response | gold |", "|---:|---|---|---:|---|---:|"]
+            lines += ["| # | prompt | SFT response | gold | policy response | gold |",
+                      "|---:|---|---|---:|---|---:|"]
         for i, s in enumerate(shown, start=1):
             cells = [str(i), _cell(s["prompt"], 80)]
             for side in ("sft", "policy"):
@@ -329,12 +343,14 @@ def _points(history: list[dict[str, float]], key: str) -> list[tuple[float, floa
 
 
 def plots_to_draw(history: list[dict[str, float]]) -> list[str]:
-    """The names of the `PLOTS` with at least one metric in the history (the RL ones for RL, the DPO ones for DPO)."""
+    """The names of the `PLOTS` with at least one metric in the history (the RL ones for RL, the DPO ones for
+    DPO)."""
     return [name for name, (_, _, series) in PLOTS.items() if any(_points(history, key) for key, _ in series)]
 
 
 def plot_curves(history: list[dict[str, float]], out_dir: Path, kl_budget: float | None = None) -> list[Path]:
-    """plots/<name>.png for each of `plots_to_draw(history)`, x = RL iteration or DPO step (Agg, no pyplot state)."""
+    """plots/<name>.png for each of `plots_to_draw(history)`, x = RL iteration or DPO step (Agg, no pyplot
+    state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -368,8 +384,8 @@ def plot_curves(history: list[dict[str, float]], out_dir: Path, kl_budget: float
 # The stage
 # ----------------------------------------------------------------------------------------------
 
-def _generate(checkpoint: Path, engine_cfg: EngineConfig, dtype: str, device: str, prompt_ids: list[list[int]],
-              *samplings: SamplingParams) -> list[Generation]:
+def _generate(checkpoint: Path, engine_cfg: EngineConfig, dtype: str, device: str,
+              prompt_ids: list[list[int]], *samplings: SamplingParams) -> list[Generation]:
     """Build an engine from `checkpoint` on `device`, answer every prompt once per sampling setting, free the
     engine."""
     engine = build_engine(checkpoint, engine_cfg, dtype=dtype, device=device)
@@ -384,8 +400,9 @@ def _generate(checkpoint: Path, engine_cfg: EngineConfig, dtype: str, device: st
 
 def _generate_each(engine_cfg: EngineConfig, dtype: str, device: str, prompt_ids: list[list[int]],
                    jobs: list[tuple[Path, tuple[SamplingParams, ...]]]) -> list[list[Generation]]:
-    """`_generate` for each (checkpoint, samplings) in turn: in this process, or all in one child process under
-    engine.worker_python (a venv with vllm; the stage itself keeps its scoring, tracking and publishing here)."""
+    """`_generate` for each (checkpoint, samplings) in turn: in this process, or all in one child process
+    under engine.worker_python (a venv with vllm; the stage itself keeps its scoring, tracking and publishing
+    here)."""
     return [_generate(checkpoint, engine_cfg, dtype, device, prompt_ids, *samplings)
             for checkpoint, samplings in jobs]
 
@@ -406,7 +423,8 @@ class SideResults:
         return {"rm_score": sum(self.rm_total) / n if self.rm_total is not None else None,
                 "rm_scores": {k: sum(v) / n for k, v in self.rm_each.items()},
                 "gold_score": sum(self.gold) / n if self.gold is not None else None,
-                "length": sum(self.lengths) / n, "eos_fraction": sum(r == "eos" for r in self.finish_reasons) / n}
+                "length": sum(self.lengths) / n,
+                "eos_fraction": sum(r == "eos" for r in self.finish_reasons) / n}
 
 
 def summarise(policy: SideResults, sft: SideResults, kl: list[float], history: list[dict[str, float]],
@@ -421,16 +439,18 @@ def summarise(policy: SideResults, sft: SideResults, kl: list[float], history: l
     rm = policy.rm_total is not None and sft.rm_total is not None
     rm_delta, rm_se = paired_delta(policy.rm_total, sft.rm_total) if rm else (None, None)
     gold_delta, gold_se = paired_delta(policy.gold, sft.gold) if gold else (None, None)
-    trend_rm, trend_gold = early_late(history, "rollout/score_mean"), early_late(history, "rollout/gold_score_mean")
+    trend_rm = early_late(history, "rollout/score_mean")
+    trend_gold = early_late(history, "rollout/gold_score_mean")
     training_hacking = None
     if trend_rm and trend_gold:
-        training_hacking = reward_hacking_sentence(trend_rm[1] - trend_rm[0], trend_gold[1] - trend_gold[0],
-                                                   where="during training (first vs last quarter of iterations)",
-                                                   algorithm=algorithm)
+        training_hacking = reward_hacking_sentence(
+            trend_rm[1] - trend_rm[0], trend_gold[1] - trend_gold[0],
+            where="during training (first vs last quarter of iterations)", algorithm=algorithm)
     eval_hacking = reward_hacking_sentence(rm_delta, gold_delta, gold_se, algorithm=algorithm) if rm else None
     kl_mean = sum(kl) / n
     return {
-        "n_prompts": n, "gold_available": gold, "rm_available": rm, "policy": policy.means(), "sft": sft.means(),
+        "n_prompts": n, "gold_available": gold, "rm_available": rm,
+        "policy": policy.means(), "sft": sft.means(),
         "rm_delta": rm_delta, "rm_delta_se": rm_se, "gold_delta": gold_delta, "gold_delta_se": gold_se,
         "win_rate_rm": win_rate(policy.rm_total, sft.rm_total) if rm else None,
         "win_rate_gold": win_rate(policy.gold, sft.gold) if gold else None,
@@ -444,7 +464,8 @@ def summarise(policy: SideResults, sft: SideResults, kl: list[float], history: l
 
 def sample_rows(ids: list[Any], prompts: list[str], policy: SideResults, sft: SideResults,
                 kl: list[float]) -> list[dict[str, Any]]:
-    """samples.jsonl: one row per prompt with both responses and their scores (reward-model ones only with models)."""
+    """samples.jsonl: one row per prompt with both responses and their scores (reward-model ones only with
+    models)."""
     rows = []
     for i, prompt in enumerate(prompts):
         row: dict[str, Any] = {"id": ids[i], "prompt": prompt}
@@ -460,8 +481,8 @@ def sample_rows(ids: list[Any], prompts: list[str], policy: SideResults, sft: Si
 
 
 def eval_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """The MLflow metrics (eval/...) of an eval.json result; reward-model metrics only with reward models, gold
-    metrics only when gold is available."""
+    """The MLflow metrics (eval/...) of an eval.json result; reward-model metrics only with reward models,
+    gold metrics only when gold is available."""
     pol, sft = result["policy"], result["sft"]
     metrics = {"eval/kl_to_ref": result["kl_to_ref"], "eval/policy_length": pol["length"],
                "eval/sft_length": sft["length"], "eval/n_prompts": float(result["n_prompts"])}
@@ -470,7 +491,8 @@ def eval_metrics(result: dict[str, Any]) -> dict[str, float]:
                         "eval/rm_delta": result["rm_delta"], "eval/win_rate_rm": result["win_rate_rm"]})
     if result["gold_available"]:
         metrics.update({"eval/policy_gold_score": pol["gold_score"], "eval/sft_gold_score": sft["gold_score"],
-                        "eval/gold_delta": result["gold_delta"], "eval/win_rate_gold": result["win_rate_gold"]})
+                        "eval/gold_delta": result["gold_delta"],
+                        "eval/win_rate_gold": result["win_rate_gold"]})
     if len(pol["rm_scores"]) > 1:
         for name in pol["rm_scores"]:
             metrics[f"eval/policy_rm_score_{name}"] = pol["rm_scores"][name]
@@ -482,7 +504,8 @@ def run(spec: StageSpec) -> StageResult:
     cfg: EvaluateConfig = section(spec, EvaluateConfig, "evaluate")
     model_cfg: ModelConfig = section(spec, ModelConfig, "model")
     engine_cfg: EngineConfig = section(spec, EngineConfig, "engine")
-    problems = start_checks.evaluate_stage(cfg, engine_cfg, spec.inputs)  # `alignflow validate` checks them too
+    # `alignflow validate` runs the same checks before the pipeline starts.
+    problems = start_checks.evaluate_stage(cfg, engine_cfg, spec.inputs)
     if problems:
         raise StageInputError(problems[0].message)
     ctx = StageContext(spec)
@@ -493,12 +516,12 @@ def run(spec: StageSpec) -> StageResult:
         trained_dir, sft_dir, data_dir = ctx.input(policy_name), ctx.input("sft"), ctx.input("data")
         policy_dir = trained_dir / "policy"
         if not (policy_dir / "config.json").is_file():
-            raise StageInputError(f"the '{policy_name}' input {trained_dir} has no policy/ checkpoint; pass a "
-                                  f"{policy_name} stage output")
+            raise StageInputError(f"the '{policy_name}' input {trained_dir} has no policy/ checkpoint; pass "
+                                  f"a {policy_name} stage output")
         history = read_history(trained_dir / "metrics.jsonl", policy_name)
         run_file = trained_dir / "alignflow_run.json"
-        training = training_summary(policy_name, json.loads(run_file.read_text()) if run_file.is_file() else {},
-                                    history)
+        run_info = json.loads(run_file.read_text()) if run_file.is_file() else {}
+        training = training_summary(policy_name, run_info, history)
         with_rm = bool(reward_input_names(spec.inputs))
         tokenizer = load_tokenizer(policy_dir)
         pad_id = pad_token_id(tokenizer)
@@ -508,10 +531,11 @@ def run(spec: StageSpec) -> StageResult:
         prompt_ids = [encode_prompt(tokenizer, t) for t in prompt_texts]
         longest = max(len(p) for p in prompt_ids)
         if longest + cfg.max_new_tokens > engine_cfg.max_seq_len:
-            raise StageInputError(f"the longest eval prompt has {longest} tokens; with evaluate.max_new_tokens="
-                                  f"{cfg.max_new_tokens} that exceeds engine.max_seq_len={engine_cfg.max_seq_len}: "
-                                  f"lower evaluate.max_new_tokens to <= {engine_cfg.max_seq_len - longest} or raise "
-                                  "engine.max_seq_len")
+            raise StageInputError(f"the longest eval prompt has {longest} tokens; with "
+                                  f"evaluate.max_new_tokens={cfg.max_new_tokens} that exceeds "
+                                  f"engine.max_seq_len={engine_cfg.max_seq_len}: lower "
+                                  f"evaluate.max_new_tokens to <= {engine_cfg.max_seq_len - longest} or "
+                                  f"raise engine.max_seq_len")
         evaluator = load_evaluator(data_dir)
         gold_available = evaluator is not None
         n = len(records)
@@ -526,28 +550,30 @@ def run(spec: StageSpec) -> StageResult:
                 # The registry's current champion, scored on the same prompts, seeds and reward models,
                 # so the promotion gate compares like with like.
                 jobs.append((ctx.input("champion") / "policy", (sampling,)))
-            answers = call_in(resolve(engine_cfg.worker_python, engine_cfg.backend), _generate_each, engine_cfg,
-                              model_cfg.dtype, str(device), prompt_ids, jobs,
+            answers = call_in(resolve(engine_cfg.worker_python, engine_cfg.backend), _generate_each,
+                              engine_cfg, model_cfg.dtype, str(device), prompt_ids, jobs,
                               what=f"the evaluation's {engine_cfg.backend} generation")
             ctx.record_device("generate", device)
             (policy_gen, kl_sample), (sft_gen,) = answers[:2]
             gen = {"policy": policy_gen, "sft": sft_gen}
             if len(answers) == 3:
                 (gen["champion"],) = answers[2]
-        profiler.count(tokens=sum(sum(g.lengths) for g in (*gen.values(), kl_sample)), samples=(len(gen) + 1) * n)
+        profiler.count(tokens=sum(sum(g.lengths) for g in (*gen.values(), kl_sample)),
+                       samples=(len(gen) + 1) * n)
         texts = {side: [tokenizer.decode(ids, skip_special_tokens=True) for ids in g.response_token_ids]
                  for side, g in gen.items()}
 
         with profiler.phase("score"):
             rm_info, rm = [], None
             if with_rm:
-                reward_models = load_reward_models(ctx, dtype=model_cfg.dtype, device=device, tokenizer=tokenizer)
+                reward_models = load_reward_models(ctx, dtype=model_cfg.dtype, device=device,
+                                                   tokenizer=tokenizer)
                 ctx.record_device("score", reward_models[0].model)
                 rm_info = [{"name": m.name, "weight": m.weight, "score_mean": m.mean, "score_std": m.std}
                            for m in reward_models]
                 rm = {side: score_with_reward_models(
-                    reward_models, [p + r for p, r in zip(prompt_ids, g.response_token_ids, strict=True)], pad_id)
-                    for side, g in gen.items()}
+                    reward_models, [p + r for p, r in zip(prompt_ids, g.response_token_ids, strict=True)],
+                    pad_id) for side, g in gen.items()}
                 del reward_models
             gold = {side: [evaluator(p, c) for p, c in zip(prompt_texts, texts[side], strict=True)]
                     if evaluator is not None else None for side in gen}
@@ -559,10 +585,10 @@ def run(spec: StageSpec) -> StageResult:
             kl = kl_to_reference(policy, reference, prompt_ids, kl_sample.response_token_ids, pad_id).tolist()
             del policy, reference
 
-        sides = {side: SideResults(texts=texts[side], rm_total=rm[side].total.tolist() if rm else None,
-                                   rm_each={k: v.tolist() for k, v in rm[side].per_model.items()} if rm else {},
-                                   gold=gold[side], lengths=g.lengths, finish_reasons=list(g.finish_reasons))
-                 for side, g in gen.items()}
+        sides = {side: SideResults(
+            texts=texts[side], rm_total=rm[side].total.tolist() if rm else None,
+            rm_each={k: v.tolist() for k, v in rm[side].per_model.items()} if rm else {}, gold=gold[side],
+            lengths=g.lengths, finish_reasons=list(g.finish_reasons)) for side, g in gen.items()}
         result = summarise(sides["policy"], sides["sft"], kl, history, cfg.kl_budget, training["algorithm"])
         result.update({"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                        "engine_backend": engine_cfg.backend, "reward_models": rm_info, "training": training,
@@ -571,13 +597,14 @@ def run(spec: StageSpec) -> StageResult:
                               sides["policy"], sides["sft"], kl)
         metrics = eval_metrics(result)
         if "champion" in gen:
-            # The gate (flows/registry.py) compares the candidate with these: reward-model score when there are
-            # reward models, else gold score.
+            # The gate (flows/registry.py) compares the candidate with these: reward-model score when there
+            # are reward models, else gold score.
             if rm:
                 metrics["eval/champion_rm_score"] = float(rm["champion"].total.mean())
             if gold_available:
                 metrics["eval/champion_gold_score"] = float(sum(gold["champion"]) / n)
-            result["champion"] = {"uri": spec.inputs["champion"], "rm_score": metrics.get("eval/champion_rm_score"),
+            result["champion"] = {"uri": spec.inputs["champion"],
+                                  "rm_score": metrics.get("eval/champion_rm_score"),
                                   "gold_score": metrics.get("eval/champion_gold_score")}
         result["metrics"] = metrics
         key_metric = "eval/gold_delta" if gold_available else "eval/rm_delta" if rm else "eval/kl_to_ref"
@@ -585,7 +612,8 @@ def run(spec: StageSpec) -> StageResult:
         with ctx.output_dir() as out:
             with profiler.phase("io"):
                 dump_json(result, out / "eval.json")
-                (out / "samples.jsonl").write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+                (out / "samples.jsonl").write_text(
+                    "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
                 (out / "eval_report.md").write_text(render_report(result, samples, cfg.n_samples_shown))
                 plot_curves(history, out / "plots", cfg.kl_budget)
             if ctx.tracker is not None:

@@ -70,9 +70,10 @@ class PreferenceLoss:
                 f"{prefix}accuracy": float((self.chosen_rewards > self.rejected_rewards).float().mean())}
 
 
-def preference_loss(name: str, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-                    ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
-                    chosen_nll: torch.Tensor | None = None, nll_coef: float = 0.0) -> PreferenceLoss:
+def preference_loss(name: str, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
+                    ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float,
+                    label_smoothing: float = 0.0, chosen_nll: torch.Tensor | None = None,
+                    nll_coef: float = 0.0) -> PreferenceLoss:
     """Loss `name` ('sigmoid' | 'ipo' | 'cdpo') of N pairs and their implicit rewards; inputs [N] each.
 
     nll_coef > 0 adds nll_coef * chosen_nll ([N], the chosen response's per-token mean negative log-likelihood

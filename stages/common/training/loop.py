@@ -1,4 +1,4 @@
-"""Step arithmetic, shuffled batching, section checks and progress display shared by the supervised training stages."""
+"""Step arithmetic, shuffled batching, section checks and progress display for the supervised stages."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def check_training_section(cfg, section: str) -> None:
 def optim_settings(cfg, steps: int, dtype: str) -> OptimSettings:
     """The optimiser settings of a supervised stage's section (lr, warm-up then cosine decay over `steps`; the
     global batch split over micro-batches, accumulation steps and ranks)."""
-    return OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, total_steps=steps,
-                         micro_batch_size=cfg.micro_batch_size,
+    return OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                         total_steps=steps, micro_batch_size=cfg.micro_batch_size,
                          grad_accum=cfg.batch_size // (cfg.micro_batch_size * cfg.resources.world_size),
                          zero_stage=cfg.zero_stage, grad_clip=cfg.grad_clip, dtype=dtype)
 
@@ -71,8 +71,9 @@ def progress_bar(description: str, total: int) -> Iterator:
         return
     console = Console(file=sys.stderr)
     if console.is_terminal and not os.environ.get("CI"):
-        columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(),
+                   TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[status]}"),
+                   TimeElapsedColumn(), TimeRemainingColumn())
         with Progress(*columns, console=console) as bar:
             task = bar.add_task(description, total=total, status="")
             yield lambda status="": bar.update(task, advance=1, status=status)
@@ -86,7 +87,7 @@ def progress_bar(description: str, total: int) -> Iterator:
         if done % every == 0 or done == total:
             elapsed = time.perf_counter() - started
             eta = elapsed / done * (total - done)
-            print(f"{description}: {done}/{total} {status} ({elapsed:.0f} s, eta {eta:.0f} s)", file=sys.stderr,
-                  flush=True)
+            print(f"{description}: {done}/{total} {status} ({elapsed:.0f} s, eta {eta:.0f} s)",
+                  file=sys.stderr, flush=True)
 
     yield advance
