@@ -1,4 +1,4 @@
-"""The evaluation stage on a fake pipeline (tiny random models, demo data), and its measurements against plain loops."""
+"""The evaluation stage on a fake pipeline (tiny random models, demo data); its measurements against loops."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def one_thread():
 
 
 def _fake_policy(tokenizer, prompts: list[str]):
-    """A policy that differs from the random SFT model: 40 Adam steps teach it to answer POLICY_ANSWER + EOS."""
+    """A policy that differs from the random SFT model: 40 Adam steps teach it to answer POLICY_ANSWER +
+    EOS."""
     model = make_tiny_model(TINY, tokenizer, seed=1).train()
     batch = collate_lm([encode_example(tokenizer, p, POLICY_ANSWER, 64) for p in prompts], 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -75,9 +76,9 @@ def _fake_policy(tokenizer, prompts: list[str]):
 
 def _history(iterations: int) -> list[dict[str, float]]:
     """Training curves where the reward-model score rises and the gold score falls (reward hacking)."""
-    return [{"iteration": i, "rollout/score_mean": -0.5 + 0.2 * i, "rollout/reward_total_mean": -0.6 + 0.2 * i,
-             "rollout/gold_score_mean": 0.5 - 0.1 * i, "kl/mean": 0.5 * i, "rollout/response_length_mean": 8.0 - i}
-            for i in range(1, iterations + 1)]
+    return [{"iteration": i, "rollout/score_mean": -0.5 + 0.2 * i,
+             "rollout/reward_total_mean": -0.6 + 0.2 * i, "rollout/gold_score_mean": 0.5 - 0.1 * i,
+             "kl/mean": 0.5 * i, "rollout/response_length_mean": 8.0 - i} for i in range(1, iterations + 1)]
 
 
 @pytest.fixture(scope="module")
@@ -146,18 +147,21 @@ def test_stage_publishes_numbers_in_range(pipeline, evaluated):
         assert 0.0 <= numbers[key] <= 1.0
         assert (numbers[key] * N_PROMPTS * 2) % 1 == 0  # wins count 1, ties 1/2: a multiple of 1/(2N)
     # The fake policy says "Lovely." and stops (gold -0.85 on every prompt). The random SFT model writes
-    # no words of the task (newlines, with the tiny.py init of today: gold -2, the minimum).
+    # no words of the task, whatever it writes instead (gold -2, the minimum).
     assert numbers["policy"]["eos_fraction"] == 1.0
     assert numbers["policy"]["length"] == _answer_length(pipeline) < NEW_TOKENS
-    assert numbers["policy"]["gold_score"] == pytest.approx(gold_score("Write about the ocean.\n", POLICY_ANSWER))
+    assert numbers["policy"]["gold_score"] == pytest.approx(gold_score("Write about the ocean.\n",
+                                                                       POLICY_ANSWER))
     assert numbers["gold_delta"] > 0 and numbers["win_rate_gold"] > 0.5
     # Every summary number agrees with the per-prompt rows it is made of.
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     for side in ("policy", "sft"):
         assert numbers[side]["length"] == pytest.approx(sum(s[f"{side}_length"] for s in samples) / N_PROMPTS)
         assert numbers[side]["eos_fraction"] == sum(s[f"{side}_finish"] == "eos" for s in samples) / N_PROMPTS
-    assert numbers["win_rate_gold"] == win_rate([s["policy_gold"] for s in samples], [s["sft_gold"] for s in samples])
-    assert numbers["win_rate_rm"] == win_rate([s["policy_rm"] for s in samples], [s["sft_rm"] for s in samples])
+    assert numbers["win_rate_gold"] == win_rate([s["policy_gold"] for s in samples],
+                                                [s["sft_gold"] for s in samples])
+    assert numbers["win_rate_rm"] == win_rate([s["policy_rm"] for s in samples],
+                                              [s["sft_rm"] for s in samples])
     assert numbers["kl_to_ref"] == pytest.approx(sum(s["kl_sample"] for s in samples) / N_PROMPTS)
     # The policy puts nearly all its mass on one answer the random reference gives ~1/400 per token:
     # KL ~ 7 tokens x ln(400) ~ 42 nats; 5 is far below that and far above zero.
@@ -169,22 +173,24 @@ def test_stage_publishes_numbers_in_range(pipeline, evaluated):
         # total = 1.0 * z_a + 0.5 * z_b, also after averaging over prompts
         expected = numbers[side]["rm_scores"]["a"] + 0.5 * numbers[side]["rm_scores"]["b"]
         assert numbers[side]["rm_score"] == pytest.approx(expected, abs=1e-6)
-    assert numbers["gold_delta"] == pytest.approx(numbers["policy"]["gold_score"] - numbers["sft"]["gold_score"],
-                                                  abs=1e-9)
-    assert numbers["rm_delta"] == pytest.approx(numbers["policy"]["rm_score"] - numbers["sft"]["rm_score"], abs=1e-6)
+    assert numbers["gold_delta"] == pytest.approx(
+        numbers["policy"]["gold_score"] - numbers["sft"]["gold_score"], abs=1e-9)
+    assert numbers["rm_delta"] == pytest.approx(numbers["policy"]["rm_score"] - numbers["sft"]["rm_score"],
+                                                abs=1e-6)
     assert numbers["kl_to_ref"] == pytest.approx(numbers["metrics"]["eval/kl_to_ref"])
     assert torch.isfinite(torch.tensor(numbers["kl_to_ref"]))
     assert [m["name"] for m in numbers["reward_models"]] == ["a", "b"]
     expected_metrics = {f"eval/{k}" for k in ("policy_rm_score", "sft_rm_score", "policy_gold_score",
-                                              "sft_gold_score", "gold_delta", "rm_delta", "kl_to_ref", "win_rate_rm",
-                                              "win_rate_gold", "policy_length", "sft_length")}
+                                              "sft_gold_score", "gold_delta", "rm_delta", "kl_to_ref",
+                                              "win_rate_rm", "win_rate_gold", "policy_length", "sft_length")}
     assert expected_metrics <= set(result.metrics)
     assert read_manifest(result.output_uri).digest == result.manifest_digest
 
 
 def test_stage_writes_plots_samples_report_and_profile(pipeline, evaluated):
     _, out = evaluated
-    assert sorted(p.name for p in (out / "plots").iterdir()) == ["kl.png", "length.png", "reward.png"]  # no DPO ones
+    # The RL stage's curves, none of the DPO stage's.
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["kl.png", "length.png", "reward.png"]
     for name in ("reward", "kl", "length"):
         png = (out / "plots" / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -213,13 +219,14 @@ DPO_STEPS = 6
 
 @pytest.fixture(scope="module")
 def evaluated_dpo(pipeline):
-    """The same fake policy in the DPO stage's layout (metrics rows per step), evaluated with no reward model."""
+    """The same fake policy in the DPO stage's layout (metrics rows per step), evaluated with no reward
+    model."""
     dpo = pipeline["root"] / "dpo"
     shutil.copytree(pipeline["policy"], dpo / "policy")
-    history = [{"step": s, "train/loss": 0.7 - 0.05 * s, "rewards/chosen": 0.02 * s, "rewards/rejected": -0.01 * s,
-                "rewards/margin": 0.03 * s, "rewards/accuracy": 0.5 + 0.05 * s,
-                **({"eval/loss": 0.7 - 0.04 * s, "eval/rewards_margin": 0.02 * s, "eval/rewards_accuracy": 0.6}
-                   if s % 3 == 0 else {})} for s in range(1, DPO_STEPS + 1)]
+    history = [{"step": s, "train/loss": 0.7 - 0.05 * s, "rewards/chosen": 0.02 * s,
+                "rewards/rejected": -0.01 * s, "rewards/margin": 0.03 * s, "rewards/accuracy": 0.5 + 0.05 * s,
+                **({"eval/loss": 0.7 - 0.04 * s, "eval/rewards_margin": 0.02 * s,
+                    "eval/rewards_accuracy": 0.6} if s % 3 == 0 else {})} for s in range(1, DPO_STEPS + 1)]
     (dpo / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
     (dpo / "alignflow_run.json").write_text(json.dumps({"algorithm": "dpo", "loss": "sigmoid", "beta": 0.1,
                                                         "steps": DPO_STEPS, "final": history[-1]}))
@@ -240,17 +247,20 @@ def test_a_dpo_policy_without_reward_models_is_scored_as_a_ppo_policy(evaluated,
     for side in ("policy", "sft"):
         for key in ("gold_score", "length", "eos_fraction"):
             assert numbers[side][key] == pytest.approx(ppo_numbers[side][key], rel=1e-6), (side, key)
-    assert numbers["gold_delta"] > 0 and numbers["kl_to_ref"] > 5.0  # see test_stage_publishes_numbers_in_range
+    # Why these hold: test_stage_publishes_numbers_in_range.
+    assert numbers["gold_delta"] > 0 and numbers["kl_to_ref"] > 5.0
     # Reward-model numbers are absent (null), not zero, and the reward-hacking check did not run.
     assert numbers["reward_models"] == [] and numbers["rm_available"] is False
-    assert numbers["rm_delta"] is None and numbers["win_rate_rm"] is None and numbers["policy"]["rm_score"] is None
+    assert numbers["rm_delta"] is None and numbers["win_rate_rm"] is None
+    assert numbers["policy"]["rm_score"] is None
     assert numbers["reward_hacking"] is None
     assert numbers["training"] == {"algorithm": "dpo", "loss": "sigmoid", "beta": 0.1, "steps": DPO_STEPS}
     assert not [k for k in result.metrics if "rm" in k]
     assert {k: result.metrics[k] for k in ("eval/gold_delta", "eval/kl_to_ref")} == pytest.approx(
         {k: ppo_result.metrics[k] for k in ("eval/gold_delta", "eval/kl_to_ref")}, rel=1e-6)
-    assert result.message == (f"policy vs SFT on {N_PROMPTS} prompts: gold {numbers['gold_delta']:+.3f} (win rate "
-                              f"{numbers['win_rate_gold']:.0%}), KL {numbers['kl_to_ref']:.2f} nats")
+    assert result.message == (f"policy vs SFT on {N_PROMPTS} prompts: gold {numbers['gold_delta']:+.3f} "
+                              f"(win rate {numbers['win_rate_gold']:.0%}), "
+                              f"KL {numbers['kl_to_ref']:.2f} nats")
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert all(s["policy_response"] == POLICY_ANSWER for s in samples)
     assert not [k for k in samples[0] if "_rm" in k]
@@ -346,7 +356,8 @@ def _side(rm: list[float], gold: list[float] | None, length: int = 5) -> SideRes
 def _result(rm_delta: float, gold_delta: float | None, kl: float = 1.0) -> dict:
     """eval.json content for 4 prompts where the policy's RM and gold scores move by the given deltas."""
     base = [0.1, -0.2, 0.3, 0.0]
-    policy = _side([b + rm_delta for b in base], None if gold_delta is None else [b + gold_delta for b in base])
+    policy = _side([b + rm_delta for b in base],
+                   None if gold_delta is None else [b + gold_delta for b in base])
     sft = _side(base, None if gold_delta is None else base)
     result = summarise(policy, sft, kl=[kl] * 4, history=[], kl_budget=5.0)
     result.update({"temperature": 0.0, "max_new_tokens": 8, "reward_models": [{"name": "rm", "weight": 1.0}],
@@ -371,7 +382,8 @@ def test_summarise_computes_paired_numbers():
 
 def test_without_gold_the_numbers_and_report_say_unavailable():
     result = _result(rm_delta=0.5, gold_delta=None)
-    assert result["gold_available"] is False and result["gold_delta"] is None and result["win_rate_gold"] is None
+    assert result["gold_available"] is False
+    assert result["gold_delta"] is None and result["win_rate_gold"] is None
     assert not any("gold" in k for k in eval_metrics(result))
     report = render_report(result, [], n_shown=0)
     assert "| gold score | n/a | n/a | n/a | n/a |" in report
@@ -383,8 +395,8 @@ def test_report_says_reward_hacking_in_words_when_rm_rises_and_gold_falls():
     hacked_result = _result(rm_delta=1.2, gold_delta=-0.4)
     assert hacked_result["reward_hacking"] is True
     hacked = render_report(hacked_result, [], n_shown=0)
-    assert "- **Reward hacking on held-out prompts**: the reward-model score rose by +1.200 while the gold score " \
-           "fell by -0.400" in hacked
+    assert ("- **Reward hacking on held-out prompts**: the reward-model score rose by +1.200 while the gold "
+            "score fell by -0.400") in hacked
     assert "REWARD HACKING" in headline(hacked_result)
     honest = render_report(_result(rm_delta=1.2, gold_delta=0.4), [], n_shown=0)
     assert "Reward hacking" not in honest

@@ -1,4 +1,4 @@
-"""The DPO stage as a program: it learns the preferences, starts from the reference, LoRA publishes merged weights."""
+"""The DPO stage as a program: it learns the preferences, starts from the reference, merges LoRA weights."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from tests.stages.ppo.test_ppo import finish, local, stage_device, start_stage
 
 from alignflow.config import DPOConfig
 from alignflow.contract import StageSpec
@@ -15,6 +14,7 @@ from alignflow.manifest import output_uri, read_manifest
 from alignflow.stages.common.models.loading import load_tokenizer
 from alignflow.stages.data.formats import PreferenceRecord
 from alignflow.stages.dpo.stage import encode_pairs
+from tests.stages.ppo.test_ppo import finish, local, stage_device, start_stage
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +27,11 @@ def dpo_spec(upstream, name: str, **dpo) -> StageSpec:
     section = {"dpo": DPOConfig(**{**DPO_TEST, **dpo}).model_dump(mode="json"),
                "model": config.model.model_dump(mode="json")}
     inputs = {"sft": "sft", "data": "data"}
-    return StageSpec(stage="dpo", config=section, inputs={k: rows[v]["output_uri"] for k, v in inputs.items()},
+    return StageSpec(stage="dpo", config=section,
+                     inputs={k: rows[v]["output_uri"] for k, v in inputs.items()},
                      input_digests={k: rows[v]["manifest_digest"] for k, v in inputs.items()},
-                     output_uri=output_uri(f"file://{workdir}/tests", "dpo", {"name": name, **section}, {}, "t"),
+                     output_uri=output_uri(f"file://{workdir}/tests", "dpo", {"name": name, **section}, {},
+                                           "t"),
                      code_version="test", workdir=str(workdir))
 
 
@@ -62,8 +64,8 @@ def test_dpo_with_lora_publishes_merged_weights_equal_to_base_plus_adapter(upstr
     from transformers import AutoModelForCausalLM
 
     workdir, _, rows = upstream
-    spec = dpo_spec(upstream, "dpo-ipo-lora", loss="ipo", lora={"rank": 4, "alpha": 8,
-                                                                "target_modules": ["q_proj", "v_proj", "up_proj"]})
+    spec = dpo_spec(upstream, "dpo-ipo-lora", loss="ipo",
+                    lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]})
     code, result, stderr = finish(start_stage(spec, workdir))
     assert code == 0, stderr[-3000:]
     assert 0 < result.metrics["perf/trainable_share"] < 0.15

@@ -1,4 +1,4 @@
-"""DPO losses against a plain-Python loop and against hand-computed literals, on the session's device (--device)."""
+"""DPO losses against a plain-Python loop and against hand-computed literals, on the session's device."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def _loop_loss(name: str, pc: float, pr: float, rc: float, rr: float, beta: floa
 def test_each_loss_matches_its_plain_loop(name, n, device):
     generator = torch.Generator().manual_seed(n)
     # Sequence log-probs are negative sums over tokens: tens of nats, margins of either sign.
-    pc, pr, rc, rr = (-30 * torch.rand(n, generator=generator, dtype=torch.float64).to(device) for _ in range(4))
+    pc, pr, rc, rr = (-30 * torch.rand(n, generator=generator, dtype=torch.float64).to(device)
+                      for _ in range(4))
     beta, eps = 0.3, 0.15 if name == "cdpo" else 0.0
     out = preference_loss(name, pc, pr, rc, rr, beta, eps)
     expected = torch.tensor([_loop_loss(name, *(float(t[i]) for t in (pc, pr, rc, rr)), beta, eps)
@@ -46,7 +47,8 @@ def test_hand_computed_literals(device):
     one = [torch.tensor([v], dtype=torch.float64, device=device) for v in (-10.0, -20.0, -12.0, -21.0)]
     assert float(log_ratio_margin(*one)) == 1.0
     # sigmoid: -log sigmoid(0.1) = log(1 + e^-0.1)
-    assert float(preference_loss("sigmoid", *one, beta=0.1).losses) == pytest.approx(0.6443966600735709, rel=1e-12)
+    assert float(preference_loss("sigmoid", *one, beta=0.1).losses) == pytest.approx(0.6443966600735709,
+                                                                                     rel=1e-12)
     # ipo: (1 - 1 / 0.2)^2 = 16
     assert float(preference_loss("ipo", *one, beta=0.1).losses) == pytest.approx(16.0, rel=1e-12)
     # cdpo, e = 0.1: 0.9 * log(1 + e^-0.1) + 0.1 * log(1 + e^0.1) = 0.57995699 + 0.07443967
@@ -55,8 +57,8 @@ def test_hand_computed_literals(device):
     # cdpo at e = 0 is the sigmoid loss; rewards are beta * log-ratios: 0.1 * 2 and 0.1 * 1.
     out = preference_loss("cdpo", *one, beta=0.1, label_smoothing=0.0)
     assert float(out.losses) == pytest.approx(0.6443966600735709, rel=1e-12)
-    assert out.metrics() == pytest.approx({"rewards/chosen": 0.2, "rewards/rejected": 0.1, "rewards/margin": 0.1,
-                                           "rewards/accuracy": 1.0})
+    assert out.metrics() == pytest.approx({"rewards/chosen": 0.2, "rewards/rejected": 0.1,
+                                           "rewards/margin": 0.1, "rewards/accuracy": 1.0})
 
 
 def test_gradients_push_the_chosen_response_up(device):
@@ -67,7 +69,8 @@ def test_gradients_push_the_chosen_response_up(device):
         reference = torch.tensor([-5.0], device=device)
         preference_loss(name, pc, pr, reference, reference, beta=0.5,
                         label_smoothing=0.1 if name == "cdpo" else 0.0).losses.sum().backward()
-        assert float(pc.grad) < 0 < float(pr.grad), name  # descent raises log pi(chosen), lowers log pi(rejected)
+        # Descent raises log pi(chosen) and lowers log pi(rejected).
+        assert float(pc.grad) < 0 < float(pr.grad), name
 
 
 def test_unknown_loss_lists_the_valid_ones():
