@@ -5,13 +5,13 @@ and `reward_<name>` (frozen reward models; the first also initialises the PPO cr
 `policy/` (final actor, HF format), `critic/` (PPO), `rollouts/iter_NNNNN.parquet`,
 `checkpoints/iter_NNNNN/` (resumable, each with its own manifest), `metrics.jsonl`, `profile.md`.
 
-This file is the algorithm: set up (prompts, models and trainers, the engine; resume from the last checkpoint),
-then per iteration generate -> score -> the experience's passes (reference and old log-probs, values) ->
-advantages -> PPO epochs -> write rollouts -> refit the engine -> log and checkpoint, one profiler phase each;
-then publish. Its parts are modules beside it: scoring.py (scores, KL, advantages), experience_passes.py,
-training_loop.py (the PPO epochs), critic_schedule.py (where the critic runs), checkpoints.py (checkpoints,
-resume, the final outputs), rollout_client.py, rollout_workers.py and rollout_writer.py (generation and the
-rollout files), losses.py (the pure tensor functions).
+This file is the algorithm: set up (prompts, models and trainers, the engine; resume from the last
+checkpoint), then per iteration generate -> score -> the experience's passes (reference and old log-probs,
+values) -> advantages -> PPO epochs -> write rollouts -> refit the engine -> log and checkpoint, one profiler
+phase each; then publish. Its parts are modules beside it: scoring.py (scores, KL, advantages),
+experience_passes.py, training_loop.py (the PPO epochs), critic_schedule.py (where the critic runs),
+checkpoints.py (checkpoints, resume, the final outputs), rollout_client.py, rollout_workers.py and
+rollout_writer.py (generation and the rollout files), losses.py (the pure tensor functions).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Models:
     """What an iteration runs: the trained models, the frozen ones and the reward functions."""
 
     actor: Any                       # the actor's trainer (plain torch or DeepSpeed); .module is the model
-    critic: Any                      # PPO: the critic's trainer, or its own process (CriticWorker); GRPO: None
+    critic: Any                      # PPO: the critic's trainer or its own process (CriticWorker); GRPO: None
     reference: Any                   # the frozen reference; None when the KL plays no part (needs_reference)
     reward_models: list[Any]         # the frozen reward models, on rank 0 only (it scores for every rank)
     reward_fns: list[tuple[str, Callable]]  # (name, function): ppo.reward_functions
@@ -112,14 +112,14 @@ class Models:
 
 @dataclass
 class Prompts:
-    """The prompt data set the iterations draw from, and how their completions are judged beside the reward."""
+    """The prompt data set the iterations draw from, and the task's own judge of their completions."""
 
     records: list[Any]               # data/prompts.jsonl, one record per prompt (with its dataset columns)
     texts: list[str]                 # each prompt rendered with the chat template
     ids: list[list[int]]             # each rendered prompt tokenized
     tokenizer: Any
     pad_id: int
-    evaluator: Evaluator | None      # the task's held-out gold score (stages/data/evaluators.py), if it has one
+    evaluator: Evaluator | None      # the task's held-out gold score, if any (stages/data/evaluators.py)
 
 
 @dataclass
@@ -167,12 +167,13 @@ def _train(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg
     spec, profiler = ctx.spec, ctx.profiler
     with profiler.phase("setup"):
         prompts = _load_prompts(ctx)
-    models, trainable, total = _build_models(ctx, cfg, model_cfg, engine_cfg, reward_fns, device, remote_critic)
+    models, trainable, total = _build_models(ctx, cfg, model_cfg, engine_cfg, reward_fns, device,
+                                             remote_critic)
     with profiler.phase("engine_load"):
         # Built once by the engine stage; refit from here on. In this process, or in rollout worker processes.
         if world_size() > 1:  # rank 0 generates (and scores) for every trainer rank
-            rollouts = RanksRollouts(open_rollouts(ctx, cfg, engine_cfg, device) if is_main() else None, is_main(),
-                                     from_main)
+            rollouts = RanksRollouts(open_rollouts(ctx, cfg, engine_cfg, device) if is_main() else None,
+                                     is_main(), from_main)
         else:
             rollouts = open_rollouts(ctx, cfg, engine_cfg, device)
     with closing(rollouts):  # every exit path closes it: no rollout worker process outlives the stage
@@ -186,12 +187,13 @@ def _train(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg
                 start_resumed_run(ctx, state)
             state.mlflow_run_id = ctx.tracker.run_id
         last_checkpoint = resume[1] if resume else None
-        outputs = Outputs(out, RolloutWriter(open_store(spec.output_uri, spec.storage), spec.output_uri), profiler)
+        rollout_writer = RolloutWriter(open_store(spec.output_uri, spec.storage), spec.output_uri)
+        outputs = Outputs(out, rollout_writer, profiler)
         in_flight = None
         startup = startup_metrics(ctx)
         if is_main():
-            print(f"{cfg.algorithm}: start-up " + ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s"
-                                                           for k, v in startup.items()), file=sys.stderr, flush=True)
+            times = ", ".join(f"{k.removeprefix('startup/')} {v:.2f} s" for k, v in startup.items())
+            print(f"{cfg.algorithm}: start-up {times}", file=sys.stderr, flush=True)
         try:
             # Every file written before a checkpoint, the publish or an error's exit.
             with closing(outputs.rollout_writer):
@@ -205,13 +207,15 @@ def _train(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg
                     in_flight = None
                     if cfg.async_rollouts and iteration < cfg.iterations:
                         in_flight = rollouts.submit(rollout_request(cfg, iteration + 1, prompts.ids))
-                    metrics = _iteration(iteration, cfg, state, rollout, rollouts, models, prompts, outputs, started)
+                    metrics = _iteration(iteration, cfg, state, rollout, rollouts, models, prompts, outputs,
+                                         started)
                     state.iteration = iteration
                     state.history.append(metrics)
                     _log_iteration(ctx, cfg, iteration, metrics)
                     if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
                         with profiler.phase("checkpoint"):
-                            outputs.rollout_writer.wait()  # the checkpoint's iterations have their rollouts on disk
+                            # The checkpoint's iterations have their rollouts on disk.
+                            outputs.rollout_writer.wait()
                             last_checkpoint = save_checkpoint(ctx, out, state, models.actor, models.critic)
         except NonFiniteError as exc:
             where = publish_last_good(ctx, out, state, models.actor, models.critic, last_checkpoint, exc)
@@ -230,11 +234,13 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     # the behaviour policy's, and the PPO ratio is taken against them.
     off_policy = rollout.weights_version < state.iteration
     memory: dict[str, float] = {}
-    if rollouts.unload_during_training:  # its KV cache, and on a GPU its weights, freed while the trainer trains
+    # The engine's KV cache, and on a GPU its weights, freed while the trainer trains.
+    if rollouts.unload_during_training:
         with profiler.phase("unload"):
             memory = rollouts.unload()
     profiler.count(tokens=sum(generation.lengths), samples=len(rows))
-    completions = [prompts.tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.response_token_ids]
+    completions = [prompts.tokenizer.decode(ids, skip_special_tokens=True)
+                   for ids in generation.response_token_ids]
     texts = [prompts.texts[i] for i in rows]
     exp = _experience_of(rollout, prompts.pad_id, device_of(models.actor))
     mask = exp.response_mask
@@ -247,11 +253,12 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         sends the scores to every rank."""
         scored = None
         if is_main():
-            sequences = [p + r for p, r in zip(rollout.request.prompt_ids, generation.response_token_ids, strict=True)]
-            raw, components = compute_scores(models.reward_models, models.reward_fns, texts, completions, sequences,
-                                             generation.response_token_ids, list(generation.finish_reasons),
-                                             prompts.pad_id, cfg,
-                                             dataset_columns(prompts.records, rows) if models.reward_fns else None)
+            responses = generation.response_token_ids
+            sequences = [p + r for p, r in zip(rollout.request.prompt_ids, responses, strict=True)]
+            columns = dataset_columns(prompts.records, rows) if models.reward_fns else None
+            raw, components = compute_scores(models.reward_models, models.reward_fns, texts, completions,
+                                             sequences, responses, list(generation.finish_reasons),
+                                             prompts.pad_id, cfg, columns)
             gold = (torch.tensor([prompts.evaluator(t, c) for t, c in zip(texts, completions, strict=True)])
                     if prompts.evaluator is not None else None)
             scored = (raw, components, gold)
@@ -260,7 +267,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     # score, reference, old_logprobs, values: one phase each.
     values_first = not off_policy and values_from_first_forward(models.actor, models.critic, cfg, len(rows))
     raw, components, gold = experience_passes(exp, cfg, models.actor, models.critic, models.reference,
-                                              models.precision, source, profiler, score, with_values=not values_first)
+                                              models.precision, source, profiler, score,
+                                              with_values=not values_first)
     check_finite("the reward", raw, iteration)
     finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
     exp.scores = shape_scores(raw, finished, state, cfg).to(mask.device)
@@ -272,15 +280,17 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     with profiler.phase("advantages"):
         kl_and_advantages(exp, cfg, kl_coef, with_reference, iteration, values_known=not values_first)
     with profiler.phase("train"):
-        loss_metrics, source = _update_models(iteration, cfg, state, exp, models, kl_coef, source, values_first)
-    # After training: the values (and so the advantages) may come from the critic's first training forward, and
-    # the stale-log-prob fallback recomputes the KL.
+        loss_metrics, source = _update_models(iteration, cfg, state, exp, models, kl_coef, source,
+                                              values_first)
+    # After training: the values (and so the advantages) may come from the critic's first training forward,
+    # and the stale-log-prob fallback recomputes the KL.
     seq_kl = rl.sequence_kl(exp.kl, mask)
     # Rank 0 writes the file, in line or on the writer's thread (RolloutWriter: where a core is free for it).
     with profiler.phase("io"):
         if is_main():
             outputs.rollout_writer.submit(
-                rollout_rows(rollout, prompts.records, texts, completions, exp, components, seq_kl, with_reference),
+                rollout_rows(rollout, prompts.records, texts, completions, exp, components, seq_kl,
+                             with_reference),
                 outputs.folder / "rollouts" / f"iter_{iteration:05d}.parquet")
     with profiler.phase("generate"):
         rollouts.wait_idle()  # async: the next iteration's rollout, still generating on the old weights
@@ -302,8 +312,10 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         "kl/coef": float(kl_coef),
         "kl/coef_next": float(state.kl_controller.value),
         "refit/bytes": float(refit.bytes),
-        "refit/seconds": float(refit.seconds),  # the trainer's wall time of the refit (stream, send, every ack)
-        # Rollout workers: bytes the trainer broadcast (R x refit/bytes) and how evenly the queue spread the work.
+        # The trainer's wall time of the refit (stream, send, every ack).
+        "refit/seconds": float(refit.seconds),
+        # Rollout workers: bytes the trainer broadcast (R x refit/bytes) and how evenly the queue spread the
+        # work.
         **({"refit/bytes_sent": float(refit.bytes_sent)} if hasattr(refit, "bytes_sent") else {}),
         **{k: v for k, v in generation.metrics.items() if k.startswith("perf/rollout_")},
         **memory,
@@ -317,8 +329,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     if with_reference:
         metrics["kl/mean"] = float(seq_kl.mean())
     if source == "recompute" and "rollout/logprob_engine_vs_actor_max" not in metrics:
-        metrics["rollout/logprob_engine_vs_actor_max"] = float(((exp.rollout_logprobs - exp.old_logprobs).abs()
-                                                                * mask).max())
+        difference = (exp.rollout_logprobs - exp.old_logprobs).abs() * mask
+        metrics["rollout/logprob_engine_vs_actor_max"] = float(difference.max())
     if exp.values is not None:
         metrics["losses/explained_variance"] = float(rl.explained_variance(exp.values, exp.returns, mask))
     if gold is not None:
@@ -328,7 +340,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
 
 def _update_models(iteration: int, cfg: PPOConfig, state: RLState, exp: Experience, models: Models,
                    kl_coef: float, source: str, values_first: bool) -> tuple[dict[str, float], str]:
-    """The PPO epochs (train_on) on exp; returns their metrics and where the old log-probs came from in the end.
+    """The PPO epochs (train_on) on exp; returns their metrics and where the old log-probs came from in the
+    end.
 
     Under ppo.old_logprobs: auto the engine's old log-probs (source 'engine', on-policy only) are checked
     against the first minibatch's forward before any step; stale, they are recomputed, the KL and advantages
@@ -336,7 +349,7 @@ def _update_models(iteration: int, cfg: PPOConfig, state: RLState, exp: Experien
     values_first: the critic's first training forward gives the values (values_from_first_forward)."""
     actor, critic, precision = models.actor, models.critic, models.precision
     actor.train()
-    if critic is not None and not isinstance(critic, CriticWorker):  # the process sets it with each train request
+    if critic is not None and not isinstance(critic, CriticWorker):  # the process: with each train request
         critic.train()
     check = cfg.old_logprobs_tolerance if source == "engine" and cfg.old_logprobs == "auto" else None
     try:
@@ -384,7 +397,8 @@ def _publish(ctx: StageContext, cfg: PPOConfig, state: RLState, models: Models, 
             return ctx.rank_result({"iterations": float(state.iteration)})
         final = state.history[-1]
         metrics = {"rollout/reward_total_mean": final["rollout/reward_total_mean"],
-                   "iterations": float(state.iteration), **{k: v for k, v in summary.items() if k.startswith("perf/")},
+                   "iterations": float(state.iteration),
+                   **{k: v for k, v in summary.items() if k.startswith("perf/")},
                    "perf/trainable_parameters": float(trainable), "perf/trainable_share": trainable / total,
                    **startup}
         if "kl/mean" in final:
@@ -393,15 +407,17 @@ def _publish(ctx: StageContext, cfg: PPOConfig, state: RLState, models: Models, 
             metrics["rollout/gold_score_mean"] = final["rollout/gold_score_mean"]
         if ctx.tracker is not None:
             ctx.tracker.log_artifact(out / "metrics.jsonl", "reports")
-        manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "rollout/reward_total_mean"})
+        manifest = ctx.publish_output(out, summary={"metrics": metrics,
+                                                    "key_metric": "rollout/reward_total_mean"})
+    bottleneck = "; ".join(profiler.bottlenecks()[:1])
     return ctx.result(manifest, metrics, "rollout/reward_total_mean",
-                      message=f"{cfg.algorithm}: {state.iteration} iterations; " + "; ".join(profiler.bottlenecks()[:1]))
+                      message=f"{cfg.algorithm}: {state.iteration} iterations; {bottleneck}")
 
 
 def rollout_request(cfg: PPOConfig, iteration: int, prompt_ids: list[list[int]]) -> RolloutRequest:
     """The prompts and sampling of `iteration`: a seeded draw, so a resumed run draws the same ones."""
-    chosen = random.Random(cfg.seed * 1_000_003 + iteration).sample(range(len(prompt_ids)),
-                                                                   min(cfg.prompts_per_iteration, len(prompt_ids)))
+    draw = random.Random(cfg.seed * 1_000_003 + iteration)
+    chosen = draw.sample(range(len(prompt_ids)), min(cfg.prompts_per_iteration, len(prompt_ids)))
     rows = [i for i in chosen for _ in range(cfg.group_size)]  # group-contiguous for GRPO
     seeds = [(cfg.seed * 1_000_003 + iteration) * 4096 + k for k in range(len(rows))]
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
@@ -419,9 +435,9 @@ def _experience_of(rollout: Rollout, pad_id: int, device: torch.device) -> Exper
     return Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       response_ids=response_ids, response_mask=mask, rollout_logprobs=rollout_logprobs * mask,
                       old_logprobs=rollout_logprobs * mask, ref_logprobs=torch.zeros_like(mask), values=None,
-                      scores=torch.zeros(len(rollout.request.prompt_indices)), token_rewards=torch.zeros_like(mask),
-                      kl=torch.zeros_like(mask), advantages=torch.zeros_like(mask), returns=None,
-                      prompt_width=width_p).to(device)
+                      scores=torch.zeros(len(rollout.request.prompt_indices)),
+                      token_rewards=torch.zeros_like(mask), kl=torch.zeros_like(mask),
+                      advantages=torch.zeros_like(mask), returns=None, prompt_width=width_p).to(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,15 +450,15 @@ def _load_prompts(ctx: StageContext) -> Prompts:
     tokenizer = load_tokenizer(sft_dir)
     pad_id = pad_token_id(tokenizer)
     records = load_prompts(data_dir / "prompts.jsonl")
-    evaluator = load_evaluator(data_dir, prompts=("prompts",))  # the held-out gold score, where the task has one
+    evaluator = load_evaluator(data_dir, prompts=("prompts",))  # the held-out gold score, where there is one
     texts = [render_prompt(p.prompt, tokenizer) for p in records]
     ids = [encode_prompt(tokenizer, text) for text in texts]
     return Prompts(records, texts, ids, tokenizer, pad_id, evaluator)
 
 
 def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                  reward_fns: list[tuple[str, Callable]], device: torch.device, remote_critic: CriticWorker | None
-                  ) -> tuple[Models, int, int]:
+                  reward_fns: list[tuple[str, Callable]], device: torch.device,
+                  remote_critic: CriticWorker | None) -> tuple[Models, int, int]:
     """The models loaded (phase load_models) and the actor's and critic's trainers built around them (phase
     trainer_init); with the actor's trainable and total parameter counts."""
     spec, profiler = ctx.spec, ctx.profiler
@@ -451,12 +467,14 @@ def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, eng
         # Rank 0 scores every rollout and sends the scores with it: only it loads the reward models.
         reward_models = (load_reward_models(ctx, device=device)
                          if is_main() and any(k.startswith("reward_") for k in spec.inputs) else [])
-        actor_model = apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "ppo.lora").to(device)
+        actor_model = apply_lora(load_causal_lm(sft_dir, dtype=model_cfg.dtype), cfg.lora, "ppo.lora")
+        actor_model = actor_model.to(device)
         reference = None  # not even loaded when the KL plays no part (kl_coef 0)
         if needs_reference(cfg):
             # With LoRA the reference is the actor with its adapters off: the frozen base is the SFT model.
             reference = (AdaptersDisabled(actor_model) if cfg.lora.enabled
-                         else load_causal_lm(sft_dir, dtype=model_cfg.dtype).to(device).eval().requires_grad_(False))
+                         else load_causal_lm(sft_dir, dtype=model_cfg.dtype).to(device).eval()
+                         .requires_grad_(False))
         trainable, total = parameter_counts(actor_model)
     with profiler.phase("trainer_init"):
         try:
@@ -483,7 +501,8 @@ def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, eng
         if reward_models:
             ctx.record_device("score", reward_models[0].model)
         for model in (None if cfg.lora.enabled else reference, unwrap_lora(actor.module),
-                      unwrap_lora(critic.module) if local_critic else None, *(rm.model for rm in reward_models)):
+                      unwrap_lora(critic.module) if local_critic else None,
+                      *(rm.model for rm in reward_models)):
             if model is not None:
                 model.set_attn_implementation(attention)
         if cfg.compile_train:
@@ -498,8 +517,8 @@ def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, eng
         print(f"{cfg.algorithm}: {backend} trainer{f' on {world_size()} ranks' if world_size() > 1 else ''}, "
               f"{attention} attention, forwards in {precision.label} "
               f"({precision.reason}); reference forward "
-              f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; old log-probs: {cfg.old_logprobs}; trains "
-              f"{trainable:,} of {total:,} actor parameters"
+              f"{'on' if needs_reference(cfg) else 'skipped (kl_coef 0)'}; "
+              f"old log-probs: {cfg.old_logprobs}; trains {trainable:,} of {total:,} actor parameters"
               + ("; the critic in its own process (ppo.critic_process)" if isinstance(critic, CriticWorker)
                  else "; critic updates on their own thread (ppo.overlap_critic)" if overlapped else "")
               + (f" (LoRA rank {cfg.lora.rank}: the refit sends the adapted modules' merged weights only)"
@@ -515,14 +534,16 @@ def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, eng
 
 def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, device: torch.device
                   ) -> RolloutClient | RolloutWorkers:
-    """The engine stage's output behind the rollout client: in this process (engine.rollout_workers = 0), or as
-    engine.rollout_workers replicas in their own processes fed by a work queue (each engine.tensor_parallel_size
-    processes), on the trainer's device type (on a GPU each worker process takes its default one)."""
+    """The engine stage's output behind the rollout client: in this process (engine.rollout_workers = 0), or
+    as engine.rollout_workers replicas in their own processes fed by a work queue (each
+    engine.tensor_parallel_size processes), on the trainer's device type (on a GPU each worker process takes
+    its default one)."""
     if engine_cfg.rollout_workers >= 1:
         tp = engine_cfg.tensor_parallel_size
         try:
             workers = RolloutWorkers(ctx.input("engine"), engine_cfg.rollout_workers,
-                                     chunk_size=engine_cfg.queue_chunk, threads=engine_cfg.rollout_worker_threads,
+                                     chunk_size=engine_cfg.queue_chunk,
+                                     threads=engine_cfg.rollout_worker_threads,
                                      timeout_s=engine_cfg.rollout_timeout_s,
                                      unload_during_training=engine_cfg.unload_during_training,
                                      device=None if device.type == "cuda" else str(device),
@@ -532,21 +553,24 @@ def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, d
         layout = (f"{engine_cfg.rollout_workers} rollout replica(s) x {tp} tensor-parallel ranks: "
                   if tp > 1 else "")
         ctx.record_device("generate", "cuda" if device.type == "cuda" else device)
-        print(f"{cfg.algorithm}: {layout}{len(workers.workers)} rollout worker processes (pids "
-              f"{', '.join(str(w.pid) for w in workers.workers)}; {workers.threads} torch thread(s) each), chunks of "
-              f"{engine_cfg.queue_chunk} sequences", file=sys.stderr, flush=True)
+        pids = ", ".join(str(w.pid) for w in workers.workers)
+        print(f"{cfg.algorithm}: {layout}{len(workers.workers)} rollout worker processes (pids {pids}; "
+              f"{workers.threads} torch thread(s) each), chunks of {engine_cfg.queue_chunk} sequences",
+              file=sys.stderr, flush=True)
         return workers
     # With ppo.async_rollouts the next iteration is generated while this one trains (one-step off-policy).
     engine = load_engine(ctx.input("engine"), device=str(device))
     ctx.record_device("generate", engine.execution_paths().get("device", str(device)))
-    return RolloutClient(engine, overlap=cfg.async_rollouts, unload_during_training=engine_cfg.unload_during_training)
+    return RolloutClient(engine, overlap=cfg.async_rollouts,
+                         unload_during_training=engine_cfg.unload_during_training)
 
 
 def refit_stream(actor) -> tuple[Iterator[tuple[str, torch.Tensor]], bool]:
     """(the weights the engine needs after an update, whether they are a partial set).
 
     With LoRA only the adapted modules changed: their merged weights W + (alpha / r) * B @ A are all that is
-    sent (the frozen rest is already in the engine); otherwise every parameter (ZeRO-3 gathered one at a time).
+    sent (the frozen rest is already in the engine); otherwise every parameter (ZeRO-3 gathered one at a
+    time).
     """
     if is_lora(actor.module):
         return merged_adapted_weights(actor.module), True
@@ -557,7 +581,8 @@ def startup_metrics(ctx: StageContext) -> dict[str, float]:
     """Where the time before the first iteration went, in seconds: 'startup/process' (interpreter start and
     imports, from the flow's launch), 'startup/stage' (spec, inputs, model loads, trainer init, engine load),
     'startup/to_first_iteration' (their sum) and, under `alignflow run`, 'startup/since_run' (from the
-    command's start: the difference is orchestration, i.e. Prefect, planning and the earlier stages' cache checks)."""
+    command's start: the difference is orchestration, i.e. Prefect, planning and the earlier stages' cache
+    checks)."""
     stage = time.perf_counter() - ctx.started
     out = {"startup/stage": stage}
     if ctx.process_start_s is not None:
