@@ -1,11 +1,10 @@
-"""The PPO critic in its own process: its values pass and its updates run beside the trainer's actor, sharing no GIL.
+"""The PPO critic in its own process, beside the trainer's actor and sharing no interpreter lock with it.
 
-Why: on one rank of a CPU box the critic's updates already ran beside the actor's, on a second thread
-(ppo.overlap_critic), but two threads share one interpreter lock, and at the demo's size (hidden 64, a few hundred
-operator calls per step) both are mostly Python and operator dispatch. Measured on the 2-core Intel Xeon (AMX), demo
-config, 4 interleaved pairs of runs of 40 iterations (medians): the train phase took 51-63 ms with the critic on a
-thread and 43-55 ms with it here, the iteration 99-123 ms and 88-110 ms (median ratio 1.10x; the actor alone on one
-thread trains in 43-44 ms). The values pass runs here too, beside the trainer's scoring and reference pass.
+Why: on one rank of a CPU box the critic's updates can run beside the actor's on a second thread
+(ppo.overlap_critic), but two threads share one interpreter lock, and at small widths (the demo's hidden 64, a
+few hundred operator calls per step) both are mostly Python and operator dispatch, which two processes do in
+parallel and two threads do not (docs/rl.md#speed-options, ppo.critic_process). The values pass runs here too,
+beside the trainer's scoring and reference pass.
 
 What it is: `CriticWorker`, a `spawn`ed process that builds the critic exactly as the trainer would
 (`load_critic_model` + `initialize_trainer` with the same settings, the same attention implementation and LoRA
@@ -16,13 +15,13 @@ a False drops its gradients and ends the iteration's updates, so a stale check l
 `save_checkpoint`, `load_checkpoint`, `save_trained`, `close`. The same updates in the same order as on
 the thread, one torch thread each way: the tests compare weights and metrics bit for bit.
 
-Start-up: the stage starts the process before anything else (~3.4 s on 2 cores: interpreter, torch, then
-transformers' model classes, ~2 s of imports the trainer has already paid for itself); its first request waits for
-the rest, so the first iteration is ~1 s longer than with the thread. That pays after ~100 iterations at the demo's size.
+Start-up: the stage starts the process before anything else (interpreter, torch, then transformers' model
+classes: imports the trainer has already paid for itself, then the model load); its first request waits for the
+rest, so the first iteration is longer than with the thread, a cost the run's later iterations repay.
 
 Protocol: one duplex pipe; each request gets exactly one reply, in order (`proceed` is one-way). Payloads are plain
 pickle with CPU tensors as numpy arrays (`_Pickler`): the multiprocessing pickler moves every tensor it sends into
-shared memory, and torch's own reduction took 0.6 ms to dump and 0.9 ms to load an iteration's experience.
+shared memory, and torch's own reduction costs several times more to dump and load than the arrays' bytes.
 Failure: a request that raises in the worker is re-raised in the trainer with the worker's traceback as a note (a
 NaN value loss keeps its type, so the stage's last-good-checkpoint path applies); a worker that dies makes the next
 wait raise `CriticWorkerError` naming its pid and exit code or signal within POLL_S; a failed start is named at the
@@ -55,7 +54,7 @@ from alignflow.stages.ppo.experience import Experience, token_values
 from alignflow.stages.ppo.rollout_workers import describe_exit
 
 POLL_S = 0.1  # how often a wait checks that the worker is alive
-START_TIMEOUT_S = 300.0  # imports and the model load: ~4 s on 2 cores; a worker silent this long is stuck
+START_TIMEOUT_S = 300.0  # imports and the model load take seconds; a worker silent this long is stuck
 CLOSE_WAIT_S = 5.0
 
 
@@ -106,9 +105,9 @@ def critic_values(critic, exp: Experience, packed: PackedRows | None, cfg: PPOCo
 
 
 class _Pickler(pickle.Pickler):
-    """Plain pickle, with CPU tensors that numpy can hold pickled as numpy arrays: an iteration's experience (12
-    tensors [32, ~60] and its packing) took 0.61 ms to dump and 0.86 ms to load through torch's own reduction,
-    0.10 and 0.04 ms this way (the same bytes, read back as tensors sharing the loaded arrays' memory)."""
+    """Plain pickle, with CPU tensors that numpy can hold pickled as numpy arrays: the same bytes, read back as
+    tensors sharing the loaded arrays' memory, for a fraction of what torch's own reduction costs to dump and
+    load."""
 
     def reducer_override(self, obj: Any) -> Any:
         if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.dtype in _NUMPY_DTYPES

@@ -194,8 +194,8 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
     """log pi(response token) under logits / temperature, (B, R); and the entropy (B, R) if asked.
 
     entropy: "none"; "loss" (differentiable: the entropy bonus needs it); "metric" (no grad: for
-    losses/entropy only; a differentiable full-vocabulary entropy cost 40 ms of a 220 ms step of the
-    4.7M benchmark model, this one a few ms). Both come from one log-softmax pass over the logits.
+    losses/entropy only, where a differentiable full-vocabulary entropy would be a sizeable share of a small
+    model's training step). Both come from one log-softmax pass over the logits.
     packed: `exp`'s rows packed (packing.pack): where llama_forward runs the model, the forward computes on
     the packed rows and the LM head on the response-predicting positions only; else the padded layout.
     """

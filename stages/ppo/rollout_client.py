@@ -9,10 +9,10 @@ knows whether a batch is on-policy.
 With `overlap=True` one background thread runs the engine, so iteration k+1 is generated while
 the trainer trains on iteration k (one-step off-policy, as verl's and OpenRLHF's async modes are);
 torch releases the GIL inside its ops. It pays where generation and training do not compete for the
-same cores (a GPU engine beside CPU-side work, or spare cores); on 2 CPU cores they do: torch's
-intra-op thread count is one setting per process, so both phases run 2-thread OpenMP teams on 2
-cores and the GRPO benchmark's generation went from 0.10 to 0.39 s and its training step from 0.16
-to 0.41 s when overlapped (benchmarks/rl_ladder.py measures it). Engines in their own processes,
+same cores (a GPU engine beside CPU-side work, or spare cores); on a small CPU box they do: torch's
+intra-op thread count is one setting per process, so both phases run OpenMP teams as wide as the
+cores at once and each slows by more than the overlap gains (docs/performance.md#the-rl-iteration-against-trl,
+`async` against `fast_step`). Engines in their own processes,
 fed by a work queue and refit over a torch.distributed group, are `rollout_workers.RolloutWorkers`,
 which takes the same calls (engine.rollout_workers >= 1 picks it).
 """

@@ -80,9 +80,9 @@ from alignflow.stages.ppo.rollout_client import Rollout, RolloutRequest, timed_m
 # rank knows how many bytes the header broadcast carries. Llama parameter names are < 80 characters.
 HEADER_BYTES = 1024
 # Tensors up to half this size are packed into one buffer of this size and sent together: every collective
-# costs a round trip of the whole group (1.6-7 ms each on this 2-core box, loaded), and the demo model's 20
-# tensors (0.5 MiB) took 41 of them one by one (0.07-0.27 s); packed, 4. Larger tensors travel alone,
-# uncopied. It bounds the extra memory on each side to one bucket.
+# costs a round trip of the whole group, and a small model's many small tensors would each take two (header,
+# bytes) one by one, where a bucket takes a few for all of them. Larger tensors travel alone, uncopied. It
+# bounds the extra memory on each side to one bucket.
 BUCKET_BYTES = 16 * 2**20
 # Offsets inside a bucket are aligned so each tensor's view of it starts on an element boundary (and a cache line).
 BUCKET_ALIGN = 64
