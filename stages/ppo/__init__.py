@@ -1,5 +1,6 @@
 """The RL stage (PPO and GRPO) and its parts: the stage (stage.py), its losses as pure tensor functions
-(losses.py), the experience record, KL controllers, reward functions, and the rollout workers.
+(losses.py), scoring and advantages, the experience record and its passes, the training loop, where the
+critic runs, checkpoints, KL controllers, reward functions, and generation (rollout client, workers, writer).
 
 Import the submodules directly; this package imports nothing so `kl_control` stays torch-free.
 """

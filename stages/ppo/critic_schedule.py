@@ -135,7 +135,7 @@ def started_critic(
     try:
         backend = resolve_train_backend(cfg.train_backend, cfg.zero_stage)
     except ValueError:
-        backend = "deepspeed"  # _train reports the bad setting
+        backend = "deepspeed"  # the stage reports the bad setting when it builds the trainers
     reward_inputs = sorted(k for k in ctx.spec.inputs if k.startswith("reward_"))
     width = int(json.loads((ctx.input("sft") / "config.json").read_text()).get("hidden_size", 0) or 0)
     if not (reward_inputs and width and critic_in_process(width, cfg, backend, device)):
