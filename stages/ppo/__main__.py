@@ -1,4 +1,4 @@
-"""`python -m alignflow.stages.ppo --spec SPEC`: the RL stage's entry point (PPO or GRPO, by `ppo.algorithm`)."""
+"""`python -m alignflow.stages.ppo --spec SPEC`: the RL stage's entry point (PPO or GRPO: ppo.algorithm)."""
 
 import sys
 

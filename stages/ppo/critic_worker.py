@@ -9,23 +9,23 @@ beside the trainer's scoring and reference pass.
 What it is: `CriticWorker`, a `spawn`ed process that builds the critic exactly as the trainer would
 (`load_critic_model` + `initialize_trainer` with the same settings, the same attention implementation and LoRA
 per ppo.lora), and a proxy the PPO stage holds where it held the critic: `values_async` (the no-grad values
-pass), `train_async` (every minibatch's update of an iteration, queued at once, as the critic's thread takes them),
-`proceed` (the gate of the actor's check of the old log-probs: the first update waits for it before stepping, and
-a False drops its gradients and ends the iteration's updates, so a stale check leaves the critic untouched),
-`save_checkpoint`, `load_checkpoint`, `save_trained`, `close`. The same updates in the same order as on
-the thread, one torch thread each way: the tests compare weights and metrics bit for bit.
+pass), `train_async` (every minibatch's update of an iteration, queued at once, as the critic's thread takes
+them), `proceed` (the gate of the actor's check of the old log-probs: the first update waits for it before
+stepping, and a False drops its gradients and ends the iteration's updates, so a stale check leaves the critic
+untouched), `save_checkpoint`, `load_checkpoint`, `save_trained`, `close`. The same updates in the same order
+as on the thread, one torch thread each way: the tests compare weights and metrics bit for bit.
 
 Start-up: the stage starts the process before anything else (interpreter, torch, then transformers' model
-classes: imports the trainer has already paid for itself, then the model load); its first request waits for the
-rest, so the first iteration is longer than with the thread, a cost the run's later iterations repay.
+classes: imports the trainer has already paid for itself, then the model load); its first request waits for
+the rest, so the first iteration is longer than with the thread, a cost the run's later iterations repay.
 
-Protocol: one duplex pipe; each request gets exactly one reply, in order (`proceed` is one-way). Payloads are plain
-pickle with CPU tensors as numpy arrays (`_Pickler`): the multiprocessing pickler moves every tensor it sends into
-shared memory, and torch's own reduction costs several times more to dump and load than the arrays' bytes.
-Failure: a request that raises in the worker is re-raised in the trainer with the worker's traceback as a note (a
-NaN value loss keeps its type, so the stage's last-good-checkpoint path applies); a worker that dies makes the next
-wait raise `CriticWorkerError` naming its pid and exit code or signal within POLL_S; a failed start is named at the
-first request; a trainer that dies closes the pipe, and the worker exits on the EOF.
+Protocol: one duplex pipe; each request gets exactly one reply, in order (`proceed` is one-way). Payloads are
+plain pickle with CPU tensors as numpy arrays (`_Pickler`): the multiprocessing pickler moves every tensor it
+sends into shared memory, and torch's own reduction costs several times more to dump and load than the arrays'
+bytes. Failure: a request that raises in the worker is re-raised in the trainer with the worker's traceback as
+a note (a NaN value loss keeps its type, so the stage's last-good-checkpoint path applies); a worker that dies
+makes the next wait raise `CriticWorkerError` naming its pid and exit code or signal within POLL_S; a failed
+start is named at the first request; a trainer that dies closes the pipe, and the worker exits on the EOF.
 What it is not: a critic on other ranks or hosts (one rank, the plain torch trainer, CPU: where overlap_critic
 applies), or a GPU one.
 """
@@ -63,7 +63,8 @@ class CriticWorkerError(RuntimeError):
 
 
 def load_critic_model(folder: Path | str, cfg: PPOConfig, dtype: str) -> torch.nn.Module:
-    """The critic's model, as the PPO stage makes it: the reward model's sequence classifier (LoRA per ppo.lora)."""
+    """The critic's model, as the PPO stage makes it: the reward model's sequence classifier (LoRA per
+    ppo.lora)."""
     from alignflow.stages.common.models.loading import load_sequence_classifier
 
     return apply_lora(load_sequence_classifier(folder, dtype=dtype), cfg.lora, "ppo.lora", classifier=True)
@@ -99,15 +100,16 @@ def build_critic(spec: CriticSpec):
 
 def critic_values(critic, exp: Experience, packed: PackedRows | None, cfg: PPOConfig, precision: Precision
                   ) -> torch.Tensor:
-    """The no-grad values pass: (B, R) V(s_t) of exp's rows, as the PPO stage's own pass computes them on one rank."""
+    """The no-grad values pass: (B, R) V(s_t) of exp's rows, as the PPO stage's own pass computes them on one
+    rank."""
     with torch.no_grad(), precision.forward():
         return token_values(critic.module, exp, lean=cfg.fast_train_step, packed=packed)
 
 
 class _Pickler(pickle.Pickler):
-    """Plain pickle, with CPU tensors that numpy can hold pickled as numpy arrays: the same bytes, read back as
-    tensors sharing the loaded arrays' memory, for a fraction of what torch's own reduction costs to dump and
-    load."""
+    """Plain pickle, with CPU tensors that numpy can hold pickled as numpy arrays: the same bytes, read back
+    as tensors sharing the loaded arrays' memory, for a fraction of what torch's own reduction costs to dump
+    and load."""
 
     def reducer_override(self, obj: Any) -> Any:
         if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.dtype in _NUMPY_DTYPES
@@ -116,8 +118,17 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-                 torch.uint8, torch.bool}
+_NUMPY_DTYPES = {
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+}
 
 
 def _send(conn, message: Any) -> None:
@@ -131,7 +142,8 @@ def _receive(conn) -> Any:
 
 
 def _serve(conn, spec: CriticSpec) -> None:
-    """The worker's loop: build the critic, then answer requests until 'close' or the trainer's end of the pipe."""
+    """The worker's loop: build the critic, then answer requests until 'close' or the trainer's end of the
+    pipe."""
     torch.set_num_threads(spec.threads)
     try:
         critic = build_critic(spec)
@@ -174,10 +186,11 @@ def _serve(conn, spec: CriticSpec) -> None:
             return
 
 
-def _train(conn, critic, updates: list[Update], iteration: int, gated: bool, cfg: PPOConfig,
-           precision: Precision) -> list[dict[str, float]]:
-    """An iteration's updates; gated: the first waits for the trainer's 'proceed' before stepping, and a False ends
-    them all there (the actor's check failed: nothing steps this iteration)."""
+def _train(
+    conn, critic, updates: list[Update], iteration: int, gated: bool, cfg: PPOConfig, precision: Precision
+) -> list[dict[str, float]]:
+    """An iteration's updates; gated: the first waits for the trainer's 'proceed' before stepping, and a False
+    ends them all there (the actor's check failed: nothing steps this iteration)."""
     gate: list[bool] = []
 
     def proceed() -> bool:  # asked once, by the first update; the rest reuse its answer
@@ -188,14 +201,16 @@ def _train(conn, critic, updates: list[Update], iteration: int, gated: bool, cfg
             gate.append(bool(message[1]))
         return gate[0]
 
-    # The trainer's own update (its checks and NonFiniteError); imported here, as training_loop imports this module.
+    # The trainer's own update (its checks and NonFiniteError); imported here, as training_loop imports this
+    # module.
     from alignflow.stages.ppo.training_loop import value_update
 
     critic.train()  # as the trainer sets its own critic before each iteration's updates
     results = []
     for update in updates:
-        metrics = value_update(critic, update.rows, update.packed, cfg, precision, iteration,
-                               proceed if gated else lambda: True)
+        metrics = value_update(
+            critic, update.rows, update.packed, cfg, precision, iteration, proceed if gated else lambda: True
+        )
         if gated and not gate[0]:
             break
         results.append({key: float(value) for key, value in metrics.items()})
@@ -203,7 +218,8 @@ def _train(conn, critic, updates: list[Update], iteration: int, gated: bool, cfg
 
 
 def _portable(exc: BaseException) -> BaseException:
-    """exc if it survives pickling (its type re-raised as is in the trainer), else a CriticWorkerError with its text."""
+    """exc if it survives pickling (its type re-raised as is in the trainer), else a CriticWorkerError with
+    its text."""
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
@@ -212,7 +228,8 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 class Pending:
-    """A request's reply, read in order when asked for (the pipe answers requests in the order they were sent)."""
+    """A request's reply, read in order when asked for (the pipe answers requests in the order they were
+    sent)."""
 
     def __init__(self, worker: CriticWorker, doing: str):
         self._worker, self._doing = worker, doing
@@ -239,7 +256,9 @@ class CriticWorker:
     def __init__(self, spec: CriticSpec):
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe(duplex=True)
-        self.process = context.Process(target=_serve, args=(child, spec), name="alignflow-critic", daemon=True)
+        self.process = context.Process(
+            target=_serve, args=(child, spec), name="alignflow-critic", daemon=True
+        )
         self.process.start()
         child.close()
         self._outstanding: list[Pending] = []
@@ -264,7 +283,8 @@ class CriticWorker:
         return self._request("training the critic", "train", updates, iteration, gated)
 
     def proceed(self, go: bool) -> None:
-        """Answer the gate of the pending gated train_async: True steps, False drops the first update's gradients."""
+        """Answer the gate of the pending gated train_async: True steps, False drops the first update's
+        gradients."""
         self._post(("proceed", go))
 
     def save_checkpoint(self, save_dir: str, tag: str) -> None:
@@ -277,9 +297,11 @@ class CriticWorker:
         self._request("saving the trained critic", "save_trained", str(out)).result()
 
     def close(self) -> None:
-        """Stop the worker (after its pending replies, unless it is broken); safe after a failure and twice."""
+        """Stop the worker (after its pending replies, unless it is broken); safe after a failure and
+        twice."""
         if self.process.exitcode is None:
-            if self._broken is None:  # its pending replies first, for at most CLOSE_WAIT_S: a stuck worker is killed
+            # Its pending replies first, for at most CLOSE_WAIT_S: a stuck worker is killed.
+            if self._broken is None:
                 deadline = time.monotonic() + CLOSE_WAIT_S
                 for pending in list(self._outstanding):
                     if not self._conn.poll(max(0.0, deadline - time.monotonic())):
@@ -311,8 +333,8 @@ class CriticWorker:
             raise self._died(f"sending to it ({exc})") from None
 
     def _settle_before(self, pending: Pending) -> None:
-        """Read the replies of earlier requests first, so replies stay in order; each keeps its value or error for
-        whoever asks it (a dead worker raises again at the next wait)."""
+        """Read the replies of earlier requests first, so replies stay in order; each keeps its value or error
+        for whoever asks it (a dead worker raises again at the next wait)."""
         for earlier in list(self._outstanding):
             if earlier is pending:
                 return
@@ -325,8 +347,9 @@ class CriticWorker:
             if self.process.exitcode is not None:
                 raise self._died(doing)
             if doing == "loading the critic" and time.monotonic() - started > START_TIMEOUT_S:
-                self._broken = CriticWorkerError(f"the critic worker (pid {self.pid}) did not start within "
-                                                 f"{START_TIMEOUT_S:g} s")
+                self._broken = CriticWorkerError(
+                    f"the critic worker (pid {self.pid}) did not start within {START_TIMEOUT_S:g} s"
+                )
                 raise self._broken
         try:
             status, *rest = _receive(self._conn)
@@ -344,6 +367,7 @@ class CriticWorker:
     def _died(self, doing: str) -> CriticWorkerError:
         self.process.join(POLL_S)
         self._broken = CriticWorkerError(
-            f"the critic worker (pid {self.pid}) died ({describe_exit(self.process.exitcode)}) while {doing}; the "
-            "stage cannot go on without it (a re-run resumes from the last checkpoint)")
+            f"the critic worker (pid {self.pid}) died ({describe_exit(self.process.exitcode)}) while "
+            f"{doing}; the stage cannot go on without it (a re-run resumes from the last checkpoint)"
+        )
         return self._broken

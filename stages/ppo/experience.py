@@ -47,19 +47,36 @@ class Experience:
     behaviour_weights: Tensor | None = None
 
     @classmethod
-    def of_sequences(cls, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> Experience:
-        """The sequences laid out as above, every other field zero (None for the critic's): what a forward needs,
-        for tests and benchmarks of the forwards."""
-        input_ids, attention_mask, position_ids, responses, mask, width_p = assemble(prompt_ids, response_ids, pad_id)
+    def of_sequences(
+        cls, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
+    ) -> Experience:
+        """The sequences laid out as above, every other field zero (None for the critic's): what a forward
+        needs, for tests and benchmarks of the forwards."""
+        input_ids, attention_mask, position_ids, responses, mask, width_p = assemble(
+            prompt_ids, response_ids, pad_id
+        )
         zeros = torch.zeros_like(mask)
-        return cls(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   response_ids=responses, response_mask=mask, rollout_logprobs=zeros, old_logprobs=zeros,
-                   ref_logprobs=zeros, values=None, scores=torch.zeros(len(prompt_ids)), token_rewards=zeros,
-                   kl=zeros, advantages=zeros, returns=None, prompt_width=width_p)
+        return cls(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            response_ids=responses,
+            response_mask=mask,
+            rollout_logprobs=zeros,
+            old_logprobs=zeros,
+            ref_logprobs=zeros,
+            values=None,
+            scores=torch.zeros(len(prompt_ids)),
+            token_rewards=zeros,
+            kl=zeros,
+            advantages=zeros,
+            returns=None,
+            prompt_width=width_p,
+        )
 
     def to(self, device: torch.device | str) -> Experience:
-        """The same experience with every tensor on `device` (the trained models'; the rollout is assembled on the
-        CPU). Returns self when everything is there already."""
+        """The same experience with every tensor on `device` (the trained models'; the rollout is assembled on
+        the CPU). Returns self when everything is there already."""
         device = torch.device(device)
         if self.input_ids.device == device:
             return self
@@ -84,15 +101,21 @@ class Experience:
         return self.packing()
 
     def packing(self, share_prompts: bool = True, width_of_attention: int = ATTENTION_WIDTH) -> PackedRows:
-        """These rows packed end to end (stages/common/training/packing.py: rows with the same prompt sharing one copy of it
-        unless share_prompts is off; width_of_attention: the cost model's), for policy_logprobs and
-        token_values; computed once per Experience and arguments (the reference, old-log-prob and value
+        """These rows packed end to end (stages/common/training/packing.py: rows with the same prompt sharing
+        one copy of it unless share_prompts is off; width_of_attention: the cost model's), for policy_logprobs
+        and token_values; computed once per Experience and arguments (the reference, old-log-prob and value
         passes share it). The sequences it is computed from are never reassigned after construction; select
         and trimmed make new Experiences."""
         key = (share_prompts, width_of_attention)
         if key not in self._packings:
-            self._packings[key] = pack(self.input_ids, self.attention_mask, self.response_mask, self.prompt_width,
-                                       share_prompts=share_prompts, width_of_attention=width_of_attention)
+            self._packings[key] = pack(
+                self.input_ids,
+                self.attention_mask,
+                self.response_mask,
+                self.prompt_width,
+                share_prompts=share_prompts,
+                width_of_attention=width_of_attention,
+            )
         return self._packings[key]
 
     def trimmed(self) -> Experience:
@@ -110,14 +133,15 @@ class Experience:
             item = getattr(self, f.name)
             if isinstance(item, Tensor) and item.dim() == 2:
                 full = item.shape[1] == self.input_ids.shape[1]
-                item = item[:, left: self.prompt_width + width_r] if full else item[:, :width_r]
+                item = item[:, left : self.prompt_width + width_r] if full else item[:, :width_r]
             values[f.name] = item
         values["prompt_width"] = self.prompt_width - left
         return Experience(**values)
 
 
-def assemble(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+def assemble(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
     """(input_ids, attention_mask, position_ids, response_ids, response_mask, P) for the layout above."""
     batch = len(prompt_ids)
     width_p = max(len(p) for p in prompt_ids)
@@ -129,8 +153,8 @@ def assemble(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id:
         input_ids[row, start:width_p] = torch.tensor(prompt, dtype=torch.long)
         attention_mask[row, start:width_p] = 1
         if response:
-            input_ids[row, width_p:width_p + len(response)] = torch.tensor(response, dtype=torch.long)
-            attention_mask[row, width_p:width_p + len(response)] = 1
+            input_ids[row, width_p : width_p + len(response)] = torch.tensor(response, dtype=torch.long)
+            attention_mask[row, width_p : width_p + len(response)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     response = input_ids[:, width_p:]
     response_mask = attention_mask[:, width_p:].float()
@@ -159,8 +183,15 @@ def _response_predicting(batch: int, width: int, width_p: int, device: torch.dev
     return (torch.arange(batch, device=device)[:, None] * width + columns).reshape(-1)
 
 
-def _response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, width_p: int,
-                     head_on_response_only: bool = True, lean: bool = False) -> Tensor:
+def _response_logits(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    width_p: int,
+    head_on_response_only: bool = True,
+    lean: bool = False,
+) -> Tensor:
     """(B, R, V) logits at the columns that predict the response tokens.
 
     head_on_response_only: only the last R+1 positions go through the LM head (`logits_to_keep`); the
@@ -173,24 +204,32 @@ def _response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_
         hf, backbone = resolved
         batch, width = input_ids.shape
         keep = _response_predicting(batch, width, width_p, input_ids.device)
-        hidden = llama_forward.llama_hidden_states(backbone, input_ids, attention_mask, position_ids,
-                                                   keep=llama_forward.bucketed_keep(keep))
-        return hf.lm_head(hidden)[:keep.numel()].reshape(batch, width - width_p, -1)
+        hidden = llama_forward.llama_hidden_states(
+            backbone, input_ids, attention_mask, position_ids, keep=llama_forward.bucketed_keep(keep)
+        )
+        return hf.lm_head(hidden)[: keep.numel()].reshape(batch, width - width_p, -1)
     if not head_on_response_only:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-                     ).logits[:, width_p - 1:-1]
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        return logits[:, width_p - 1 : -1]
     keep = input_ids.shape[1] - width_p + 1
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=keep).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep
+    ).logits
     return logits[:, -keep:-1]
 
 
 ENTROPY_MODES = ("none", "loss", "metric")
 
 
-def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "none",
-                    head_on_response_only: bool = True, lean: bool = False,
-                    packed: PackedRows | None = None) -> tuple[Tensor, Tensor | None]:
+def policy_logprobs(
+    model,
+    exp: Experience,
+    temperature: float,
+    entropy: str = "none",
+    head_on_response_only: bool = True,
+    lean: bool = False,
+    packed: PackedRows | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """log pi(response token) under logits / temperature, (B, R); and the entropy (B, R) if asked.
 
     entropy: "none"; "loss" (differentiable: the entropy bonus needs it); "metric" (no grad: for
@@ -204,19 +243,32 @@ def policy_logprobs(model, exp: Experience, temperature: float, entropy: str = "
     resolved = _lean_backbone(model) if packed is not None else None
     if resolved is not None:
         hf, backbone = resolved
-        hidden = llama_forward.llama_hidden_states(backbone, packed.input_ids, packed.segment_ids,
-                                                   packed.position_ids, keep=llama_forward.bucketed_keep(packed.predicts),
-                                                   prefix_ids=packed.prefix_ids)
-        logits = hf.lm_head(hidden)[:packed.predicts.numel()]  # (N, V)
+        hidden = llama_forward.llama_hidden_states(
+            backbone,
+            packed.input_ids,
+            packed.segment_ids,
+            packed.position_ids,
+            keep=llama_forward.bucketed_keep(packed.predicts),
+            prefix_ids=packed.prefix_ids,
+        )
+        logits = hf.lm_head(hidden)[: packed.predicts.numel()]  # (N, V)
         targets = exp.response_ids.reshape(-1)[packed.targets]
         if entropy == "none":
             return packed.scatter(selective_log_softmax(logits, targets, temperature=temperature)), None
         logp, ent = logprobs_and_entropy(logits, targets, temperature=temperature)
         return packed.scatter(logp), packed.scatter(ent if entropy == "loss" else ent.detach())
-    logits = _response_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids, exp.prompt_width,
-                              head_on_response_only, lean)
+    logits = _response_logits(
+        model,
+        exp.input_ids,
+        exp.attention_mask,
+        exp.position_ids,
+        exp.prompt_width,
+        head_on_response_only,
+        lean,
+    )
     if entropy == "none":
-        return selective_log_softmax(logits, exp.response_ids, temperature=temperature) * exp.response_mask, None
+        logp = selective_log_softmax(logits, exp.response_ids, temperature=temperature)
+        return logp * exp.response_mask, None
     # One pass for both. As a metric the entropy is detached: its backward then skips the entropy's terms.
     logp, ent = logprobs_and_entropy(logits, exp.response_ids, temperature=temperature)
     return logp * exp.response_mask, (ent if entropy == "loss" else ent.detach()) * exp.response_mask
@@ -228,31 +280,46 @@ def token_values(critic, exp: Experience, lean: bool = False, packed: PackedRows
     The critic is a separate model initialised from a reward model: its backbone's hidden states go
     through its scalar `score` head at every position, not only the last. lean, packed: as in policy_logprobs.
     """
-    model = unwrap_lora(getattr(critic, "module", critic))  # under a training engine, then under LoRA adapters
+    # The model under a training engine, then under LoRA adapters.
+    model = unwrap_lora(getattr(critic, "module", critic))
     runs_lean = (lean or packed is not None) and _lean_backbone(model) is not None
     if runs_lean and packed is not None:
-        hidden = llama_forward.llama_hidden_states(model.base_model, packed.input_ids, packed.segment_ids,
-                                                   packed.position_ids, keep=llama_forward.bucketed_keep(packed.predicts),
-                                                   prefix_ids=packed.prefix_ids)
-        return packed.scatter(model.score(hidden)[:packed.predicts.numel()].squeeze(-1).float())
+        hidden = llama_forward.llama_hidden_states(
+            model.base_model,
+            packed.input_ids,
+            packed.segment_ids,
+            packed.position_ids,
+            keep=llama_forward.bucketed_keep(packed.predicts),
+            prefix_ids=packed.prefix_ids,
+        )
+        return packed.scatter(model.score(hidden)[: packed.predicts.numel()].squeeze(-1).float())
     if runs_lean:
         batch, width = exp.input_ids.shape
         keep = _response_predicting(batch, width, exp.prompt_width, exp.input_ids.device)
-        hidden = llama_forward.llama_hidden_states(model.base_model, exp.input_ids, exp.attention_mask,
-                                                   exp.position_ids, keep=llama_forward.bucketed_keep(keep))
-        return model.score(hidden)[:keep.numel()].squeeze(-1).float().reshape(batch, -1) * exp.response_mask
-    hidden = model.base_model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
-                              position_ids=exp.position_ids).last_hidden_state
+        hidden = llama_forward.llama_hidden_states(
+            model.base_model,
+            exp.input_ids,
+            exp.attention_mask,
+            exp.position_ids,
+            keep=llama_forward.bucketed_keep(keep),
+        )
+        return model.score(hidden)[: keep.numel()].squeeze(-1).float().reshape(batch, -1) * exp.response_mask
+    hidden = model.base_model(
+        input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids
+    ).last_hidden_state
     values = model.score(hidden).squeeze(-1).float()
-    return values[:, exp.prompt_width - 1:-1] * exp.response_mask
+    return values[:, exp.prompt_width - 1 : -1] * exp.response_mask
 
 
 def packing_for(exp: Experience, cfg: PPOConfig, actor) -> PackedRows | None:
-    """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step; rows with one prompt sharing
-    it unless ppo.share_prompts is off; the row width costed for the actor's hidden size), else None: padded."""
+    """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step; rows with one prompt
+    sharing it unless ppo.share_prompts is off; the row width costed for the actor's hidden size), else None:
+    padded."""
     if not (cfg.fast_train_step and cfg.pack_sequences):
         return None
-    return exp.packing(share_prompts=cfg.share_prompts, width_of_attention=attention_width(actor_width(actor)))
+    return exp.packing(
+        share_prompts=cfg.share_prompts, width_of_attention=attention_width(actor_width(actor))
+    )
 
 
 def actor_width(actor) -> int:

@@ -126,7 +126,8 @@ def sequence_to_token(per_sequence: Tensor, mask: Tensor) -> Tensor:
     """Broadcast a per-sequence value [B] to every real token: [B, T], zero at padding."""
     if per_sequence.dim() != 1 or per_sequence.shape[0] != mask.shape[0]:
         raise ValueError(
-            f"per_sequence must be [B] with B={mask.shape[0]} (the mask's rows), got {list(per_sequence.shape)}"
+            f"per_sequence must be [B] with B={mask.shape[0]} (the mask's rows), "
+            f"got {list(per_sequence.shape)}"
         )
     return per_sequence[:, None] * mask.to(per_sequence.dtype)
 
@@ -648,7 +649,9 @@ def policy_loss_ppo(
     return loss, metrics
 
 
-def behaviour_weights(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
+def behaviour_weights(
+    proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float
+) -> Tensor:
     """Per-token pi_prox / pi_behaviour, truncated at `cap`, zero on padding: the weights of the decoupled PPO
     objective (Hilton et al. 2021) for a batch sampled by an older policy than the one it is clipped against.
 

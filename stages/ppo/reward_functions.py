@@ -39,8 +39,8 @@ CALL_ARGUMENTS = ("prompts", "completions", "completion_ids", "finish_reasons")
 
 def call_reward_function(name: str, fn: RewardFunction, prompts: list[str], completions: list[str],
                          **kwargs) -> list[float]:
-    """Call `fn` with keyword arguments (prompts=, completions=, then `kwargs`: completion_ids, finish_reasons and
-    the dataset's columns) and check it returned one number per completion.
+    """Call `fn` with keyword arguments (prompts=, completions=, then `kwargs`: completion_ids, finish_reasons
+    and the dataset's columns) and check it returned one number per completion.
 
     A function written for a positional call with other parameter names (`def f(p, c)`) gets a one-line error
     that says how to fix it. Non-finite values are passed on: the RL stage's NaN guard stops training with the
@@ -49,20 +49,25 @@ def call_reward_function(name: str, fn: RewardFunction, prompts: list[str], comp
     try:
         inspect.signature(fn).bind(prompts=prompts, completions=completions, **kwargs)
     except TypeError as exc:
-        raise ValueError(f"reward function '{name}' cannot be called as TRL calls it ({exc}): it is given keyword "
-                         f"arguments {', '.join(CALL_ARGUMENTS)} and the dataset's columns; name its parameters "
-                         "so (e.g. `def f(completions, **kwargs)`) and take the rest with **kwargs") from None
+        raise ValueError(
+            f"reward function '{name}' cannot be called as TRL calls it ({exc}): it is given keyword "
+            f"arguments {', '.join(CALL_ARGUMENTS)} and the dataset's columns; name its parameters "
+            "so (e.g. `def f(completions, **kwargs)`) and take the rest with **kwargs"
+        ) from None
     except ValueError:  # no signature to inspect (a builtin): the call itself says what is wrong
         pass
     values = fn(prompts=prompts, completions=completions, **kwargs)
     if len(values) != len(completions):
-        raise ValueError(f"reward function '{name}' returned {len(values)} values for {len(completions)} completions")
+        raise ValueError(
+            f"reward function '{name}' returned {len(values)} values for {len(completions)} completions"
+        )
     return [float(v) for v in values]
 
 
 def dataset_columns(records: list, rows: list[int]) -> dict[str, list]:
     """The prompt records' extra fields as TRL passes dataset columns: name -> one value per row (None where a
-    record lacks it), for the records at `rows` (a prompt repeated per completion); CALL_ARGUMENTS left out."""
+    record lacks it), for the records at `rows` (a prompt repeated per completion); CALL_ARGUMENTS left
+    out."""
     names = sorted({key for i in set(rows) for key in records[i].extras} - set(CALL_ARGUMENTS))
     return {name: [records[i].extras.get(name) for i in rows] for name in names}
 
@@ -72,8 +77,9 @@ def brevity(prompts: list[str], completions: list[str], **kwargs) -> list[float]
     return [-0.01 * max(0, len(c.split()) - 20) for c in completions]
 
 
-def ends_with_eos(prompts: list[str], completions: list[str], finish_reasons: list[str] | None = None,
-                  **kwargs) -> list[float]:
+def ends_with_eos(
+    prompts: list[str], completions: list[str], finish_reasons: list[str] | None = None, **kwargs
+) -> list[float]:
     """1.0 for a completion that ended with EOS, else 0.0."""
     reasons = finish_reasons or ["eos"] * len(completions)
     return [1.0 if r == "eos" else 0.0 for r in reasons]

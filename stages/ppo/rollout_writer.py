@@ -10,7 +10,8 @@ But a thread is not free where the torch threads already take every core: the wr
 from the loop, and its Python takes the interpreter lock from the loop's many short operator calls, which
 slows the refit and generation beside it by more than the write costs in line. So a local file is written in
 line unless a core is left over (writes_in_background); an upload, waiting on the network with the lock
-released, always goes to the thread (docs/rl.md#speed-options). """
+released, always goes to the thread (docs/rl.md#speed-options).
+"""
 
 from __future__ import annotations
 
