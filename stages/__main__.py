@@ -8,8 +8,11 @@ from alignflow.contract import STAGE_PROGRAMS, stage_program
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in STAGE_PROGRAMS:
-        print(f"usage: python -m alignflow.stages <stage> --spec SPEC [--force]; stages: {', '.join(STAGE_PROGRAMS)}",
-              file=sys.stderr)
+        print(
+            "usage: python -m alignflow.stages <stage> --spec SPEC [--force]; stages: "
+            f"{', '.join(STAGE_PROGRAMS)}",
+            file=sys.stderr,
+        )
         sys.exit(2)
     program = stage_program(sys.argv[1])
     sys.argv = [program, *sys.argv[2:]]

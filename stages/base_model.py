@@ -1,4 +1,4 @@
-"""The base stage: the starting policy checkpoint, either a tiny random Llama made on the spot or an imported HF model.
+"""The base stage: the starting policy checkpoint, a tiny random Llama made on the spot or an imported HF one.
 
 With `model.base` empty it trains a byte-level BPE tokenizer on the data stage's texts and makes a
 random-init Llama from `model.tiny`. Otherwise it loads `model.base` (a local HF folder, or a
@@ -78,23 +78,41 @@ def run(spec: StageSpec) -> StageResult:
                 tokenizer = load_tokenizer(source)
                 model = load_causal_lm(source, dtype=cfg.dtype)
                 for path in sorted(source.iterdir()):
-                    if path.is_file() and path.suffix in _MODEL_FILE_SUFFIXES and path.name != "manifest.json":
+                    if (
+                        path.is_file()
+                        and path.suffix in _MODEL_FILE_SUFFIXES
+                        and path.name != "manifest.json"
+                    ):
                         shutil.copyfile(path, out / path.name)
                 origin = cfg.base
             n_params = sum(p.numel() for p in model.parameters())
             architecture = (model.config.architectures or [type(model).__name__])[0]
-            dump_json({"stage": "base", "origin": origin, "architecture": architecture, "parameters": n_params,
-                       "vocab_size": len(tokenizer), "torch_version": torch.__version__},
-                      out / "alignflow_checkpoint.json")
+            dump_json(
+                {
+                    "stage": "base",
+                    "origin": origin,
+                    "architecture": architecture,
+                    "parameters": n_params,
+                    "vocab_size": len(tokenizer),
+                    "torch_version": torch.__version__,
+                },
+                out / "alignflow_checkpoint.json",
+            )
             metrics = {"model/parameters": float(n_params), "model/vocab_size": float(len(tokenizer))}
             if ctx.tracker is not None:
                 ctx.tracker.log_metrics(metrics)
                 ctx.tracker.set_tags({"alignflow.architecture": architecture})
                 ctx.tracker.log_artifact(out / "config.json", "model")
-            manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "model/parameters",
-                                                        "architecture": architecture})
-        return ctx.result(manifest, metrics, "model/parameters",
-                          message=f"{architecture} with {n_params:,} parameters ({origin})")
+            manifest = ctx.publish_output(
+                out,
+                summary={"metrics": metrics, "key_metric": "model/parameters", "architecture": architecture},
+            )
+        return ctx.result(
+            manifest,
+            metrics,
+            "model/parameters",
+            message=f"{architecture} with {n_params:,} parameters ({origin})",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,14 +33,18 @@ def compute_device(setting: str = "auto") -> torch.device:
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise DeviceUnavailableError("model.device: cuda, but torch sees no GPU on this machine "
-                                     f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
-                                     "run it on a GPU machine or set model.device: cpu")
+        raise DeviceUnavailableError(
+            "model.device: cuda, but torch sees no GPU on this machine "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+            "run it on a GPU machine or set model.device: cpu"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
     if local_rank >= count:
-        raise DeviceUnavailableError(f"LOCAL_RANK {local_rank} but this machine has {count} GPU(s): start at most "
-                                     f"{count} rank(s) per node (resources.nproc_per_node)")
+        raise DeviceUnavailableError(
+            f"LOCAL_RANK {local_rank} but this machine has {count} GPU(s): start at most "
+            f"{count} rank(s) per node (resources.nproc_per_node)"
+        )
     torch.cuda.set_device(local_rank)  # NCCL and the default 'cuda' device follow the rank's own GPU
     return torch.device("cuda", local_rank)
 

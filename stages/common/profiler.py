@@ -1,4 +1,4 @@
-"""The per-stage profiler: phase timings, throughput, peak memory, GIL contention and bottlenecks named in words.
+"""The per-stage profiler: phase timings, throughput, peak memory, GIL contention, bottlenecks named in words.
 
 What it is: an object a stage's loop drives (`with prof.phase("generation"): ...`, `prof.count(...)`)
 that turns into namespaced metrics (`timing/`, `perf/`) and a Markdown report whose last section
@@ -7,14 +7,14 @@ py-spy) or of kernels (use torch.profiler / Nsight); it says *which phase* to lo
 
 GIL contention is measured from the outside: a daemon thread sleeps `sample_interval_s` again and
 again and records how late it wakes up. `time.sleep` releases the GIL, so the lateness is the time
-the thread waited to get the GIL (and a CPU) back. On an idle Linux box it oversleeps by about
+the thread waited to get the GIL (and a CPU) back. On an idle Linux machine it oversleeps by about
 0.05-0.2 ms (timer slack plus wake-up); when another thread runs pure Python, CPython makes the
 waiter wait up to `sys.getswitchinterval()` (5 ms by default) before the holder must let go. So with
 the default 5 ms interval, `mean lateness / interval` is roughly the share of time some thread was
 running Python while holding the GIL (torch ops release the GIL while they run, so they do not
 count). An oversubscribed machine (more busy threads than cores) inflates it too, and can push it
 above 1. The sampler costs one GIL hand-off per wake-up (200 a second); on a pure-Python loop its
-cost was within the run-to-run noise (about 10% on a shared 2-core box).
+cost is within run-to-run noise.
 
 Peak GPU memory per phase (once CUDA is initialised; on a CPU nothing is reported, not zeros): each
 phase resets CUDA's peak counters when it starts and reads max_memory_allocated / max_memory_reserved
@@ -117,7 +117,8 @@ def advice_for(phase: str) -> str:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process since it started, in MiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """Peak resident memory of this process since it started, in MiB (ru_maxrss:
+    KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
@@ -155,7 +156,8 @@ _MIB = 2**20
 
 
 class _PeakMemory:
-    """Peak allocated and reserved CUDA bytes per phase and over the stage, across nested phases (module docstring).
+    """Peak allocated and reserved CUDA bytes per phase and over the stage, across nested phases (module
+    docstring).
 
     Only touches CUDA once it is initialised; `seen` says whether any reading was taken (False on a CPU)."""
 
@@ -261,7 +263,8 @@ class ProfileSnapshot:
     machine_memory_mb: float | None = None
     peak_device_mem_mb: float | None = None  # allocated (the tensors'), the stage's peak
     peak_device_reserved_mb: float | None = None  # reserved by the caching allocator, the stage's peak
-    phase_peak_device_mb: dict[str, tuple[float, float]] = field(default_factory=dict)  # (allocated, reserved)
+    # (allocated, reserved)
+    phase_peak_device_mb: dict[str, tuple[float, float]] = field(default_factory=dict)
     device_mem_total_mb: float | None = None
     device_util: float | None = None
     device_util_readings: int = 0
@@ -279,30 +282,49 @@ def bottleneck_rules(s: ProfileSnapshot) -> list[str]:
         if share >= DOMINANT_PHASE_SHARE:
             found.append(f"{name} is {share:.0%} of {s.iteration_word}: {advice_for(name)}")
         else:
-            found.append(f"no single phase dominates: the largest, {name}, is {share:.0%} of the wall time, so "
-                         "speeding up any one phase gains little; raise batch sizes to cut per-call overhead")
+            found.append(
+                f"no single phase dominates: the largest, {name}, is {share:.0%} of the wall time, so "
+                "speeding up any one phase gains little; raise batch sizes to cut per-call overhead"
+            )
         untimed = (s.wall_s - timed) / s.wall_s
         if untimed >= UNTIMED_SHARE:
-            found.append(f"{untimed:.0%} of the wall time is in no timed phase: wrap the rest of the loop in "
-                         "phases (data loading, logging and Python glue are the usual suspects)")
+            found.append(
+                f"{untimed:.0%} of the wall time is in no timed phase: wrap the rest of the loop in "
+                "phases (data loading, logging and Python glue are the usual suspects)"
+            )
     if s.gil_delay_ms_mean is not None and s.gil_delay_ms_mean >= GIL_DELAY_MS:
-        found.append(f"the Python thread waited {s.gil_delay_ms_mean:.2f} ms per wake-up on average (about 0.1 ms "
-                     f"when idle; GIL contention {s.gil_contention or 0:.2f}): CPU-bound Python in the loop holds "
-                     "the GIL (per-token Python loops, tokenisation, Python reward functions, a busy logging "
-                     "thread), or the CPUs are oversubscribed; vectorise it or move it to a subprocess")
+        found.append(
+            f"the Python thread waited {s.gil_delay_ms_mean:.2f} ms per wake-up on average (about 0.1 ms "
+            f"when idle; GIL contention {s.gil_contention or 0:.2f}): CPU-bound Python in the loop holds "
+            "the GIL (per-token Python loops, tokenisation, Python reward functions, a busy logging "
+            "thread), or the CPUs are oversubscribed; vectorise it or move it to a subprocess"
+        )
     if s.peak_rss_mb and s.machine_memory_mb and s.peak_rss_mb >= HOST_MEMORY_SHARE * s.machine_memory_mb:
-        found.append(f"peak process memory {s.peak_rss_mb / 1024:.1f} GiB is {s.peak_rss_mb / s.machine_memory_mb:.0%} "
-                     f"of the machine's {s.machine_memory_mb / 1024:.1f} GiB: close to an out-of-memory kill; "
-                     "lower batch sizes, unload the engine between rollouts, or use a bigger machine")
-    if (s.peak_device_mem_mb and s.device_mem_total_mb
-            and s.peak_device_mem_mb >= DEVICE_MEMORY_SHARE * s.device_mem_total_mb):
-        found.append(f"peak device memory {s.peak_device_mem_mb / 1024:.1f} GiB is "
-                     f"{s.peak_device_mem_mb / s.device_mem_total_mb:.0%} of the device: one longer batch from "
-                     "out of memory; lower micro-batch sizes, use a higher ZeRO stage or activation checkpointing")
-    if (s.device_util is not None and s.device_util_readings >= DEVICE_UTIL_MIN_READINGS
-            and s.device_util < DEVICE_UTIL_LOW):
-        found.append(f"the GPU was busy {s.device_util:.0f}% of the time: the loop is host-bound (Python, "
-                     "host-device copies, synchronisation); larger batches and CUDA graphs help")
+        found.append(
+            f"peak process memory {s.peak_rss_mb / 1024:.1f} GiB is "
+            f"{s.peak_rss_mb / s.machine_memory_mb:.0%} of the machine's {s.machine_memory_mb / 1024:.1f} "
+            "GiB: close to an out-of-memory kill; lower batch sizes, unload the engine between rollouts, or "
+            "use a bigger machine"
+        )
+    if (
+        s.peak_device_mem_mb
+        and s.device_mem_total_mb
+        and s.peak_device_mem_mb >= DEVICE_MEMORY_SHARE * s.device_mem_total_mb
+    ):
+        found.append(
+            f"peak device memory {s.peak_device_mem_mb / 1024:.1f} GiB is "
+            f"{s.peak_device_mem_mb / s.device_mem_total_mb:.0%} of the device: one longer batch from "
+            "out of memory; lower micro-batch sizes, use a higher ZeRO stage or activation checkpointing"
+        )
+    if (
+        s.device_util is not None
+        and s.device_util_readings >= DEVICE_UTIL_MIN_READINGS
+        and s.device_util < DEVICE_UTIL_LOW
+    ):
+        found.append(
+            f"the GPU was busy {s.device_util:.0f}% of the time: the loop is host-bound (Python, "
+            "host-device copies, synchronisation); larger batches and CUDA graphs help"
+        )
     return found
 
 
@@ -319,7 +341,9 @@ class Profiler:
     main thread; the sampler thread is a daemon.
     """
 
-    def __init__(self, stage: str, sample_interval_s: float = 0.005, *, iteration_word: str = "each iteration"):
+    def __init__(
+        self, stage: str, sample_interval_s: float = 0.005, *, iteration_word: str = "each iteration"
+    ):
         if not sample_interval_s > 0:
             raise ValueError(f"sample_interval_s must be > 0, got {sample_interval_s}")
         self.stage = stage
@@ -462,8 +486,13 @@ class Profiler:
 
     def snapshot(self) -> ProfileSnapshot:
         """The numbers the rules and the report read."""
-        s = ProfileSnapshot(phase_totals=self.phase_totals, wall_s=self.wall_s, peak_rss_mb=peak_rss_mb(),
-                            machine_memory_mb=machine_memory_mb(), iteration_word=self.iteration_word)
+        s = ProfileSnapshot(
+            phase_totals=self.phase_totals,
+            wall_s=self.wall_s,
+            peak_rss_mb=peak_rss_mb(),
+            machine_memory_mb=machine_memory_mb(),
+            iteration_word=self.iteration_word,
+        )
         if self._lateness.count:
             mean = self._lateness.total / self._lateness.count
             s.gil_delay_ms_mean = mean * 1e3
@@ -474,7 +503,9 @@ class Profiler:
         peaks = self._memory.stage_peaks()
         if peaks is not None:
             s.peak_device_mem_mb, s.peak_device_reserved_mb = peaks[0] / _MIB, peaks[1] / _MIB
-            s.phase_peak_device_mb = {name: (a / _MIB, r / _MIB) for name, (a, r) in self._memory.phases.items()}
+            s.phase_peak_device_mb = {
+                name: (a / _MIB, r / _MIB) for name, (a, r) in self._memory.phases.items()
+            }
             cuda = _torch_cuda()
             if cuda is not None:
                 s.device_mem_total_mb = cuda.get_device_properties(cuda.current_device()).total_memory / _MIB
@@ -487,8 +518,8 @@ class Profiler:
         """Totals for the whole run: 'timing/<phase>_total', 'timing/wall_total', 'timing/untimed_total',
         'perf/tokens_per_s', 'perf/samples_per_s', 'perf/peak_rss_mb'; with the sampler
         'perf/gil_delay_ms_mean', 'perf/gil_delay_ms_p99', 'perf/gil_contention'; on CUDA the stage's
-        'perf/peak_gpu_allocated_mb' and 'perf/peak_gpu_reserved_mb' (and 'perf/peak_device_mem_mb', the allocated
-        one under its older name), each phase's 'perf/peak_gpu_allocated_mb/<phase>' and
+        'perf/peak_gpu_allocated_mb' and 'perf/peak_gpu_reserved_mb' (and 'perf/peak_device_mem_mb', the
+        allocated one under its older name), each phase's 'perf/peak_gpu_allocated_mb/<phase>' and
         'perf/peak_gpu_reserved_mb/<phase>', and 'perf/device_util' (percent) when pynvml can read it."""
         s = self.snapshot()
         out = {f"timing/{name}_total": seconds for name, seconds in s.phase_totals.items()}
@@ -522,10 +553,17 @@ class Profiler:
         s = self.snapshot()
         wall = s.wall_s
         gpu = s.peak_device_mem_mb is not None  # the GPU columns: only where CUDA was used
-        lines = [f"# Profile: {self.stage}", "", f"Wall time {wall:.2f} s.", "", "## Phases", "",
-                 "| phase | calls | seconds | mean s/call | share |"
-                 + (" peak GPU allocated MiB | peak GPU reserved MiB |" if gpu else ""),
-                 "|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]
+        lines = [
+            f"# Profile: {self.stage}",
+            "",
+            f"Wall time {wall:.2f} s.",
+            "",
+            "## Phases",
+            "",
+            "| phase | calls | seconds | mean s/call | share |"
+            + (" peak GPU allocated MiB | peak GPU reserved MiB |" if gpu else ""),
+            "|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else ""),
+        ]
         for name, seconds in sorted(s.phase_totals.items(), key=lambda kv: -kv[1]):
             calls = self._calls.get(name, 1)
             row = f"| {name} | {calls} | {seconds:.3f} | {seconds / calls:.4f} | {_share(seconds, wall)} |"
@@ -535,27 +573,41 @@ class Profiler:
             lines.append(row)
         untimed = max(wall - sum(s.phase_totals.values()), 0.0)
         lines.append(f"| (untimed) | | {untimed:.3f} | | {_share(untimed, wall)} |" + (" | |" if gpu else ""))
-        lines += ["", "## Throughput", "", "| | total | per second |", "|---|---:|---:|",
-                  f"| tokens | {self.tokens} | {self.tokens / wall if wall > 0 else 0.0:.1f} |",
-                  f"| samples | {self.samples} | {self.samples / wall if wall > 0 else 0.0:.2f} |",
-                  "", "## Memory", ""]
+        lines += [
+            "",
+            "## Throughput",
+            "",
+            "| | total | per second |",
+            "|---|---:|---:|",
+            f"| tokens | {self.tokens} | {self.tokens / wall if wall > 0 else 0.0:.1f} |",
+            f"| samples | {self.samples} | {self.samples / wall if wall > 0 else 0.0:.2f} |",
+            "",
+            "## Memory",
+            "",
+        ]
         machine = f" of {s.machine_memory_mb / 1024:.1f} GiB" if s.machine_memory_mb else ""
         lines.append(f"- peak process memory (RSS): {s.peak_rss_mb or 0.0:.0f} MiB{machine}")
         if s.peak_device_mem_mb is not None:
             total = f" of {s.device_mem_total_mb / 1024:.1f} GiB" if s.device_mem_total_mb else ""
             lines.append(f"- peak device memory (allocated): {s.peak_device_mem_mb:.0f} MiB{total}")
-            lines.append(f"- peak device memory (reserved by the caching allocator): "
-                         f"{s.peak_device_reserved_mb or 0.0:.0f} MiB{total}")
+            lines.append(
+                f"- peak device memory (reserved by the caching allocator): "
+                f"{s.peak_device_reserved_mb or 0.0:.0f} MiB{total}"
+            )
         if s.device_util is not None:
-            lines.append(f"- device utilisation: {s.device_util:.0f}% mean over {s.device_util_readings} readings")
+            lines.append(
+                f"- device utilisation: {s.device_util:.0f}% mean over {s.device_util_readings} readings"
+            )
         lines += ["", "## GIL contention", ""]
         if s.gil_delay_ms_mean is None:
             lines.append("- not measured (the sampler thread was not started)")
         else:
-            lines += [f"- sampler: sleeps {self.sample_interval_s * 1e3:.1f} ms, {s.extra['gil_samples']} wake-ups",
-                      f"- wake-up delay: mean {s.gil_delay_ms_mean:.3f} ms, p99 {s.extra['gil_delay_ms_p99']:.3f} ms, "
-                      f"max {s.extra['gil_delay_ms_max']:.3f} ms",
-                      f"- contention estimate (mean delay / interval): {s.gil_contention:.3f}"]
+            lines += [
+                f"- sampler: sleeps {self.sample_interval_s * 1e3:.1f} ms, {s.extra['gil_samples']} wake-ups",
+                f"- wake-up delay: mean {s.gil_delay_ms_mean:.3f} ms, p99 {s.extra['gil_delay_ms_p99']:.3f} "
+                f"ms, max {s.extra['gil_delay_ms_max']:.3f} ms",
+                f"- contention estimate (mean delay / interval): {s.gil_contention:.3f}",
+            ]
         lines += ["", "## Bottlenecks", ""]
         findings = bottleneck_rules(s)
         lines += [f"- {f}" for f in findings] if findings else ["- nothing stands out"]

@@ -1,4 +1,4 @@
-"""A stage on several ranks: torchrun's elastic launch from the stage's own entry point, and what each rank is.
+"""A stage on several ranks: torchrun's elastic launch from the stage's own entry point, and each rank's role.
 
 What it is: when a stage's section asks for more than one process (`<stage>.resources`), `stage_main`
 hands the same command line to `launch`, which starts the ranks with `torch.distributed`'s elastic
@@ -69,8 +69,8 @@ def stage_resources(spec: StageSpec) -> ResourcesConfig:
 
 
 def local_share(indices: list[int]) -> list[int]:
-    """This rank's contiguous share of a global batch (its length divides by the world size: see
-    `check_training_section`)."""
+    """This rank's contiguous share of a global batch (its length divides by the world size:
+    see `check_training_section`)."""
     per_rank = len(indices) // world_size()
     return indices[rank() * per_rank:(rank() + 1) * per_rank]
 
@@ -87,8 +87,8 @@ def sum_over_ranks(*values: float) -> list[float]:
 
 
 def from_main(value: Any) -> Any:
-    """`value` as rank 0 holds it, on every rank: one broadcast of the pickled object (other ranks pass None).
-    No collective on one rank."""
+    """`value` as rank 0 holds it, on every rank: one broadcast of the pickled object
+    (other ranks pass None). No collective on one rank."""
     if world_size() == 1:
         return value
     import torch
@@ -99,8 +99,8 @@ def from_main(value: Any) -> Any:
 
 
 def gathered_rows(local: Any) -> Any:
-    """The ranks' equal-shaped tensors joined along dim 0 in rank order, on every rank (all_gather; `local`
-    itself on one rank)."""
+    """The ranks' equal-shaped tensors joined along dim 0 in rank order, on every rank (all_gather;
+    `local` itself on one rank)."""
     if world_size() == 1:
         return local
     import torch
@@ -126,7 +126,9 @@ def write_rank_result(code: int, line: str) -> None:
         path.write_text(json.dumps({"code": code, "line": line}))
 
 
-def launch(spec: StageSpec, module: str, argv: list[str], resources: ResourcesConfig) -> tuple[int, str | None]:
+def launch(
+    spec: StageSpec, module: str, argv: list[str], resources: ResourcesConfig
+) -> tuple[int, str | None]:
     """Run `python -m module argv` on `resources` ranks; (exit code, the failure message for the result line,
     None when rank 0 reported on its own).
 
@@ -141,24 +143,34 @@ def launch(spec: StageSpec, module: str, argv: list[str], resources: ResourcesCo
     with tempfile.TemporaryDirectory(prefix=f"alignflow-{spec.stage}-ranks-") as scratch:
         results_dir = Path(scratch) / "results"
         results_dir.mkdir()
-        # The ranks inherit this process's environment: what they need from the launcher goes there for the launch.
-        # OMP_NUM_THREADS: k ranks on a node split its cores (one OpenMP team per share) instead of k teams each
-        # sized to every core, which oversubscribes them; a value the user set wins.
-        for_ranks = {RANK_RESULTS_VAR: str(results_dir), LAUNCHER_PID_VAR: str(os.getpid()),
-                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
-                     or str(max(1, (os.cpu_count() or 1) // resources.nproc_per_node))}
+        # The ranks inherit this process's environment: what they need from the launcher goes there for the
+        # launch. OMP_NUM_THREADS: k ranks on a node split its cores (one OpenMP team per share) instead of k
+        # teams each sized to every core, which oversubscribes them; a value the user set wins.
+        for_ranks = {
+            RANK_RESULTS_VAR: str(results_dir),
+            LAUNCHER_PID_VAR: str(os.getpid()),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
+            or str(max(1, (os.cpu_count() or 1) // resources.nproc_per_node)),
+        }
         saved = {name: os.environ.get(name) for name in for_ranks}
         os.environ.update(for_ranks)
         # Every node must name the same run: derive it from the output, which the stage's config determines.
         run_id = hashlib.sha256(spec.output_uri.encode()).hexdigest()[:16]
         config = LaunchConfig(
-            min_nodes=resources.nnodes, max_nodes=resources.nnodes, nproc_per_node=resources.nproc_per_node,
-            run_id=run_id, rdzv_backend="c10d",
-            # Port 0 on one node: the launcher's store binds a free port itself (no port guessed and raced for).
+            min_nodes=resources.nnodes,
+            max_nodes=resources.nnodes,
+            nproc_per_node=resources.nproc_per_node,
+            run_id=run_id,
+            rdzv_backend="c10d",
+            # Port 0 on one node: the launcher's store binds a free port itself (no port guessed and raced
+            # for).
             rdzv_endpoint=resources.rdzv_endpoint or "127.0.0.1:0",
-            max_restarts=0,  # a failed rank fails the stage; the flow's retry re-runs it (and resumes where it can)
-            monitor_interval=0.5,  # a dead rank stops the others within ~1 s instead of hanging on a collective
-            logs_specs=DefaultLogsSpecs(log_dir=str(Path(scratch) / "logs")))
+            # a failed rank fails the stage; the flow's retry re-runs it (and resumes where it can)
+            max_restarts=0,
+            # a dead rank stops the others within ~1 s instead of hanging on a collective
+            monitor_interval=0.5,
+            logs_specs=DefaultLogsSpecs(log_dir=str(Path(scratch) / "logs")),
+        )
         failures = {}
         try:
             elastic_launch(config, sys.executable)("-m", module, *argv)
@@ -170,14 +182,17 @@ def launch(spec: StageSpec, module: str, argv: list[str], resources: ResourcesCo
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-        reports = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in results_dir.glob("rank*.json")}
+        reports = {
+            int(p.stem.removeprefix("rank")): json.loads(p.read_text())
+            for p in results_dir.glob("rank*.json")
+        }
     if not failures:
         if 0 in reports:
             return reports[0]["code"], None
         return 1, f"the {resources.world_size} ranks finished but rank 0 wrote no result"
-    # The cause: a rank that died without a word (killed, or a hard crash) before one that reported an error, as
-    # its peers then report the broken connection (gloo's "Connection closed by peer" reached rank 0 in the same
-    # ~0.5 s monitor pass as rank 1's SIGKILL); else the first to fail.
+    # The cause: a rank that died without a word (killed, or a hard crash) before one that reported an error,
+    # as its peers then report the broken connection (gloo's "Connection closed by peer" reached rank 0 in the
+    # same ~0.5 s monitor pass as rank 1's SIGKILL); else the first to fail.
     failed_rank = min(failures, key=lambda r: (r in reports, failures[r].timestamp, r))
     report = reports.get(failed_rank)
     if failed_rank == 0 and report is not None:
@@ -186,6 +201,9 @@ def launch(spec: StageSpec, module: str, argv: list[str], resources: ResourcesCo
     if report is not None and report["code"] != 0:
         return report["code"], f"{where}: {json.loads(report['line']).get('message', '')}"
     failure = failures[failed_rank]
-    how = (f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
-           else f"exited with code {failure.exitcode}")
+    how = (
+        f"killed by {signal.Signals(-failure.exitcode).name}"
+        if failure.exitcode < 0
+        else f"exited with code {failure.exitcode}"
+    )
     return 1, f"{where} (pid {failure.pid}) {how}"

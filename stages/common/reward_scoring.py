@@ -1,5 +1,5 @@
-"""Frozen reward models as the RL and evaluation stages use them: loaded from `reward_<name>` inputs, combined as
-a weighted sum of z-scored scores.
+"""Frozen reward models as the RL and evaluation stages use them: loaded from `reward_<name>` inputs, combined
+as a weighted sum of z-scored scores.
 
 What this is: the one definition of "the reward-model score" of a response, so PPO optimises exactly
 the number evaluation reports. What it is not: reward-model training (stages/reward.py) or reward
@@ -46,14 +46,16 @@ class RewardModel:
 
 
 class RewardScores(NamedTuple):
-    """Per-model z-scored scores (name -> [N] float32) and their weighted sum [N]; unpacks as (per_model, total)."""
+    """Per-model z-scored scores (name -> [N] float32) and their weighted sum [N];
+    unpacks as (per_model, total)."""
 
     per_model: dict[str, torch.Tensor]
     total: torch.Tensor
 
 
 def reward_input_names(inputs: dict[str, str]) -> list[str]:
-    """The spec's reward-model input names (`reward_<name>`), sorted so the order never depends on the spec."""
+    """The spec's reward-model input names (`reward_<name>`),
+    sorted so the order never depends on the spec."""
     return sorted(k for k in inputs if k.startswith(REWARD_INPUT_PREFIX))
 
 
@@ -61,22 +63,33 @@ def read_sidecar(folder: Path, input_name: str) -> tuple[str, float, float, floa
     """(name, weight, score_mean, score_std) from a reward checkpoint's sidecar; errors say what is wrong."""
     path = Path(folder) / SIDECAR
     if not path.is_file():
-        raise StageInputError(f"input '{input_name}' ({folder}) has no {SIDECAR}; it must be a reward stage output")
+        raise StageInputError(
+            f"input '{input_name}' ({folder}) has no {SIDECAR}; it must be a reward stage output"
+        )
     meta = json.loads(path.read_text())
     missing = [k for k in ("score_mean", "score_std") if k not in meta]
     if missing:
-        raise StageInputError(f"{path} lacks {', '.join(missing)}; re-run the reward stage, which writes them")
+        raise StageInputError(
+            f"{path} lacks {', '.join(missing)}; re-run the reward stage, which writes them"
+        )
     name = str(meta.get("name") or input_name.removeprefix(REWARD_INPUT_PREFIX))
     weight, mean, std = float(meta.get("weight", 1.0)), float(meta["score_mean"]), float(meta["score_std"])
     if not (math.isfinite(mean) and math.isfinite(std)) or std < MIN_SCORE_STD:
-        raise StageInputError(f"{path}: score_mean={mean}, score_std={std}; a usable reward model has a finite "
-                              f"mean and a std >= {MIN_SCORE_STD} (its scores must differ between responses): "
-                              "retrain it (more steps, another reward.lr)")
+        raise StageInputError(
+            f"{path}: score_mean={mean}, score_std={std}; a usable reward model has a finite "
+            f"mean and a std >= {MIN_SCORE_STD} (its scores must differ between responses): "
+            "retrain it (more steps, another reward.lr)"
+        )
     return name, weight, mean, std
 
 
-def load_reward_models(ctx: StageContext, *, dtype: str | None = None, device: str | torch.device | None = None,
-                       tokenizer: Any = None) -> list[RewardModel]:
+def load_reward_models(
+    ctx: StageContext,
+    *,
+    dtype: str | None = None,
+    device: str | torch.device | None = None,
+    tokenizer: Any = None,
+) -> list[RewardModel]:
     """Every `reward_<name>` input of the stage, frozen, in input-name order.
 
     dtype: None reads the spec's `model.dtype` (float32 when absent). device: None picks CUDA when
@@ -87,8 +100,10 @@ def load_reward_models(ctx: StageContext, *, dtype: str | None = None, device: s
 
     names = reward_input_names(ctx.spec.inputs)
     if not names:
-        raise StageInputError(f"stage '{ctx.spec.stage}' needs at least one '{REWARD_INPUT_PREFIX}<name>' input "
-                              f"(a reward stage output); spec inputs: {sorted(ctx.spec.inputs) or 'none'}")
+        raise StageInputError(
+            f"stage '{ctx.spec.stage}' needs at least one '{REWARD_INPUT_PREFIX}<name>' input "
+            f"(a reward stage output); spec inputs: {sorted(ctx.spec.inputs) or 'none'}"
+        )
     if dtype is None:
         dtype = (ctx.spec.config.get("model") or {}).get("dtype", "float32")
     if device is None:
@@ -98,49 +113,65 @@ def load_reward_models(ctx: StageContext, *, dtype: str | None = None, device: s
         folder = ctx.input(input_name)
         name, weight, mean, std = read_sidecar(folder, input_name)
         if name in seen:
-            raise StageInputError(f"two reward inputs are both named '{name}'; give each reward model a unique name")
+            raise StageInputError(
+                f"two reward inputs are both named '{name}'; give each reward model a unique name"
+            )
         seen.add(name)
         if tokenizer is not None and load_tokenizer(folder).get_vocab() != tokenizer.get_vocab():
-            raise StageInputError(f"reward model '{name}' ({folder}) has a different tokenizer than the policy; "
-                                  "train reward models from the same SFT checkpoint as the policy")
+            raise StageInputError(
+                f"reward model '{name}' ({folder}) has a different tokenizer than the policy; "
+                "train reward models from the same SFT checkpoint as the policy"
+            )
         model = load_sequence_classifier(folder, dtype=dtype).to(device).eval().requires_grad_(False)
         models.append(RewardModel(name=name, weight=weight, mean=mean, std=std, model=model))
     return models
 
 
 def _read_out_positions(sequences: list[list[int]], pad_id: int) -> list[int]:
-    """transformers' sequence-classifier read-out: the index of each sequence's last token that is not `pad_id`
-    (0 when every token is), as it finds it in right-padded rows (a trailing pad-id token, e.g. an EOS that
-    doubles as the pad token, is skipped)."""
+    """transformers' sequence-classifier read-out: the index of each sequence's last token that is not
+    `pad_id` (0 when every token is), as it finds it in right-padded rows (a trailing pad-id token, e.g. an
+    EOS that doubles as the pad token, is skipped)."""
     return [next((i for i in range(len(s) - 1, -1, -1) if s[i] != pad_id), 0) for s in sequences]
 
 
 def _packed_scores(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
-    """[N] scores through llama_forward on packed rows (stages/common/training/packing.py), the score head on the read-out
-    positions only: transformers' forward pads every sequence to the longest and runs the head on every position."""
+    """[N] scores through llama_forward on packed rows (stages/common/training/packing.py), the score head on
+    the read-out positions only: transformers' forward pads every sequence to the longest and runs the head on
+    every position."""
     packed = pack_sequences(sequences)
     at = packed.starts + torch.tensor(_read_out_positions(sequences, pad_id), dtype=torch.long)
-    hidden = llama_forward.llama_hidden_states(model.model, packed.input_ids.to(device), packed.segment_ids.to(device),
-                                               packed.position_ids.to(device), keep=at.to(device))
+    hidden = llama_forward.llama_hidden_states(
+        model.model,
+        packed.input_ids.to(device),
+        packed.segment_ids.to(device),
+        packed.position_ids.to(device),
+        keep=at.to(device),
+    )
     return model.score(hidden).squeeze(-1).float().cpu()
 
 
 def runs_packed(model: Any, pad_id: int) -> bool:
     """Whether raw_scores takes the packed llama_forward path for this model: a transformers Llama-family
-    classifier llama_forward supports, whose config pads with `pad_id` (the read-out transformers would make)."""
+    classifier llama_forward supports, whose config pads with `pad_id` (the read-out transformers would
+    make)."""
     backbone = getattr(model, "model", None)
-    return (backbone is not None and hasattr(model, "score") and getattr(model.config, "pad_token_id", None) == pad_id
-            and llama_forward.supports(backbone) is None)
+    return (
+        backbone is not None
+        and hasattr(model, "score")
+        and getattr(model.config, "pad_token_id", None) == pad_id
+        and llama_forward.supports(backbone) is None
+    )
 
 
 @torch.no_grad()
-def raw_scores(model: Any, sequences: list[list[int]], pad_id: int, batch_size: int = 64,
-               packed: bool | None = None) -> torch.Tensor:
+def raw_scores(
+    model: Any, sequences: list[list[int]], pad_id: int, batch_size: int = 64, packed: bool | None = None
+) -> torch.Tensor:
     """[N] float32 scalar scores of token sequences, read out as in reward training (stages/reward.score: the
     last non-pad token of right-padded rows).
 
     packed: None runs llama_forward on packed rows where `runs_packed` says it reads out what transformers'
-    forward would (the demo's 32 sequences: 9.9 vs 13.1 ms, 2 threads); False forces transformers' forward
+    forward would (faster: fewer operator calls, no padding); False forces transformers' forward
     on the padded rows (the reference). Equal up to float summation order. Every sequence must be non-empty.
     """
     if any(len(s) == 0 for s in sequences):
@@ -150,7 +181,7 @@ def raw_scores(model: Any, sequences: list[list[int]], pad_id: int, batch_size: 
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(sequences), batch_size):
-        part = sequences[start:start + batch_size]
+        part = sequences[start : start + batch_size]
         if packed:
             out.append(_packed_scores(model, part, pad_id, device))
             continue
@@ -169,9 +200,11 @@ def combine(models: list[RewardModel], raw: dict[str, torch.Tensor]) -> RewardSc
     return RewardScores(per_model, total)
 
 
-def score_with_reward_models(models: list[RewardModel], sequences: list[list[int]], pad_id: int,
-                             batch_size: int = 64) -> RewardScores:
-    """Score prompt+response token sequences ([N] lists) with every model: (per-model z-scores, weighted total).
+def score_with_reward_models(
+    models: list[RewardModel], sequences: list[list[int]], pad_id: int, batch_size: int = 64
+) -> RewardScores:
+    """Score prompt+response token sequences ([N] lists) with every model: (per-model z-scores, weighted
+    total).
 
     Returns float32 CPU tensors of shape [N]; the dict is a fresh one the caller may extend.
     """

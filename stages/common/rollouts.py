@@ -59,10 +59,16 @@ ROLLOUT_SCHEMA: pa.Schema = pa.schema(
         _field(
             "logprobs",
             _float_list(),
-            "Per-token log-prob of each sampled token under the rollout policy (the old policy of the PPO ratio).",
+            "Per-token log-prob of each sampled token under the rollout policy (the old policy of the PPO "
+            "ratio).",
         ),
-        _field("ref_logprobs", _float_list(), "Per-token log-prob under the frozen reference policy; null when the "
-               "reference forward was skipped (KL coefficient 0, ppo.kl_metric false).", nullable=True),
+        _field(
+            "ref_logprobs",
+            _float_list(),
+            "Per-token log-prob under the frozen reference policy; null when the "
+            "reference forward was skipped (KL coefficient 0, ppo.kl_metric false).",
+            nullable=True,
+        ),
         _field(
             "values",
             _float_list(),
@@ -96,7 +102,12 @@ ROLLOUT_SCHEMA: pa.Schema = pa.schema(
             "The sequence score trained on: weighted sum of `rewards` plus any missing-EOS penalty, after "
             "normalisation and clipping.",
         ),
-        _field("kl", pa.float32(), "KL(policy || reference) of the response in nats: the per-token sum; 0 when the reference forward was skipped."),
+        _field(
+            "kl",
+            pa.float32(),
+            "KL(policy || reference) of the response in nats: the per-token sum; 0 when the reference "
+            "forward was skipped.",
+        ),
         _field("length", pa.int32(), "Number of response tokens: the length of every per-token column."),
         _field(
             "finish_reason",
@@ -143,7 +154,8 @@ def _table_from_rows(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
         unknown = sorted(set(row) - known)
         if unknown:
             raise RolloutSchemaError(
-                f"rollouts: row {i}: unknown column(s) {', '.join(map(repr, unknown))}; valid columns: {', '.join(names)}"
+                f"rollouts: row {i}: unknown column(s) {', '.join(map(repr, unknown))}; valid columns: "
+                f"{', '.join(names)}"
             )
         missing = [name for name in required if name not in row]
         if missing:
@@ -163,7 +175,8 @@ def _table_from_rows(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
                     shown = repr(value)
                     shown = shown if len(shown) <= 80 else shown[:77] + "..."
                     raise RolloutSchemaError(
-                        f"rollouts: column {field.name!r} row {i}: cannot store {shown} as {_type_name(field.type)} ({exc})"
+                        f"rollouts: column {field.name!r} row {i}: cannot store {shown} as "
+                        f"{_type_name(field.type)} ({exc})"
                     ) from None
             raise
     return pa.Table.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
@@ -207,12 +220,14 @@ def _to_table(data: Any) -> pa.Table:
         return _table_from_rows(data.to_dict("records"))
     if isinstance(data, Mapping) or isinstance(data, (str, bytes)):
         raise RolloutSchemaError(
-            f"write_rollouts takes a list of row dicts, a pyarrow Table or a pandas DataFrame, got {type(data).__name__}"
+            "write_rollouts takes a list of row dicts, a pyarrow Table or a pandas DataFrame, got "
+            f"{type(data).__name__}"
         )
     if isinstance(data, Iterable):
         return _table_from_rows(list(data))
     raise RolloutSchemaError(
-        f"write_rollouts takes a list of row dicts, a pyarrow Table or a pandas DataFrame, got {type(data).__name__}"
+        "write_rollouts takes a list of row dicts, a pyarrow Table or a pandas DataFrame, got "
+        f"{type(data).__name__}"
     )
 
 
@@ -290,7 +305,8 @@ def validate_rollouts(table: pa.Table) -> list[str]:
     bad = _first_true(pc.invert(pc.is_in(finish, value_set=pa.array(FINISH_REASONS))))
     if bad is not None and finish[bad].is_valid:
         problems.append(
-            f"column 'finish_reason' row {bad}: {finish[bad].as_py()!r} is not one of {', '.join(FINISH_REASONS)}"
+            f"column 'finish_reason' row {bad}: {finish[bad].as_py()!r} is not one of "
+            f"{', '.join(FINISH_REASONS)}"
         )
     return problems
 
@@ -444,6 +460,7 @@ def schema_markdown() -> str:
     for field in ROLLOUT_SCHEMA:
         description = (field.metadata or {}).get(b"description", b"").decode().replace("|", "\\|")
         lines.append(
-            f"| `{field.name}` | {_type_name(field.type)} | {'yes' if field.nullable else 'no'} | {description} |"
+            f"| `{field.name}` | {_type_name(field.type)} | {'yes' if field.nullable else 'no'} | "
+            f"{description} |"
         )
     return "\n".join(lines) + "\n"

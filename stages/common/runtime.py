@@ -1,4 +1,4 @@
-"""What every stage's `main` shares: spec loading, verified inputs, publishing, tracking, the StageResult line.
+"""What every stage's `main` shares: spec loading, verified inputs, publishing, tracking, the result line.
 
 A stage module provides `run(spec) -> StageResult` (pure: no argument parsing, no exit) and
 `main(argv) -> int = stage_main("name", run, argv)`. Nothing here knows any stage's ML.
@@ -45,8 +45,8 @@ class StageInputError(ValueError):
 
 
 # Errors that mean "the input is wrong": exit code 2, one-line reason, never retried.
-# BackendUnavailableError: an engine backend whose package or device is missing here (the config asks for the wrong
-# image or interpreter; a retry cannot help).
+# BackendUnavailableError: an engine backend whose package or device is missing here (the config asks for the
+# wrong image or interpreter; a retry cannot help).
 # DeviceUnavailableError: model.device asks for a GPU this machine does not have.
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (StageInputError, ConfigError, StorageError, DataError,
                                                       BackendUnavailableError, DeviceUnavailableError)
@@ -68,7 +68,8 @@ def load_spec(path_or_uri: str) -> StageSpec:
 
 
 def seconds_since(variable: str) -> float | None:
-    """Seconds since the wall-clock time in environment variable `variable` (None when unset or unreadable)."""
+    """Seconds since the wall-clock time in environment variable `variable`
+    (None when unset or unreadable)."""
     try:
         return max(time.time() - float(os.environ[variable]), 0.0)
     except (KeyError, ValueError):
@@ -101,8 +102,9 @@ class StageContext:
         return compute_device(str((self.spec.config.get("model") or {}).get("device", "auto")))
 
     def record_device(self, role: str, where) -> None:
-        """Record where `role` (train, reference, score, generate, ...) computed: a device, a device name, or a
-        model, whose first parameter's device is taken (where it really is, not where it was asked to be)."""
+        """Record where `role` (train, reference, score, generate, ...) computed: a device, a device name, or
+        a model, whose first parameter's device is taken (where it really is, not where it was asked to
+        be)."""
         if hasattr(where, "parameters") or hasattr(where, "module"):
             where = device_of(where)
         self.devices[role] = device_name(where)
@@ -112,8 +114,10 @@ class StageContext:
         if name not in self._inputs:
             uri = self.spec.inputs.get(name)
             if uri is None:
-                raise StageInputError(f"stage '{self.spec.stage}' needs input '{name}'; spec has "
-                                      f"{sorted(self.spec.inputs) or 'none'}")
+                raise StageInputError(
+                    f"stage '{self.spec.stage}' needs input '{name}'; spec has "
+                    f"{sorted(self.spec.inputs) or 'none'}"
+                )
             self._inputs[name] = materialize(uri, self.cache_dir, self.spec.storage)
         return self._inputs[name][0]
 
@@ -153,29 +157,45 @@ class StageContext:
         Adds the stage's profile (profile.md) to the folder first and logs its totals as metrics.
         """
         if not ranks.is_main():
-            raise RuntimeError(f"rank {ranks.rank()} tried to publish; only rank 0 publishes (use rank_result)")
+            raise RuntimeError(
+                f"rank {ranks.rank()} tried to publish; only rank 0 publishes (use rank_result)"
+            )
         self.profiler.stop()
         self.profiler.write_report(folder / "profile.md")
         if self.tracker is not None:
-            self.tracker.flush()  # every queued step is in the run before the output pointing at it is published
+            # every queued step is in the run before the output pointing at it is published
+            self.tracker.flush()
             self.tracker.log_metrics(self.profiler.summary())
             self.tracker.log_artifact(folder / "profile.md", "reports")
-        inputs = {name: InputRef(uri=uri, digest=self.spec.input_digests.get(name, ""))
-                  for name, uri in self.spec.inputs.items()}
+        inputs = {
+            name: InputRef(uri=uri, digest=self.spec.input_digests.get(name, ""))
+            for name, uri in self.spec.inputs.items()
+        }
         if self.devices:
             summary = {**(summary or {}), "devices": dict(self.devices)}
             if self.tracker is not None:
-                self.tracker.set_tags({f"alignflow.device.{role}": name for role, name in self.devices.items()})
-        manifest = publish(folder, self.spec.output_uri, stage=self.spec.stage, config=self.spec.config,
-                           inputs=inputs, version=self.spec.code_version, summary=summary,
-                           storage=self.spec.storage)
+                self.tracker.set_tags(
+                    {f"alignflow.device.{role}": name for role, name in self.devices.items()}
+                )
+        manifest = publish(
+            folder,
+            self.spec.output_uri,
+            stage=self.spec.stage,
+            config=self.spec.config,
+            inputs=inputs,
+            version=self.spec.code_version,
+            summary=summary,
+            storage=self.spec.storage,
+        )
         if self.tracker is not None:
             self.tracker.log_metrics(self.storage_metrics())
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "manifest.json"
                 path.write_text(manifest.model_dump_json(indent=2))
                 self.tracker.log_artifact(path, "output")
-            self.tracker.set_tags({"alignflow.output_uri": manifest.uri, "alignflow.output_digest": manifest.digest})
+            self.tracker.set_tags(
+                {"alignflow.output_uri": manifest.uri, "alignflow.output_digest": manifest.digest}
+            )
         return manifest
 
     @staticmethod
@@ -183,23 +203,35 @@ class StageContext:
         """`storage/retries`: object-store calls this process retried (transient S3 faults it survived)."""
         return {"storage/retries": float(sum(storage_retries().values()))}
 
-    def result(self, manifest: Manifest, metrics: dict[str, float], key_metric: str | None,
-               message: str = "") -> StageResult:
-        # The GPU's peak memory (profiler: per phase and in all, allocated and reserved) where the stage used one.
+    def result(
+        self, manifest: Manifest, metrics: dict[str, float], key_metric: str | None, message: str = ""
+    ) -> StageResult:
+        # The GPU's peak memory (profiler: per phase and in all, allocated and reserved) where the stage used
+        # one.
         peaks = {k: v for k, v in self.profiler.summary().items() if k.startswith("perf/peak_gpu")}
-        return StageResult(stage=self.spec.stage, status="ok", output_uri=manifest.uri,
-                           manifest_digest=manifest.digest, metrics={**metrics, **peaks, **self.storage_metrics()},
-                           key_metric=key_metric,
-                           mlflow_run_id=self.tracker.run_id if self.tracker else None,
-                           duration_s=round(time.perf_counter() - self.started, 3), message=message,
-                           devices=dict(self.devices))
-
+        return StageResult(
+            stage=self.spec.stage,
+            status="ok",
+            output_uri=manifest.uri,
+            manifest_digest=manifest.digest,
+            metrics={**metrics, **peaks, **self.storage_metrics()},
+            key_metric=key_metric,
+            mlflow_run_id=self.tracker.run_id if self.tracker else None,
+            duration_s=round(time.perf_counter() - self.started, 3),
+            message=message,
+            devices=dict(self.devices),
+        )
 
     def rank_result(self, metrics: dict[str, float]) -> StageResult:
-        """What a rank other than 0 reports once its share is done (rank 0 publishes and reports the output)."""
-        return StageResult(stage=self.spec.stage, status="ok", metrics=metrics,
-                           duration_s=round(time.perf_counter() - self.started, 3),
-                           message=f"rank {ranks.rank()} of {ranks.world_size()}")
+        """What a rank other than 0 reports once its share is done
+        (rank 0 publishes and reports the output)."""
+        return StageResult(
+            stage=self.spec.stage,
+            status="ok",
+            metrics=metrics,
+            duration_s=round(time.perf_counter() - self.started, 3),
+            message=f"rank {ranks.rank()} of {ranks.world_size()}",
+        )
 
 
 @contextlib.contextmanager
@@ -217,8 +249,15 @@ def tracked(ctx: StageContext, run_name: str | None = None) -> Iterator[StageCon
     from alignflow import tracking as mlflow_tracking
 
     tags = {**tracking.tags, "alignflow.code_version": ctx.spec.code_version}
-    with mlflow_tracking.stage_run(tracking.uri, tracking.experiment, ctx.spec.stage, tracking.parent_run_id,
-                                   tags=tags, run_name=run_name, attempt_of=ctx.spec.output_uri) as run:
+    with mlflow_tracking.stage_run(
+        tracking.uri,
+        tracking.experiment,
+        ctx.spec.stage,
+        tracking.parent_run_id,
+        tags=tags,
+        run_name=run_name,
+        attempt_of=ctx.spec.output_uri,
+    ) as run:
         ctx.tracker = run
         run.log_params(ctx.spec.config)
         run.log_params({f"input.{k}": v for k, v in ctx.spec.inputs.items()})
@@ -240,10 +279,13 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
     """Parse `--spec`, call `run`, print the StageResult JSON last; exit 2 on bad input, 1 on a crash."""
     set_offline_defaults()
     console.quiet()  # other libraries' noise off unless ALIGNFLOW_VERBOSE (alignflow run --verbose)
-    parser = argparse.ArgumentParser(prog=f"python -m {stage_program(stage)}",
-                                     description=f"alignflow '{stage}' stage")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {stage_program(stage)}", description=f"alignflow '{stage}' stage"
+    )
     parser.add_argument("--spec", required=True, help="Path or URI of the stage spec (JSON).")
-    parser.add_argument("--force", action="store_true", help="Re-run even if the output is already published.")
+    parser.add_argument(
+        "--force", action="store_true", help="Re-run even if the output is already published."
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if ranks.launched():
@@ -257,14 +299,18 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
         if result is None:
             resources = ranks.stage_resources(spec)
             if resources.world_size > 1 and not ranks.launched():
-                code, failure = ranks.launch(spec, stage_program(stage),
-                                             sys.argv[1:] if argv is None else list(argv), resources)
+                code, failure = ranks.launch(
+                    spec, stage_program(stage), sys.argv[1:] if argv is None else list(argv), resources
+                )
                 if failure is not None:
                     print(f"error: {stage}: {failure}", file=sys.stderr, flush=True)
                     _print_failure(stage, failure, started, code)
                 return code
             result = run(spec)
-    except (TransientStorageError, TrackingUnavailableError) as exc:  # a service's passing fault: exit 1, retried
+    except (
+        TransientStorageError,
+        TrackingUnavailableError,
+    ) as exc:  # a service's passing fault: exit 1, retried
         print(f"error: {stage}: {exc}", file=sys.stderr, flush=True)
         _print_failure(stage, str(exc), started, 1)
         return 1
@@ -279,9 +325,11 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
     except Exception as exc:  # a crash: full traceback for the logs, one line in the result
         if _disk_full(exc):  # not a bug: say where, and what to do, without a traceback
             where = (spec.output_uri if spec is not None else None) or "the output folder"
-            message = (f"no space left on device while writing {where} ({type(exc).__name__}: {exc}); "
-                       f"{_free_space(spec)}free space there or point storage.root (and workdir) at a larger disk; "
-                       "nothing was published")
+            message = (
+                f"no space left on device while writing {where} ({type(exc).__name__}: {exc}); "
+                f"{_free_space(spec)}free space there or point storage.root (and workdir) at a larger disk; "
+                "nothing was published"
+            )
             print(f"error: {stage}: {message}", file=sys.stderr, flush=True)
             _print_failure(stage, message, started, 1)
             return 1
@@ -303,7 +351,8 @@ def _disk_full(exc: BaseException) -> bool:
 
 
 def _free_space(spec: StageSpec | None) -> str:
-    """"N bytes free in <dir>; " for the disk the output is written on (s3:// outputs: the workdir's scratch)."""
+    """ "N bytes free in <dir>; " for the disk the output is written on (s3:// outputs:
+    the workdir's scratch)."""
     if spec is None:
         return ""
     local = open_store(spec.output_uri, spec.storage).local_path(spec.output_uri) or Path(spec.workdir)
@@ -312,15 +361,20 @@ def _free_space(spec: StageSpec | None) -> str:
 
 
 def _report(line: str, code: int) -> None:
-    """The result line: on stdout from rank 0 (the only rank the flow hears), to the launcher from every rank."""
+    """The result line: on stdout from rank 0 (the only rank the flow hears),
+    to the launcher from every rank."""
     ranks.write_rank_result(code, line)
     if ranks.is_main():
         print(line, flush=True)
 
 
 def _print_failure(stage: str, message: str, started: float, code: int) -> None:
-    failed = StageResult(stage=stage, status="failed", message=message.splitlines()[0] if message else "",
-                         duration_s=round(time.perf_counter() - started, 3))
+    failed = StageResult(
+        stage=stage,
+        status="failed",
+        message=message.splitlines()[0] if message else "",
+        duration_s=round(time.perf_counter() - started, 3),
+    )
     _report(failed.to_line(), code)
 
 

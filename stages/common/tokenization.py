@@ -39,7 +39,8 @@ class Encoded:
 
 
 def encode_example(tokenizer, prompt_text: str, completion: str, max_length: int) -> Encoded:
-    """Encode for training with the loss on completion tokens only; over-long examples are cut on the right."""
+    """Encode for training with the loss on completion tokens only;
+    over-long examples are cut on the right."""
     prompt_ids = encode_prompt(tokenizer, prompt_text)
     completion_ids = encode_completion(tokenizer, completion)
     ids = prompt_ids + completion_ids

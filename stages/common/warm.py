@@ -1,7 +1,7 @@
-"""`python -m alignflow.stages.common.warm`: a stage process that imports the ML stack first and is told later which stage to run.
+"""`python -m alignflow.stages.common.warm`: a stage process that imports the ML stack, then runs a stage.
 
-What it is for: start-up. A stage process spends ~4-5 s of a 2-core box importing torch,
-transformers and the stage's modules before it reads its spec; the flow starts this process while it
+What it is for: start-up. A stage process spends seconds importing torch, transformers and the stage's
+modules before it reads its spec (docs/performance.md#start-up); the flow starts this process while it
 is still importing Prefect and starting Prefect's server, so that time is spent in parallel. When a
 stage is launched, the flow writes one JSON line to its stdin, `{"stage": name, "argv": [...], "env":
 {...}}` (variables to set, or unset when null, before the stage runs: those the flow set after this
@@ -22,9 +22,9 @@ import sys
 from alignflow import console
 from alignflow.contract import STAGE_PROGRAMS, stage_program
 
-# The heavy imports every ML stage makes, in the order they come. Measured with `python -X importtime` on
-# the 2-core box after torch and transformers: transformers' weight-loading machinery 0.6 s, MLflow and its
-# SQL store 0.9 s, the tokenizer classes ~0.5 s; the stage modules themselves ~0.1 s each.
+# The heavy imports every ML stage makes, in the order they come; after torch and transformers, the costly
+# ones are transformers' weight-loading machinery, MLflow and its SQL store, and the tokenizer classes
+# (`python -X importtime` shows each one's share).
 WARM_IMPORTS = ("torch", "transformers", "safetensors.torch", "alignflow.stages.common.runtime",
                 "alignflow.stages.common.models.loading", "alignflow.stages.common.generation.interface",
                 "transformers.core_model_loading", "transformers.models.auto.modeling_auto",
@@ -35,7 +35,8 @@ STAGES = tuple(STAGE_PROGRAMS)
 
 
 def warm_up() -> None:
-    """Import what the stages will (a module another version of a library lacks is skipped: it only costs time)."""
+    """Import what the stages will (a module another version of a library lacks is skipped:
+    it only costs time)."""
     for name in (*WARM_IMPORTS, *(stage_program(stage) for stage in STAGES)):
         try:
             importlib.import_module(name)
@@ -56,8 +57,11 @@ def run_request(line: str) -> int:
         print(f"error: warm stage process: bad request {line[:200]!r} ({exc})", file=sys.stderr, flush=True)
         return 2
     if stage not in STAGES:
-        print(f"error: warm stage process: unknown stage '{stage}'; stages: {', '.join(STAGES)}", file=sys.stderr,
-              flush=True)
+        print(
+            f"error: warm stage process: unknown stage '{stage}'; stages: {', '.join(STAGES)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     for name, value in env_changes.items():  # variables read at run time (flows/launch.py decides which)
         if value is None:

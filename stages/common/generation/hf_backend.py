@@ -84,14 +84,22 @@ class HFEngine(Engine):
 
     backend: ClassVar[str] = "hf"
 
-    def __init__(self, model: Any, engine_config: EngineConfig, *, device: torch.device,
-                 eos_token_ids: tuple[int, ...], tokenizer_source: Path | None, source_checkpoint: str | None):
+    def __init__(
+        self,
+        model: Any,
+        engine_config: EngineConfig,
+        *,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...],
+        tokenizer_source: Path | None,
+        source_checkpoint: str | None,
+    ):
         from transformers import GenerationConfig
 
         if engine_config.tensor_parallel_size != 1:
             raise NotImplementedError(
-                f"engine.tensor_parallel_size={engine_config.tensor_parallel_size}: the hf engine runs on one "
-                "device; set engine.tensor_parallel_size: 1"
+                f"engine.tensor_parallel_size={engine_config.tensor_parallel_size}: the hf engine runs on "
+                "one device; set engine.tensor_parallel_size: 1"
             )
         warn_if_cpu_emulates(model.dtype, device)
         self.model = model.eval().to(device)
@@ -104,25 +112,43 @@ class HFEngine(Engine):
         self._loaded = True
         self._weights_valid = True
         self._busy = False
-        self._shapes: dict[str, torch.Size] = {}  # each parameter's shape while discarded (keep_weights=False)
-        # unload() copies the parameters to host memory where that frees something (a GPU); a test sets it on CPU.
+        self._shapes: dict[
+            str, torch.Size
+        ] = {}  # each parameter's shape while discarded (keep_weights=False)
+        # unload() copies the parameters to host memory where that frees something (a GPU); a test sets it on
+        # CPU.
         self.offload_weights = device.type != "cpu"
         self._offloaded = False  # the parameters are host copies until reload()
-        self._discarded = False  # unload(keep_weights=False) until a full refit: a partial one cannot fill them
+        self._discarded = False
 
     @classmethod
-    def build(cls, checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str = "float32",
-              device: str | None = None) -> HFEngine:
+    def build(
+        cls,
+        checkpoint_dir: str | Path,
+        engine_config: EngineConfig,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+    ) -> HFEngine:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         checkpoint_dir = Path(checkpoint_dir)
         if not (checkpoint_dir / "config.json").is_file():
-            raise FileNotFoundError(f"{checkpoint_dir}: no config.json; expected a Hugging Face causal-LM directory")
-        model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=resolve_dtype(dtype),
-                                                     attn_implementation="sdpa")
+            raise FileNotFoundError(
+                f"{checkpoint_dir}: no config.json; expected a Hugging Face causal-LM directory"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint_dir, dtype=resolve_dtype(dtype), attn_implementation="sdpa"
+        )
         eos = eos_ids_of(checkpoint_dir, AutoConfig.from_pretrained(checkpoint_dir))
-        return cls(model, engine_config, device=resolve_device(device), eos_token_ids=eos,
-                   tokenizer_source=checkpoint_dir, source_checkpoint=str(checkpoint_dir))
+        return cls(
+            model,
+            engine_config,
+            device=resolve_device(device),
+            eos_token_ids=eos,
+            tokenizer_source=checkpoint_dir,
+            source_checkpoint=str(checkpoint_dir),
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -136,10 +162,14 @@ class HFEngine(Engine):
         """transformers generate with the model's attention implementation, sampling through sample_tokens."""
         from alignflow.kernels._triton_dispatch import resolve_impl
 
-        return {"backend": self.backend, "device": str(self.device),
-                "dtype": str(self.model.dtype).removeprefix("torch."), "decode_step": "transformers generate",
-                "attention": self.model.config._attn_implementation,
-                "sampler": sampler_path(resolve_impl("auto", self.device, "sample_tokens"))}
+        return {
+            "backend": self.backend,
+            "device": str(self.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "decode_step": "transformers generate",
+            "attention": self.model.config._attn_implementation,
+            "sampler": sampler_path(resolve_impl("auto", self.device, "sample_tokens")),
+        }
 
     @property
     def loaded(self) -> bool:
@@ -150,8 +180,13 @@ class HFEngine(Engine):
         return self.tokenizer_source
 
     # -- generation -------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams, *,
-                 return_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        return_logits: bool = False,
+    ) -> Generation:
         if not self._loaded:
             raise EngineError("the engine is unloaded; call reload() before generate()")
         if not self._weights_valid:
@@ -167,8 +202,9 @@ class HFEngine(Engine):
         self._busy = True
         try:
             for start in range(0, len(prompts), rows):
-                part = self._generate_batch(prompts[start : start + rows], seeds[start : start + rows], sampling,
-                                            return_logits)
+                part = self._generate_batch(
+                    prompts[start : start + rows], seeds[start : start + rows], sampling, return_logits
+                )
                 responses += part.response_token_ids
                 logprobs += part.logprobs
                 reasons += part.finish_reasons
@@ -177,28 +213,48 @@ class HFEngine(Engine):
         finally:
             self._busy = False
         elapsed = time.perf_counter() - started
-        return Generation(responses, logprobs, reasons, logits if return_logits else None,
-                          metrics={"timing/generate_s": elapsed, "perf/generated_tokens": generated,
-                                   "perf/gen_tokens_per_s": generated / max(elapsed, 1e-9)})
+        return Generation(
+            responses,
+            logprobs,
+            reasons,
+            logits if return_logits else None,
+            metrics={
+                "timing/generate_s": elapsed,
+                "perf/generated_tokens": generated,
+                "perf/gen_tokens_per_s": generated / max(elapsed, 1e-9),
+            },
+        )
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams,
-                        return_logits: bool) -> Generation:
+    def _generate_batch(
+        self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams, return_logits: bool
+    ) -> Generation:
         from transformers import GenerationConfig, LogitsProcessorList
 
         B, S = len(prompts), max(len(p) for p in prompts)
         ends = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self._eos))
         pad_id = min(ends) if ends else 0
-        ids = torch.tensor([[pad_id] * (S - len(p)) + p for p in prompts], dtype=torch.long, device=self.device)
-        mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
-                            device=self.device)
+        ids = torch.tensor(
+            [[pad_id] * (S - len(p)) + p for p in prompts], dtype=torch.long, device=self.device
+        )
+        mask = torch.tensor(
+            [[0] * (S - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device
+        )
         sampler = _CounterSampler(sampling, seeds, S, self.device, return_logits, self.vocab_size)
         config = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
-            eos_token_id=sorted(ends) or None, pad_token_id=pad_id,
+            max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=sorted(ends) or None,
+            pad_token_id=pad_id,
         )
-        self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                            logits_processor=LogitsProcessorList([sampler]))
+        self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([sampler]),
+        )
         tokens = torch.stack(sampler.tokens, dim=1).tolist()  # [B, steps]
         lps = torch.stack(sampler.logprobs, dim=1).tolist()
         eos = set() if sampling.ignore_eos else set(self._eos)
@@ -216,11 +272,15 @@ class HFEngine(Engine):
         return Generation(responses, logprobs, reasons, logits if return_logits else None)
 
     # -- refit ------------------------------------------------------------------------------------
-    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False) -> RefitStats:
+    def refit(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+    ) -> RefitStats:
         if self._busy:
             raise EngineError("refit() called while generate() is running")
         if self._shapes and next(iter(self.model.parameters())).numel() == 0:
-            raise EngineError("weights were discarded by unload(keep_weights=False); call reload() before refit()")
+            raise EngineError(
+                "weights were discarded by unload(keep_weights=False); call reload() before refit()"
+            )
         if partial and self._discarded:
             raise RefitError("partial refit into discarded weights: send every parameter (partial=False)")
         started = time.perf_counter()
@@ -235,11 +295,14 @@ class HFEngine(Engine):
                         continue
                     target = params.get(name)
                     if target is None:
-                        raise RefitError(f"unknown parameter name {name!r} for {type(self.model).__name__}; "
-                                         f"expected names like {next(iter(params))!r}")
+                        raise RefitError(
+                            f"unknown parameter name {name!r} for {type(self.model).__name__}; "
+                            f"expected names like {next(iter(params))!r}"
+                        )
                     if tuple(tensor.shape) != tuple(target.shape):
-                        raise RefitError(f"{name!r}: shape {tuple(tensor.shape)} but the model has "
-                                         f"{tuple(target.shape)}")
+                        raise RefitError(
+                            f"{name!r}: shape {tuple(tensor.shape)} but the model has {tuple(target.shape)}"
+                        )
                     target.copy_(tensor.detach())
                     covered.add(id(target))
                     count += 1
@@ -247,8 +310,10 @@ class HFEngine(Engine):
             missing = expected - covered
             if missing and not partial:
                 names = sorted(n for n, p in self.model.named_parameters() if id(p) in missing)
-                raise RefitError(f"refit did not cover {len(missing)} of {len(expected)} parameters (first: "
-                                 f"{names[:5]}); send every parameter, or pass partial=True")
+                raise RefitError(
+                    f"refit did not cover {len(missing)} of {len(expected)} parameters (first: "
+                    f"{names[:5]}); send every parameter, or pass partial=True"
+                )
         except BaseException:
             self._weights_valid = False
             raise
@@ -258,9 +323,9 @@ class HFEngine(Engine):
 
     # -- memory -----------------------------------------------------------------------------------
     def unload(self, *, keep_weights: bool = True) -> UnloadStats:
-        """Parameters to host memory where `offload_weights` (GPU; pinned there), or freed with keep_weights=False
-        (a full refit must follow reload). transformers allocates its KV cache inside each generate, so there is
-        none to free between rollouts."""
+        """Parameters to host memory where `offload_weights` (GPU; pinned there), or freed with
+        keep_weights=False (a full refit must follow reload). transformers allocates its KV cache inside each
+        generate, so there is none to free between rollouts."""
         if self._busy:
             raise EngineError("unload() called while generate() is running")
         params = dict(self.model.named_parameters())  # tied weights once
@@ -335,10 +400,18 @@ class HFEngine(Engine):
         path = Path(path)
         meta = read_engine_config(path)
         if meta["backend"] != cls.backend:
-            raise ValueError(f"{path} holds a {meta['backend']!r} engine, not {cls.backend!r}; use load_engine()")
-        model = AutoModelForCausalLM.from_pretrained(path / MODEL_DIR, dtype=resolve_dtype(meta["dtype"]),
-                                                     attn_implementation="sdpa")
+            raise ValueError(
+                f"{path} holds a {meta['backend']!r} engine, not {cls.backend!r}; use load_engine()"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            path / MODEL_DIR, dtype=resolve_dtype(meta["dtype"]), attn_implementation="sdpa"
+        )
         tokenizer_dir = path / meta["tokenizer"] if meta.get("tokenizer") else None
-        return cls(model, EngineConfig.model_validate(meta["engine_config"]), device=resolve_device(device),
-                   eos_token_ids=tuple(meta["eos_token_ids"]), tokenizer_source=tokenizer_dir,
-                   source_checkpoint=meta.get("source_checkpoint"))
+        return cls(
+            model,
+            EngineConfig.model_validate(meta["engine_config"]),
+            device=resolve_device(device),
+            eos_token_ids=tuple(meta["eos_token_ids"]),
+            tokenizer_source=tokenizer_dir,
+            source_checkpoint=meta.get("source_checkpoint"),
+        )

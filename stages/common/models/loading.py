@@ -22,7 +22,12 @@ PaddingSide = Literal["left", "right"]
 WEIGHT_FILES: tuple[str, ...] = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
 )
-TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "tokenizer.model",
+)
 
 
 class ModelDirError(ValueError):
@@ -32,7 +37,9 @@ class ModelDirError(ValueError):
 def _model_dir(path: str | os.PathLike[str], what: str) -> Path:
     path = Path(path)
     if not path.exists():
-        raise ModelDirError(f"{path}: {what} directory not found (give a local directory written by save_pretrained)")
+        raise ModelDirError(
+            f"{path}: {what} directory not found (give a local directory written by save_pretrained)"
+        )
     if not path.is_dir():
         raise ModelDirError(f"{path}: is a file, not a {what} directory written by save_pretrained")
     return path
@@ -89,7 +96,9 @@ def load_causal_lm(path: str | os.PathLike[str], dtype: DType = "float32") -> Pr
     return model.eval()
 
 
-def load_tokenizer(path: str | os.PathLike[str], padding_side: PaddingSide = "right") -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str | os.PathLike[str], padding_side: PaddingSide = "right"
+) -> PreTrainedTokenizerBase:
     """AutoTokenizer from a local directory, with a pad token and the given padding side.
 
     A tokenizer with no pad token gets its eos token as pad (the usual choice for GPT-2-style
@@ -99,12 +108,16 @@ def load_tokenizer(path: str | os.PathLike[str], padding_side: PaddingSide = "ri
     from transformers import AutoTokenizer
 
     if padding_side not in get_args(PaddingSide):
-        raise ValueError(f"padding_side must be one of {', '.join(get_args(PaddingSide))}; got {padding_side!r}")
+        raise ValueError(
+            f"padding_side must be one of {', '.join(get_args(PaddingSide))}; got {padding_side!r}"
+        )
     path = check_tokenizer_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ModelDirError(f"{path}: tokenizer has neither a pad nor an eos token; set pad_token and save it again")
+            raise ModelDirError(
+                f"{path}: tokenizer has neither a pad nor an eos token; set pad_token and save it again"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side
     return tokenizer
@@ -134,8 +147,10 @@ def load_sequence_classifier(
         eos = config.eos_token_id
         pad_token_id = eos[0] if isinstance(eos, list) else eos
     if pad_token_id is None:
-        raise ModelDirError(f"{path}: config.json has no pad_token_id or eos_token_id; pass pad_token_id "
-                            "(e.g. tokenizer.pad_token_id)")
+        raise ModelDirError(
+            f"{path}: config.json has no pad_token_id or eos_token_id; pass pad_token_id "
+            "(e.g. tokenizer.pad_token_id)"
+        )
     # One label is a regression-style scalar head; the id2label map a causal LM config carries has 2 entries.
     config.num_labels = 1
     config.id2label, config.label2id = {0: "reward"}, {"reward": 0}
@@ -143,5 +158,7 @@ def load_sequence_classifier(
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=torch_dtype(dtype))
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, dtype=torch_dtype(dtype)
+        )
     return model.eval()

@@ -1,4 +1,4 @@
-"""The tiny-model factory: a byte-level BPE tokenizer trained on the data and a random-init Llama sized by config.
+"""The tiny-model factory: a byte-level BPE tokenizer trained on the data, a random Llama sized by config.
 
 What this is: how the CPU demo and the tests get a base model without downloading one. What it is
 not: a loader (stages/common/models/loading.py loads every saved model, tiny or not).
@@ -96,8 +96,10 @@ def make_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, se
     ids = {name: getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad")}
     missing = [name for name, value in ids.items() if value is None]
     if missing:
-        raise ValueError(f"tokenizer has no {', '.join(missing)} token; use alignflow.stages.common.models.tiny.train_tokenizer "
-                         "or set them before making the model")
+        raise ValueError(
+            f"tokenizer has no {', '.join(missing)} token; use "
+            "alignflow.stages.common.models.tiny.train_tokenizer or set them before making the model"
+        )
     config = LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -122,14 +124,20 @@ def make_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, se
     return model.float().eval()
 
 
-def save_base_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                    out_dir: str | os.PathLike[str]) -> Path:
+def save_base_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike[str]
+) -> Path:
     """save_pretrained model (safetensors) and tokenizer into `out_dir`; returns the directory."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    if not (out_dir / "model.safetensors").is_file() and not (out_dir / "model.safetensors.index.json").is_file():
-        raise RuntimeError(f"{out_dir}: save_pretrained wrote no safetensors weights; files: "
-                           f"{sorted(p.name for p in out_dir.iterdir())}")
+    if (
+        not (out_dir / "model.safetensors").is_file()
+        and not (out_dir / "model.safetensors.index.json").is_file()
+    ):
+        raise RuntimeError(
+            f"{out_dir}: save_pretrained wrote no safetensors weights; files: "
+            f"{sorted(p.name for p in out_dir.iterdir())}"
+        )
     return out_dir

@@ -1,1 +1,1 @@
-"""Training engine plumbing shared by the SFT, reward and RL stages (DeepSpeed set-up, schedules, batching)."""
+"""Training plumbing shared by the SFT, reward and RL stages (DeepSpeed set-up, schedules, batching)."""

@@ -1,13 +1,13 @@
-"""Attention for training forwards under CPU autocast: fp32 matmul + softmax + matmul, with a thread-invariant backward.
+"""Training attention under CPU autocast: fp32 matmul, softmax, matmul, with a thread-invariant backward.
 
-Why: under bf16 autocast torch's CPU flash attention (SDPA) has a slow backward. On the 2-core Intel Xeon with
-AMX, a [4, 4, 131, 64] forward+backward took 4.28 ms through SDPA in bf16 and 1.61 ms as fp32 matmuls (MKL,
-2 threads); in the RL benchmark's PPO step (one thread per model) SDPA's backward was 7.5 ms a layer, 27% of
-the actor's step. fp32 rather than bf16 matmuls: oneDNN compiles a bf16 kernel per shape and the attention
-width changes every minibatch (llama_forward.pads_rows), and fp32 scores are the more exact of the two.
+Why: under bf16 autocast torch's CPU flash attention (SDPA) has a slow backward, several times the cost of
+fp32 matmuls at the RL benchmark's shapes and a large share of the actor's step
+(docs/performance.md#the-training-step). fp32 rather than bf16 matmuls: oneDNN compiles a bf16 kernel per
+shape and the attention width changes every minibatch (llama_forward.pads_rows), and fp32 scores are the more
+exact of the two.
 
 The backward is written out, softmax's as p * (g - sum(g * p)), because torch's softmax backward gave
-other bits on 1 and 2 threads (README, stop 31): PPO's critic trains on its own thread with half the
+other bits on 1 and 2 threads: PPO's critic trains on its own thread with half the
 threads (overlap_critic) and must train bit for bit as it does in line. Every operation here reduces a row
 within one thread, so the result does not depend on the thread count
 (tests/stages/common/training/test_cpu_attention.py).
@@ -35,12 +35,18 @@ class _Attention(torch.autograd.Function):
         grad_v = torch.matmul(p.transpose(-1, -2), grad)
         grad_p = torch.matmul(grad, v.transpose(-1, -2))
         grad_scores = grad_p.sub_((grad_p * p).sum(-1, keepdim=True)).mul_(p).mul_(ctx.scale)
-        return torch.matmul(grad_scores, k), torch.matmul(grad_scores.transpose(-1, -2), q), grad_v, None, None
+        return (
+            torch.matmul(grad_scores, k),
+            torch.matmul(grad_scores.transpose(-1, -2), q),
+            grad_v,
+            None,
+            None,
+        )
 
 
-# The backward keeps the fp32 probabilities, batch x heads x width^2 x 4 bytes a layer (SDPA keeps a log-sum-exp
-# per row): the RL benchmark's PPO minibatch (8 rows of ~150, 4 heads) keeps 2.9 MB a layer. Past this, SDPA:
-# a 7B model's 32 heads over 16 rows of 512 would keep 512 MiB a layer.
+# The backward keeps the fp32 probabilities, batch x heads x width^2 x 4 bytes a layer (SDPA keeps a
+# log-sum-exp per row): the RL benchmark's PPO minibatch (8 rows of ~150, 4 heads) keeps 2.9 MB a layer. Past
+# this, SDPA: a 7B model's 32 heads over 16 rows of 512 would keep 512 MiB a layer.
 MAX_PROBABILITY_BYTES = 64 * 2**20
 
 
@@ -51,8 +57,8 @@ def fits(batch: int, heads: int, width: int) -> bool:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """softmax(q k^T * scale + bias) v in fp32, [B, heads, T, D] (k, v with fewer heads under GQA; bias
-    [B, 1, T, T] additive, no row all -inf; fp32 spares a cast per call). Returns fp32; autocast casts it where
-    the next matmul runs."""
+    [B, 1, T, T] additive, no row all -inf; fp32 spares a cast per call). Returns fp32; autocast casts it
+    where the next matmul runs."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if kv_heads != heads:  # GQA: each KV head serves heads // kv_heads query heads; autograd sums them back
         k = k.repeat_interleave(heads // kv_heads, dim=1)

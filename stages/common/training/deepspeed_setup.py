@@ -1,8 +1,8 @@
 """DeepSpeed set-up for one model: process-group init, the DeepSpeed config from a stage section, initialize.
 
-On a CPU box DeepSpeed picks its CPU accelerator and the gloo backend; a single process gets a
+On a CPU machine DeepSpeed picks its CPU accelerator and the gloo backend; a single process gets a
 one-rank group on an in-memory store (no port), a launched rank the env:// rendezvous. The
-first `deepspeed.initialize` on a fresh machine JIT-compiles a shared-memory comm op (1.5-3 min on
+first `deepspeed.initialize` on a fresh machine JIT-compiles a shared-memory comm op (minutes on
 2 cores); it is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) so later
 initialisations take seconds.
 """
@@ -20,12 +20,12 @@ from alignflow import console
 
 
 def init_distributed(on_cuda: bool | None = None) -> None:
-    """Initialise torch.distributed once: env:// under a launcher, an in-memory store for one process; NCCL for
-    ranks that compute on CUDA (on_cuda; None: whether torch sees a GPU), else gloo.
+    """Initialise torch.distributed once: env:// under a launcher, an in-memory store for one process; NCCL
+    for ranks that compute on CUDA (on_cuda; None: whether torch sees a GPU), else gloo.
 
     One process needs no rendezvous, so it gets a HashStore instead of a TCP port: picking a free port
-    and listening on it later races with every other socket on the box (CI once lost that race,
-    EADDRINUSE, while a Prefect client took the port as its ephemeral source port).
+    and listening on it later races with every other socket on the machine (EADDRINUSE when, say, a
+    Prefect client takes the port as its ephemeral source port in between).
     """
     import deepspeed
 
@@ -33,12 +33,12 @@ def init_distributed(on_cuda: bool | None = None) -> None:
         return
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
     backend = "nccl" if on_cuda else "gloo"
-    # On a GPU the group carries both: NCCL for the models' CUDA tensors, gloo for the CPU ones the stages reduce
-    # (loss sums, token counts, broadcast objects: stages/common/ranks.py), which NCCL alone refuses.
+    # On a GPU the group carries both: NCCL for the models' CUDA tensors, gloo for the CPU ones the stages
+    # reduce (loss sums, token counts, broadcast objects: stages/common/ranks.py), which NCCL alone refuses.
     group_backend = "cpu:gloo,cuda:nccl" if on_cuda else "gloo"
-    # A launcher (torchrun, ours in stages/common/ranks.py) sets the whole env:// set. WORLD_SIZE alone is no sign of
-    # one: this function sets it below, and a process that called it (a test session) passes it on to the
-    # stages it starts, where an env:// rendezvous then failed for want of MASTER_ADDR.
+    # A launcher (torchrun, ours in stages/common/ranks.py) sets the whole env:// set. WORLD_SIZE alone is no
+    # sign of one: this function sets it below, and a process that called it (a test session) passes it on to
+    # the stages it starts, where an env:// rendezvous then failed for want of MASTER_ADDR.
     if not {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"} <= os.environ.keys():
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             os.environ[name] = value  # DeepSpeed reads these even when the group already exists
@@ -67,8 +67,8 @@ class OptimSettings:
 
 
 def deepspeed_config(settings: OptimSettings, on_cuda: bool | None = None) -> dict[str, Any]:
-    """A DeepSpeed config dict: AdamW, linear warm-up then cosine decay, ZeRO stage, precision (on_cuda: whether
-    the model trains on a GPU; None: whether torch sees one)."""
+    """A DeepSpeed config dict: AdamW, linear warm-up then cosine decay, ZeRO stage, precision (on_cuda:
+    whether the model trains on a GPU; None: whether torch sees one)."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
@@ -76,8 +76,9 @@ def deepspeed_config(settings: OptimSettings, on_cuda: bool | None = None) -> di
         "train_batch_size": settings.micro_batch_size * settings.grad_accum * world,
         "gradient_clipping": settings.grad_clip,
         "zero_optimization": {"stage": settings.zero_stage},
-        # torch_adam: torch's AdamW on a GPU too. DeepSpeed's fused Adam would JIT-compile a CUDA kernel with nvcc
-        # at the first step, which a machine with only torch's wheel does not have (and minutes of it where it does).
+        # torch_adam: torch's AdamW on a GPU too. DeepSpeed's fused Adam would JIT-compile a CUDA kernel with
+        # nvcc at the first step, which a machine with only torch's wheel does not have (and minutes of it
+        # where it does).
         "optimizer": {"type": "AdamW", "params": {"lr": settings.lr, "weight_decay": settings.weight_decay,
                                                    "betas": [0.9, 0.95], "eps": 1e-8, "torch_adam": True}},
         "scheduler": None if settings.schedule == "constant" else {"type": "WarmupCosineLR", "params": {
@@ -105,9 +106,9 @@ def initialize(model: torch.nn.Module, settings: OptimSettings):
     """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer, scheduler).
 
     The model trains where it is: on a GPU (DeepSpeed's CUDA accelerator, NCCL), or on the CPU (its CPU
-    accelerator, gloo), also on a machine with a GPU when the stage was told `model.device: cpu`. DeepSpeed picks
-    its accelerator once per process, at its first use, from DS_ACCELERATOR or the hardware; so a CPU model sets
-    DS_ACCELERATOR=cpu before that first use.
+    accelerator, gloo), also on a machine with a GPU when the stage was told `model.device: cpu`. DeepSpeed
+    picks its accelerator once per process, at its first use, from DS_ACCELERATOR or the hardware; so a CPU
+    model sets DS_ACCELERATOR=cpu before that first use.
     """
     on_cuda = next(model.parameters()).device.type == "cuda"
     if not on_cuda:
@@ -122,10 +123,13 @@ def initialize(model: torch.nn.Module, settings: OptimSettings):
         optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay,
                                       betas=(0.9, 0.95), eps=1e-8)
         config.pop("optimizer")
-        engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config
+        )
     else:
         engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
+        )
     return engine, optimizer, scheduler
 
 
@@ -139,7 +143,8 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
 
 
 def stream_weights(engine) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, tensor) pairs of the engine's model, one at a time, for an inference engine's refit.
+    """(HF parameter name, tensor) pairs of the engine's model, one at a time, for an inference engine's
+    refit.
 
     Under ZeRO-3 each parameter is gathered on its own and released after the consumer copied it,
     so the peak extra memory is one parameter, not a second model.

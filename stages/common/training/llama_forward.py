@@ -1,22 +1,22 @@
-"""A Llama-family training forward with a fraction of transformers' operator calls, over the HF modules' own parameters.
+"""A Llama-family training forward with a fraction of transformers' operator calls, over the HF parameters.
 
 Why: the demo's RL step trains a 64-wide, 2-layer model, where a forward and backward are a few
 hundred tiny operator calls and Python, not arithmetic, sets the time. transformers' LlamaModel
 spends much of them outside the math: the mask factory, the rotary module (cos/sin recomputed per
 call), per-layer attention dispatch, repeat_kv copies for GQA, output records. This forward does the
 same arithmetic in fewer calls: cos/sin gathered from a cached table, one additive mask shared by
-every layer, one-node RMSNorm (kernels/rms_norm.py), SDPA with native GQA (measured in tests/stages/common/training/test_llama_forward.py
-and benchmarks/rl_setup.py --lean). Under CPU autocast (bf16 on CPUs with bf16 arithmetic) two more things
-pay: fp32 attention for rows up to EAGER_ATTENTION_MAX_LEN (cpu_attention: SDPA's bf16 backward is slow),
-and row counts bucketed for oneDNN (pads_rows).
+every layer, one-node RMSNorm (kernels/rms_norm.py), SDPA with native GQA (timed by
+benchmarks/training_forward.py: docs/performance.md#the-training-step). Under CPU autocast
+(bf16 on CPUs with bf16 arithmetic) two more things pay: fp32 attention for rows up to EAGER_ATTENTION_MAX_LEN
+(cpu_attention: SDPA's bf16 backward is slow), and row counts bucketed for oneDNN (pads_rows).
 
 Same parameters, same module calls for every linear and the embedding, so LoRA adapters (peft wraps
 those modules), DeepSpeed ZeRO-1/2 and checkpoints see nothing different; it returns what
 `model.base_model(...).last_hidden_state` would. Exact up to float summation order (fp32: ~1e-6;
-the parity test states the measured bound). What it is not: a general model runner. `supports`
-refuses (so callers keep transformers' forward) ZeRO-3 (parameters are gathered by module hooks this
-code would bypass for the norms), attention dropout in training, and every architecture the native
-engine's spec refuses.
+the parity test, tests/stages/common/training/test_llama_forward.py, states the bound). What it is not: a
+general model runner. `supports` refuses (so callers keep transformers' forward) ZeRO-3 (parameters are
+gathered by module hooks this code would bypass for the norms), attention dropout in training, and every
+architecture the native engine's spec refuses.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from alignflow.stages.common.generation.native.spec import LlamaFamilySpec, rope
 from alignflow.stages.common.training import cpu_attention
 from alignflow.stages.common.training.precision import EAGER_ATTENTION_MAX_LEN
 
-# id(config) -> (a weak reference to that config, spec, cos, sin). PretrainedConfig defines __eq__ and so is not
-# hashable, hence the id key; the reference proves the entry is that config's and not a dead one's whose id a new
-# config reused (a stale spec gave a critic the wrong KV-head count in CI), and drops the entry with the config.
+# id(config) -> (a weak reference to that config, spec, cos, sin). PretrainedConfig defines __eq__ and so is
+# not hashable, hence the id key; the reference proves the entry is that config's and not a dead one's whose
+# id a new config reused (a stale spec gave a critic the wrong KV-head count in CI), and drops the entry with
+# the config.
 _TABLES: dict[int, tuple[weakref.ref, LlamaFamilySpec, Tensor, Tensor]] = {}
 # id(config) -> (a weak reference to it, why llama_hidden_states cannot run it, or None): supports' cache.
 _UNSUPPORTED: dict[int, tuple[weakref.ref, str | None]] = {}
@@ -46,8 +47,8 @@ def supports(backbone: Any) -> str | None:
     """None when `llama_hidden_states` runs this backbone exactly; else why not (one phrase).
 
     Every RL forward asks (11 times per demo iteration): the config's answer is kept per config object, as
-    _spec_and_rope's tables are (116 -> ~50 us per call on the demo model; spec_from_hf_config reads ~20 of
-    transformers' config attributes, each through its __getattribute__)."""
+    _spec_and_rope's tables are, because working it out again costs more than the rest of the call
+    (spec_from_hf_config reads ~20 of transformers' config attributes, each through its __getattribute__)."""
     config = getattr(backbone, "config", None)
     if config is None or not hasattr(backbone, "layers") or not hasattr(backbone, "embed_tokens"):
         return "not a transformers Llama-family backbone"
@@ -69,7 +70,8 @@ def supports(backbone: Any) -> str | None:
 
 
 def _forgetting_ref(config: Any, table: dict[int, tuple]) -> weakref.ref:
-    """A weak reference to `config` that drops table[id(config)] with the config (while the entry is its own)."""
+    """A weak reference to `config` that drops table[id(config)] with the config
+    (while the entry is its own)."""
     key = id(config)
 
     def forget(ref: weakref.ref) -> None:
@@ -91,12 +93,18 @@ def _spec_and_rope(config: Any, device: torch.device) -> tuple[LlamaFamilySpec, 
     return entry[1], entry[2], entry[3]
 
 
-def attention_biases(spec: LlamaFamilySpec, segment_ids: Tensor, dtype: torch.dtype, prefix_ids: Tensor | None = None,
-                     position_ids: Tensor | None = None) -> dict[int | None, Tensor]:
+def attention_biases(
+    spec: LlamaFamilySpec,
+    segment_ids: Tensor,
+    dtype: torch.dtype,
+    prefix_ids: Tensor | None = None,
+    position_ids: Tensor | None = None,
+) -> dict[int | None, Tensor]:
     """Additive masks [B, 1, T, T] per distinct sliding window: query i sees key j when j <= i, j is in i's
     sequence (`segment_ids` equal and nonzero: an attention mask is one sequence per row; packed rows hold
-    several, stages/common/training/packing.py) and i - j < window. Every position also sees itself, so a padding row is
-    never empty (empty rows give NaN, and padding outputs feed nothing real: real queries never see padding keys).
+    several, stages/common/training/packing.py) and i - j < window. Every position also sees itself, so a
+    padding row is never empty (empty rows give NaN, and padding outputs feed nothing real: real queries never
+    see padding keys).
 
     prefix_ids: packed rows that share a prompt: query i also sees the keys of segment prefix_ids[i] (its
     prompt's), and the window counts `position_ids` apart, not slots (a later response of the unit sits
@@ -115,7 +123,8 @@ def attention_biases(spec: LlamaFamilySpec, segment_ids: Tensor, dtype: torch.dt
         allowed = base if window is None else base & (apart < window)
         allowed = (allowed | (i == j)[None]).unsqueeze(1)
         biases[window] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, float("-inf"))
+            ~allowed, float("-inf")
+        )
     return biases
 
 
@@ -126,8 +135,8 @@ def bucketed_rows(count: int) -> int:
 
 
 def under_cpu_autocast(device: torch.device) -> bool:
-    """Whether matmuls on `device` run in CPU autocast (bf16 through oneDNN): where bucketed rows and
-    cpu_attention pay."""
+    """Whether matmuls on `device` run in CPU autocast (bf16 through oneDNN):
+    where bucketed rows and cpu_attention pay."""
     return device.type == "cpu" and torch.is_autocast_enabled("cpu")
 
 
@@ -135,10 +144,9 @@ def pads_rows(pad_rows: bool | None, device: torch.device) -> bool:
     """Whether the linear layers run on bucketed row counts: `pad_rows`, or when None, under CPU autocast.
 
     Why: under CPU autocast torch runs bf16 matmuls through oneDNN, which compiles a kernel for every new
-    shape. On the 2-core Intel Xeon with AMX a bf16 [M, 1024] x [1024, 256] took 0.23 ms at an M it had seen
-    and 2.7 ms at a new one (fp32, MKL: 0.63 ms either way), and packed RL minibatches have a new token count
-    every iteration: the GRPO benchmark's step (4 x ~131 tokens) ran at 57 ms with one shape and 90 ms with a
-    new one each step. Rounded up to bucketed_rows, the counts repeat after a few iterations."""
+    shape: a matmul at a new row count costs many times one at a count it has seen (MKL's fp32 costs the
+    same either way), and packed RL minibatches have a new token count every iteration, which slows a
+    whole GRPO step. Rounded up to bucketed_rows, the counts repeat after a few iterations."""
     return under_cpu_autocast(device) if pad_rows is None else pad_rows
 
 
@@ -152,24 +160,30 @@ def bucketed_keep(keep: Tensor, pad_rows: bool | None = None) -> Tensor:
     return torch.cat((keep, keep[:1].expand(extra))) if extra else keep
 
 
-def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                        keep: Tensor | None = None, prefix_ids: Tensor | None = None,
-                        pad_rows: bool | None = None) -> Tensor:
+def llama_hidden_states(
+    backbone: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    keep: Tensor | None = None,
+    prefix_ids: Tensor | None = None,
+    pad_rows: bool | None = None,
+) -> Tensor:
     """The final-norm hidden states [B, T, H] of a transformers Llama/Qwen2/Mistral backbone (`model.model`).
 
-    attention_mask: 1 on real tokens, or the segment ids of packed rows (stages/common/training/packing.py: each
-    position attends to its own sequence only).
+    attention_mask: 1 on real tokens, or the segment ids of packed rows (stages/common/training/packing.py:
+    each position attends to its own sequence only).
     keep: flat indices into the B * T positions that the caller reads (the response-predicting positions
     of an RL batch, a classifier's read-out): returns their rows, [N, H], equal to
     `llama_hidden_states(...).reshape(-1, H)[keep]`. Every layer's keys and values still need every
     position, but only the read positions' queries feed the output, so the last layer computes its
-    attention for all and its o_proj, MLP and the final norm for the kept rows only. On the RL
-    benchmark's 4.7M model a fwd+bwd of benchmarks/training_forward.py's batch (prompts of 7-17 tokens,
-    responses of 8-32) went 159.5 -> 147.3 ms (2 threads).
+    attention for all and its o_proj, MLP and the final norm for the kept rows only (a faster
+    fwd+bwd where responses are a fraction of the rows: benchmarks/training_forward.py).
     prefix_ids: packed rows whose sequences share a prompt (PackedRows.prefix_ids; attention_biases).
 
     pad_rows: the linear layers, norms and MLPs run on the B * T positions flattened and zero-padded to
-    bucketed_rows (attention on the real ones); None: where `pads_rows` (CPU autocast). The result is the same.
+    bucketed_rows (attention on the real ones); None: where `pads_rows` (CPU autocast). The result is the
+    same.
 
     Callers check `supports(backbone)` first. Arithmetic as transformers': RMSNorm in float32, rotate-half
     RoPE with the same tables, softmax(QK^T * scaling + mask) V, SwiGLU MLP.
@@ -190,25 +204,39 @@ def llama_hidden_states(backbone: Any, input_ids: Tensor, attention_mask: Tensor
     sin = sin_table[position_ids].to(dtype)[:, :, None]
     heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     eps = spec.rms_norm_eps
-    # Under CPU autocast SDPA's bf16 backward is slow: fp32 matmuls up to the eager-attention length (cpu_attention),
-    # whose masks are built in fp32 once rather than cast in every layer.
-    explicit_attention = (under_cpu_autocast(x.device) and width <= EAGER_ATTENTION_MAX_LEN
-                          and cpu_attention.fits(batch, heads, width))
-    biases = attention_biases(spec, attention_mask, torch.float32 if explicit_attention else dtype, prefix_ids,
-                              position_ids)
+    # Under CPU autocast SDPA's bf16 backward is slow: fp32 matmuls up to the eager-attention length
+    # (cpu_attention), whose masks are built in fp32 once rather than cast in every layer.
+    explicit_attention = (
+        under_cpu_autocast(x.device)
+        and width <= EAGER_ATTENTION_MAX_LEN
+        and cpu_attention.fits(batch, heads, width)
+    )
+    biases = attention_biases(
+        spec, attention_mask, torch.float32 if explicit_attention else dtype, prefix_ids, position_ids
+    )
     last = len(backbone.layers) - 1
     for index, layer in enumerate(backbone.layers):
         attention = layer.self_attn
         h = rms_norm(x, layer.input_layernorm.weight, eps)
         # [:positions] of a contiguous [rows, C] output is a view: the padding rows never reach attention.
-        q = apply_rope(attention.q_proj(h)[:positions].view(batch, width, heads, head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(attention.k_proj(h)[:positions].view(batch, width, kv_heads, head_dim), cos, sin).transpose(1, 2)
+        q = apply_rope(
+            attention.q_proj(h)[:positions].view(batch, width, heads, head_dim), cos, sin
+        ).transpose(1, 2)
+        k = apply_rope(
+            attention.k_proj(h)[:positions].view(batch, width, kv_heads, head_dim), cos, sin
+        ).transpose(1, 2)
         v = attention.v_proj(h)[:positions].view(batch, width, kv_heads, head_dim).transpose(1, 2)
         if explicit_attention:
             o = cpu_attention.attention(q, k, v, biases[spec.sliding_windows[index]], attention.scaling)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=biases[spec.sliding_windows[index]],
-                                               scale=attention.scaling, enable_gqa=kv_heads != heads)
+            o = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=biases[spec.sliding_windows[index]],
+                scale=attention.scaling,
+                enable_gqa=kv_heads != heads,
+            )
         o = o.transpose(1, 2).reshape(positions, heads * head_dim)
         if keep is not None and index == last:
             x, o = x[keep], o[keep]

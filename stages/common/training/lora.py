@@ -1,4 +1,4 @@
-"""LoRA for every trainable stage: peft adapters from a `LoRAConfig`, and the merged weights that leave the trainer.
+"""LoRA for every trainable stage: peft adapters from a `LoRAConfig`, and the merged weights that leave.
 
 What it does: checks the config against the model (each target name must be a linear layer; errors
 name the config key), wraps the model with peft (the optimiser then sees only `requires_grad`
@@ -24,17 +24,18 @@ from alignflow.stages.common.ranks import is_main
 from alignflow.stages.common.runtime import StageInputError
 from alignflow.stages.common.training.deepspeed_setup import full_state_dict
 
-ADAPTER_DIR = "adapter"  # the adapter files (adapter_config.json, adapter_model.safetensors) inside a checkpoint
+ADAPTER_DIR = "adapter"
 _PEFT_WRAPPER_PREFIX = "base_model.model."
 
 
 class LoRAConfigError(StageInputError):
-    """A LoRA setting that does not fit the model; the message names the config key (bad input: exit code 2)."""
+    """A LoRA setting that does not fit the model; the message names the config key
+    (bad input: exit code 2)."""
 
 
 def check_zero_stage(cfg: LoRAConfig, zero_stage: int, section: str) -> None:
-    """LoRA under ZeRO-3 is refused: merging the adapters needs each whole weight on one rank (alignflow/start_checks.py,
-    which `alignflow validate` runs too)."""
+    """LoRA under ZeRO-3 is refused: merging the adapters needs each whole weight on one rank
+    (alignflow/start_checks.py, which `alignflow validate` runs too)."""
     problem = start_checks.lora_zero_stage(cfg, zero_stage, section)
     if problem is not None:
         raise LoRAConfigError(problem.message)
@@ -42,11 +43,18 @@ def check_zero_stage(cfg: LoRAConfig, zero_stage: int, section: str) -> None:
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
     """The distinct last path components of the model's nn.Linear modules (what target_modules may name)."""
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if isinstance(module, torch.nn.Linear) and name})
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and name
+        }
+    )
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, key: str, classifier: bool = False) -> torch.nn.Module:
+def apply_lora(
+    model: torch.nn.Module, cfg: LoRAConfig, key: str, classifier: bool = False
+) -> torch.nn.Module:
     """`model` with adapters on `cfg.target_modules` (or `model` itself when LoRA is off).
 
     classifier: a sequence classifier (reward model, critic): its `score` head is trained whole.
@@ -59,13 +67,23 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, key: str, classifier: bo
     linear = linear_layer_names(model)
     missing = [name for name in cfg.target_modules if name not in linear]
     if missing:
-        raise LoRAConfigError(f"{key}.target_modules: {', '.join(repr(m) for m in missing)} matches no linear layer "
-                              f"of the model ({type(model).__name__}); its linear layers are: {', '.join(linear)}")
+        raise LoRAConfigError(
+            f"{key}.target_modules: {', '.join(repr(m) for m in missing)} matches no linear layer "
+            f"of the model ({type(model).__name__}); its linear layers are: {', '.join(linear)}"
+        )
     head = ["score"] if classifier else []
     if any(name in head for name in cfg.target_modules):
-        raise LoRAConfigError(f"{key}.target_modules: 'score' is the scalar head, trained whole; leave it out")
-    peft_cfg = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                               target_modules=list(cfg.target_modules), modules_to_save=head or None, bias="none")
+        raise LoRAConfigError(
+            f"{key}.target_modules: 'score' is the scalar head, trained whole; leave it out"
+        )
+    peft_cfg = peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        modules_to_save=head or None,
+        bias="none",
+    )
     return peft.get_peft_model(model, peft_cfg)
 
 
@@ -76,7 +94,8 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 
 def unwrap_lora(model: torch.nn.Module) -> torch.nn.Module:
-    """The HF model under a PeftModel's wrapper (with the adapters injected in its layers); `model` otherwise."""
+    """The HF model under a PeftModel's wrapper
+    (with the adapters injected in its layers); `model` otherwise."""
     return model.get_base_model() if is_lora(model) else model
 
 
@@ -129,7 +148,8 @@ def merged_adapted_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The plain HF state dict of a PeftModel with its adapters merged (CPU copies).
 
-    A model without adapters goes through `save_trained`'s full_state_dict (which also gathers ZeRO-3 partitions).
+    A model without adapters goes through `save_trained`'s full_state_dict (which also gathers ZeRO-3
+    partitions).
     """
     state: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
@@ -147,8 +167,8 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _no_deepspeed_import() -> Iterator[None]:
     """save_pretrained without importing DeepSpeed when this process has not: transformers unwraps the model
     through accelerate, which imports deepspeed (and with it mlflow) just to ask whether the model is a
-    DeepSpeed engine; 2.6 s at the end of a PPO stage on the plain torch trainer with tracking off (0.4 s
-    with mlflow already imported). A model cannot be a DeepSpeed engine when deepspeed was never imported."""
+    DeepSpeed engine, seconds at the end of a PPO stage on the plain torch trainer. A model cannot be a
+    DeepSpeed engine when deepspeed was never imported."""
     if "deepspeed" in sys.modules:
         yield
         return
@@ -165,7 +185,8 @@ def save_trained(engine, out: Path) -> None:
         if is_main():
             save_merged(engine.module, out)
         return
-    state = full_state_dict(engine)  # a collective under ZeRO-3: every rank takes part, rank 0 gets the weights
+    # a collective under ZeRO-3: every rank takes part, rank 0 gets the weights
+    state = full_state_dict(engine)
     if is_main():
         with _no_deepspeed_import():
             engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
@@ -175,5 +196,7 @@ def save_merged(model: torch.nn.Module, out: Path) -> None:
     """An HF checkpoint in `out` with the adapters of PeftModel `model` merged, plus the adapter files under
     `out/adapter/` (adapter_config.json, adapter_model.safetensors: base + adapter loads with peft)."""
     with _no_deepspeed_import():
-        model.get_base_model().save_pretrained(out, state_dict=merged_state_dict(model), safe_serialization=True)
+        model.get_base_model().save_pretrained(
+            out, state_dict=merged_state_dict(model), safe_serialization=True
+        )
         model.save_pretrained(out / ADAPTER_DIR, safe_serialization=True)

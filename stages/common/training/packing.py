@@ -1,4 +1,4 @@
-"""Sequence packing for the RL forwards: the rows of an Experience laid end to end in fewer rows, no padding in between.
+"""Sequence packing for the RL forwards: an Experience's rows end to end in fewer rows, no padding between.
 
 Why: the `[left-padded prompt | right-padded response]` layout pads every row to the longest prompt plus
 the longest response; on the demo config a minibatch of 16 rows is 28-37% padding (real 493-551 of
@@ -33,7 +33,7 @@ class PackedRows:
     input_ids: Tensor      # (rows, W) long; 0 where no sequence is
     position_ids: Tensor   # (rows, W) long: 0..n-1 within each sequence
     segment_ids: Tensor    # (rows, W) long: 1 + the sequence's row in the Experience; 0 where no sequence is
-    predicts: Tensor       # (N,) long: flat index into (rows * W) of the position predicting each response token
+    predicts: Tensor       # (N,) long: flat (rows * W) index of the position predicting each response token
     targets: Tensor        # (N,) long: flat index into (B * R) of that response token
     shape: tuple[int, int]  # (B, R)
     # (rows, W) long, where rows share a prompt (pack's share_prompts): the segment each position may also
@@ -79,27 +79,23 @@ def _bins(longest_first: list[int], capacity: int) -> int:
 
 # Row width at which a position's attention costs about as much as its linear layers, in the cost model
 # rows * W * (1 + W / ATTENTION_WIDTH) that picks W: wider rows mean fewer half-empty rows but every
-# query attends to more keys (CPU SDPA computes the masked-out pairs too). On the demo's minibatches
-# (16 rows, 493-551 real tokens, longest 47-49) one actor step, fwd+bwd, 1 thread, median of 30:
-# 22-26 ms padded (16 x 49), 18-26 ms at W 47 (15 rows), 16-17 ms at W 64 (10 rows), 24-26 ms at W 96
-# (7 rows); this constant makes W 64 the cheapest there.
+# query attends to more keys (CPU SDPA computes the masked-out pairs too). This constant makes the model
+# pick the width whose actor step is fastest on the demo's minibatches (W 64: timed against padded rows
+# and narrower and wider widths; benchmarks/packing_layouts.py, docs/performance.md#the-training-step).
 ATTENTION_WIDTH = 128
 
 
 def attention_width(hidden_size: int) -> int:
     """The cost model's attention width for a model `hidden_size` wide. Per position the linear layers' work
-    grows with hidden^2 and attention's with W x hidden, and CPU attention kernels grow more efficient with the
-    head size: hidden^2 / 64, at least ATTENTION_WIDTH, fits the two models measured.
+    grows with hidden^2 and attention's with W x hidden, and CPU attention kernels grow more efficient with
+    the head size: hidden^2 / 64, at least ATTENTION_WIDTH, fits the two models it was calibrated on.
 
     - The demo's 64-wide model: 128 (above).
-    - The ladder's 256-wide model, 1,024, from a fwd+bwd+AdamW step (2 threads, medians of 7):
-      - 16 distinct rows of 622 tokens as 15 rows of 46 against 5 of 138 (the same 690 slots): 146 against
-        153 ms. 63k more attention pairs cost ~5%, so the width is ~1,600-1,900.
-      - A GRPO minibatch (4 prompts of 6-13 tokens x 4 completions of ~32) as 8 rows of 74-78 (two copies of
-        each prompt) against one whole group per row, 4 x 138-142: 147-150 against 144-145 ms. The 4-row
-        layout trades 40-56 fewer slots for 30k more pairs, so the width is ~850 or more.
-    - Earlier (2 x hidden, 512): a GRPO minibatch with prompts of 24-36 tokens took 267 ms in 16 rows of 68,
-      210 in 6 of 132 and 187 in 4 of 164.
+    - The ladder's 256-wide model: 1,024. Timing one fwd+bwd+AdamW step on layouts of the same minibatch
+      that trade slots against attention pairs (more, narrower rows against fewer, wider ones; a GRPO
+      group's prompt copied or shared) brackets the width where the two cost the same around that value.
+
+    benchmarks/packing_layouts.py times such layouts (docs/performance.md#the-training-step).
     """
     return max(ATTENTION_WIDTH, hidden_size * hidden_size // 64)
 
@@ -109,17 +105,15 @@ def _cost(lengths: list[int], capacity: int, width_of_attention: int = ATTENTION
     return _bins(sorted(lengths, reverse=True), capacity) * capacity * (1 + capacity / width_of_attention)
 
 
-# Row widths are multiples of this. torch's CPU flash attention (SDPA, fp32) is much faster on a key length that
-# is a multiple of 16: on the 2-core Intel Xeon with AMX, 1 thread, [8, 4 heads (2 KV), T, 16] with a causal
-# mask, forward+backward took 1.37 ms at T = 79 and 0.99 ms at T = 80, the forward alone 0.52 and 0.29 ms
-# (the time climbs with T mod 16: 1.30 ms at 78, 1.12 at 81); with the ladder's [4, 4, T, 64], 4.24 ms at 143
-# against 3.54 at 144. A row then costs its linear layers up to 15 more (zero) slots.
+# Row widths are multiples of this. torch's CPU flash attention (SDPA, fp32) is much faster on a key length
+# that is a multiple of 16 (its time climbs with T mod 16, forward and backward), which saves more than the
+# up to 15 more (zero) slots a row then costs its linear layers.
 ATTENTION_BLOCK = 16
 
 
 def candidate_widths(longest: int) -> range:
-    """The row widths choose_capacity costs: multiples of ATTENTION_BLOCK from the longest sequence to twice it, in
-    steps of about an eighth of it (every multiple while that is under a block)."""
+    """The row widths choose_capacity costs: multiples of ATTENTION_BLOCK from the longest sequence to twice
+    it, in steps of about an eighth of it (every multiple while that is under a block)."""
     block = ATTENTION_BLOCK
     first = -(-longest // block) * block
     step = max(block, longest // 8 // block * block)
@@ -130,9 +124,8 @@ def choose_capacity(lengths: list[int], width_of_attention: int = ATTENTION_WIDT
     """The row width among candidate_widths that minimises the cost model above.
 
     Called for every minibatch, so it sorts once, counts bins without placing items, and skips a width whose
-    fewest possible rows (ceil(tokens / width)) already cost no less than the best so far: on 16-row
-    minibatches of benchmarks/training_forward.py's batch, 6 of the 10 widths are counted, and a whole
-    pack() went 0.83 -> 0.65 ms (1 thread)."""
+    fewest possible rows (ceil(tokens / width)) already cost no less than the best so far, which spares
+    several of the widths of the 16-row minibatches of benchmarks/training_forward.py's batch."""
     longest_first = sorted(lengths, reverse=True)
     total = sum(longest_first)
     best: tuple[float, int] | None = None
@@ -153,11 +146,14 @@ def _ragged(lengths: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _layout(lengths: Tensor, capacity: int | None) -> tuple[int, int, Tensor, Tensor, Tensor]:
-    """Sequences of these lengths placed in rows: (capacity, rows, start, owner, within), where start[b] is the
-    flat slot (row * capacity + column) of sequence b's first token and owner/within (_ragged) name every token."""
+    """Sequences of these lengths placed in rows: (capacity, rows, start, owner, within), where start[b] is
+    the flat slot (row * capacity + column) of sequence b's first token and owner/within (_ragged) name every
+    token."""
     capacity = capacity or choose_capacity(lengths.tolist())
     if capacity < int(lengths.max()):
-        raise ValueError(f"capacity {capacity} is less than the longest sequence ({int(lengths.max())} tokens)")
+        raise ValueError(
+            f"capacity {capacity} is less than the longest sequence ({int(lengths.max())} tokens)"
+        )
     placed = torch.tensor(first_fit_decreasing(lengths.tolist(), capacity), dtype=torch.long).view(-1, 2)
     owner, within = _ragged(lengths)
     return capacity, int(placed[:, 0].max()) + 1, placed[:, 0] * capacity + placed[:, 1], owner, within
@@ -168,8 +164,9 @@ def _rows(values: Tensor, slot: Tensor, rows: int, capacity: int) -> Tensor:
     return torch.zeros(rows * capacity, dtype=torch.long).index_put_((slot,), values).view(rows, capacity)
 
 
-def _prompt_units(prompts: list[tuple[int, ...]], prompt_lengths: list[int], response_lengths: list[int],
-                  limit: int) -> list[list[int]]:
+def _prompt_units(
+    prompts: list[tuple[int, ...]], prompt_lengths: list[int], response_lengths: list[int], limit: int
+) -> list[list[int]]:
     """Rows grouped into units that share one copy of their prompt: rows with equal `prompts` keys in order of
     first appearance, a unit growing while prompt + its responses stay within `limit` tokens (a unit always
     takes at least one row)."""
@@ -196,9 +193,15 @@ def _prompt_units(prompts: list[tuple[int, ...]], prompt_lengths: list[int], res
 SHARING_LIMITS = (1, 2, 3, None)
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, prompt_width: int,
-         capacity: int | None = None, share_prompts: bool = True,
-         width_of_attention: int = ATTENTION_WIDTH) -> PackedRows:
+def pack(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_mask: Tensor,
+    prompt_width: int,
+    capacity: int | None = None,
+    share_prompts: bool = True,
+    width_of_attention: int = ATTENTION_WIDTH,
+) -> PackedRows:
     """Pack the `[left-padded prompt | right-padded response]` rows (experience.assemble's layout).
 
     Every row needs at least one prompt token (the position that predicts its first response token).
@@ -222,9 +225,12 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
         raise ValueError(f"row {row} has no prompt token: nothing predicts its first response token")
     plens, rlens = prompt_lengths.tolist(), response_lengths.tolist()
     # Rows share a unit only under equal keys: the prompt's tokens, or the row itself when nothing is shared.
-    prompt_tokens = input_ids[:, :prompt_width].tolist() if share_prompts else None  # one call, not one per row
-    prompts = [tuple(prompt_tokens[row][prompt_width - plens[row]:]) if share_prompts else (row,)
-               for row in range(batch)]
+    # one call, not one per row
+    prompt_tokens = input_ids[:, :prompt_width].tolist() if share_prompts else None
+    prompts = [
+        tuple(prompt_tokens[row][prompt_width - plens[row] :]) if share_prompts else (row,)
+        for row in range(batch)
+    ]
     longest = max(p + r for p, r in zip(plens, rlens, strict=True))
     only_distinct = len(set(prompts)) == batch  # no two rows share a prompt: every limit gives the same units
     candidates = []
@@ -233,10 +239,12 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
         limit = limit if capacity is None else min(limit, capacity)
         units = _prompt_units(prompts, plens, rlens, limit)
         if candidates and units == candidates[-1][2]:
-            continue  # the same units as the smaller limit (a group within it): costed already, and it wins ties
+            # the same units as the smaller limit (a group within it): costed already, and it wins ties
+            continue
         lengths = [plens[unit[0]] + sum(rlens[row] for row in unit) for unit in units]
         width_of_rows = capacity or choose_capacity(lengths, width_of_attention)
-        cost = _cost(lengths, width_of_rows, width_of_attention) if capacity is None else sum(lengths)  # fixed width: fewest tokens
+        # fixed width: fewest tokens
+        cost = _cost(lengths, width_of_rows, width_of_attention) if capacity is None else sum(lengths)
         candidates.append((cost, preference, units, lengths, width_of_rows))  # ties: the smaller units
     _, _, units, lengths, capacity = min(candidates, key=lambda c: c[:2])
     capacity, rows, start, _, _ = _layout(torch.tensor(lengths, dtype=torch.long), capacity)
@@ -248,15 +256,36 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
         head, offset = unit[0], int(start[index])
         prompt_segment = 1 + head if len(unit) == 1 else 1 + batch + index
         last_prompt_slot = offset + plens[head] - 1
-        pieces.append((head * width + prompt_width - plens[head], offset, plens[head], 0, prompt_segment,
-                       prompt_segment, -1, last_prompt_slot))
+        pieces.append(
+            (
+                head * width + prompt_width - plens[head],
+                offset,
+                plens[head],
+                0,
+                prompt_segment,
+                prompt_segment,
+                -1,
+                last_prompt_slot,
+            )
+        )
         offset += plens[head]
         for row in unit:
-            pieces.append((row * width + prompt_width, offset, rlens[row], plens[head], 1 + row, prompt_segment, row,
-                           last_prompt_slot))
+            pieces.append(
+                (
+                    row * width + prompt_width,
+                    offset,
+                    rlens[row],
+                    plens[head],
+                    1 + row,
+                    prompt_segment,
+                    row,
+                    last_prompt_slot,
+                )
+            )
             offset += rlens[row]
-    source, first_slot, length, first_position, segment, prefix, member, first_predict = \
-        torch.tensor(pieces, dtype=torch.long).T
+    source, first_slot, length, first_position, segment, prefix, member, first_predict = torch.tensor(
+        pieces, dtype=torch.long
+    ).T
     piece, within = _ragged(length)
     token_slot = first_slot[piece] + within
     response = member[piece] >= 0
@@ -269,18 +298,20 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, promp
         position_ids=_rows(first_position[piece] + within, token_slot, rows, capacity).to(device),
         segment_ids=_rows(segment[piece], token_slot, rows, capacity).to(device),
         prefix_ids=_rows(prefix[piece], token_slot, rows, capacity).to(device) if shared else None,
-        predicts=predicts.to(device), targets=(speaker * response_width + t).to(device),
-        shape=(batch, response_width))
+        predicts=predicts.to(device),
+        targets=(speaker * response_width + t).to(device),
+        shape=(batch, response_width),
+    )
 
 
 @dataclass(frozen=True)
 class PackedSequences:
     """Whole token sequences packed end to end (no prompt/response split): what a reward model reads."""
 
-    input_ids: Tensor      # (rows, W) long; 0 where no sequence is
-    position_ids: Tensor   # (rows, W) long: 0..n-1 within each sequence
-    segment_ids: Tensor    # (rows, W) long: 1 + the sequence's index; 0 where no sequence is
-    starts: Tensor         # (B,) long: flat index into (rows * W) of each sequence's first token
+    input_ids: Tensor  # (rows, W) long; 0 where no sequence is
+    position_ids: Tensor  # (rows, W) long: 0..n-1 within each sequence
+    segment_ids: Tensor  # (rows, W) long: 1 + the sequence's index; 0 where no sequence is
+    starts: Tensor  # (B,) long: flat index into (rows * W) of each sequence's first token
 
 
 def pack_sequences(sequences: list[list[int]], capacity: int | None = None) -> PackedSequences:
@@ -291,5 +322,9 @@ def pack_sequences(sequences: list[list[int]], capacity: int | None = None) -> P
     capacity, rows, start, owner, within = _layout(lengths, capacity)
     slot = start[owner] + within
     tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-    return PackedSequences(input_ids=_rows(tokens, slot, rows, capacity), position_ids=_rows(within, slot, rows, capacity),
-                           segment_ids=_rows(owner + 1, slot, rows, capacity), starts=start)
+    return PackedSequences(
+        input_ids=_rows(tokens, slot, rows, capacity),
+        position_ids=_rows(within, slot, rows, capacity),
+        segment_ids=_rows(owner + 1, slot, rows, capacity),
+        starts=start,
+    )

@@ -1,8 +1,8 @@
 """A single-process trainer with the few calls the RL stage makes of a DeepSpeed engine, on plain torch AdamW.
 
-What it is for: one rank without ZeRO, where DeepSpeed adds start-up and nothing else: importing it
-took 1.25 s and `deepspeed.initialize` 1.1 s of the RL stage's start on 2 cores, while its per-step
-cost matched torch's (185 vs 195 ms per step of the 4.7M benchmark model, within the box's noise).
+What it is for: one rank without ZeRO, where DeepSpeed adds start-up and nothing else: importing it and
+`deepspeed.initialize` cost seconds of the RL stage's start, while its per-step cost is torch's
+(docs/performance.md#start-up).
 The update is the one the DeepSpeed path makes on CPU: torch AdamW (betas 0.9/0.95, eps 1e-8),
 gradients clipped to `grad_clip` by global norm, no loss scaling in fp32. What it is not: a ZeRO,
 multi-rank or offloading trainer; `resolve_train_backend` sends those to DeepSpeed.
@@ -21,24 +21,34 @@ STATE_FILE = "torch_train_state.pt"
 
 
 class PlainTorchTrainer:
-    """`module`, `backward`, `step`, `train`/`eval`, `save_checkpoint`/`load_checkpoint`, as DeepSpeed's engine."""
+    """`module`, `backward`, `step`, `train`/`eval`, `save_checkpoint`/`load_checkpoint`,
+    as DeepSpeed's engine."""
 
     def __init__(self, model: torch.nn.Module, settings: OptimSettings):
         if settings.grad_accum != 1:
-            raise ValueError("PlainTorchTrainer steps on every backward; use grad_accum 1 or the deepspeed backend")
+            raise ValueError(
+                "PlainTorchTrainer steps on every backward; use grad_accum 1 or the deepspeed backend"
+            )
         if settings.schedule != "constant":
-            raise ValueError("PlainTorchTrainer has no learning-rate schedule; use schedule 'constant' (RL) or "
-                             "the deepspeed backend")
+            raise ValueError(
+                "PlainTorchTrainer has no learning-rate schedule; use schedule 'constant' (RL) or "
+                "the deepspeed backend"
+            )
         self.module = model
         self.grad_clip = settings.grad_clip
         params = [p for p in model.parameters() if p.requires_grad]
-        # fused: one pass per tensor for the whole update, on CPU and CUDA. On CPU foreach loops ~10 ops per tensor
-        # in C++: the demo actor's step (21 tensors, 125K parameters, 1 thread, loaded AVX2 EPYC) took 1.47 ms
-        # foreach vs 0.37 ms fused; the weights agree to 3e-8 relative after 100 steps. foreach elsewhere.
+        # fused: one pass per tensor for the whole update, on CPU and CUDA, where foreach loops ~10 ops per
+        # tensor in C++ and takes several times as long on a small model; the weights agree to 3e-8 relative
+        # after 100 steps. foreach elsewhere.
         fused = all(p.device.type in ("cpu", "cuda") for p in params)
-        self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay,
-                                           betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if fused else
-                                                                           {"foreach": True}))
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=settings.lr,
+            weight_decay=settings.weight_decay,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            **({"fused": True} if fused else {"foreach": True}),
+        )
         self._params = params
 
     def __call__(self, *args, **kwargs):
@@ -71,20 +81,24 @@ class PlainTorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def discard_gradients(self) -> None:
-        """Drop the gradients of a backward whose step must not happen (train_on's critic when the actor's check
-        of the old log-probs fails)."""
+        """Drop the gradients of a backward whose step must not happen (train_on's critic when the actor's
+        check of the old log-probs fails)."""
         self.optimizer.zero_grad(set_to_none=True)
 
     def save_checkpoint(self, save_dir: str, tag: str) -> None:
         folder = Path(save_dir) / tag
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, folder / STATE_FILE)
+        torch.save(
+            {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, folder / STATE_FILE
+        )
 
     def load_checkpoint(self, load_dir: str, tag: str) -> None:
         path = Path(load_dir) / tag / STATE_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{path.parent}: no {STATE_FILE}; this checkpoint was written by the deepspeed "
-                                    "backend: resume it with ppo.train_backend: deepspeed")
+            raise FileNotFoundError(
+                f"{path.parent}: no {STATE_FILE}; this checkpoint was written by the deepspeed "
+                "backend: resume it with ppo.train_backend: deepspeed"
+            )
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -98,7 +112,8 @@ def resolve_train_backend(setting: str, zero_stage: int) -> str:
     if setting == "deepspeed":
         return "deepspeed"
     if setting == "torch":
-        problem = start_checks.train_backend(setting, zero_stage, world)  # the RL stage checks it at start, too
+        # the RL stage checks it at start, too
+        problem = start_checks.train_backend(setting, zero_stage, world)
         if problem is not None:
             raise ValueError(problem.message)
         return "torch"

@@ -1,4 +1,4 @@
-"""Where the native engine runs its whole decode loop in one C++ call (kernels/decode_loop.py), and the weights it reads.
+"""Where the native engine runs its whole decode loop in one C++ call (kernels/decode_loop.py); its weights.
 
 The loop replaces the engine's per-step Python (sampling, stop check, ~280 operator calls of the forward)
 on one CPU device in float32, for the plain Llama layout: full attention in every layer, no o_proj bias
@@ -6,8 +6,8 @@ on one CPU device in float32, for the plain Llama layout: full attention in ever
 `engine.cpu_decode_loop: false`, the engine keeps its torch step; `unsupported_reason` says why, and
 execution_paths reports it.
 
-It reads the linear weights as skinny_linear's [ceil(N/16), K, 16] blocks: `CppDecodeLoop` keeps one blocked copy
-of each (qkv, o, gate_up, down per layer, and the LM head), rewritten in place after every write to the
+It reads the linear weights as skinny_linear's [ceil(N/16), K, 16] blocks: `CppDecodeLoop` keeps one blocked
+copy of each (qkv, o, gate_up, down per layer, and the LM head), rewritten in place after every write to the
 plain buffers (`refresh`, from the engine's _weights_written), like prepack's copies.
 """
 
@@ -23,9 +23,15 @@ from alignflow.stages.common.generation.native.spec import LlamaFamilySpec
 from alignflow.stages.common.generation.native.weights import InferenceWeights
 
 
-def unsupported_reason(spec: LlamaFamilySpec, dtype: torch.dtype, device: torch.device, engine_config: EngineConfig,
-                       tensor_parallel: bool) -> str | None:
-    """Why the engine cannot run the C++ loop for this model here, or None when it can (builds the extension)."""
+def unsupported_reason(
+    spec: LlamaFamilySpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    engine_config: EngineConfig,
+    tensor_parallel: bool,
+) -> str | None:
+    """Why the engine cannot run the C++ loop for this model here, or None when it can
+    (builds the extension)."""
     if not engine_config.cpu_decode_loop:
         return "off (engine.cpu_decode_loop: false)"
     if not engine_config.cpu_kernels:
@@ -56,7 +62,8 @@ class CppDecodeLoop:
         self._lm_head: torch.Tensor | None = None
 
     def refresh(self) -> None:
-        """Block every linear weight from the plain buffers (in place after the first time); call after any write."""
+        """Block every linear weight from the plain buffers (in place after the first time);
+        call after any write."""
         w = self.weights
         for name in LINEAR_BUFFERS:
             for layer in range(self.spec.num_layers):
@@ -64,10 +71,19 @@ class CppDecodeLoop:
         self._lm_head = block_weight(w["lm_head"], self._lm_head)
         qkv_b = w.get("qkv_b")
         empty = w["norm"].new_empty(0)
-        self._layers = [tensor for layer in range(self.spec.num_layers) for tensor in (
-            w["ln_attn"][layer], self._blocked["qkv_w", layer], empty if qkv_b is None else qkv_b[layer],
-            self._blocked["o_w", layer], w["ln_mlp"][layer], self._blocked["gate_up_w", layer],
-            self._blocked["down_w", layer])]
+        self._layers = [
+            tensor
+            for layer in range(self.spec.num_layers)
+            for tensor in (
+                w["ln_attn"][layer],
+                self._blocked["qkv_w", layer],
+                empty if qkv_b is None else qkv_b[layer],
+                self._blocked["o_w", layer],
+                w["ln_mlp"][layer],
+                self._blocked["gate_up_w", layer],
+                self._blocked["down_w", layer],
+            )
+        ]
 
     def clear(self) -> None:
         """Drop the blocked copies (the plain buffers were discarded); refresh() makes them again."""
@@ -75,16 +91,46 @@ class CppDecodeLoop:
         self._layers = []
         self._lm_head = None
 
-    def run(self, first_logits: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-            cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-            first_slot: int, temperature: torch.Tensor, seeds: torch.Tensor, ends: torch.Tensor,
-            max_new_tokens: int, kept_logits: torch.Tensor | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(tokens [B, new], log-probs [B, new], lengths [B], steps): the engine loop's outputs; see the kernel."""
+    def run(
+        self,
+        first_logits: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        first_slot: int,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        ends: torch.Tensor,
+        max_new_tokens: int,
+        kept_logits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(tokens [B, new], log-probs [B, new], lengths [B], steps):
+        the engine loop's outputs; see the kernel."""
         if self._lm_head is None:
             raise RuntimeError("CppDecodeLoop.run before refresh(): the blocked weights were never written")
         spec = self.spec
-        return kernel.decode_loop(first_logits.contiguous(), self._layers, self.weights["embed"], self.weights["norm"],
-                                  self._lm_head, k_cache, v_cache, cos, sin_signed, mask, positions, first_slot,
-                                  temperature, seeds, ends, max_new_tokens, spec.num_heads, spec.num_kv_heads,
-                                  spec.rms_norm_eps, kept_logits)
+        return kernel.decode_loop(
+            first_logits.contiguous(),
+            self._layers,
+            self.weights["embed"],
+            self.weights["norm"],
+            self._lm_head,
+            k_cache,
+            v_cache,
+            cos,
+            sin_signed,
+            mask,
+            positions,
+            first_slot,
+            temperature,
+            seeds,
+            ends,
+            max_new_tokens,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.rms_norm_eps,
+            kept_logits,
+        )

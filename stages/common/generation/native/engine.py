@@ -1,4 +1,4 @@
-"""The native engine for the Llama family: static KV cache, batched prefill, on-device sampling, in-place refit.
+"""The native engine for Llama-family models: static KV cache, batched prefill, on-device sampling, refit.
 
 It turns prompt token ids into sampled responses with per-token log-probabilities; it knows nothing
 of PPO or tokenizers. Weights live in `InferenceWeights` (fused QKV, fused gate/up) and are only
@@ -15,11 +15,11 @@ and the cache at new addresses, so a captured step is captured again on first us
 CPU speed (engine.cpu_prepack, on by default): every linear weight also has a packed copy
 (prepack.py: 16-column blocks for the skinny_linear kernel in fp32 (AVX-512 or AVX2), oneDNN's layout in
 bf16), repacked at the end of each refit; the copies double the weight memory and make the decode
-GEMMs 1.2-3x faster than F.linear. With engine.compile the decode step and sampler are compiled
-during build/load (warmup), so "built" means ready to decode at full speed. In fp32 on one CPU device
-(engine.cpu_decode_loop, on by default) a generate's whole decode loop runs in one C++ call instead
-(decode_loop.py; the demo model's 32-token rollout 3x faster), the torch step staying for what it does not
-cover (top-k/top-p sampling, sliding windows, o_proj biases) and as its reference in the tests.
+GEMMs faster than F.linear (docs/performance.md#cpu-kernels). With engine.compile the decode step and sampler
+are compiled during build/load (warmup), so "built" means ready to decode at full speed. In fp32 on one CPU
+device (engine.cpu_decode_loop, on by default) a generate's whole decode loop runs in one C++ call instead
+(decode_loop.py; docs/performance.md#generation-engine-throughput), the torch step staying for what it does
+not cover (top-k/top-p sampling, sliding windows, o_proj biases) and as its reference in the tests.
 
 Tensor parallel (engine.tensor_parallel_size = k > 1, tensor_parallel.py): one engine per rank of a
 torch.distributed group of k processes (the world group unless `process_group` is passed), each
@@ -146,24 +146,38 @@ class NativeEngine(Engine):
         # The shapes this process holds: the whole model, or this rank's shard.
         self.local_spec: LlamaFamilySpec = self.weights.local_spec
         cos, sin = rope_tables(hf_config, self.spec, engine_config.max_seq_len)
-        layout = prepack.layout_for(device, dtype, engine_config.cpu_kernels) if engine_config.cpu_prepack else None
-        self._prepacked = prepack.Prepacked(self.weights, engine_config.max_batch_size, layout) if layout else None
-        # Every weight under the layout's prepack.min_packed_bytes (the demo model): plain F.linear, without even the
-        # custom op's dispatch. execution_paths says so.
-        self._prepack_skipped = layout if self._prepacked is not None and not self._prepacked.packs_any() else None
+        layout = None
+        if engine_config.cpu_prepack:
+            layout = prepack.layout_for(device, dtype, engine_config.cpu_kernels)
+        self._prepacked = (
+            prepack.Prepacked(self.weights, engine_config.max_batch_size, layout) if layout else None
+        )
+        # Every weight under the layout's prepack.min_packed_bytes (the demo model): plain F.linear, without
+        # even the custom op's dispatch. execution_paths says so.
+        self._prepack_skipped = (
+            layout if self._prepacked is not None and not self._prepacked.packs_any() else None
+        )
         if self._prepack_skipped:
             self._prepacked = None
         self.model = LlamaFamilyModel(
-            self.local_spec, self.weights, cos.to(device, dtype), sin.to(device, dtype),
+            self.local_spec,
+            self.weights,
+            cos.to(device, dtype),
+            sin.to(device, dtype),
             linear=prepack.linear if self._prepacked else torch.nn.functional.linear,
-            cpu_attention=engine_config.cpu_kernels and cpu_decode_attention.supports(device, dtype, self.spec.head_dim),
+            cpu_attention=engine_config.cpu_kernels
+            and cpu_decode_attention.supports(device, dtype, self.spec.head_dim),
             tp=self.tp,
         )
         # The whole decode loop in one C++ call where it applies (decode_loop.py); None: the torch step below.
-        self._decode_loop_reason = decode_loop.unsupported_reason(self.local_spec, dtype, device, engine_config,
-                                                                  self.tp is not None)
-        self._decode_loop = decode_loop.CppDecodeLoop(self.local_spec, self.weights) \
-            if self._decode_loop_reason is None else None
+        self._decode_loop_reason = decode_loop.unsupported_reason(
+            self.local_spec, dtype, device, engine_config, self.tp is not None
+        )
+        self._decode_loop = (
+            decode_loop.CppDecodeLoop(self.local_spec, self.weights)
+            if self._decode_loop_reason is None
+            else None
+        )
         self.cache: KVCache | None = self._new_cache()
         self._weights_valid = False  # set once a full weight stream has been copied in
         self._busy = False
@@ -171,32 +185,38 @@ class NativeEngine(Engine):
         self.share_prompt_prefill = True
         self._graphs: dict[int, _GraphedStep] = {}
         self._graph_pool = None
-        # Bumped whenever the weight buffers or the KV cache are allocated anew (reload): a captured step replays
-        # against the addresses of its capture, so a step of an older epoch is captured again, never replayed.
+        # Bumped whenever the weight buffers or the KV cache are allocated anew (reload): a captured step
+        # replays against the addresses of its capture, so a step of an older epoch is captured again, never
+        # replayed.
         self._storage_epoch = 0
-        # unload(keep_weights=True) moves the weights to host memory where that frees something: on a GPU. On a
-        # CPU they are in host memory already; a test sets it there to run the GPU's path (new buffers at reload).
+        # unload(keep_weights=True) moves the weights to host memory where that frees something: on a GPU. On
+        # a CPU they are in host memory already; a test sets it there to run the GPU's path (new buffers at
+        # reload).
         self.offload_weights = device.type != "cpu"
         self._host_weights: dict[str, torch.Tensor] = {}  # the offloaded copy, one per buffer, kept for reuse
         self._offloaded = False  # weights.buffers are the host copy (unloaded); reload() moves them back
         # Tensor parallel decodes eagerly (module docstring): compile and CUDA graphs for one device only.
         self._compile = engine_config.compile and self.tp is None
         if engine_config.compile and self.tp is not None:
-            warnings.warn(f"engine.compile ignored with engine.tensor_parallel_size={tp_size}: tensor-parallel "
-                          "engines decode eagerly", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"engine.compile ignored with engine.tensor_parallel_size={tp_size}: tensor-parallel "
+                "engines decode eagerly",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._use_graphs = engine_config.cuda_graphs and device.type == "cuda" and self.tp is None
         # engine.compile: the decode step and the sampler are compiled with automatic dynamic shapes
         # (dynamic=None): a size becomes symbolic once it is seen to change, so after warmup() one
         # graph serves every step (slot, kv length) and batch size, while the model's own sizes
-        # (heads, head_dim, hidden, vocab) stay constants the C++ code is specialised for. Against
-        # dynamic=True (every size symbolic) that made the decode step's attention 13.3 vs 14.2 ms at
-        # batch 64 and 1.25 vs 1.56 ms at batch 8 (12 layers of the ~100M model, bf16, 57 cached keys).
+        # (heads, head_dim, hidden, vocab) stay constants the C++ code is specialised for, which gives a
+        # faster decode step than dynamic=True (every size symbolic).
         # Sampler: on CPU with the C++ kernels (engine.cpu_kernels; AVX-512, or its AVX2 build on CPUs
-        # without it) both engines call the kernel eagerly (the reference's tokens; at [64, 32000] 3.98 ms
-        # against 8.70 for the compiled reference and 17.2 chunked, benchmarks/sampler_bench.py, AVX-512).
+        # without it) both engines call the kernel eagerly: the reference's tokens, faster than the compiled
+        # reference and the chunked sampler (docs/performance.md#cpu-kernels, benchmarks/sampler_bench.py).
         # Otherwise a compiled engine compiles the torch reference (impl="torch": ~40 small integer/float
         # ops over [B, V] that inductor fuses into one loop) and an eager one takes the chunked CPU sampler
-        # (same tokens, 3-6x faster than the eager reference), or on CUDA impl="auto": the Triton kernel.
+        # (same tokens, several times faster than the eager reference), or on CUDA impl="auto": the Triton
+        # kernel.
         cpp_sampler = device.type == "cpu" and engine_config.cpu_kernels and cpp_available()
         self._step = torch.compile(self.model.forward, dynamic=None) if self._compile else self.model.forward
         if cpp_sampler:
@@ -221,21 +241,28 @@ class NativeEngine(Engine):
             step = "torch.compile" if self._compile else "eager"
         layout = self._prepacked.layout if self._prepacked is not None else None
         linear = {
-            "blocked": (f"skinny_linear ({skinny_linear.isa()} C++) up to {skinny_linear.max_rows()} rows, "
-                        "F.linear above"),
+            "blocked": (
+                f"skinny_linear ({skinny_linear.isa()} C++) up to {skinny_linear.max_rows()} rows, "
+                "F.linear above"
+            ),
             "onednn": "oneDNN prepacked",
             None: "F.linear",
         }[layout]
         if self._prepack_skipped:
-            linear += (f" (every weight is under {prepack.min_packed_bytes(self._prepack_skipped) >> 10} KiB, where "
-                       f"{self._prepack_skipped} packing does not pay)")
+            linear += (
+                f" (every weight is under {prepack.min_packed_bytes(self._prepack_skipped) >> 10} KiB, where "
+                f"{self._prepack_skipped} packing does not pay)"
+            )
         if self.model.cpu_attention:
             attention = "decode_attention (AVX-512 C++)"
         else:
             attention = "torch (one query per row, KV groups folded)"
             if cpu and self.dtype == torch.float32 and config.cpu_kernels:
                 if cpu_decode_attention.available():
-                    attention += f"; the C++ kernel takes head_dim a multiple of 16 up to 256, not {self.spec.head_dim}"
+                    attention += (
+                        "; the C++ kernel takes head_dim a multiple of 16 up to 256, "
+                        f"not {self.spec.head_dim}"
+                    )
                 else:
                     attention += f"; no C++ kernel: {cpu_decode_attention.unavailable_reason()}"
         sampler = sampler_path(resolve_impl(self._sample_impl, self.device, "sample_tokens"))
@@ -244,15 +271,22 @@ class NativeEngine(Engine):
         if self._decode_loop is not None:
             loop = f"C++ decode loop ({cpp_decode_loop.isa()}, kernels/decode_loop.py)"
             step = f"{loop}; with top-k/top-p sampling {step}"
-        paths: dict[str, Any] = {"backend": self.backend, "device": str(self.device),
-                                 "dtype": str(self.dtype).removeprefix("torch."), "decode_step": step,
-                                 "linear": linear, "decode_attention": attention, "prefill_attention": "sdpa",
-                                 "sampler": sampler}
+        paths: dict[str, Any] = {
+            "backend": self.backend,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "decode_step": step,
+            "linear": linear,
+            "decode_attention": attention,
+            "prefill_attention": "sdpa",
+            "sampler": sampler,
+        }
         if self.tp is not None:
             paths["tensor_parallel"] = (
-                f"rank {self.tp.rank} of {self.tp.size} ({self.tp.backend}): column-parallel QKV and gate/up, "
-                "row-parallel o_proj and down (all_reduce), vocab-parallel embedding and LM head (all_gather); "
-                "eager decode (no compile, no CUDA graphs)")
+                f"rank {self.tp.rank} of {self.tp.size} ({self.tp.backend}): column-parallel QKV and "
+                "gate/up, row-parallel o_proj and down (all_reduce), vocab-parallel embedding and LM head "
+                "(all_gather); eager decode (no compile, no CUDA graphs)"
+            )
         if cpu and self._decode_loop is None:
             paths["decode_loop"] = f"not used: {self._decode_loop_reason}"
         if cpu and self.dtype == torch.float32:
@@ -266,13 +300,25 @@ class NativeEngine(Engine):
 
     def _new_cache(self) -> KVCache:
         # local_spec: a tensor-parallel rank caches its own KV heads only.
-        return KVCache(self.local_spec, self.engine_config.max_batch_size, self.engine_config.max_seq_len, self.dtype,
-                       self.device)
+        return KVCache(
+            self.local_spec,
+            self.engine_config.max_batch_size,
+            self.engine_config.max_seq_len,
+            self.dtype,
+            self.device,
+        )
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def build(cls, checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str = "float32",
-              device: str | None = None, process_group: Any = None) -> NativeEngine:
+    def build(
+        cls,
+        checkpoint_dir: str | Path,
+        engine_config: EngineConfig,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        process_group: Any = None,
+    ) -> NativeEngine:
         """Read config.json, allocate buffers, stream the safetensors shards into them (one tensor at a time).
 
         With engine.tensor_parallel_size = k > 1 every rank of `process_group` (default: the world
@@ -282,15 +328,23 @@ class NativeEngine(Engine):
 
         checkpoint_dir = Path(checkpoint_dir)
         if not (checkpoint_dir / "config.json").is_file():
-            raise FileNotFoundError(f"{checkpoint_dir}: no config.json; expected a Hugging Face causal-LM directory")
+            raise FileNotFoundError(
+                f"{checkpoint_dir}: no config.json; expected a Hugging Face causal-LM directory"
+            )
         hf_config = AutoConfig.from_pretrained(checkpoint_dir)
         # Fail on the architecture (and its split over tensor-parallel ranks) before allocating.
-        check_tensor_parallel(spec_from_hf_config(hf_config, engine_config.max_seq_len),
-                              engine_config.tensor_parallel_size)
+        check_tensor_parallel(
+            spec_from_hf_config(hf_config, engine_config.max_seq_len), engine_config.tensor_parallel_size
+        )
         engine = cls(
-            hf_config, engine_config, dtype=resolve_dtype(dtype), device=resolve_device(device),
-            eos_token_ids=eos_ids_of(checkpoint_dir, hf_config), tokenizer_source=checkpoint_dir,
-            source_checkpoint=str(checkpoint_dir), process_group=process_group,
+            hf_config,
+            engine_config,
+            dtype=resolve_dtype(dtype),
+            device=resolve_device(device),
+            eos_token_ids=eos_ids_of(checkpoint_dir, hf_config),
+            tokenizer_source=checkpoint_dir,
+            source_checkpoint=str(checkpoint_dir),
+            process_group=process_group,
         )
         engine.weights.copy_stream(checkpoint_tensors(checkpoint_dir), partial=False)
         engine._weights_written()
@@ -305,27 +359,48 @@ class NativeEngine(Engine):
         their sampler on first use), over several decode steps and at two batch sizes: the varying
         dims are marked dynamic before the first compile (_mark_dynamic), and the second generate
         makes a graph that specialised on one of them anyway recompile in the build, not in the
-        first real generate. Those sizes avoid every size the step also sees (heads, head_dim, cache shape, ...): dynamo
-        gives equal sizes one symbol, so a warm-up at batch 2 on a model with 2 KV heads compiled a
-        graph valid only while batch == 2 and the first real generate recompiled (4.8 s on the demo
-        model). Size 1 is avoided too (it is specialised).
+        first real generate. Those sizes avoid every size the step also sees (heads, head_dim, cache shape,
+        ...): dynamo gives equal sizes one symbol, so a warm-up at batch 2 on a model with 2 KV heads would
+        compile a graph valid only while batch == 2 and the first real generate would recompile (seconds).
+        Size 1 is avoided too (it is specialised).
         """
         if not self._compile or self.cache is None:
             return 0.0
         spec, config = self.spec, self.engine_config
-        taken = {0, 1, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size,
-                 spec.vocab_size, spec.num_layers, spec.q_size, spec.kv_size, config.max_batch_size,
-                 config.max_seq_len}
+        taken = {
+            0,
+            1,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.hidden_size,
+            spec.intermediate_size,
+            spec.vocab_size,
+            spec.num_layers,
+            spec.q_size,
+            spec.kv_size,
+            config.max_batch_size,
+            config.max_seq_len,
+        }
         new_tokens = 3
         batch_sizes = [b for b in range(2, config.max_batch_size) if b not in taken][:2] or [1]
-        # Prompt width w: the decode steps use slots w .. w + new_tokens - 1 and kv lengths up to w + new_tokens.
-        width = next((w for w in range(2, config.max_seq_len - new_tokens)
-                      if taken.isdisjoint(range(w, w + new_tokens + 1))
-                      and not set(batch_sizes) & set(range(w, w + new_tokens + 1))), 2)
+        # Prompt width w: the decode steps use slots w .. w + new_tokens - 1 and kv lengths up to w +
+        # new_tokens.
+        width = next(
+            (
+                w
+                for w in range(2, config.max_seq_len - new_tokens)
+                if taken.isdisjoint(range(w, w + new_tokens + 1))
+                and not set(batch_sizes) & set(range(w, w + new_tokens + 1))
+            ),
+            2,
+        )
         started = time.perf_counter()
         for rows in batch_sizes:
-            self.generate([[0] * width] * rows,
-                          SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True))
+            self.generate(
+                [[0] * width] * rows,
+                SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True),
+            )
         return time.perf_counter() - started
 
     def _weights_written(self) -> None:
@@ -358,14 +433,19 @@ class NativeEngine(Engine):
             raise EngineError("the engine is unloaded; call reload() before generate()")
         if not self._weights_valid:
             raise EngineError(
-                "the engine holds no valid weights (unload(keep_weights=False) discarded them, or a refit failed); "
-                "call refit(...) with every parameter first"
+                "the engine holds no valid weights (unload(keep_weights=False) discarded them, or a refit "
+                "failed); call refit(...) with every parameter first"
             )
         if self._busy:
             raise EngineError("generate() is already running on this engine (engines are not re-entrant)")
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams, *,
-                 return_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        return_logits: bool = False,
+    ) -> Generation:
         """Generate for any number of prompts, max_batch_size rows at a time. See Engine.generate."""
         self._check_ready()
         prompts = validate_prompts(prompt_token_ids, self.vocab_size)
@@ -376,8 +456,11 @@ class NativeEngine(Engine):
         self._busy = True
         try:
             for start in range(0, len(prompts), rows):
-                parts.append(self._generate_batch(prompts[start : start + rows], seeds[start : start + rows],
-                                                  sampling, return_logits))
+                parts.append(
+                    self._generate_batch(
+                        prompts[start : start + rows], seeds[start : start + rows], sampling, return_logits
+                    )
+                )
         finally:
             # An exception or KeyboardInterrupt mid-decode leaves nothing half-done that matters: every
             # generate rewrites the cache slots it reads, so the engine stays usable.
@@ -385,8 +468,9 @@ class NativeEngine(Engine):
         return _merge(parts)
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams,
-                        return_logits: bool) -> Generation:
+    def _generate_batch(
+        self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams, return_logits: bool
+    ) -> Generation:
         started = time.perf_counter()
         dev, cache = self.device, self.cache
         assert cache is not None
@@ -418,10 +502,30 @@ class NativeEngine(Engine):
             # Every step in one C++ call: the loop below, through the same kernels, without Python per step.
             kept = torch.empty((B, new, self.vocab_size), dtype=torch.float32) if return_logits else None
             out_tokens, out_logprobs, lengths, steps = self._decode_loop.run(
-                logits, cache.k, cache.v, self.model.cos, self.model.sin, masks.bias, lens, S, temperature, seed_t,
-                ends, new, kept)
-            return self._generation(started, prefill_s, sampling, out_tokens, out_logprobs, lengths, steps,
-                                    None if kept is None else kept[:, :steps])
+                logits,
+                cache.k,
+                cache.v,
+                self.model.cos,
+                self.model.sin,
+                masks.bias,
+                lens,
+                S,
+                temperature,
+                seed_t,
+                ends,
+                new,
+                kept,
+            )
+            return self._generation(
+                started,
+                prefill_s,
+                sampling,
+                out_tokens,
+                out_logprobs,
+                lengths,
+                steps,
+                None if kept is None else kept[:, :steps],
+            )
         out_tokens = torch.zeros((B, new), dtype=torch.long, device=dev)
         out_logprobs = torch.zeros((B, new), dtype=torch.float32, device=dev)
         lengths = torch.full((B,), new, dtype=torch.long, device=dev)
@@ -432,17 +536,21 @@ class NativeEngine(Engine):
         # One SamplingParams for the whole batch: its flags (above) let the sampler branch on Python values
         # (no per-step host sync, no graph break in the compiled sampler).
         self._mark_dynamic(temperature, top_k, top_p, seed_t)  # once: they live for the whole batch
-        # The compiled torch sampler would sort every row for top-k/top-p (at [64, 32000]: a 72 ms
-        # sampler against 8 ms without truncation); eagerly its thresholds come from sorted prefixes.
-        eager_thresholds = self._compile and self._sample_impl == "torch" and (
-            flags.any_top_k or flags.any_top_p
+        # The compiled torch sampler would sort every row for top-k/top-p (many times the cost of sampling
+        # without truncation); eagerly its thresholds come from sorted prefixes.
+        eager_thresholds = (
+            self._compile and self._sample_impl == "torch" and (flags.any_top_k or flags.any_top_p)
         )
         # The eager chunked sampler takes its Gumbel noise from windows of steps computed here (the RNG is a
-        # pure function of seed, step and token: rng.py) instead of hashing in each of its calls: on the demo
-        # model ([32, 512] logits, AVX2 EPYC) ~25 of the decode step's ~280 operator calls, one window per
-        # call. A window is at most NOISE_WINDOW_ELEMENTS noise values, and only as many steps as remain.
-        noise = NoiseWindows(seed_t, new, self.vocab_size) if self._sample_impl == "chunked" and \
-            not flags.all_greedy else None
+        # pure function of seed, step and token: rng.py) instead of hashing in each of its calls, which on a
+        # small model (the demo's [32, 512] logits) is ~25 of the decode step's ~280 operator calls; one
+        # window per call. A window is at most NOISE_WINDOW_ELEMENTS noise values, and only as many steps as
+        # remain.
+        noise = (
+            NoiseWindows(seed_t, new, self.vocab_size)
+            if self._sample_impl == "chunked" and not flags.all_greedy
+            else None
+        )
         for t in range(new):
             # Values were checked once by SamplingParams: skip the per-call check (a host sync on GPU).
             # The step as a [B] tensor, not an int: see _mark_dynamic.
@@ -452,9 +560,19 @@ class NativeEngine(Engine):
             if eager_thresholds:
                 thresholds = kept_set_thresholds(logits, temperature, top_k, top_p, flags)
                 self._mark_dynamic(thresholds)
-            sample = self._sample(logits, temperature, top_k, top_p, seed_t, steps_t, self._sample_impl,
-                                  validate=False, flags=flags, thresholds=thresholds,
-                                  noise=None if noise is None else noise.at(t))
+            sample = self._sample(
+                logits,
+                temperature,
+                top_k,
+                top_p,
+                seed_t,
+                steps_t,
+                self._sample_impl,
+                validate=False,
+                flags=flags,
+                thresholds=thresholds,
+                noise=None if noise is None else noise.at(t),
+            )
             out_tokens[:, t] = sample.tokens
             out_logprobs[:, t] = sample.logprobs
             if return_logits:
@@ -467,12 +585,23 @@ class NativeEngine(Engine):
                 break
             logits = self._decode(sample.tokens, lens + t, S + t, masks)
         stacked = torch.stack(kept_logits, dim=1) if return_logits else None  # [B, steps, V]
-        return self._generation(started, prefill_s, sampling, out_tokens, out_logprobs, lengths, steps, stacked)
+        return self._generation(
+            started, prefill_s, sampling, out_tokens, out_logprobs, lengths, steps, stacked
+        )
 
-    def _generation(self, started: float, prefill_s: float, sampling: SamplingParams, out_tokens: torch.Tensor,
-                    out_logprobs: torch.Tensor, lengths: torch.Tensor, steps: int,
-                    stacked_logits: torch.Tensor | None) -> Generation:
-        """The Generation of a decode loop's outputs: tokens, log-probs [B, new], lengths [B], logits [B, steps, V]."""
+    def _generation(
+        self,
+        started: float,
+        prefill_s: float,
+        sampling: SamplingParams,
+        out_tokens: torch.Tensor,
+        out_logprobs: torch.Tensor,
+        lengths: torch.Tensor,
+        steps: int,
+        stacked_logits: torch.Tensor | None,
+    ) -> Generation:
+        """The Generation of a decode loop's outputs: tokens, log-probs [B, new], lengths [B],
+        logits [B, steps, V]."""
         dev = self.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -491,14 +620,29 @@ class NativeEngine(Engine):
         if stacked_logits is not None:
             per_row_logits = [stacked_logits[b, :n] for b, n in enumerate(lengths_l)]
         return Generation(
-            response_token_ids=responses, logprobs=logprobs, finish_reasons=reasons, logits=per_row_logits,
-            metrics={"timing/prefill_s": prefill_s, "timing/generate_s": elapsed, "perf/decode_steps": steps,
-                     "perf/generated_tokens": generated, "perf/gen_tokens_per_s": generated / max(elapsed, 1e-9)},
+            response_token_ids=responses,
+            logprobs=logprobs,
+            finish_reasons=reasons,
+            logits=per_row_logits,
+            metrics={
+                "timing/prefill_s": prefill_s,
+                "timing/generate_s": elapsed,
+                "perf/decode_steps": steps,
+                "perf/generated_tokens": generated,
+                "perf/gen_tokens_per_s": generated / max(elapsed, 1e-9),
+            },
         )
 
-    def _prefill(self, cache: KVCache, prompts: list[list[int]], tokens: torch.Tensor, positions: torch.Tensor,
-                 pad: torch.Tensor) -> torch.Tensor:
-        """The last position's logits [B, V] of every prompt, its keys and values written to cache rows 0..B-1.
+    def _prefill(
+        self,
+        cache: KVCache,
+        prompts: list[list[int]],
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        pad: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last position's logits [B, V] of every prompt, its keys and values written to cache rows
+        0..B-1.
 
         Rows with the same prompt (GRPO's group of completions per prompt, n samples) are computed once
         (share_prompt_prefill) and their cache rows copied: the prefill's work goes with the distinct prompts.
@@ -513,17 +657,26 @@ class NativeEngine(Engine):
             inverse.append(first[prompt])
         width = tokens.shape[1]
         if not self.share_prompt_prefill or len(heads) == len(prompts):
-            return self.model.forward(cache, tokens, positions, 0, prefill_masks(self.spec, pad, width, self.dtype),
-                                      pad=pad)
+            return self.model.forward(
+                cache, tokens, positions, 0, prefill_masks(self.spec, pad, width, self.dtype), pad=pad
+            )
         distinct = torch.tensor(heads, device=tokens.device)
-        logits = self.model.forward(cache, tokens[distinct], positions[distinct], 0,
-                                    prefill_masks(self.spec, pad[distinct], width, self.dtype), pad=pad[distinct])
+        logits = self.model.forward(
+            cache,
+            tokens[distinct],
+            positions[distinct],
+            0,
+            prefill_masks(self.spec, pad[distinct], width, self.dtype),
+            pad=pad[distinct],
+        )
         index = torch.tensor(inverse, device=tokens.device)
         for layer in cache.k + cache.v:
             layer[: len(prompts), :, :width] = layer[index, :, :width]  # the gather copies before the write
         return logits[index]
 
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, masks: DecodeMasks) -> torch.Tensor:
+    def _decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, masks: DecodeMasks
+    ) -> torch.Tensor:
         """Logits [B, V] of one decode step: tokens, positions [B]; the new keys go to cache slot `slot`."""
         assert self.cache is not None
         if self._use_graphs:
@@ -542,8 +695,8 @@ class NativeEngine(Engine):
         only made symbolic when it changes, one more compile each time. Marking the varying dims
         up front, and passing the decode step and the sampler no int that changes per step (the
         cache slot comes from the masks' shape, the sampling step is a [B] tensor), leaves one
-        graph per function (fresh inductor caches, ~110M model, fp32: 4 graphs in 145 s with
-        marks on the batch dim alone, 7 graphs in 221 s with none). "maybe": a batch of 1 is
+        graph per function, where marks on the batch dim alone, or none, leave several, each a compile of
+        minutes on a ~110M model. "maybe": a batch of 1 is
         still specialised rather than rejected.
         """
         if self._compile:
@@ -558,8 +711,9 @@ class NativeEngine(Engine):
             bucket *= 2
         return min(bucket, self.engine_config.max_batch_size)
 
-    def _decode_graphed(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
-                        masks: DecodeMasks) -> torch.Tensor:
+    def _decode_graphed(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, masks: DecodeMasks
+    ) -> torch.Tensor:
         B = tokens.shape[0]
         bucket = self._bucket(B)
         step = self._graphs.get(bucket)
@@ -572,7 +726,9 @@ class NativeEngine(Engine):
             try:
                 step = self._capture(bucket)
             except Exception as exc:  # noqa: BLE001 - capture problems must not stop generation
-                warnings.warn(f"CUDA graph capture failed ({exc!r}); decoding eagerly from now on", stacklevel=2)
+                warnings.warn(
+                    f"CUDA graph capture failed ({exc!r}); decoding eagerly from now on", stacklevel=2
+                )
                 self._use_graphs = False
                 return self._decode(tokens, positions, slot, masks)
             self._graphs[bucket] = step
@@ -596,8 +752,10 @@ class NativeEngine(Engine):
             # Warm-up and capture write into the last slot, which a running generation has not
             # reached yet (and overwrites before it reads it), so capturing mid-generate is safe.
             slot=torch.full((1,), S - 1, dtype=torch.long, device=dev),
-            masks={w: torch.zeros((bucket, 1, 1, S), dtype=self.dtype, device=dev)
-                   for w in set(self.spec.sliding_windows)},
+            masks={
+                w: torch.zeros((bucket, 1, 1, S), dtype=self.dtype, device=dev)
+                for w in set(self.spec.sliding_windows)
+            },
             epoch=self._storage_epoch,
         )
 
@@ -605,8 +763,8 @@ class NativeEngine(Engine):
             return self._step(self.cache, step.tokens, step.positions, step.slot, step.masks)
 
         if dev.type != "cuda":
-            # As a graph does: replay against the cache and weight buffers of the capture, not the current ones,
-            # so a CPU test sees what a step replayed after reload() (new buffers) would compute.
+            # As a graph does: replay against the cache and weight buffers of the capture, not the current
+            # ones, so a CPU test sees what a step replayed after reload() (new buffers) would compute.
             cache, buffers = self.cache, dict(self.weights.buffers)
 
             def eager_replay() -> None:
@@ -643,25 +801,38 @@ class NativeEngine(Engine):
         self._check_ready()
         seqs = validate_prompts(sequences, self.vocab_size)
         if len(seqs) > self.engine_config.max_batch_size or max(map(len, seqs)) > self.max_seq_len:
-            raise ValueError(f"forward_logits takes at most {self.engine_config.max_batch_size} sequences of at "
-                             f"most {self.max_seq_len} tokens")
+            raise ValueError(
+                f"forward_logits takes at most {self.engine_config.max_batch_size} sequences of at "
+                f"most {self.max_seq_len} tokens"
+            )
         dev, S = self.device, max(len(s) for s in seqs)
         tokens = torch.tensor([[0] * (S - len(s)) + s for s in seqs], dtype=torch.long, device=dev)
         pad = torch.tensor([S - len(s) for s in seqs], dtype=torch.long, device=dev)
         positions = (torch.arange(S, device=dev)[None, :] - pad[:, None]).clamp(min=0)
         assert self.cache is not None
-        logits = self.model.forward(self.cache, tokens, positions, 0, prefill_masks(self.spec, pad, S, self.dtype),
-                                    logits_for="all", pad=pad)
-        return [logits[b, S - len(s):].cpu() for b, s in enumerate(seqs)]
+        logits = self.model.forward(
+            self.cache,
+            tokens,
+            positions,
+            0,
+            prefill_masks(self.spec, pad, S, self.dtype),
+            logits_for="all",
+            pad=pad,
+        )
+        return [logits[b, S - len(s) :].cpu() for b, s in enumerate(seqs)]
 
     # -- refit -------------------------------------------------------------------------------------
-    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False) -> RefitStats:
+    def refit(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+    ) -> RefitStats:
         """Copy (HF name, tensor) pairs into the fused buffers in place; see InferenceWeights.copy_stream."""
         if self._busy:
             raise EngineError("refit() called while generate() is running")
         if self.weights.buffers["embed"].numel() == 0:
-            raise EngineError("the engine's weights were discarded by unload(keep_weights=False); call reload() "
-                              "before refit()")
+            raise EngineError(
+                "the engine's weights were discarded by unload(keep_weights=False); call reload() "
+                "before refit()"
+            )
         if partial and not self._weights_valid:
             raise RefitError("partial refit into discarded weights: send every parameter (partial=False)")
         try:
@@ -675,8 +846,8 @@ class NativeEngine(Engine):
 
     # -- memory -----------------------------------------------------------------------------------
     def unload(self, *, keep_weights: bool = True) -> UnloadStats:
-        """Free the KV cache and the captured steps; the weights to the host copy where `offload_weights` (GPU),
-        or freed with keep_weights=False. See the module docstring."""
+        """Free the KV cache and the captured steps; the weights to the host copy where `offload_weights`
+        (GPU), or freed with keep_weights=False. See the module docstring."""
         if self._busy:
             raise EngineError("unload() called while generate() is running")
         kv_bytes = self.cache.nbytes() if self.cache is not None else 0
@@ -715,13 +886,15 @@ class NativeEngine(Engine):
             self._storage_epoch += 1
 
     def _offload(self) -> None:
-        """Copy every weight buffer into the host copy (pinned on CUDA, so the copies run at full PCIe speed) and
-        let the device buffers go. The host copy is allocated at the first unload and reused by every later one:
-        pinning gigabytes of host memory costs far more than copying into it."""
+        """Copy every weight buffer into the host copy (pinned on CUDA, so the copies run at full PCIe speed)
+        and let the device buffers go. The host copy is allocated at the first unload and reused by every
+        later one: pinning gigabytes of host memory costs far more than copying into it."""
         pinned = self.device.type == "cuda"
         if not self._host_weights:
-            self._host_weights = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
-                                  for name, t in self.weights.buffers.items()}
+            self._host_weights = {
+                name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+                for name, t in self.weights.buffers.items()
+            }
         for name, t in self.weights.buffers.items():
             self._host_weights[name].copy_(t, non_blocking=pinned)
         if pinned:
@@ -733,7 +906,8 @@ class NativeEngine(Engine):
         self._offloaded = True
 
     def _restore(self) -> None:
-        """The inverse of _offload: fresh device buffers filled from the host copy (which stays for the next one)."""
+        """The inverse of _offload: fresh device buffers filled from the host copy
+        (which stays for the next one)."""
         pinned = self.device.type == "cuda"
         restored = {}
         for name, host in self._host_weights.items():
@@ -761,16 +935,19 @@ class NativeEngine(Engine):
 
         if self.tp is not None:
             raise EngineError(
-                f"save() of a tensor-parallel engine (engine.tensor_parallel_size={self.tp.size}): each rank holds "
-                "a shard only; build every rank from the Hugging Face checkpoint instead, or save a "
+                f"save() of a tensor-parallel engine (engine.tensor_parallel_size={self.tp.size}): each rank "
+                "holds a shard only; build every rank from the Hugging Face checkpoint instead, or save a "
                 "tensor_parallel_size 1 engine"
             )
         if not self._weights_valid:
             raise EngineError("cannot save an engine without valid weights; refit it first")
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_file({name: t.detach().contiguous().cpu() for name, t in self.weights.buffers.items()},
-                  str(path / WEIGHTS_FILE), metadata={"format": ENGINE_FORMAT})
+        save_file(
+            {name: t.detach().contiguous().cpu() for name, t in self.weights.buffers.items()},
+            str(path / WEIGHTS_FILE),
+            metadata={"format": ENGINE_FORMAT},
+        )
         self.hf_config.to_json_file(str(path / "config.json"))
         tokenizer_files = copy_tokenizer_files(self.tokenizer_source, path) if self.tokenizer_source else []
         meta = {
@@ -790,8 +967,14 @@ class NativeEngine(Engine):
         return path
 
     @classmethod
-    def load(cls, path: str | Path, *, device: str | None = None, tensor_parallel_size: int = 1,
-             process_group: Any = None) -> NativeEngine:
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        device: str | None = None,
+        tensor_parallel_size: int = 1,
+        process_group: Any = None,
+    ) -> NativeEngine:
         """Load a saved engine. tensor_parallel_size = k > 1: this process is one rank of a k-rank engine over
         `process_group` (default: the world group); every rank calls load and keeps its shard, streaming the
         saved (one-device) buffers through refit one layer at a time (weights.saved_engine_tensors), so no
@@ -802,26 +985,40 @@ class NativeEngine(Engine):
         path = Path(path)
         meta = read_engine_config(path)
         if meta["backend"] != cls.backend:
-            raise ValueError(f"{path} holds a {meta['backend']!r} engine, not {cls.backend!r}; use load_engine()")
+            raise ValueError(
+                f"{path} holds a {meta['backend']!r} engine, not {cls.backend!r}; use load_engine()"
+            )
         hf_config = AutoConfig.from_pretrained(path)
         tokenizer_dir = path / meta["tokenizer"] if meta.get("tokenizer") else None
         engine_config = EngineConfig.model_validate(meta["engine_config"])
         if engine_config.tensor_parallel_size != 1:
-            raise ValueError(f"{path}: a saved engine holds the whole model (tensor_parallel_size 1), not "
-                             f"{engine_config.tensor_parallel_size}; rebuild it")
+            raise ValueError(
+                f"{path}: a saved engine holds the whole model (tensor_parallel_size 1), not "
+                f"{engine_config.tensor_parallel_size}; rebuild it"
+            )
         if tensor_parallel_size > 1:
-            check_tensor_parallel(spec_from_hf_config(hf_config, engine_config.max_seq_len), tensor_parallel_size)
+            check_tensor_parallel(
+                spec_from_hf_config(hf_config, engine_config.max_seq_len), tensor_parallel_size
+            )
             engine_config = engine_config.model_copy(update={"tensor_parallel_size": tensor_parallel_size})
         engine = cls(
-            hf_config, engine_config, dtype=resolve_dtype(meta["dtype"]),
-            device=resolve_device(device), eos_token_ids=tuple(meta["eos_token_ids"]),
-            tokenizer_source=tokenizer_dir, source_checkpoint=meta.get("source_checkpoint"),
+            hf_config,
+            engine_config,
+            dtype=resolve_dtype(meta["dtype"]),
+            device=resolve_device(device),
+            eos_token_ids=tuple(meta["eos_token_ids"]),
+            tokenizer_source=tokenizer_dir,
+            source_checkpoint=meta.get("source_checkpoint"),
             process_group=process_group,
         )
         if _json_roundtrip(engine.spec.to_dict()) != meta["spec"]:
-            raise ValueError(f"{path}: config.json does not describe the model in engine_config.json (edited?)")
+            raise ValueError(
+                f"{path}: config.json does not describe the model in engine_config.json (edited?)"
+            )
         if engine.tp is not None:
-            engine.weights.copy_stream(saved_engine_tensors(path / meta["weights"], engine.spec), partial=False)
+            engine.weights.copy_stream(
+                saved_engine_tensors(path / meta["weights"], engine.spec), partial=False
+            )
             engine._weights_written()
             engine.warmup()
             return engine
@@ -829,7 +1026,9 @@ class NativeEngine(Engine):
             names = set(handle.keys())
             expected = set(engine.weights.buffers)
             if names != expected:
-                raise ValueError(f"{path / meta['weights']}: tensors {sorted(names ^ expected)} missing or unexpected")
+                raise ValueError(
+                    f"{path / meta['weights']}: tensors {sorted(names ^ expected)} missing or unexpected"
+                )
             for name in names:
                 src = handle.get_tensor(name)
                 dst = engine.weights.buffers[name]
@@ -846,12 +1045,14 @@ class NativeEngine(Engine):
         return self.tokenizer_source
 
 
-# Noise values per NoiseWindows window (4 MiB of fp32; the hash holds two int32 buffers as large while it runs).
+# Noise values per NoiseWindows window (4 MiB of fp32; the hash holds two int32 buffers as large while it
+# runs).
 NOISE_WINDOW_ELEMENTS = 1 << 20
 
 
 class NoiseWindows:
-    """The chunked sampler's Gumbel noise for a generate call's steps, computed a window of steps at a time."""
+    """The chunked sampler's Gumbel noise for a generate call's steps,
+    computed a window of steps at a time."""
 
     def __init__(self, seeds: torch.Tensor, steps: int, vocab_size: int):
         self.k1, self.k2 = rng.row_keys_per_step(seeds, steps)
@@ -863,7 +1064,7 @@ class NoiseWindows:
         """[B, V] fp32: rng.gumbel_noise(*rng.row_keys(seeds, step), V)."""
         if self.window is None or not self.start <= step < self.start + self.window.shape[1]:
             self.start = step
-            self.window = gumbel_noise_steps(self.k1, self.k2[:, step:step + self.width], self.vocab_size)
+            self.window = gumbel_noise_steps(self.k1, self.k2[:, step : step + self.width], self.vocab_size)
         return self.window[:, step - self.start]
 
 
@@ -886,6 +1087,7 @@ def _merge(parts: list[Generation]) -> Generation:
     metrics: dict[str, float] = {}
     for key in ("timing/prefill_s", "timing/generate_s", "perf/decode_steps", "perf/generated_tokens"):
         metrics[key] = sum(p.metrics.get(key, 0.0) for p in parts)
-    metrics["perf/gen_tokens_per_s"] = metrics["perf/generated_tokens"] / max(metrics["timing/generate_s"], 1e-9)
+    metrics["perf/gen_tokens_per_s"] = metrics["perf/generated_tokens"] / max(
+        metrics["timing/generate_s"], 1e-9
+    )
     return Generation.concatenated(parts, metrics)
-

@@ -1,4 +1,4 @@
-"""The Llama-family forward pass of the native engine: batched prefill and one decode step over a static KV cache.
+"""The native engine's Llama-family forward: batched prefill and one decode step over a static KV cache.
 
 Pure tensor code over `InferenceWeights` (fused QKV and gate/up) and a preallocated cache; it does
 not sample, stop sequences or know about requests (that is `engine.py`). Arithmetic follows
@@ -11,8 +11,8 @@ embedding and after each row-parallel o_proj and down_proj (2 L + 1 per forward)
 of the vocab-parallel LM head's logits. With tp=None (one device) none of them is called.
 
 Cache layout: k[l], v[l] [B_max, kv_heads, S_max, head_dim], one tensor per layer. Prompts are
-left-padded to a common width S, so cache slot s of every row is "the s-th column of the padded batch"; slot S + t holds
-decode step t. Row b's real tokens start at slot pad[b] and have positions 0, 1, 2, ...
+left-padded to a common width S, so cache slot s of every row is "the s-th column of the padded batch"; slot S
++ t holds decode step t. Row b's real tokens start at slot pad[b] and have positions 0, 1, 2, ...
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class KVCache:
         # and a masked NaN from uninitialised memory would still poison softmax(...) @ V.
         # One tensor per layer rather than one [L, ...] tensor: torch.compile writes a slice of a
         # per-layer input in place, but L slice writes into one input become a copy of the whole
-        # cache every step (measured: 243 ms vs 1.4 ms eager per step with a 4096-slot cache).
+        # cache every step, orders of magnitude slower than the step itself on a long cache.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.max_batch_size = max_batch_size
@@ -55,9 +55,9 @@ class KVCache:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale. x [..., H], weight [H]."""
     if x.dtype == torch.float32:
-        # One call instead of eight: F.rms_norm gave bit-identical fp32 results to the sequence below on
-        # [1|64, 768] inputs and ran about 2x faster per call on CPU (24 us vs 40 us at B=1); on CPU, outside
-        # torch.compile, kernels/rms_norm.py's C++ kernel, also one autograd node for training (its figures there).
+        # One call instead of eight: F.rms_norm gives bit-identical fp32 results to the sequence below
+        # and pays the per-call cost once; on CPU, outside torch.compile, kernels/rms_norm.py's C++ kernel,
+        # also one autograd node for training (its reasons there).
         return kernel_rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -83,11 +83,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 def _as_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention mask: 0 where allowed, -inf elsewhere (SDPA would convert a bool mask to
     this inside every call, i.e. once per layer per step)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
-def prefill_masks(spec: LlamaFamilySpec, pad: torch.Tensor, width: int,
-                  dtype: torch.dtype = torch.float32) -> dict[int | None, torch.Tensor]:
+def prefill_masks(
+    spec: LlamaFamilySpec, pad: torch.Tensor, width: int, dtype: torch.dtype = torch.float32
+) -> dict[int | None, torch.Tensor]:
     """Additive masks [B, 1, S, S] (0 = attend, -inf = not), one per distinct sliding window.
 
     Query slot i sees key slot j when j <= i, j is a real token (j >= pad), and i - j < window.
@@ -129,19 +132,22 @@ class DecodeMasks:
             base = base.masked_fill(self.slots[:kv_len] > slot, float("-inf"))
         masks = {None: base[:, None, None, :]} if self.has_full else {}
         for window in self.windows:
-            masks[window] = base.masked_fill(self.slots[:kv_len] <= slot - window, float("-inf"))[:, None, None, :]
+            masks[window] = base.masked_fill(self.slots[:kv_len] <= slot - window, float("-inf"))[
+                :, None, None, :
+            ]
         return masks
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention of the decode step as two batched matmuls and a float32 softmax.
 
     q [B, kv_heads, groups, D], keys/values [B, kv_heads, L, D], mask additive [B, 1, 1, L];
     returns [B, kv_heads, groups, D]. Decode attention is bound by reading the KV cache (B = 64,
-    12 heads, 88 slots, bf16: 17 MB per layer); eagerly this and SDPA's CPU kernel cost the same
-    (896 vs 964 us per call), but torch.compile fuses this form into one loop (670 us), which SDPA,
-    an opaque call to inductor, does not allow. Agrees with SDPA to ~1e-7 in fp32 (tests compare
+    12 heads, 88 slots, bf16: 17 MB per layer); eagerly this and SDPA's CPU kernel cost about the same,
+    but torch.compile fuses this form into one loop, faster than either, which SDPA, an opaque call to
+    inductor, does not allow. Agrees with SDPA to ~1e-7 in fp32 (tests compare
     logits with transformers at 1e-4).
     """
     B, kv_heads, groups, D = q.shape
@@ -162,9 +168,16 @@ class LlamaFamilyModel:
     tp: the tensor-parallel group, or None on one device (no collectives at all).
     """
 
-    def __init__(self, spec: LlamaFamilySpec, weights: InferenceWeights, cos: torch.Tensor, sin: torch.Tensor,
-                 linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
-                 cpu_attention: bool = False, tp: TensorParallel | None = None):
+    def __init__(
+        self,
+        spec: LlamaFamilySpec,
+        weights: InferenceWeights,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+        cpu_attention: bool = False,
+        tp: TensorParallel | None = None,
+    ):
         self.spec = spec
         self.tp = tp
         # x @ w.T without bias: F.linear, or prepack.linear (packed weight copies on CPU).
@@ -229,7 +242,12 @@ class LlamaFamilyModel:
         real = None
         if pad is not None and T > 1 and bool((pad > 0).any()):
             # Flat indices (b * T + t) of the real tokens, in order: row b's last real token is slot T - 1.
-            real = (torch.arange(T, device=tokens.device)[None, :] >= pad[:, None]).reshape(-1).nonzero().squeeze(1)
+            real = (
+                (torch.arange(T, device=tokens.device)[None, :] >= pad[:, None])
+                .reshape(-1)
+                .nonzero()
+                .squeeze(1)
+            )
             x = self._embed(tokens.reshape(-1)[real])  # [N, H]
         else:
             x = self._embed(tokens)  # [B, T, H]
@@ -264,15 +282,20 @@ class LlamaFamilyModel:
                 # One query per row: fold the query heads of a KV group into the "time" axis, so each
                 # cached key is read once with no repeat_kv copy.
                 if self.cpu_attention and not static:
-                    attn = cpu_decode_attention.op(q.reshape(B, kv_heads, groups, D), keys, values,
-                                                   mask.reshape(B, kv_len), self.scale)
+                    attn = cpu_decode_attention.op(
+                        q.reshape(B, kv_heads, groups, D), keys, values, mask.reshape(B, kv_len), self.scale
+                    )
                 else:
                     attn = decode_attention(q.reshape(B, kv_heads, groups, D), keys, values, mask, self.scale)
                 attn = attn.reshape(B, q_size) if flat else attn.reshape(B, 1, q_size)
             else:
-                attn = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa
-                ).transpose(1, 2).reshape(B, T, q_size)
+                attn = (
+                    F.scaled_dot_product_attention(
+                        q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+                    )
+                    .transpose(1, 2)
+                    .reshape(B, T, q_size)
+                )
                 if real is not None:
                     attn = attn.reshape(B * T, q_size).index_select(0, real)
             out = linear(attn, o_w[layer])

@@ -3,17 +3,13 @@
 Why: a decode step is a chain of skinny GEMMs (M = batch) that stream every weight once, and the
 plain [out, in] layout F.linear reads streams slowly at small M. Two packed layouts:
 
-- "blocked" (float32 on AVX-512 and AVX2 CPUs): [ceil(N/16), K, 16] copies for alignflow.kernels.skinny_linear,
-  used up to skinny_linear.max_rows() rows (decode, small prefills); above that F.linear on the plain weight.
+- "blocked" (float32 on AVX-512 and AVX2 CPUs): [ceil(N/16), K, 16] copies for
+  alignflow.kernels.skinny_linear, used up to skinny_linear.max_rows() rows (decode, small prefills); above
+  that F.linear on the plain weight.
 - "onednn" (bfloat16, or float32 where the kernel cannot be built): oneDNN's blocked copies.
 
-12 layers of the ~110M model plus its 32000-row head, 2 threads, weights not in cache, ms per step
-(fp32: `python benchmarks/cpu_kernels_bench.py` on the Ice Lake CI box; bf16: measured on an AMX
-Sapphire Rapids box when the oneDNN layout was added):
-
-    bf16  batch 8: F.linear 16.5, onednn 10.6      batch 64: F.linear 23.4, onednn 15.1
-    fp32  batch 8: F.linear 54.2, onednn 31.2, blocked 18.1
-          batch 64: F.linear 80.1, onednn 62.9, blocked 64.9 (65 vs 79 in another run)
+Both are faster than F.linear on the plain weight in a decode step (docs/performance.md#cpu-kernels;
+`python benchmarks/cpu_kernels_bench.py`).
 
 How: the plain fused buffers of InferenceWeights stay the source of truth (refit, save, GPU). A
 `Prepacked` object keeps one packed copy per linear weight (each layer's view of qkv_w, o_w,
@@ -27,7 +23,7 @@ repacks after its writes. (The buffer's counter, not the view's: inside a compil
 reach the op as fresh tensors whose own counters start at 0.) Costs: a second copy of the linear weights in
 memory (`engine.cpu_prepack: false` turns it off) and the repack time inside refit.
 
-Numerics: oneDNN bf16 results equal F.linear's bit for bit in the measurements above; fp32 results of
+Numerics: oneDNN bf16 results equal F.linear's bit for bit (test_engine_prepack.py); fp32 results of
 both packed layouts differ from F.linear by ~1e-6 relative (another accumulation order), inside the
 engine's 1e-4 parity tolerance.
 """
@@ -50,25 +46,20 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 LAYOUTS = ("blocked", "onednn")
 
 # Smallest weight oneDNN packs. Packing pays for weights streamed from L3 or memory; one that stays in L2
-# is read as fast in the plain layout, and the packed op's fixed cost (~40 us) wins. Measured on the
-# AVX2 EPYC CI box (1 MiB L2 per core), fp32, us per call with the weight in cache, F.linear / packed:
-# 1 thread, [64 x 176] 12 / 32 at 32 rows, [256 x 512] (512 KiB) 124 / 179; 2 threads, 16 rows,
-# [256 x 256] 53 / 85, [768 x 256] 127 / 131, [2048 x 256] 325 / 252. In a decode step the weights
-# do not stay in cache: the 17 linears of the 4.7M RL-benchmark model (19 MB) took 4.35 ms per step
-# with this floor at 1 MiB (its 256 and 768 KiB weights plain), 3.65 ms at 256 KiB (all packed), 6.1 ms
-# all plain (2 threads, 16 rows, median of 60 steps; 5.42 vs 4.72 ms at 32 rows, 7.5 either way at 64;
-# `benchmarks/cpu_kernels_bench.py --model rl-4.7m --engine-floor-kib 1024` times the two floors), and
-# its compiled 16 x 32-token generate went 248-303 -> 220-239 ms (3 interleaved pairs). On the
-# demo model (every weight < 0.2 MiB, the whole model in L2) packing made a 32-row, 32-token generate
-# 0.158 s against 0.121 s plain. The AVX-512 blocked kernel has no floor: its layout is what makes it fast.
-# The AVX2 build ("blocked-avx2") has oneDNN's: on the AVX2 EPYC the demo's PPO iteration generated in
-# 50-51 ms with every weight plain and 57-62 ms with all of them blocked (3 interleaved rounds of
-# benchmarks/ppo_iteration.py), while the 4.7M model's smallest weight is 256 KiB and packs.
+# is read as fast in the plain layout, and the packed op's fixed per-call cost wins. In a decode step the
+# weights do not stay in cache, so the floor is low enough that every weight of the 4.7M RL-benchmark
+# model packs (its smallest is 256 KiB), while the demo model (every weight < 0.2 MiB, the whole model in
+# L2) generates faster plain (docs/performance.md#cpu-kernels;
+# `benchmarks/cpu_kernels_bench.py --model rl-4.7m --engine-floor-kib 1024` times two floors). The AVX-512
+# blocked kernel has no floor: its layout is what makes it fast. The AVX2 build ("blocked-avx2") has oneDNN's,
+# for the same reason: the demo model's blocked weights generate slower than plain ones
+# (benchmarks/ppo_iteration.py).
 MIN_PACKED_BYTES = {"onednn": 256 << 10, "blocked": 0, "blocked-avx2": 256 << 10}
 
 
 def min_packed_bytes(layout: str) -> int:
-    """The smallest weight this layout packs here (MIN_PACKED_BYTES; the blocked layout's floor is its build's)."""
+    """The smallest weight this layout packs here (MIN_PACKED_BYTES;
+    the blocked layout's floor is its build's)."""
     if layout == "blocked" and skinny.isa() == "AVX2":
         return MIN_PACKED_BYTES["blocked-avx2"]
     return MIN_PACKED_BYTES[layout]
@@ -104,7 +95,7 @@ def layout_for(device: torch.device, dtype: torch.dtype, kernels: bool = True) -
     if not torch.backends.mkldnn.is_available():
         return None
     # oneDNN reorders bf16 weights only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU
-    # (an AMD EPYC CI box) it raises, so bf16 weights stay plain there and F.linear runs them.
+    # (some AMD EPYC CPUs) it raises, so bf16 weights stay plain there and F.linear runs them.
     if dtype == torch.bfloat16 and not torch.cpu._is_avx512_supported():
         return None
     return "onednn"
@@ -128,9 +119,8 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         calls["packed"] += 1
         return skinny.skinny_linear(x, packed, out_features)
     calls["packed"] += 1
-    # The decode step's [B, H] goes in as it is: the reshape in and the view out added ~10 us each to a
-    # 57-62 us call of a packed [256 x 256] weight at 16 rows, and the compiled 16 x 32-token generate of the
-    # 4.7M benchmark model went 194-196 -> 177-192 ms without them (2 threads, AVX2 EPYC).
+    # The decode step's [B, H] goes in as it is: a reshape in and a view out would each add a sizeable share
+    # of a small packed call, in every linear of every step.
     if x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, None, "none", [], "")
@@ -138,8 +128,8 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # Registered through torch.library.Library rather than the @custom_op decorator: the decorator's
-# Python wrapper cost ~15 us per call against ~2.5 us here (measured on a [8, 768] x [768, 768]
-# bf16 linear), i.e. ~0.6 ms of a decode step's 49 linear calls. The op is inference-only (no
+# Python wrapper costs several times more per call, paid by each of a decode step's 49 linear calls
+# (a sizeable share of a small model's step). The op is inference-only (no
 # autograd formula) and CPU-only, like the packed weights it reads.
 _LIBRARY = torch.library.Library("alignflow", "DEF")
 _LIBRARY.define("linear(Tensor x, Tensor weight) -> Tensor")
@@ -177,7 +167,8 @@ class Prepacked:
         yield head, head
 
     def packs_any(self) -> bool:
-        """Whether any weight is large enough for this layout (min_packed_bytes); else the engine keeps F.linear."""
+        """Whether any weight is large enough for this layout (min_packed_bytes);
+        else the engine keeps F.linear."""
         return any(view.nbytes >= min_packed_bytes(self.layout) for view, _ in self._views())
 
     def refresh(self) -> None:

@@ -27,14 +27,18 @@ def _unsupported(model_type: str, reason: str) -> UnsupportedArchitectureError:
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The RoPE dict {rope_type, rope_theta, ...} for transformers 5 (rope_parameters) and 4 (rope_scaling)."""
+    """The RoPE dict {rope_type, rope_theta, ...} for transformers 5
+    (rope_parameters) and 4 (rope_scaling)."""
     if hasattr(hf_config, "standardize_rope_params"):
         hf_config.standardize_rope_params()
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:  # transformers 4.x
         scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params = {"rope_type": scaling.get("rope_type", scaling.get("type", "default")),
-                  "rope_theta": getattr(hf_config, "rope_theta", 10000.0), **scaling}
+        params = {
+            "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+            "rope_theta": getattr(hf_config, "rope_theta", 10000.0),
+            **scaling,
+        }
     params = dict(params)
     if params.get("rope_type") is None:
         params["rope_type"] = params.get("type", "default")
@@ -76,7 +80,9 @@ def spec_from_hf_config(hf_config: Any, max_seq_len: int) -> LlamaFamilySpec:
     """Check an HF config is one the native engine runs exactly as transformers does, and describe it."""
     model_type = getattr(hf_config, "model_type", "?")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _unsupported(model_type, f"only the Llama family ({', '.join(SUPPORTED_MODEL_TYPES)}) is supported")
+        raise _unsupported(
+            model_type, f"only the Llama family ({', '.join(SUPPORTED_MODEL_TYPES)}) is supported"
+        )
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise _unsupported(model_type, f"hidden_act={act!r} (only SwiGLU with silu)")
@@ -88,7 +94,9 @@ def spec_from_hf_config(hf_config: Any, max_seq_len: int) -> LlamaFamilySpec:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     if heads % kv_heads:
-        raise _unsupported(model_type, f"num_attention_heads={heads} not a multiple of num_key_value_heads={kv_heads}")
+        raise _unsupported(
+            model_type, f"num_attention_heads={heads} not a multiple of num_key_value_heads={kv_heads}"
+        )
 
     rope = rope_parameters(hf_config)
     rope_type = rope["rope_type"]
@@ -101,10 +109,13 @@ def spec_from_hf_config(hf_config: Any, max_seq_len: int) -> LlamaFamilySpec:
             raise _unsupported(
                 model_type,
                 f"rope_type 'dynamic' with engine.max_seq_len={max_seq_len} > max_position_embeddings="
-                f"{hf_config.max_position_embeddings} (frequencies would depend on the batch); lower max_seq_len",
+                f"{hf_config.max_position_embeddings} (frequencies would depend on the batch); lower "
+                "max_seq_len",
             )
     elif rope_type not in STATIC_ROPE_TYPES:
-        raise _unsupported(model_type, f"rope_type {rope_type!r} (supported: {', '.join(STATIC_ROPE_TYPES)}, dynamic)")
+        raise _unsupported(
+            model_type, f"rope_type {rope_type!r} (supported: {', '.join(STATIC_ROPE_TYPES)}, dynamic)"
+        )
 
     layers = hf_config.num_hidden_layers
     if model_type == "qwen2":
@@ -114,7 +125,9 @@ def spec_from_hf_config(hf_config: Any, max_seq_len: int) -> LlamaFamilySpec:
         if layer_types is None:  # transformers 4.x: use_sliding_window + max_window_layers
             use = getattr(hf_config, "use_sliding_window", False)
             first = getattr(hf_config, "max_window_layers", layers)
-            layer_types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(layers)]
+            layer_types = [
+                "sliding_attention" if use and i >= first else "full_attention" for i in range(layers)
+            ]
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
     else:
         bias = bool(getattr(hf_config, "attention_bias", False))
@@ -157,10 +170,12 @@ def rope_inverse_frequencies(hf_config: Any, spec: LlamaFamilySpec) -> tuple[tor
 
 
 def rope_tables(hf_config: Any, spec: LlamaFamilySpec, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_seq_len, head_dim] float32 for positions 0..max_seq_len-1 (transformers' layout: halves repeated)."""
+    """cos, sin [max_seq_len, head_dim] float32 for positions 0..max_seq_len-1
+    (transformers' layout: halves repeated)."""
     inv_freq, scaling = rope_inverse_frequencies(hf_config, spec)
     positions = torch.arange(max_seq_len, dtype=torch.float)
-    # Same op order as transformers (position * inv_freq, then cos/sin, then scale) so tables match bit for bit.
+    # Same op order as transformers (position * inv_freq, then cos/sin, then scale) so tables match bit for
+    # bit.
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling

@@ -1,4 +1,4 @@
-"""Tensor parallelism of the native engine: which slice of every weight a rank keeps, and the collectives it calls.
+"""Tensor parallelism of the native engine: which slice of every weight a rank keeps, and its collectives.
 
 A Llama-family model split over k ranks in the Megatron way (Shoeybi et al., 2019), one rule per
 Hugging Face parameter (`SHARDING`; h query heads, g KV heads, I intermediate, V vocab):
@@ -49,7 +49,8 @@ ShardKind = Literal["column", "row", "vocab", "replicated"]
 
 @dataclass(frozen=True)
 class ShardRule:
-    """How one HF parameter is split: `kind`, and the dim each rank keeps a slice of (None: the whole tensor)."""
+    """How one HF parameter is split: `kind`, and the dim each rank keeps a slice of
+    (None: the whole tensor)."""
 
     kind: ShardKind
     dim: int | None
@@ -81,7 +82,8 @@ SHARDING: dict[str, ShardRule] = {
 
 
 class TensorParallelError(UnsupportedArchitectureError):
-    """A model that cannot be split over engine.tensor_parallel_size ranks (a ValueError, like any config mismatch)."""
+    """A model that cannot be split over engine.tensor_parallel_size ranks (a ValueError,
+    like any config mismatch)."""
 
 
 def kv_heads_split(num_kv_heads: int, size: int, replicate_kv_heads: bool = False) -> bool:
@@ -96,8 +98,11 @@ def valid_sizes(spec: LlamaFamilySpec, replicate_kv_heads: bool = False) -> list
     this); the native engine does not.
     """
     common = math.gcd(spec.num_heads, spec.intermediate_size)
-    return [k for k in range(1, common + 1)
-            if common % k == 0 and kv_heads_split(spec.num_kv_heads, k, replicate_kv_heads)]
+    return [
+        k
+        for k in range(1, common + 1)
+        if common % k == 0 and kv_heads_split(spec.num_kv_heads, k, replicate_kv_heads)
+    ]
 
 
 def check_tensor_parallel(spec: LlamaFamilySpec, size: int, replicate_kv_heads: bool = False) -> None:
@@ -110,10 +115,17 @@ def check_tensor_parallel(spec: LlamaFamilySpec, size: int, replicate_kv_heads: 
         raise TensorParallelError(f"engine.tensor_parallel_size={size}: must be >= 1")
     problems = []
     if not kv_heads_split(spec.num_kv_heads, size, replicate_kv_heads):
-        copied = ("KV heads are copied only when the size is a multiple of them" if replicate_kv_heads
-                  else "KV heads are not replicated across ranks")
-        grouped = (f" (grouped-query attention: {spec.num_heads} query heads on {spec.num_kv_heads} KV heads; "
-                   f"{copied})" if spec.num_kv_heads != spec.num_heads else "")
+        copied = (
+            "KV heads are copied only when the size is a multiple of them"
+            if replicate_kv_heads
+            else "KV heads are not replicated across ranks"
+        )
+        grouped = (
+            f" (grouped-query attention: {spec.num_heads} query heads on {spec.num_kv_heads} KV heads; "
+            f"{copied})"
+            if spec.num_kv_heads != spec.num_heads
+            else ""
+        )
         problems.append(f"num_key_value_heads={spec.num_kv_heads} is not divisible by it{grouped}")
     if spec.num_heads % size:
         problems.append(f"num_attention_heads={spec.num_heads} is not divisible by it")
@@ -121,9 +133,9 @@ def check_tensor_parallel(spec: LlamaFamilySpec, size: int, replicate_kv_heads: 
         problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by it")
     if problems:
         raise TensorParallelError(
-            f"engine.tensor_parallel_size={size} cannot split this {spec.model_type} model: {'; '.join(problems)}. "
-            f"Each rank must hold whole heads: valid tensor_parallel_size values for this model are "
-            f"{', '.join(map(str, valid_sizes(spec, replicate_kv_heads)))}"
+            f"engine.tensor_parallel_size={size} cannot split this {spec.model_type} model: "
+            f"{'; '.join(problems)}. Each rank must hold whole heads: valid tensor_parallel_size values for "
+            f"this model are {', '.join(map(str, valid_sizes(spec, replicate_kv_heads)))}"
         )
 
 
@@ -193,12 +205,22 @@ def hf_parameter_shape(param: str, spec: LlamaFamilySpec) -> tuple[int, ...]:
     """The full (unsplit) shape of an HF parameter of a model of `spec` (suffix or full name)."""
     H, Q, K, inner, V = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size, spec.vocab_size
     shapes = {
-        "self_attn.q_proj.weight": (Q, H), "self_attn.k_proj.weight": (K, H), "self_attn.v_proj.weight": (K, H),
-        "self_attn.q_proj.bias": (Q,), "self_attn.k_proj.bias": (K,), "self_attn.v_proj.bias": (K,),
-        "self_attn.o_proj.weight": (H, Q), "self_attn.o_proj.bias": (H,),
-        "mlp.gate_proj.weight": (inner, H), "mlp.up_proj.weight": (inner, H), "mlp.down_proj.weight": (H, inner),
-        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-        "model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "model.norm.weight": (H,),
+        "self_attn.q_proj.weight": (Q, H),
+        "self_attn.k_proj.weight": (K, H),
+        "self_attn.v_proj.weight": (K, H),
+        "self_attn.q_proj.bias": (Q,),
+        "self_attn.k_proj.bias": (K,),
+        "self_attn.v_proj.bias": (K,),
+        "self_attn.o_proj.weight": (H, Q),
+        "self_attn.o_proj.bias": (H,),
+        "mlp.gate_proj.weight": (inner, H),
+        "mlp.up_proj.weight": (inner, H),
+        "mlp.down_proj.weight": (H, inner),
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+        "model.embed_tokens.weight": (V, H),
+        "lm_head.weight": (V, H),
+        "model.norm.weight": (H,),
     }
     suffix = param.split(".", 3)[-1] if param.startswith("model.layers.") else param
     return shapes[suffix]
@@ -225,8 +247,9 @@ class TensorParallel:
         ranks = dist.get_world_size(self.group)
         if ranks != size:
             raise EngineError(
-                f"engine.tensor_parallel_size={size} but the process group has {ranks} ranks; pass a group of "
-                f"exactly {size} ranks (process_group=dist.new_group(...)) or set engine.tensor_parallel_size: {ranks}"
+                f"engine.tensor_parallel_size={size} but the process group has {ranks} ranks; pass a group "
+                f"of exactly {size} ranks (process_group=dist.new_group(...)) or set "
+                f"engine.tensor_parallel_size: {ranks}"
             )
         self.spec = spec
         self.size = size

@@ -115,7 +115,13 @@ class InferenceWeights:
         self.device = torch.device(device)
         self.buffers: dict[str, torch.Tensor] = self._new_buffers()
         q, k, i = self.local_spec.q_size, self.local_spec.kv_size, self.local_spec.intermediate_size
-        self._row_ranges = {"q": (0, q), "k": (q, q + k), "v": (q + k, q + 2 * k), "gate": (0, i), "up": (i, 2 * i)}
+        self._row_ranges = {
+            "q": (0, q),
+            "k": (q, q + k),
+            "v": (q + k, q + 2 * k),
+            "gate": (0, i),
+            "up": (i, 2 * i),
+        }
         self.expected: set[tuple[str, int | None, int | None]] = {d.key for d in self._all_destinations()}
 
     # -- views the model code reads --------------------------------------------------------------
@@ -146,12 +152,16 @@ class InferenceWeights:
             return Destination("norm", None, None, None, hf_name)
         if hf_name == "lm_head.weight":
             # Tied: the trainer may or may not send lm_head; it is the embedding either way.
-            return Destination("embed" if self.spec.tie_word_embeddings else "lm_head", None, None, None, hf_name)
+            return Destination(
+                "embed" if self.spec.tie_word_embeddings else "lm_head", None, None, None, hf_name
+            )
         match = _LAYER_NAME.match(hf_name)
         if match and match.group(2) in _LAYER_PARTS:
             layer = int(match.group(1))
             if layer >= self.spec.num_layers:
-                raise RefitError(f"{hf_name!r}: layer {layer} but the model has {self.spec.num_layers} layers")
+                raise RefitError(
+                    f"{hf_name!r}: layer {layer} but the model has {self.spec.num_layers} layers"
+                )
             buffer, part = _LAYER_PARTS[match.group(2)]
             if buffer not in self.buffers:
                 raise RefitError(
@@ -221,9 +231,9 @@ class InferenceWeights:
         if missing and not partial:
             names = sorted(self.hf_name(k) for k in missing)
             raise RefitError(
-                f"refit did not cover {len(missing)} of {len(self.expected)} parameters (first: {names[:5]}); "
-                "the engine now holds a mix of old and new weights. Send every parameter, or pass partial=True "
-                "if updating a subset is intended"
+                f"refit did not cover {len(missing)} of {len(self.expected)} parameters (first: "
+                f"{names[:5]}); the engine now holds a mix of old and new weights. Send every parameter, or "
+                "pass partial=True if updating a subset is intended"
             )
         return RefitStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - started)
 
@@ -261,10 +271,13 @@ class InferenceWeights:
 
     def _new_buffers(self) -> dict[str, torch.Tensor]:
         """Uninitialised buffers of the held shapes on self.device (zeroed when tensor parallel: a padded
-        last vocab shard has rows no refit writes, and their logits, cut off after the gather, stay finite)."""
+        last vocab shard has rows no refit writes, and their logits, cut off after the gather, stay
+        finite)."""
         new = torch.empty if self.tp is None else torch.zeros
-        return {name: new(shape, dtype=self.dtype, device=self.device)
-                for name, shape in buffer_shapes(self.local_spec).items()}
+        return {
+            name: new(shape, dtype=self.dtype, device=self.device)
+            for name, shape in buffer_shapes(self.local_spec).items()
+        }
 
 
 def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -280,7 +293,8 @@ def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor
         found = sorted(p.name for p in checkpoint_dir.iterdir()) if checkpoint_dir.is_dir() else []
         raise FileNotFoundError(
             f"{checkpoint_dir}: no model.safetensors or model.safetensors.index.json (found {found[:10]}); "
-            "the native engine reads safetensors only: re-save with save_pretrained(..., safe_serialization=True)"
+            "the native engine reads safetensors only: re-save with save_pretrained(..., "
+            "safe_serialization=True)"
         )
     for file in files:
         with safe_open(str(checkpoint_dir / file), framework="pt", device="cpu") as handle:
@@ -289,7 +303,8 @@ def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor
 
 
 def saved_engine_tensors(weights_file: Path, spec: LlamaFamilySpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream a saved (one-device) engine's fused buffers back as (HF name, tensor), one layer's slice at a time.
+    """Stream a saved (one-device) engine's fused buffers back as (HF name, tensor), one layer's slice at a
+    time.
 
     A tensor-parallel rank loads a saved engine through this and its refit path (each rank cuts its shard
     of every full tensor), so no rank ever holds the whole model: the largest tensor alive is one layer's
@@ -298,11 +313,18 @@ def saved_engine_tensors(weights_file: Path, spec: LlamaFamilySpec) -> Iterator[
     from safetensors import safe_open
 
     q, k, inner = spec.q_size, spec.kv_size, spec.intermediate_size
-    parts = {"qkv_w": (("q_proj.weight", 0, q), ("k_proj.weight", q, q + k), ("v_proj.weight", q + k, q + 2 * k)),
-             "qkv_b": (("q_proj.bias", 0, q), ("k_proj.bias", q, q + k), ("v_proj.bias", q + k, q + 2 * k)),
-             "gate_up_w": (("gate_proj.weight", 0, inner), ("up_proj.weight", inner, 2 * inner))}
-    whole = {"o_w": "self_attn.o_proj.weight", "o_b": "self_attn.o_proj.bias", "down_w": "mlp.down_proj.weight",
-             "ln_attn": "input_layernorm.weight", "ln_mlp": "post_attention_layernorm.weight"}
+    parts = {
+        "qkv_w": (("q_proj.weight", 0, q), ("k_proj.weight", q, q + k), ("v_proj.weight", q + k, q + 2 * k)),
+        "qkv_b": (("q_proj.bias", 0, q), ("k_proj.bias", q, q + k), ("v_proj.bias", q + k, q + 2 * k)),
+        "gate_up_w": (("gate_proj.weight", 0, inner), ("up_proj.weight", inner, 2 * inner)),
+    }
+    whole = {
+        "o_w": "self_attn.o_proj.weight",
+        "o_b": "self_attn.o_proj.bias",
+        "down_w": "mlp.down_proj.weight",
+        "ln_attn": "input_layernorm.weight",
+        "ln_mlp": "post_attention_layernorm.weight",
+    }
     prefix = {"qkv_w": "self_attn.", "qkv_b": "self_attn.", "gate_up_w": "mlp."}
     with safe_open(str(weights_file), framework="pt", device="cpu") as handle:
         names = set(handle.keys())
@@ -314,7 +336,7 @@ def saved_engine_tensors(weights_file: Path, spec: LlamaFamilySpec) -> Iterator[
             for buffer in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w", "ln_attn", "ln_mlp"):
                 if buffer not in names:
                     continue  # qkv_b / o_b exist for biased models only
-                rows = handle.get_slice(buffer)[layer: layer + 1][0]
+                rows = handle.get_slice(buffer)[layer : layer + 1][0]
                 if buffer in whole:
                     yield f"model.layers.{layer}.{whole[buffer]}", rows
                     continue

@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoint -> TensorRT-LLM checkpoint, sharded for a tensor x pipeline-parallel mapping (and back).
+"""HF Llama checkpoint -> TensorRT-LLM checkpoint, sharded for a tensor x pipeline-parallel mapping, and back.
 
 A TensorRT-LLM checkpoint is a folder with `config.json` (its PretrainedConfig: architecture,
 dtype, shapes, `mapping`) and one `rank{i}.safetensors` per rank, i = pp_rank * tp_size + tp_rank
@@ -17,7 +17,8 @@ k = tp_size, V vocab, P = ceil(V / k)):
     transformer.layers.{j}.attention.dense.weight  o_proj, the input columns of the rank's query heads
       (.bias, whole: added once after the all-reduce)
     transformer.layers.{j}.post_layernorm.weight post_attention_layernorm
-    transformer.layers.{j}.mlp.fc.weight         gate_proj rows  (TensorRT-LLM's GatedMLP: act(fc(x)) * gate(x))
+    transformer.layers.{j}.mlp.fc.weight         gate_proj rows (TensorRT-LLM's GatedMLP:
+                                                 act(fc(x)) * gate(x))
     transformer.layers.{j}.mlp.gate.weight       up_proj rows
     transformer.layers.{j}.mlp.proj.weight       down_proj input columns
     transformer.ln_f.weight                      model.norm (last stage only)
@@ -141,7 +142,8 @@ class TrtLlmLayout:
         return tensor.narrow(0, head * d, d)
 
     def lm_head_shard(self, tensor: torch.Tensor, tp_rank: int) -> torch.Tensor:
-        """Rank tp_rank's [P, H] rows of the LM head, zero-padded past the vocabulary (a copy only when padded)."""
+        """Rank tp_rank's [P, H] rows of the LM head, zero-padded past the vocabulary
+        (a copy only when padded)."""
         piece = shard_of(tensor, sharding_rule("lm_head.weight"), tp_rank, self.tp_size)
         rows = vocab_rows(self.spec.vocab_size, self.tp_size)
         if piece.shape[0] < rows:
@@ -161,8 +163,10 @@ class TrtLlmLayout:
             names.append(prefix + "attention.dense.weight")
             if self.spec.o_bias:
                 names.append(prefix + "attention.dense.bias")
-            names += [prefix + s for s in ("post_layernorm.weight", "mlp.fc.weight", "mlp.gate.weight",
-                                          "mlp.proj.weight")]
+            names += [
+                prefix + s
+                for s in ("post_layernorm.weight", "mlp.fc.weight", "mlp.gate.weight", "mlp.proj.weight")
+            ]
         if pp_rank == self.pp_size - 1:
             names += ["transformer.ln_f.weight", "lm_head.weight"]
         return names
@@ -170,27 +174,35 @@ class TrtLlmLayout:
 
 def _unsupported(model_type: str, reason: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
-        f"TensorRT-LLM checkpoint conversion cannot convert this checkpoint (model_type={model_type!r}): {reason}. "
-        "Use `engine.backend: native` (Llama, Qwen2, Mistral) or `engine.backend: hf` (any causal LM)."
+        f"TensorRT-LLM checkpoint conversion cannot convert this checkpoint (model_type={model_type!r}): "
+        f"{reason}. Use `engine.backend: native` (Llama, Qwen2, Mistral) or `engine.backend: hf` (any causal "
+        "LM)."
     )
 
 
-def layout_for(hf_config: Any, tp_size: int, pp_size: int = 1, dtype: str | torch.dtype = "float32") -> TrtLlmLayout:
+def layout_for(
+    hf_config: Any, tp_size: int, pp_size: int = 1, dtype: str | torch.dtype = "float32"
+) -> TrtLlmLayout:
     """Check that an HF config converts to a tp_size x pp_size TensorRT-LLM checkpoint and describe the split.
 
     Every problem is collected and reported together, each naming the value and how to fix it.
     """
     model_type = getattr(hf_config, "model_type", "?")
     if model_type not in ARCHITECTURES:
-        raise _unsupported(model_type, f"only {', '.join(ARCHITECTURES)} is converted here (Qwen2 and Mistral "
-                           "have their own TensorRT-LLM converters, not wired into alignflow)")
+        raise _unsupported(
+            model_type,
+            f"only {', '.join(ARCHITECTURES)} is converted here (Qwen2 and Mistral "
+            "have their own TensorRT-LLM converters, not wired into alignflow)",
+        )
     try:
         spec = spec_from_hf_config(hf_config, hf_config.max_position_embeddings)
     except UnsupportedArchitectureError as exc:  # reword the native engine's message for this backend
         raise _unsupported(model_type, str(exc).split(": ", 1)[-1].split(". Use", 1)[0]) from None
     rope_type = rope_parameters(hf_config)["rope_type"]
     if rope_type not in ROPE_TYPES:
-        raise _unsupported(model_type, f"rope_type {rope_type!r} (TensorRT-LLM's Llama reads {', '.join(ROPE_TYPES)})")
+        raise _unsupported(
+            model_type, f"rope_type {rope_type!r} (TensorRT-LLM's Llama reads {', '.join(ROPE_TYPES)})"
+        )
     if isinstance(dtype, str) and dtype not in DTYPE_NAMES:
         raise CheckpointConversionError(f"dtype {dtype!r} is not supported; valid: {', '.join(DTYPE_NAMES)}")
     problems = []
@@ -200,14 +212,18 @@ def layout_for(hf_config: Any, tp_size: int, pp_size: int = 1, dtype: str | torc
         try:
             check_tensor_parallel(spec, tp_size, replicate_kv_heads=True)
         except TensorParallelError as exc:
-            problems.append(str(exc).replace("engine.tensor_parallel_size", "tp_size")
-                            .replace("tensor_parallel_size values", "tp_size values"))
+            problems.append(
+                str(exc)
+                .replace("engine.tensor_parallel_size", "tp_size")
+                .replace("tensor_parallel_size values", "tp_size values")
+            )
         if spec.num_layers % pp_size:
             divisors = [p for p in range(1, spec.num_layers + 1) if spec.num_layers % p == 0]
             problems.append(
-                f"pp_size={pp_size} does not divide num_hidden_layers={spec.num_layers}: every pipeline stage must "
-                f"hold the same number of layers (older TensorRT-LLM releases split only evenly); valid pp_size "
-                f"values for this model are {', '.join(map(str, divisors))}")
+                f"pp_size={pp_size} does not divide num_hidden_layers={spec.num_layers}: every pipeline "
+                "stage must hold the same number of layers (older TensorRT-LLM releases split only evenly); "
+                f"valid pp_size values for this model are {', '.join(map(str, divisors))}"
+            )
     if problems:
         raise CheckpointConversionError("; ".join(problems))
     return TrtLlmLayout(spec=spec, tp_size=tp_size, pp_size=pp_size, dtype=resolve_dtype(dtype))
@@ -292,7 +308,8 @@ class StreamConverter:
         self.seen.add(name)
         tensor = tensor.detach().to(lay.dtype)
         if name == "model.embed_tokens.weight":
-            for r in self._mine(lay.stage_ranks(0)):  # whole on every rank of the first stage (no parallel embedding)
+            # whole on every rank of the first stage (no parallel embedding)
+            for r in self._mine(lay.stage_ranks(0)):
                 yield r, "transformer.vocab_embedding.weight", tensor
             if spec.tie_word_embeddings:
                 yield from self._lm_head(tensor)
@@ -325,8 +342,9 @@ class StreamConverter:
         for r in self._mine(lay.stage_ranks(stage)):
             yield r, prefix + LAYER_NAMES[suffix], shard_of(tensor, rule, r % lay.tp_size, lay.tp_size)
 
-    def convert(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
-                ) -> Iterator[tuple[int, str, torch.Tensor]]:
+    def convert(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+    ) -> Iterator[tuple[int, str, torch.Tensor]]:
         """feed() every pair, then finish(partial)."""
         for name, tensor in named_tensors:
             yield from self.feed(name, tensor)
@@ -334,17 +352,21 @@ class StreamConverter:
 
     def finish(self, *, partial: bool = False) -> None:
         if self.pending:
-            waiting = [f"model.layers.{layer}.self_attn.{{{','.join(sorted(set(QKV_PARTS) - set(got)))}}}.{kind}"
-                       for (layer, kind), got in sorted(self.pending.items())]
+            waiting = [
+                f"model.layers.{layer}.self_attn.{{{','.join(sorted(set(QKV_PARTS) - set(got)))}}}.{kind}"
+                for (layer, kind), got in sorted(self.pending.items())
+            ]
             raise CheckpointConversionError(
-                f"the stream ended with q/k/v incomplete: missing {', '.join(waiting)}; TensorRT-LLM fuses q, k and "
-                "v into one attention.qkv tensor, so a refit must send all three of a layer together")
+                f"the stream ended with q/k/v incomplete: missing {', '.join(waiting)}; TensorRT-LLM fuses "
+                "q, k and v into one attention.qkv tensor, so a refit must send all three of a layer together"
+            )
         if not partial:
             missing = [n for n in self.hf_names() if n not in self.seen]
             if missing:
                 raise CheckpointConversionError(
                     f"{len(missing)} HF parameters never arrived: {', '.join(missing[:6])}"
-                    f"{' ...' if len(missing) > 6 else ''}; send every parameter, or pass partial=True")
+                    f"{' ...' if len(missing) > 6 else ''}; send every parameter, or pass partial=True"
+                )
 
     def _mine(self, ranks: list[int]) -> list[int]:
         return ranks if self.ranks is None else [r for r in ranks if r in self.ranks]
@@ -357,11 +379,14 @@ class StreamConverter:
     def _check(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self.known:
             raise CheckpointConversionError(
-                f"unknown HF parameter {name!r} for this {self.layout.spec.model_type} model (expected names like "
-                "model.layers.0.self_attn.q_proj.weight); is the stream from the same architecture?")
+                f"unknown HF parameter {name!r} for this {self.layout.spec.model_type} model (expected names "
+                "like model.layers.0.self_attn.q_proj.weight); is the stream from the same architecture?"
+            )
         want = hf_parameter_shape(name, self.layout.spec)
         if tuple(tensor.shape) != want:
-            raise CheckpointConversionError(f"{name}: shape {tuple(tensor.shape)}, the model's config says {want}")
+            raise CheckpointConversionError(
+                f"{name}: shape {tuple(tensor.shape)}, the model's config says {want}"
+            )
 
 
 def _layer_of(name: str) -> tuple[int, str]:
@@ -383,12 +408,21 @@ class ConversionReport:
 
     def summary(self) -> str:
         sizes = ", ".join(f"rank{i} {b / 2**20:.2f} MiB" for i, b in enumerate(self.bytes_per_rank))
-        return (f"tensorrt-llm checkpoint tp={self.tp_size} pp={self.pp_size} {self.dtype}: {sizes} "
-                f"({sum(self.bytes_per_rank) / 2**20:.2f} MiB total) in {self.seconds:.2f} s -> {self.out_dir}")
+        return (
+            f"tensorrt-llm checkpoint tp={self.tp_size} pp={self.pp_size} {self.dtype}: {sizes} "
+            f"({sum(self.bytes_per_rank) / 2**20:.2f} MiB total) in {self.seconds:.2f} s -> {self.out_dir}"
+        )
 
 
-def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, tp_size: int = 1, pp_size: int = 1,
-                       dtype: str = "float32", overwrite: bool = False) -> ConversionReport:
+def convert_checkpoint(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    dtype: str = "float32",
+    overwrite: bool = False,
+) -> ConversionReport:
     """Write the TensorRT-LLM checkpoint of HF checkpoint `checkpoint_dir` into `out_dir`, atomically.
 
     The files go into a temporary sibling folder, config.json last, then the folder is renamed to
@@ -403,8 +437,9 @@ def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, tp_si
     hf_config = AutoConfig.from_pretrained(checkpoint_dir)
     layout = layout_for(hf_config, tp_size, pp_size, dtype)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; choose another --out or pass overwrite=True "
-                              "(--overwrite)")
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty; choose another --out or pass overwrite=True (--overwrite)"
+        )
     ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.world_size)]
     for rank, name, piece in StreamConverter(layout).convert(checkpoint_tensors(checkpoint_dir)):
         ranks[rank][name] = piece.contiguous().clone()  # own storage: safetensors refuses shared tensors
@@ -432,15 +467,23 @@ def convert_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, tp_si
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ConversionReport(out_dir, tp_size, pp_size, str(layout.dtype).removeprefix("torch."), sizes,
-                            time.perf_counter() - started)
+    return ConversionReport(
+        out_dir,
+        tp_size,
+        pp_size,
+        str(layout.dtype).removeprefix("torch."),
+        sizes,
+        time.perf_counter() - started,
+    )
 
 
 def read_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     file = Path(checkpoint_dir) / CONFIG_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"{checkpoint_dir}: not a TensorRT-LLM checkpoint (no {CONFIG_FILE}); write one with "
-                                "python -m alignflow.stages.common.generation.tensorrt_llm.convert")
+        raise FileNotFoundError(
+            f"{checkpoint_dir}: not a TensorRT-LLM checkpoint (no {CONFIG_FILE}); write one with "
+            "python -m alignflow.stages.common.generation.tensorrt_llm.convert"
+        )
     return json.loads(file.read_text())
 
 
@@ -461,25 +504,34 @@ def reassemble(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     per_stage = cfg["num_hidden_layers"] // pp
     kv_ranks = range(0, tp, max(tp // g, 1))  # one rank per distinct KV slice
 
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": files[0]["transformer.vocab_embedding.weight"]}
-    last = files[(pp - 1) * tp: pp * tp]
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": files[0]["transformer.vocab_embedding.weight"]
+    }
+    last = files[(pp - 1) * tp : pp * tp]
     out["model.norm.weight"] = last[0]["transformer.ln_f.weight"]
     if not cfg["tie_word_embeddings"]:
         out["lm_head.weight"] = torch.cat([f["lm_head.weight"] for f in last])[: cfg["vocab_size"]]
     for stage in range(pp):
-        stage_files = files[stage * tp: (stage + 1) * tp]
+        stage_files = files[stage * tp : (stage + 1) * tp]
         for j in range(per_stage):
             src, dst = f"transformer.layers.{j}.", f"model.layers.{stage * per_stage + j}."
             for kind in ("weight", "bias"):
                 if src + f"attention.qkv.{kind}" not in stage_files[0]:
                     continue
-                parts = [f[src + f"attention.qkv.{kind}"].split([q_rows, kv_rows, kv_rows]) for f in stage_files]
+                parts = [
+                    f[src + f"attention.qkv.{kind}"].split([q_rows, kv_rows, kv_rows]) for f in stage_files
+                ]
                 for r in range(tp):  # a KV head copied onto several ranks must be the same everywhere
                     first = r - r % max(tp // g, 1)
-                    if not (torch.equal(parts[r][1], parts[first][1]) and torch.equal(parts[r][2], parts[first][2])):
+                    if not (
+                        torch.equal(parts[r][1], parts[first][1])
+                        and torch.equal(parts[r][2], parts[first][2])
+                    ):
                         raise CheckpointConversionError(
-                            f"{checkpoint_dir}: rank{stage * tp + r} {src}attention.qkv.{kind} holds other K/V "
-                            f"values than rank{stage * tp + first}, which shares its KV head; re-convert the checkpoint")
+                            f"{checkpoint_dir}: rank{stage * tp + r} {src}attention.qkv.{kind} holds other "
+                            f"K/V values than rank{stage * tp + first}, which shares its KV head; re-convert "
+                            "the checkpoint"
+                        )
                 out[dst + f"self_attn.q_proj.{kind}"] = torch.cat([p[0] for p in parts])
                 out[dst + f"self_attn.k_proj.{kind}"] = torch.cat([parts[r][1] for r in kv_ranks])
                 out[dst + f"self_attn.v_proj.{kind}"] = torch.cat([parts[r][2] for r in kv_ranks])
@@ -488,5 +540,7 @@ def reassemble(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
                     continue
                 rule = sharding_rule(hf_suffix)
                 pieces = [f[src + trt_suffix] for f in stage_files]
-                out[dst + hf_suffix] = pieces[0] if rule.kind == "replicated" else torch.cat(pieces, dim=rule.dim)
+                out[dst + hf_suffix] = (
+                    pieces[0] if rule.kind == "replicated" else torch.cat(pieces, dim=rule.dim)
+                )
     return out

@@ -1,4 +1,4 @@
-"""The tensorrt-llm engine: a compiled TensorRT-LLM engine behind the Engine interface, refit in place with TensorRT's Refitter.
+"""The tensorrt-llm engine: a compiled TensorRT-LLM engine behind the Engine interface, refit with Refitter.
 
 Build: the HF checkpoint is converted and sharded for engine.tensor_parallel_size ranks
 (checkpoint.py, the same code the CPU tests check), each rank's engine is compiled with
@@ -60,17 +60,24 @@ ENGINE_DIR = "engines"
 
 
 def require_tensorrt_llm(device: str | None) -> Any:
-    """The tensorrt_llm module, or a BackendUnavailableError saying what is missing and where it is installed."""
-    where = (f"run the stage in the alignflow-engine-tensorrt-llm image ({DOCKERFILE}) on an NVIDIA GPU node, "
-             "or set engine.backend: native (or hf) to generate without it")
+    """The tensorrt_llm module,
+    or a BackendUnavailableError saying what is missing and where it is installed."""
+    where = (
+        f"run the stage in the alignflow-engine-tensorrt-llm image ({DOCKERFILE}) on an NVIDIA GPU node, "
+        "or set engine.backend: native (or hf) to generate without it"
+    )
     try:
         import tensorrt_llm
     except ImportError as exc:
-        raise BackendUnavailableError(f"engine.backend: tensorrt-llm needs the tensorrt_llm package (TensorRT-LLM 1.2.x from "
-                          f"NVIDIA's index), which is not installed here ({exc}); {where}") from None
+        raise BackendUnavailableError(
+            f"engine.backend: tensorrt-llm needs the tensorrt_llm package (TensorRT-LLM 1.2.x from "
+            f"NVIDIA's index), which is not installed here ({exc}); {where}"
+        ) from None
     if (device is not None and torch.device(device).type != "cuda") or not torch.cuda.is_available():
-        raise BackendUnavailableError(f"engine.backend: tensorrt-llm runs on NVIDIA GPUs only and no CUDA device is available "
-                          f"(device={device!r}); {where}")
+        raise BackendUnavailableError(
+            f"engine.backend: tensorrt-llm runs on NVIDIA GPUs only and no CUDA device is available "
+            f"(device={device!r}); {where}"
+        )
     return tensorrt_llm
 
 
@@ -89,8 +96,14 @@ class TensorRTLLMEngine(Engine):
 
     # -- build / load ----------------------------------------------------------------------------------
     @classmethod
-    def build(cls, checkpoint_dir: str | Path, engine_config: EngineConfig, *, dtype: str = "float32",
-              device: str | None = None) -> TensorRTLLMEngine:
+    def build(
+        cls,
+        checkpoint_dir: str | Path,
+        engine_config: EngineConfig,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+    ) -> TensorRTLLMEngine:
         from transformers import AutoConfig
 
         checkpoint_dir = Path(checkpoint_dir)
@@ -105,21 +118,32 @@ class TensorRTLLMEngine(Engine):
         work = Path(tempfile.mkdtemp(prefix="alignflow-trtllm-"))
         started = time.perf_counter()
         report = convert_checkpoint(checkpoint_dir, work / "checkpoint", tp_size=tp, dtype=dtype)
-        build_config = BuildConfig(max_batch_size=engine_config.max_batch_size,
-                                   max_input_len=engine_config.max_seq_len, max_seq_len=engine_config.max_seq_len,
-                                   gather_generation_logits=True,  # log-probs computed here, as the other backends
-                                   use_refit=True)
+        build_config = BuildConfig(
+            max_batch_size=engine_config.max_batch_size,
+            max_input_len=engine_config.max_seq_len,
+            max_seq_len=engine_config.max_seq_len,
+            gather_generation_logits=True,  # log-probs computed here, as the other backends
+            use_refit=True,
+        )
         engine_dir = work / ENGINE_DIR
         for rank in range(tp):  # every rank's engine from one process: the build needs no collective
             model = LLaMAForCausalLM.from_checkpoint(str(report.out_dir), rank=rank)
             trt_build(model, build_config).save(str(engine_dir))
         shutil.rmtree(report.out_dir)
-        meta = {"format": ENGINE_FORMAT, "layout_version": ENGINE_LAYOUT_VERSION, "backend": cls.backend,
-                "tensorrt_llm_version": trtllm.__version__, "dtype": dtype, "tensor_parallel_size": tp,
-                "max_batch_size": engine_config.max_batch_size, "max_seq_len": engine_config.max_seq_len,
-                "hf_config": hf_config.to_dict(), "eos_token_ids": list(eos_ids_of(checkpoint_dir, hf_config)),
-                "build_seconds": time.perf_counter() - started,
-                "tokenizer_files": copy_tokenizer_files(checkpoint_dir, work)}
+        meta = {
+            "format": ENGINE_FORMAT,
+            "layout_version": ENGINE_LAYOUT_VERSION,
+            "backend": cls.backend,
+            "tensorrt_llm_version": trtllm.__version__,
+            "dtype": dtype,
+            "tensor_parallel_size": tp,
+            "max_batch_size": engine_config.max_batch_size,
+            "max_seq_len": engine_config.max_seq_len,
+            "hf_config": hf_config.to_dict(),
+            "eos_token_ids": list(eos_ids_of(checkpoint_dir, hf_config)),
+            "build_seconds": time.perf_counter() - started,
+            "tokenizer_files": copy_tokenizer_files(checkpoint_dir, work),
+        }
         return cls._start(work, layout, meta)
 
     @classmethod
@@ -131,8 +155,9 @@ class TensorRTLLMEngine(Engine):
         if tensorrt_llm.mpi_world_size() != layout.tp_size:
             raise EngineError(
                 f"engine.tensor_parallel_size={layout.tp_size} but this process runs in an MPI world of "
-                f"{tensorrt_llm.mpi_world_size()}; start one process per rank (mpirun -n {layout.tp_size} ...) or "
-                "set engine.tensor_parallel_size: 1")
+                f"{tensorrt_llm.mpi_world_size()}; start one process per rank (mpirun -n {layout.tp_size} "
+                "...) or set engine.tensor_parallel_size: 1"
+            )
         runner = ModelRunner.from_dir(str(root / ENGINE_DIR), rank=rank)
         return cls(root, layout, meta, runner, rank)
 
@@ -161,8 +186,13 @@ class TensorRTLLMEngine(Engine):
 
     # -- generate ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams, *,
-                 return_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        return_logits: bool = False,
+    ) -> Generation:
         if self._runner is None:
             raise EngineError("the tensorrt-llm engine is unloaded; call reload() before generate")
         prompts = validate_prompts(prompt_token_ids, self.vocab_size)
@@ -171,16 +201,22 @@ class TensorRTLLMEngine(Engine):
         eos = self.eos_token_ids[0] if self.eos_token_ids and not sampling.ignore_eos else -1
         out = self._runner.generate(
             batch_input_ids=[torch.tensor(p, dtype=torch.int32) for p in prompts],
-            max_new_tokens=sampling.max_new_tokens, end_id=eos, pad_id=max(eos, 0),
-            temperature=max(sampling.temperature, 1e-5), top_k=1 if sampling.greedy else sampling.top_k,
-            top_p=sampling.top_p, random_seed=sampling.sequence_seeds(len(prompts)),
-            output_generation_logits=True, return_dict=True)
+            max_new_tokens=sampling.max_new_tokens,
+            end_id=eos,
+            pad_id=max(eos, 0),
+            temperature=max(sampling.temperature, 1e-5),
+            top_k=1 if sampling.greedy else sampling.top_k,
+            top_p=sampling.top_p,
+            random_seed=sampling.sequence_seeds(len(prompts)),
+            output_generation_logits=True,
+            return_dict=True,
+        )
         torch.cuda.synchronize()
         stops = set(sampling.stop_token_ids)
         ends = set() if sampling.ignore_eos else set(self.eos_token_ids)
         tokens, logprobs, reasons, all_logits = [], [], [], []
         for i, prompt in enumerate(prompts):
-            seq = out["output_ids"][i, 0, len(prompt): int(out["sequence_lengths"][i, 0])].tolist()
+            seq = out["output_ids"][i, 0, len(prompt) : int(out["sequence_lengths"][i, 0])].tolist()
             reason: FinishReason = "length"
             for j, t in enumerate(seq):  # stop tokens are cut here: the engine only knows end_id
                 if t in ends or t in stops:
@@ -188,18 +224,28 @@ class TensorRTLLMEngine(Engine):
                     break
             logits = out["generation_logits"][i, 0, : len(seq)].float()
             scaled = logits if sampling.greedy else logits / sampling.temperature
-            lp = torch.log_softmax(scaled, dim=-1).gather(-1, torch.tensor(seq, device=logits.device)[:, None])
+            lp = torch.log_softmax(scaled, dim=-1).gather(
+                -1, torch.tensor(seq, device=logits.device)[:, None]
+            )
             tokens.append(seq)
             logprobs.append(lp[:, 0].tolist())
             reasons.append(reason)
             all_logits.append(logits.cpu())
         seconds = time.perf_counter() - started
-        return Generation(tokens, logprobs, reasons, logits=all_logits if return_logits else None,
-                          metrics={"perf/gen_tokens_per_s": sum(map(len, tokens)) / max(seconds, 1e-9)})
+        return Generation(
+            tokens,
+            logprobs,
+            reasons,
+            logits=all_logits if return_logits else None,
+            metrics={"perf/gen_tokens_per_s": sum(map(len, tokens)) / max(seconds, 1e-9)},
+        )
 
     # -- refit ---------------------------------------------------------------------------------------------
-    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False) -> RefitStats:
-        """Set this rank's converted pieces with TensorRT's Refitter, then commit them in one refit_cuda_engine.
+    def refit(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+    ) -> RefitStats:
+        """Set this rank's converted pieces with TensorRT's Refitter, then commit them in one
+        refit_cuda_engine.
 
         Memory: the rank's new pieces stay on the GPU until the commit (TensorRT reads them then), so a
         refit holds about one extra copy of this rank's shard; the HF tensors themselves are dropped as
@@ -210,7 +256,9 @@ class TensorRTLLMEngine(Engine):
         if self._runner is None:
             raise EngineError("the tensorrt-llm engine is unloaded; call reload() before refit")
         if self._weights_discarded and partial:
-            raise RefitError("weights were discarded by unload(keep_weights=False): the next refit must be full")
+            raise RefitError(
+                "weights were discarded by unload(keep_weights=False): the next refit must be full"
+            )
         started = time.perf_counter()
         refitter = trt.Refitter(self._trt_engine(), trt.Logger(trt.Logger.WARNING))
         known = set(refitter.get_all_weights())
@@ -220,8 +268,10 @@ class TensorRTLLMEngine(Engine):
             converter = StreamConverter(self.layout, ranks=frozenset({self.rank}))
             for _rank, name, piece in converter.convert(named_tensors, partial=partial):
                 if name not in known:
-                    raise RefitError(f"the engine has no refittable weight {name!r} (it was built without "
-                                     "use_refit=True, or by another TensorRT-LLM version); rebuild the engine")
+                    raise RefitError(
+                        f"the engine has no refittable weight {name!r} (it was built without "
+                        "use_refit=True, or by another TensorRT-LLM version); rebuild the engine"
+                    )
                 piece = piece.to("cuda", self.layout.dtype).contiguous()
                 keep.append(piece)
                 weights = trt.Weights(_trt_dtype(piece.dtype), piece.data_ptr(), piece.numel())
@@ -231,27 +281,34 @@ class TensorRTLLMEngine(Engine):
         except CheckpointConversionError as exc:
             raise RefitError(str(exc)) from None
         if not refitter.refit_cuda_engine():
-            raise RefitError(f"TensorRT refit_cuda_engine failed; missing weights: {refitter.get_missing_weights()}")
+            raise RefitError(
+                f"TensorRT refit_cuda_engine failed; missing weights: {refitter.get_missing_weights()}"
+            )
         torch.cuda.synchronize()
         self._weights_discarded = False
         return RefitStats(tensors=count, bytes=size, seconds=time.perf_counter() - started)
 
     # -- unload / reload -------------------------------------------------------------------------------------
     def unload(self, *, keep_weights: bool = True) -> UnloadStats:
-        """Free the runner: the TensorRT engine with its weights, and the KV cache. With keep_weights the refit
-        engine is serialized to disk first (the copy reload() reads back: the weights leave the GPU with the
-        runner). reload() deserializes it: a new engine with new buffers and new execution contexts, so nothing
-        captured against the old addresses survives. The bytes are TensorRT's allocations, which torch
-        does not see: the serialized engine's size stands for the weights, the KV cache is not measured (None)."""
+        """Free the runner: the TensorRT engine with its weights, and the KV cache. With keep_weights the
+        refit engine is serialized to disk first (the copy reload() reads back: the weights leave the GPU with
+        the runner). reload() deserializes it: a new engine with new buffers and new execution contexts, so
+        nothing captured against the old addresses survives. The bytes are TensorRT's allocations, which torch
+        does not see: the serialized engine's size stands for the weights, the KV cache is not measured
+        (None)."""
         if self._runner is None:
-            return UnloadStats(kv_cache_bytes=0, weight_bytes=0,
-                               weights="discarded" if self._weights_discarded else "offloaded")
+            return UnloadStats(
+                kv_cache_bytes=0,
+                weight_bytes=0,
+                weights="discarded" if self._weights_discarded else "offloaded",
+            )
         serialized = self._serialize_engine(self.engine_dir / ENGINE_DIR) if keep_weights else None
         self._weights_discarded = not keep_weights
         self._runner = None
         torch.cuda.empty_cache()
-        return UnloadStats(kv_cache_bytes=None, weight_bytes=serialized,
-                           weights="offloaded" if keep_weights else "discarded")
+        return UnloadStats(
+            kv_cache_bytes=None, weight_bytes=serialized, weights="offloaded" if keep_weights else "discarded"
+        )
 
     def reload(self) -> None:
         if self._runner is None:
@@ -273,13 +330,18 @@ class TensorRTLLMEngine(Engine):
         return tuple(self.meta["eos_token_ids"])
 
     def execution_paths(self) -> dict[str, Any]:
-        return {"backend": self.backend, "tensorrt_llm": self.meta["tensorrt_llm_version"],
-                "engine": "TensorRT (tensorrt_llm.builder.build, use_refit=True)",
-                "refit": "trt.Refitter.set_named_weights from the resharding stream",
-                "tensor_parallel_size": self.layout.tp_size, "sampler": "TensorRT-LLM's sampler"}
+        return {
+            "backend": self.backend,
+            "tensorrt_llm": self.meta["tensorrt_llm_version"],
+            "engine": "TensorRT (tensorrt_llm.builder.build, use_refit=True)",
+            "refit": "trt.Refitter.set_named_weights from the resharding stream",
+            "tensor_parallel_size": self.layout.tp_size,
+            "sampler": "TensorRT-LLM's sampler",
+        }
 
     def _trt_engine(self) -> Any:
-        return self._runner.session.runtime.engine  # ModelRunner -> GenerationSession -> _Runtime -> ICudaEngine
+        # ModelRunner -> GenerationSession -> _Runtime -> ICudaEngine
+        return self._runner.session.runtime.engine
 
     def _serialize_engine(self, engine_dir: Path) -> int:
         """Write this rank's engine (with its refit weights); returns its size in bytes."""
