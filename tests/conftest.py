@@ -1,11 +1,12 @@
-"""Shared fixtures: offline env defaults, the --device option, a local S3 server (moto), one Prefect test harness,
-a small pipeline config.
+"""Shared fixtures: offline env defaults, the --device option, a local S3 server (moto), one Prefect test
+harness, a small pipeline config.
 
---device cpu|cuda|auto (default cpu) says where the device-agnostic tests run: the `device` fixture is "cpu" or
-"cuda", and those tests put their models, tensors and engines there (engines get `device=device` explicitly, so a
-cpu run on a GPU machine stays on the CPU). A test of a CPU-only path (the C++ kernels, the chunked sampler, ...)
-carries `@pytest.mark.cpu_only("why")` and is skipped under --device cuda with that reason; a test of a CUDA-only
-path (CUDA graphs, TensorRT-LLM) carries `@pytest.mark.cuda_only("why")` and is skipped under --device cpu.
+--device cpu|cuda|auto (default cpu) says where the device-agnostic tests run: the `device` fixture is "cpu"
+or "cuda", and those tests put their models, tensors and engines there (engines get `device=device`
+explicitly, so a cpu run on a GPU machine stays on the CPU). A test of a CPU-only path (the C++ kernels, the
+chunked sampler, ...) carries `@pytest.mark.cpu_only("why")` and is skipped under --device cuda with that
+reason; a test of a CUDA-only path (CUDA graphs, TensorRT-LLM) carries `@pytest.mark.cuda_only("why")` and is
+skipped under --device cpu.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ TEST_DEVICE_VAR = "ALIGNFLOW_TEST_DEVICE"
 
 
 def pytest_addoption(parser):
-    parser.addoption("--device", choices=DEVICE_CHOICES, default="cpu",
-                     help="where the device-agnostic tests run: cpu (default), cuda (the session fails to start "
-                          "without a GPU), auto (cuda when torch sees a GPU, else cpu)")
+    parser.addoption(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="cpu",
+        help="where the device-agnostic tests run: cpu (default), cuda (the session fails to start "
+        "without a GPU), auto (cuda when torch sees a GPU, else cpu)",
+    )
 
 
 def resolved_device(choice: str) -> str:
-    """'cpu' or 'cuda' for a --device choice; a usage error for cuda where torch sees no GPU (never a quiet cpu run)."""
+    """'cpu' or 'cuda' for a --device choice; a usage error for cuda where torch sees no GPU
+    (never a quiet cpu run)."""
     if choice == "cpu":
         return "cpu"  # no torch import: most of the suite never needs it
     import torch
@@ -49,15 +55,22 @@ def resolved_device(choice: str) -> str:
         return "cpu"
     raise pytest.UsageError(
         f"--device cuda, but torch sees no GPU on this machine (torch {torch.__version__}, CUDA build: "
-        f"{torch.version.cuda or 'no'}): run the tests on a GPU machine, or use --device cpu (or auto)")
+        f"{torch.version.cuda or 'no'}): run the tests on a GPU machine, or use --device cpu (or auto)"
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # first: the other conftests' pytest_configure read the resolved device
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cpu_only(reason): a test of a CPU-only path (C++ kernels, the chunked "
-                                       "sampler, ...): skipped under --device cuda, with the reason")
-    config.addinivalue_line("markers", "cuda_only(reason): a test of a CUDA-only path (CUDA graphs, TensorRT-LLM): "
-                                       "skipped under --device cpu, with the reason")
+    config.addinivalue_line(
+        "markers",
+        "cpu_only(reason): a test of a CPU-only path (C++ kernels, the chunked "
+        "sampler, ...): skipped under --device cuda, with the reason",
+    )
+    config.addinivalue_line(
+        "markers",
+        "cuda_only(reason): a test of a CUDA-only path (CUDA graphs, TensorRT-LLM): "
+        "skipped under --device cpu, with the reason",
+    )
     # From here on config.option.device is the resolved "cpu" or "cuda", never "auto".
     config.option.device = resolved_device(config.option.device)
     # small_config's model.device: the pipelines and stages these tests run compute there too (a GPU machine's
@@ -68,8 +81,10 @@ def pytest_configure(config):
 def _marker_reason(item, mark) -> str:
     reason = mark.args[0] if mark.args else mark.kwargs.get("reason")
     if not reason:
-        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{mark.name} needs a reason, e.g. "
-                                f"@pytest.mark.{mark.name}(\"the C++ sampler\")")
+        raise pytest.UsageError(
+            f"{item.nodeid}: @pytest.mark.{mark.name} needs a reason, e.g. "
+            f'@pytest.mark.{mark.name}("the C++ sampler")'
+        )
     return reason
 
 
@@ -84,8 +99,10 @@ def pytest_collection_modifyitems(config, items):
             if device == skipped_on:
                 # First of the item's skipif marks, so that it is evaluated before any other: their conditions
                 # (e.g. "the C++ kernels build here") are then never computed for a test that cannot run.
-                item.add_marker(pytest.mark.skipif(reason=f"{runs_on}-only path under --device {device}: {reason}"),
-                                append=False)
+                item.add_marker(
+                    pytest.mark.skipif(reason=f"{runs_on}-only path under --device {device}: {reason}"),
+                    append=False,
+                )
 
 
 @pytest.fixture(scope="session")
@@ -102,8 +119,8 @@ def free_port() -> int:
 
 @pytest.fixture
 def one_torch_thread():
-    """One intra-op thread for the test: the 2 CI cores are shared with other jobs, and tiny models gain
-    nothing from more threads."""
+    """One intra-op thread for the test: the 2 CI cores are shared with other jobs,
+    and tiny models gain nothing from more threads."""
     import torch
 
     previous = torch.get_num_threads()
@@ -121,8 +138,13 @@ def s3_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "testing-key-id",
+            "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+    )
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -149,7 +171,7 @@ def s3_bucket(s3_server):
 
 @pytest.fixture(scope="session")
 def prefect_harness():
-    """One ephemeral Prefect API for the whole session (a fresh one costs 10-30 s on 2 cores)."""
+    """One ephemeral Prefect API for the whole session (a fresh one costs many seconds on 2 cores)."""
     from prefect.testing.utilities import prefect_test_harness
 
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -164,17 +186,40 @@ def small_config(workdir: Path, stages: list[str] | None = None, **sections: Any
         "workdir": str(workdir),
         "stages": stages or ["data", "base", "sft", "reward"],
         "tracking": {"experiment": "test"},
-        # The device of --device (pytest_configure), so the stages these tests run compute where the session does.
-        "model": {"device": os.environ.get(TEST_DEVICE_VAR, "cpu"),
-                  "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 320,
-                           "max_position_embeddings": 128}},
-        "data": {"demo": {"n_sft": 160, "n_preferences": 160, "n_prompts": 16, "n_eval_prompts": 8},
-                 "eval_fraction": 0.1},
-        "sft": {"epochs": 3, "batch_size": 16, "micro_batch_size": 8, "max_length": 64, "eval_every": 5,
-                "warmup_steps": 2},
-        "reward": {"epochs": 1, "batch_size": 16, "micro_batch_size": 16, "max_length": 64, "eval_every": 5,
-                   "warmup_steps": 2},
+        # The device of --device (pytest_configure), so the stages these tests run compute where the session
+        # does.
+        "model": {
+            "device": os.environ.get(TEST_DEVICE_VAR, "cpu"),
+            "tiny": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "vocab_size": 320,
+                "max_position_embeddings": 128,
+            },
+        },
+        "data": {
+            "demo": {"n_sft": 160, "n_preferences": 160, "n_prompts": 16, "n_eval_prompts": 8},
+            "eval_fraction": 0.1,
+        },
+        "sft": {
+            "epochs": 3,
+            "batch_size": 16,
+            "micro_batch_size": 8,
+            "max_length": 64,
+            "eval_every": 5,
+            "warmup_steps": 2,
+        },
+        "reward": {
+            "epochs": 1,
+            "batch_size": 16,
+            "micro_batch_size": 16,
+            "max_length": 64,
+            "eval_every": 5,
+            "warmup_steps": 2,
+        },
     }
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)

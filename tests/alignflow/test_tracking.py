@@ -1,6 +1,6 @@
-"""Stage runs in MLflow: metrics queued for the background sender all arrive, failures surface, an unreachable server
-is waited out without losing or doubling a step, and a new attempt at an output supersedes the unfinished runs of
-earlier ones."""
+"""Stage runs in MLflow: metrics queued for the background sender all arrive, failures surface, an unreachable
+server is waited out without losing or doubling a step, and a new attempt at an output supersedes the
+unfinished runs of earlier ones."""
 
 from __future__ import annotations
 
@@ -73,16 +73,18 @@ def test_a_new_attempt_supersedes_the_unfinished_runs_of_earlier_ones(store):
 def _refused() -> None:
     """What MLflow's REST client raises once its own retries against a stopped server are spent."""
     try:
-        raise requests.exceptions.ConnectionError("HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries "
-                                                  "exceeded (Connection refused)")
+        raise requests.exceptions.ConnectionError(
+            "HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded (Connection refused)"
+        )
     except requests.exceptions.ConnectionError as exc:
-        raise MlflowException(f"API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/log-batch failed with "
-                              f"exception {exc}") from None
+        raise MlflowException(
+            f"API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/log-batch failed with exception {exc}"
+        ) from None
 
 
 class Outage:
-    """A real store's log_batch behind a server that is down for calls `first`..`last` (1-based); call `cut` is
-    stored and then its reply lost, as when the server dies between its commit and its answer."""
+    """A real store's log_batch behind a server that is down for calls `first`..`last` (1-based); call `cut`
+    is stored and then its reply lost, as when the server dies between its commit and its answer."""
 
     def __init__(self, log_batch, first: int, last: int, cut: int):
         self._log_batch, self.first, self.last, self.cut, self.calls = log_batch, first, last, cut, 0
@@ -104,10 +106,14 @@ def test_an_unreachable_server_is_waited_out_with_every_step_once(store, monkeyp
         for step in range(1, 41):
             run.log_metrics_async({"rollout/score_mean": step / 10, "timing/iteration": 0.5}, step)
             if step % 5 == 0:
-                run.flush()  # spreads the steps over several calls, so the outage and the cut reply fall in the loop
+                # spreads the steps over several calls, so the outage and the cut reply fall in the loop
+                run.flush()
     client = MlflowClient(store)
     assert client.get_run(run.run_id).info.status == "FINISHED"
-    for key, value in (("rollout/score_mean", lambda step: step / 10), ("timing/iteration", lambda step: 0.5)):
+    for key, value in (
+        ("rollout/score_mean", lambda step: step / 10),
+        ("timing/iteration", lambda step: 0.5),
+    ):
         history = sorted((m.step, m.value) for m in client.get_metric_history(run.run_id, key))
         assert history == [(step, value(step)) for step in range(1, 41)], key
     assert outage.calls > outage.cut, "the outage and the lost reply happened"
@@ -120,7 +126,9 @@ def test_an_outage_past_the_limit_is_one_line_and_the_rerun_supersedes_the_run(s
     monkeypatch.setenv(tracking.OUTAGE_VAR, "0.2")
     with pytest.raises(TrackingUnavailableError) as raised:
         with tracking.stage_run(store, "t", "ppo", None, attempt_of=OUTPUT) as run:
-            monkeypatch.setattr(run._client, "log_batch", Outage(run._client.log_batch, first=1, last=10**9, cut=0))
+            monkeypatch.setattr(
+                run._client, "log_batch", Outage(run._client.log_batch, first=1, last=10**9, cut=0)
+            )
             run.log_metrics_async({"a": 1.0}, 1)
             run.flush()
     message = str(raised.value)
@@ -146,8 +154,9 @@ def test_the_outage_limit_is_read_from_the_environment(monkeypatch):
 
 
 def test_a_server_that_is_down_when_the_stage_starts_is_one_line_naming_it(monkeypatch):
-    """Nothing listens on the port: opening the stage's run fails at once (retries off here; the default's ~1 min is
-    timed in tests/faults/test_tracking_outage.py) with one line that names the server and the fix."""
+    """Nothing listens on the port: opening the stage's run fails at once (retries off here; the default's
+    ~1 min is timed in tests/faults/test_tracking_outage.py) with one line that names the server and the
+    fix."""
     monkeypatch.setenv(tracking.RETRIES_VAR, "0")
     uri = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(TrackingUnavailableError) as raised:
@@ -155,16 +164,25 @@ def test_a_server_that_is_down_when_the_stage_starts_is_one_line_naming_it(monke
             raise AssertionError("the run opened without a server")
     message = str(raised.value)
     assert "\n" not in message, message
-    assert message.startswith(f"MLflow tracking server {uri} unreachable while opening the sft stage's run ("), message
-    assert f"after 0 retries, {tracking.RETRIES_VAR}); start the server (or fix tracking.uri), then re-run" in message
+    assert message.startswith(
+        f"MLflow tracking server {uri} unreachable while opening the sft stage's run ("
+    ), message
+    assert (
+        f"after 0 retries, {tracking.RETRIES_VAR}); start the server (or fix tracking.uri), then re-run"
+        in message
+    )
 
 
 def test_a_server_lost_at_publish_time_is_one_line_and_leaves_the_run_running(store, monkeypatch):
-    """A synchronous call at publish time (the output's tags) to a server that stopped answering: one line, and the
-    run is not ended FAILED (that call would wait out the same retries); the re-run's attempt supersedes it."""
-    with pytest.raises(TrackingUnavailableError, match=r"unreachable while setting tags \(run \w+\) \(MlflowException: API request"):
+    """A synchronous call at publish time (the output's tags) to a server that stopped answering: one line,
+    and the run is not ended FAILED (that call would wait out the same retries); the re-run's attempt
+    supersedes it."""
+    with pytest.raises(
+        TrackingUnavailableError,
+        match=r"unreachable while setting tags \(run \w+\) \(MlflowException: API request",
+    ):
         with tracking.stage_run(store, "t", "sft", None, attempt_of=OUTPUT) as run:
-            run._uri = "http://127.0.0.1:5000"  # as if the store were behind a server (the error path is the same)
+            run._uri = "http://127.0.0.1:5000"
             monkeypatch.setattr(run._client, "set_tag", lambda *args, **kwargs: _refused())
             run.set_tags({"alignflow.output_uri": OUTPUT})
     monkeypatch.undo()
@@ -172,8 +190,10 @@ def test_a_server_lost_at_publish_time_is_one_line_and_leaves_the_run_running(st
 
 
 def test_a_local_store_error_is_not_called_an_unreachable_server(store, monkeypatch):
-    """With a local store an OSError is the disk's (full, read-only): raised as it is, not as a server outage."""
+    """With a local store an OSError is the disk's (full, read-only): raised as it is,
+    not as a server outage."""
     with tracking.stage_run(store, "t", "sft", None) as run:
+
         def disk_full(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
@@ -185,7 +205,8 @@ def test_a_local_store_error_is_not_called_an_unreachable_server(store, monkeypa
 def test_mlflow_retries_default_to_about_a_minute_and_a_user_value_is_kept(store, monkeypatch):
     monkeypatch.delenv(tracking.RETRIES_VAR, raising=False)
     tracking.start_parent_run(store, "t", "p", {}, {})
-    assert os.environ[tracking.RETRIES_VAR] == "5"  # backoff 0 + 4 + 8 + 16 + 32 s: ~1 min (tracking.RETRIES_VAR)
+    # backoff 0 + 4 + 8 + 16 + 32 s: ~1 min (tracking.RETRIES_VAR)
+    assert os.environ[tracking.RETRIES_VAR] == "5"
     monkeypatch.setenv(tracking.RETRIES_VAR, "2")
     tracking.start_parent_run(store, "t", "p", {}, {})
     assert os.environ[tracking.RETRIES_VAR] == "2"

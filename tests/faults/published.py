@@ -13,11 +13,14 @@ from alignflow.storage import open_store
 def manifests_under(root: str, storage: StorageConfig) -> list[str]:
     """URIs of every published output (a folder holding manifest.json) under `root`, nested ones included."""
     suffix = "/" + MANIFEST_NAME
-    return sorted(uri[: -len(suffix)] for uri, _ in open_store(root, storage).list(root) if uri.endswith(suffix))
+    return sorted(
+        uri[: -len(suffix)] for uri, _ in open_store(root, storage).list(root) if uri.endswith(suffix)
+    )
 
 
 def verify_all(root: str, storage: StorageConfig) -> list[str]:
-    """Download and check (size, sha256) every file of every manifest under `root`; returns the outputs checked.
+    """Download and check (size, sha256) every file of every manifest under `root`; returns the outputs
+    checked.
 
     Raises ManifestError naming the output and file when one is missing, short or corrupted.
     """
@@ -31,7 +34,8 @@ def verify_all(root: str, storage: StorageConfig) -> list[str]:
 
 
 def unlisted_objects(root: str, storage: StorageConfig) -> list[str]:
-    """Objects under `root` that no manifest lists: leftovers of a failed attempt, or files published twice."""
+    """Objects under `root` that no manifest lists: leftovers of a failed attempt,
+    or files published twice."""
     store = open_store(root, storage)
     listed = set()
     for uri in manifests_under(root, storage):

@@ -32,8 +32,15 @@ FAULTS = ("drop", "500", "503", "stall", "truncate")
 
 _ERROR_BODY = """<?xml version="1.0" encoding="UTF-8"?>
 <Error><Code>{code}</Code><Message>{message}</Message><Resource>{resource}</Resource><RequestId>fault-{n}</RequestId></Error>"""
-_ERRORS = {"500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
-           "503": (503, "Slow Down", "SlowDown", "Please reduce your request rate.")}
+_ERRORS = {
+    "500": (
+        500,
+        "Internal Server Error",
+        "InternalError",
+        "We encountered an internal error. Please try again.",
+    ),
+    "503": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+}
 # Hop-by-hop headers a proxy must not forward (RFC 9110 7.6.1).
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
 
@@ -142,13 +149,15 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def _error(self, fault: str) -> None:
             status, reason, code, message = _ERRORS[fault]
-            body = _ERROR_BODY.format(code=code, message=message, resource=self.path,
-                                      n=proxy.faults[fault]).encode()
+            body = _ERROR_BODY.format(
+                code=code, message=message, resource=self.path, n=proxy.faults[fault]
+            ).encode()
             self.send_response(status, reason)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if self.command != "HEAD":  # a HEAD reply has no body: bytes sent anyway would garble the next one
+            # a HEAD reply has no body: bytes sent anyway would garble the next one
+            if self.command != "HEAD":
                 self.wfile.write(body)
 
         def _drop(self) -> None:

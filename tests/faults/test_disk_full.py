@@ -58,7 +58,9 @@ def output_bytes(folder: Path) -> int:
 
 @pytest.mark.slow
 def test_disk_full_in_the_output_folder_fails_clearly_and_publishes_nothing(tmp_path):
-    clean = StageSpec(stage="data", config=DATA, output_uri=f"file://{tmp_path}/clean/data", workdir=str(tmp_path))
+    clean = StageSpec(
+        stage="data", config=DATA, output_uri=f"file://{tmp_path}/clean/data", workdir=str(tmp_path)
+    )
     code, _, stderr = run_stage(clean, tmp_path)
     assert code == 0, stderr[-3000:]
     needed = output_bytes(tmp_path / "clean" / "data")
@@ -69,7 +71,9 @@ def test_disk_full_in_the_output_folder_fails_clearly_and_publishes_nothing(tmp_
         assert code == 1, stderr[-3000:]
         result = StageResult.from_output(stdout)
         assert result.status == "failed"
-        assert result.message.startswith(f"no space left on device while writing {spec.output_uri} ("), result.message
+        assert result.message.startswith(f"no space left on device while writing {spec.output_uri} ("), (
+            result.message
+        )
         assert f"bytes free in {disk}/out/data; free space there or point storage.root" in result.message
         assert "Traceback" not in stderr, "a full disk is not a bug: no traceback"
         out = disk / "out" / "data"

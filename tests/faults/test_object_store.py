@@ -35,7 +35,9 @@ def test_every_s3_fault_is_retried_and_counted(s3_bucket, fault_proxy, tmp_path)
     endpoint, bucket = s3_bucket
     fault_proxy.set_plan(FaultPlan(rate=0.3, weights=STAGE_FAULTS, seed=7, stall_s=0.2))
     # 10 attempts: at 30% a call fails 10 times running with p = 6e-6 (5 would fail 1 in 400 calls).
-    store = S3Store(StorageConfig(endpoint_url=fault_proxy.endpoint, max_attempts=10, multipart_threshold_mb=5))
+    store = S3Store(
+        StorageConfig(endpoint_url=fault_proxy.endpoint, max_attempts=10, multipart_threshold_mb=5)
+    )
     before = total_retries()
     root = f"s3://{bucket}/ops"
     blobs = {f"{root}/obj-{i}": bytes([i]) * (1000 * i + 1) for i in range(20)}
@@ -48,36 +50,51 @@ def test_every_s3_fault_is_retried_and_counted(s3_bucket, fault_proxy, tmp_path)
         assert (tmp_path / "copy").read_bytes() == data
     assert dict(store.list(root)) == {uri: len(data) for uri, data in blobs.items()}
     assert not store.exists(f"{root}/absent")
-    assert set(fault_proxy.faults) == set(STAGE_FAULTS), f"every kind injected at least once: {fault_proxy.faults}"
+    assert set(fault_proxy.faults) == set(STAGE_FAULTS), (
+        f"every kind injected at least once: {fault_proxy.faults}"
+    )
     # Exact: a fault retried silently (s3transfer's own download loop) or not at all would break the equality.
     assert total_retries() - before == fault_proxy.retryable, (storage_retries(), fault_proxy.faults)
 
 
 def test_cut_off_download_is_retried_not_returned_short(s3_bucket, fault_proxy):
-    """A GET whose body stops half-way: botocore's retries are over once headers arrive; the store retries it."""
+    """A GET whose body stops half-way: botocore's retries are over once headers arrive;
+    the store retries it."""
     endpoint, bucket = s3_bucket
     uri = f"s3://{bucket}/cut/blob"
     S3Store(StorageConfig(endpoint_url=endpoint)).put_bytes(b"x" * 100_000, uri)
     cuts = iter([True, True, False])
-    fault_proxy.set_plan(FaultPlan(rate=1.0, weights={"truncate": 1.0},
-                                   only=lambda method, path: method == "GET" and next(cuts, False)))
+    fault_proxy.set_plan(
+        FaultPlan(
+            rate=1.0,
+            weights={"truncate": 1.0},
+            only=lambda method, path: method == "GET" and next(cuts, False),
+        )
+    )
     store = S3Store(StorageConfig(endpoint_url=fault_proxy.endpoint, max_attempts=3))
     before = storage_retries().get("get", 0)
     assert store.get_bytes(uri) == b"x" * 100_000
     assert storage_retries().get("get", 0) - before == 2
     fault_proxy.set_plan(FaultPlan(rate=1.0, weights={"truncate": 1.0}))
-    with pytest.raises(StorageError, match=rf"^get {uri} failed: the response was cut off in each of 3 attempts"):
+    with pytest.raises(
+        StorageError, match=rf"^get {uri} failed: the response was cut off in each of 3 attempts"
+    ):
         store.get_bytes(uri)
 
 
 def faulty_pipeline_config(workdir, bucket, endpoint, stages=("data", "base", "sft"), **storage):
-    return small_config(workdir, stages=list(stages), sft={"epochs": 0.5},
-                        storage={"root": f"s3://{bucket}/runs", "endpoint_url": endpoint, **storage})
+    return small_config(
+        workdir,
+        stages=list(stages),
+        sft={"epochs": 0.5},
+        storage={"root": f"s3://{bucket}/runs", "endpoint_url": endpoint, **storage},
+    )
 
 
 @pytest.mark.slow
 def test_pipeline_finishes_through_s3_faults_with_verified_outputs_and_counted_retries(
-        tmp_path, prefect_harness, s3_bucket, fault_proxy):
+    tmp_path, prefect_harness, s3_bucket, fault_proxy
+):
     endpoint, bucket = s3_bucket
     fault_proxy.set_plan(FaultPlan(rate=0.15, weights=STAGE_FAULTS, seed=18, stall_s=0.5))
     config = faulty_pipeline_config(tmp_path, bucket, fault_proxy.endpoint, max_attempts=10)
@@ -100,10 +117,12 @@ def test_pipeline_finishes_through_s3_faults_with_verified_outputs_and_counted_r
 
 @pytest.mark.slow
 def test_faults_outlasting_the_retries_name_the_object_and_publish_nothing_partial(
-        tmp_path, prefect_harness, s3_bucket, fault_proxy):
-    """The data stage's first two uploads get through, then every PUT fails: the stage stops naming the object,
-    the flow retries it once (a transient fault, unlike bad input) and gives up, the files that got through
-    stay without a manifest (so nothing reads them), and a re-run with S3 healthy publishes the output whole."""
+    tmp_path, prefect_harness, s3_bucket, fault_proxy
+):
+    """The data stage's first two uploads get through, then every PUT fails: the stage stops naming the
+    object, the flow retries it once (a transient fault, unlike bad input) and gives up, the files that got
+    through stay without a manifest (so nothing reads them), and a re-run with S3 healthy publishes the output
+    whole."""
     endpoint, bucket = s3_bucket
     puts = iter(range(1_000_000))
     lock = threading.Lock()
@@ -112,11 +131,13 @@ def test_faults_outlasting_the_retries_name_the_object_and_publish_nothing_parti
         with lock:
             return method == "PUT" and next(puts) >= 2
 
-    fault_proxy.set_plan(FaultPlan(rate=1.0, weights={"503": 1.0, "500": 1.0, "drop": 1.0}, seed=3,
-                                   only=after_two_puts))
+    fault_proxy.set_plan(
+        FaultPlan(rate=1.0, weights={"503": 1.0, "500": 1.0, "drop": 1.0}, seed=3, only=after_two_puts)
+    )
     config = faulty_pipeline_config(tmp_path, bucket, fault_proxy.endpoint, stages=["data"], max_attempts=3)
-    config = config.model_copy(update={"deployment": config.deployment.model_copy(
-        update={"stage_retries": 1, "retry_delay_s": 0.0})})
+    config = config.model_copy(
+        update={"deployment": config.deployment.model_copy(update={"stage_retries": 1, "retry_delay_s": 0.0})}
+    )
     with pytest.raises(Exception) as failure:
         run_pipeline(config)
     message = str(failure.value)
@@ -124,7 +145,9 @@ def test_faults_outlasting_the_retries_name_the_object_and_publish_nothing_parti
     match = re.search(pattern, message)
     assert match, message
     output = match.group(1)
-    assert re.search(r"SlowDown|InternalError|connection to \S+ broke in each of 3 attempts", message), message
+    assert re.search(r"SlowDown|InternalError|connection to \S+ broke in each of 3 attempts", message), (
+        message
+    )
     # 2 that got through, then 3 attempts of the third file; the flow's retry: 3 attempts of the first file.
     assert fault_proxy.requests["PUT"] == 2 + 3 + 3, "\n".join(map(str, fault_proxy.fault_log))
     direct = StorageConfig(endpoint_url=endpoint)

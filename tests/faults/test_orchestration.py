@@ -3,8 +3,9 @@
 
 - The worker killed mid-pipeline (SIGKILL of the worker and everything under it: the flow-run process and the
   running stage, as when its machine dies). The zombie automation `alignflow deploy` sets up (flows/deploy.py)
-  marks the run Crashed once its heartbeats stop (30 s apart here, so 90 s). Then `prefect flow-run retry` runs it
-  again on a new worker: the finished stages are reused, the killed one runs again, nothing is published twice.
+  marks the run Crashed once its heartbeats stop (30 s apart here, so 90 s). Then `prefect flow-run retry`
+  runs it again on a new worker: the finished stages are reused, the killed one runs again, nothing is
+  published twice.
 - The Prefect server restarted (SIGKILL, then started again on its port and database) while a stage runs.
 - The running stage's process SIGKILLed inside a flow run: the flow's own task retry runs it again.
 """
@@ -34,8 +35,8 @@ STAGES = ["data", "base", "sft"]
 
 
 class PrefectStack:
-    """A Prefect server (SQLite under `home`, fixed port: it can be killed and started again) and process workers
-    on the pipeline's pool."""
+    """A Prefect server (SQLite under `home`, fixed port: it can be killed and started again) and process
+    workers on the pipeline's pool."""
 
     def __init__(self, home: Path):
         self.home, self.port = home, free_port()
@@ -55,15 +56,26 @@ class PrefectStack:
     def start_server(self) -> float:
         started = time.time()
         env = {k: v for k, v in self.env.items() if k != "PREFECT_API_URL"}
-        self.server = subprocess.Popen([str(BIN / "prefect"), "server", "start"], env=env, cwd=self.home,
-                                       stdout=self._log("server"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.server = subprocess.Popen(
+            [str(BIN / "prefect"), "server", "start"],
+            env=env,
+            cwd=self.home,
+            stdout=self._log("server"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         _wait(lambda: _healthy(f"{self.api}/health"), 300, "the Prefect server")
         return time.time() - started
 
     def start_worker(self) -> None:
-        self.worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "alignflow-process"],
-                                       env=self.env, cwd=self.home, stdout=self._log("worker"),
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+        self.worker = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", "alignflow-process"],
+            env=self.env,
+            cwd=self.home,
+            stdout=self._log("worker"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def kill_worker_tree(self) -> list[str]:
         """SIGKILL the worker and every process under it at once; the command lines killed."""
@@ -98,23 +110,35 @@ def prefect(tmp_path):
     stack.home.mkdir()
     try:
         stack.start_server()
-        subprocess.run([str(BIN / "prefect"), "work-pool", "create", "alignflow-process", "--type", "process"],
-                       env=stack.env, check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [str(BIN / "prefect"), "work-pool", "create", "alignflow-process", "--type", "process"],
+            env=stack.env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         stack.start_worker()
         yield stack
     finally:
         stack.close()
 
 
-def deployed_run(prefect: PrefectStack, tmp_path: Path, name: str, stage_retries: int = 0) -> tuple[dict, str,
-                                                                                                   StorageConfig]:
+def deployed_run(
+    prefect: PrefectStack, tmp_path: Path, name: str, stage_retries: int = 0
+) -> tuple[dict, str, StorageConfig]:
     """Deploy the data -> base -> sft pipeline and start a run of it; (config, flow run id, storage)."""
-    config = small_config(tmp_path / "work", stages=STAGES, sft={"epochs": 6},
-                          deployment={"name": name, "stage_retries": stage_retries,
-                                      "retry_delay_s": 2}).model_dump(mode="json")
+    config = small_config(
+        tmp_path / "work",
+        stages=STAGES,
+        sft={"epochs": 6},
+        deployment={"name": name, "stage_retries": stage_retries, "retry_delay_s": 2},
+    ).model_dump(mode="json")
     ids = _deploy(config, tmp_path / "pipeline.yaml", prefect.env)
-    run = _http("POST", f"{prefect.api}/deployments/{ids[f'alignflow-pipeline/{name}']}/create_flow_run",
-                {"parameters": {"config": config}})
+    run = _http(
+        "POST",
+        f"{prefect.api}/deployments/{ids[f'alignflow-pipeline/{name}']}/create_flow_run",
+        {"parameters": {"config": config}},
+    )
     return config, run["id"], StorageConfig.model_validate(config["storage"])
 
 
@@ -148,8 +172,9 @@ def stage_running(work: Path, stage: str) -> bool:
 def test_worker_killed_mid_pipeline_then_retried_reuses_finished_stages(prefect, tmp_path):
     from alignflow.flows.deploy import ZOMBIE_AUTOMATION
 
-    # Heartbeats every 30 s (Prefect's minimum; 180 s by default) for the deploy (the automation's 3 x 30 s) and the
-    # worker's flow runs: the fixture's worker, which has not run anything yet, is replaced by one that has them.
+    # Heartbeats every 30 s (Prefect's minimum; 180 s by default) for the deploy (the automation's 3 x 30 s)
+    # and the worker's flow runs: the fixture's worker, which has not run anything yet, is replaced by one
+    # that has them.
     prefect.env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"
     prefect.kill_worker_tree()
     prefect.start_worker()
@@ -164,22 +189,34 @@ def test_worker_killed_mid_pipeline_then_retried_reuses_finished_stages(prefect,
     assert any("alignflow.stages" in line for line in killed), killed
     killed_at = time.time()
     prefect.start_worker()
-    # The automation, and nothing else, marks the run Crashed: 90 s without a heartbeat, plus the triggers service's
-    # evaluation and the load (the new worker polls every 2 s and does not touch another worker's run).
-    crashed = _wait(lambda: (r := _http("GET", f"{prefect.api}/flow_runs/{run_id}"))["state_type"] != "RUNNING" and r,
-                    420, "the zombie automation to mark the run Crashed", 2)
+    # The automation, and nothing else, marks the run Crashed: 90 s without a heartbeat, plus the triggers
+    # service's evaluation and the load (the new worker polls every 2 s and does not touch another worker's
+    # run).
+    crashed = _wait(
+        lambda: (r := _http("GET", f"{prefect.api}/flow_runs/{run_id}"))["state_type"] != "RUNNING" and r,
+        420,
+        "the zombie automation to mark the run Crashed",
+        2,
+    )
     marked_after = time.time() - killed_at
     assert crashed["state_type"] == "CRASHED", crashed["state"]
     assert "no heartbeat for 90 s" in (crashed["state"]["message"] or ""), crashed["state"]
     assert 60 <= marked_after <= 420, f"{marked_after:.0f} s after the kill"
-    automation = _http("POST", f"{prefect.api}/automations/filter", {"automations": {"name": {"any_": [ZOMBIE_AUTOMATION]}}})
+    automation = _http(
+        "POST", f"{prefect.api}/automations/filter", {"automations": {"name": {"any_": [ZOMBIE_AUTOMATION]}}}
+    )
     assert len(automation) == 1, automation
     print(f"zombie run marked Crashed {marked_after:.0f} s after the worker was killed")
     assert "sft" not in published_by_stage(root, storage)
 
     # The retry a user runs:
-    retry = subprocess.run([str(BIN / "prefect"), "flow-run", "retry", run_id], env=prefect.env,
-                           capture_output=True, text=True, timeout=300)
+    retry = subprocess.run(
+        [str(BIN / "prefect"), "flow-run", "retry", run_id],
+        env=prefect.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert retry.returncode == 0, retry.stdout + retry.stderr
     final = _wait_run(prefect.api, run_id, 900)
     assert final["state_type"] == "COMPLETED", final["state"]
@@ -187,8 +224,9 @@ def test_worker_killed_mid_pipeline_then_retried_reuses_finished_stages(prefect,
 
     after = published_by_stage(root, storage)
     assert {stage: len(uris) for stage, uris in after.items()} == {"data": 1, "base": 1, "sft": 1}, after
-    assert {stage: read_manifest(after[stage][0], storage).digest for stage in digests} == digests, \
+    assert {stage: read_manifest(after[stage][0], storage).digest for stage in digests} == digests, (
         "a finished stage was run again"
+    )
     verify_all(root, storage)
     assert unlisted_objects(root, storage) == [], "leftovers of the killed attempt, or files published twice"
     rows = _stage_rows(work)
@@ -207,7 +245,10 @@ def _stage_rows(work: Path) -> dict[str, dict]:
     for run in runs:
         if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id:
             cached = run.data.tags.get("alignflow.cached") == "true"
-            rows[run.data.tags["alignflow.stage"]] = {"status": "skipped" if cached else "ok", "run": run.info.status}
+            rows[run.data.tags["alignflow.stage"]] = {
+                "status": "skipped" if cached else "ok",
+                "run": run.info.status,
+            }
     return rows
 
 
@@ -229,9 +270,10 @@ def test_prefect_server_restarted_mid_run_the_run_completes(prefect, tmp_path):
 
 
 def test_stage_process_killed_inside_a_flow_run_is_retried_by_the_flow(prefect, tmp_path):
-    """SIGKILL of the SFT stage process while the deployed flow runs it: the flow's task retry (stage_retries 1)
-    launches it again, the flow run completes, SFT is published once and whole."""
-    prefect.close()  # a worker whose flow runs launch cold stage processes, so the SFT process is the one named so
+    """SIGKILL of the SFT stage process while the deployed flow runs it: the flow's task retry (stage_retries
+    1) launches it again, the flow run completes, SFT is published once and whole."""
+    # a worker whose flow runs launch cold stage processes, so the SFT process is the one named so
+    prefect.close()
     prefect.env["ALIGNFLOW_WARM_STAGES"] = "0"
     prefect.start_server()
     prefect.start_worker()

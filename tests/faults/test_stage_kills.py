@@ -43,13 +43,21 @@ def local(uri: str) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.faults), pytest.param(2, marks=pytest.mark.faults)])
+@pytest.mark.parametrize(
+    "seed", [0, pytest.param(1, marks=pytest.mark.faults), pytest.param(2, marks=pytest.mark.faults)]
+)
 def test_data_stage_killed_at_a_random_point_reruns_whole(tmp_path, seed):
     """The kill `make test` runs (seed 0; no upstream needed): the data stage on a demo set big enough to take
     seconds, killed anywhere in its life."""
-    config = {"data": {"demo": {"n_sft": 10000, "n_preferences": 10000, "n_prompts": 256, "n_eval_prompts": 32},
-                       "eval_fraction": 0.1}}
-    spec = StageSpec(stage="data", config=config, output_uri=f"file://{tmp_path}/out/data", workdir=str(tmp_path))
+    config = {
+        "data": {
+            "demo": {"n_sft": 10000, "n_preferences": 10000, "n_prompts": 256, "n_eval_prompts": 32},
+            "eval_fraction": 0.1,
+        }
+    }
+    spec = StageSpec(
+        stage="data", config=config, output_uri=f"file://{tmp_path}/out/data", workdir=str(tmp_path)
+    )
     _, exit_at = timing("data-10k", spec, tmp_path)
     spec = kill_somewhere(spec, tmp_path, random.Random(seed).uniform(0.5, exit_at), f"data seed {seed}")
     assert find_published(spec.output_uri) is None or materialize(spec.output_uri, tmp_path / "cache")
@@ -62,16 +70,22 @@ def test_data_stage_killed_at_a_random_point_reruns_whole(tmp_path, seed):
     assert on_disk == sorted([MANIFEST_NAME, *(f.path for f in manifest.files)])
     metrics = manifest.summary["metrics"]
     assert (metrics["data/sft_train_records"], metrics["data/sft_eval_records"]) == (9000, 1000)
-    assert (metrics["data/preferences_train_records"], metrics["data/preferences_eval_records"]) == (9000, 1000)
+    assert (metrics["data/preferences_train_records"], metrics["data/preferences_eval_records"]) == (
+        9000,
+        1000,
+    )
 
 
-# key -> (seconds from launch to its output folder appearing, seconds to exit) of one unkilled run of its spec.
+# key -> (seconds from launch to its output folder appearing, seconds to exit) of one unkilled run of its
+# spec.
 _TIMINGS: dict[str, tuple[float, float]] = {}
 
 
 def timing(key: str, spec: StageSpec, workdir: Path) -> tuple[float, float]:
     if key not in _TIMINGS:
-        reference = spec.model_copy(update={"output_uri": output_uri(f"file://{workdir}/timing", key, {}, {}, "t")})
+        reference = spec.model_copy(
+            update={"output_uri": output_uri(f"file://{workdir}/timing", key, {}, {}, "t")}
+        )
         started = time.time()
         proc = start(reference, workdir)
         out, folder_at = local(reference.output_uri), None
@@ -101,7 +115,8 @@ def killed_run(spec: StageSpec, workdir: Path, delay: float) -> bool:
 
 def kill_somewhere(spec: StageSpec, workdir: Path, delay: float, what: str) -> StageSpec:
     """Kill a run of `spec` `delay` s after launch, on a fresh output location; a kill that came too late (the
-    process had finished, the box being faster this time) is tried again 30% sooner. The spec that was killed."""
+    process had finished: the machine ran faster than expected) is tried again 30% sooner. The spec that was
+    killed."""
     for attempt in range(4):
         killed = spec.model_copy(update={"output_uri": f"{spec.output_uri}-killed{attempt}"})
         if killed_run(killed, workdir, delay):
@@ -116,14 +131,15 @@ def kill_somewhere(spec: StageSpec, workdir: Path, delay: float, what: str) -> S
 @pytest.mark.parametrize("key", STAGES)
 def test_stage_killed_at_a_random_point_reruns_to_the_clean_output(clean, key, seed):
     """Seeds 0 and 2 kill anywhere in the process's life (imports, inputs, training, writing); seed 1 while
-    it writes its output (from the folder's appearance to exit), where a half-published output would come from.
-    A kill that came too late is tried again sooner (kill_somewhere)."""
+    it writes its output (from the folder's appearance to exit), where a half-published output would come
+    from. A kill that came too late is tried again sooner (kill_somewhere)."""
     workdir, rows, specs = clean
     folder_at, exit_at = timing(key, specs[key], workdir)
     rng = random.Random(f"{key}-{seed}")
     delay = folder_at + rng.uniform(0, exit_at - folder_at) if seed == 1 else rng.uniform(0.5, exit_at)
-    base = specs[key].model_copy(update={"output_uri": output_uri(f"file://{workdir}/killed", key, {"seed": seed},
-                                                                  {}, "t")})
+    base = specs[key].model_copy(
+        update={"output_uri": output_uri(f"file://{workdir}/killed", key, {"seed": seed}, {}, "t")}
+    )
     spec = kill_somewhere(base, workdir, delay, f"{key} seed {seed}")
     killed = find_published(spec.output_uri)
     if killed is not None:  # killed after publishing: then the output must be whole
@@ -138,12 +154,15 @@ def test_stage_killed_at_a_random_point_reruns_to_the_clean_output(clean, key, s
     clean_manifest = read_manifest(rows[key]["output_uri"])
     assert sorted(f.path for f in manifest.files) == sorted(f.path for f in clean_manifest.files)
     on_disk = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    assert on_disk == sorted([MANIFEST_NAME, *(f.path for f in manifest.files)]), \
+    assert on_disk == sorted([MANIFEST_NAME, *(f.path for f in manifest.files)]), (
         "files in the output that its manifest does not list (leftovers of the killed attempt)"
+    )
     for name in COUNTS.get(key, []):
         assert manifest.summary["metrics"][name] == rows[key]["metrics"][name], name
     if key == "ppo":
-        history = [json.loads(line)["iteration"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        history = [
+            json.loads(line)["iteration"] for line in (folder / "metrics.jsonl").read_text().splitlines()
+        ]
         assert history == list(range(1, PPO_SMALL["iterations"] + 1)), "an iteration lost or run twice"
         rollouts = sorted(p.name for p in (folder / "rollouts").iterdir())
         assert rollouts == [f"iter_{i:05d}.parquet" for i in range(1, PPO_SMALL["iterations"] + 1)]

@@ -45,7 +45,9 @@ def assert_failed_without_manifest(proc, uri: str, message: str) -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     result = StageResult.from_output(proc.stdout)
-    assert result.status == "failed" and message.splitlines()[0].removeprefix("error: data: ") in result.message
+    assert (
+        result.status == "failed" and message.splitlines()[0].removeprefix("error: data: ") in result.message
+    )
     store = open_store(uri)
     assert not store.exists(uri + "/manifest.json")
     assert not any(u.endswith("manifest.json") for u, _ in store.list(uri.rsplit("/", 2)[0]))
@@ -55,57 +57,82 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     paths = write_files(tmp_path / "in", sft=GOOD_SFT + '{"prompt": "x" "completion": "y"}\n' + GOOD_SFT)
     proc, uri = run_data_stage(tmp_path, paths)
     assert_failed_without_manifest(
-        proc, uri, f"error: data: {paths['sft']}:2: malformed JSON (Expecting ',' delimiter: line 1 column 16)")
+        proc,
+        uri,
+        f"error: data: {paths['sft']}:2: malformed JSON (Expecting ',' delimiter: line 1 column 16)",
+    )
 
 
 def test_record_missing_chosen(tmp_path):
     paths = write_files(tmp_path / "in", prefs=GOOD_PREF + '{"prompt": "p", "rejected": "r"}\n')
     proc, uri = run_data_stage(tmp_path, paths)
     assert_failed_without_manifest(
-        proc, uri, f"error: data: {paths['preferences']}:2: record is missing required field 'chosen' "
-                   "(preference records need prompt, chosen, rejected)")
+        proc,
+        uri,
+        f"error: data: {paths['preferences']}:2: record is missing required field 'chosen' "
+        "(preference records need prompt, chosen, rejected)",
+    )
 
 
 def test_empty_dataset(tmp_path):
     paths = write_files(tmp_path / "in", prompts="")
     proc, uri = run_data_stage(tmp_path, paths)
     assert_failed_without_manifest(
-        proc, uri, f"error: data: {paths['prompts']}: dataset is empty (no records); "
-                   'add at least one {"prompt": ...} record')
+        proc,
+        uri,
+        f"error: data: {paths['prompts']}: dataset is empty (no records); "
+        'add at least one {"prompt": ...} record',
+    )
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "alignflow.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "alignflow.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def test_unknown_config_key(tmp_path):
     proc = _cli("run", str(REPO / "configs/tiny.yaml"), "--set", "sft.learning_rate=0.1", cwd=tmp_path)
     assert proc.returncode == 2
-    assert (f"error: {REPO}/configs/tiny.yaml: 1 config error(s):\n  - sft.learning_rate: unknown key (remove it "
-            "or check its spelling; valid keys: lr, weight_decay, warmup_steps, epochs, batch_size, micro_batch_size, "
-            "max_length, eval_every, zero_stage, grad_clip, autocast, seed, lora, resources)") in proc.stderr
+    assert (
+        f"error: {REPO}/configs/tiny.yaml: 1 config error(s):\n  - sft.learning_rate: unknown key (remove it "
+        "or check its spelling; valid keys: lr, weight_decay, warmup_steps, epochs, batch_size, "
+        "micro_batch_size, max_length, eval_every, zero_stage, grad_clip, autocast, seed, lora, resources)"
+    ) in proc.stderr
     assert not (tmp_path / "artifacts").exists()
 
 
 def test_wrong_value_type(tmp_path):
     proc = _cli("run", str(REPO / "configs/tiny.yaml"), "--set", "reward.batch_size=large", cwd=tmp_path)
     assert proc.returncode == 2
-    assert ("  - reward.batch_size: Input should be a valid integer, unable to parse string as an integer "
-            '(got "large")') in proc.stderr
+    assert (
+        "  - reward.batch_size: Input should be a valid integer, unable to parse string as an integer "
+        '(got "large")'
+    ) in proc.stderr
     assert not (tmp_path / "artifacts").exists()
 
 
 def _files_overrides(paths: dict[str, str]) -> list[str]:
-    return ["--set", "data.source=files", *(arg for key, path in paths.items() for arg in ("--set", f"data.{key}={path}"))]
+    return [
+        "--set",
+        "data.source=files",
+        *(arg for key, path in paths.items() for arg in ("--set", f"data.{key}={path}")),
+    ]
 
 
 BAD_DATA = {  # name -> (files, the line the report must contain)
-    "malformed JSON": ({"sft": GOOD_SFT + '{"prompt": "x" "completion": "y"}\n'},
-                       "sft.jsonl:2: malformed JSON (Expecting ',' delimiter: line 1 column 16)"),
-    "missing field": ({"prefs": GOOD_PREF + '{"prompt": "p", "rejected": "r"}\n'},
-                      "preferences.jsonl:2: record is missing required field 'chosen'"),
-    "empty": ({"prompts": ""}, 'prompts.jsonl: dataset is empty (no records); add at least one {"prompt": ...} record'),
+    "malformed JSON": (
+        {"sft": GOOD_SFT + '{"prompt": "x" "completion": "y"}\n'},
+        "sft.jsonl:2: malformed JSON (Expecting ',' delimiter: line 1 column 16)",
+    ),
+    "missing field": (
+        {"prefs": GOOD_PREF + '{"prompt": "p", "rejected": "r"}\n'},
+        "preferences.jsonl:2: record is missing required field 'chosen'",
+    ),
+    "empty": (
+        {"prompts": ""},
+        'prompts.jsonl: dataset is empty (no records); add at least one {"prompt": ...} record',
+    ),
 }
 
 
@@ -123,8 +150,10 @@ def test_validate_reports_a_bad_utf8_line_and_pairs_with_chosen_equal_to_rejecte
     paths = write_files(tmp_path / "in", prefs=GOOD_PREF * 3 + GOOD_PREF.replace("grim", "lovely"))
     proc = _cli("validate", str(REPO / "configs/tiny.yaml"), *_files_overrides(paths), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert (f"warning: {paths['preferences']}: 1 of 4 preference pairs have chosen == rejected (first: record 4)"
-            in proc.stderr)
+    assert (
+        f"warning: {paths['preferences']}: 1 of 4 preference pairs have chosen == rejected (first: record 4)"
+        in proc.stderr
+    )
     assert "data: data.sft 4 records, data.preferences 4 records, data.prompts 4 records" in proc.stderr
     Path(paths["sft"]).write_bytes(GOOD_SFT.encode() * 2 + b'{"prompt": "caf\xe9", "completion": "x"}\n')
     proc = _cli("validate", str(REPO / "configs/tiny.yaml"), *_files_overrides(paths), cwd=tmp_path)
@@ -146,11 +175,19 @@ def test_unreachable_s3_endpoint_fails_the_pipeline(tmp_path, prefect_harness):
     from alignflow.flows.pipeline import alignflow_pipeline
 
     port = free_port()
-    # A refused connection is transient (the store may be restarting): the flow retries the stage, here 1 s apart.
-    config = small_config(tmp_path, stages=["data"], storage={"root": "s3://bucket/runs", "max_attempts": 1,
-                                                               "endpoint_url": f"http://127.0.0.1:{port}",
-                                                               "connect_timeout_s": 0.5},
-                          deployment={"retry_delay_s": 1})
+    # A refused connection is transient (the store may be restarting): the flow retries the stage, here 1 s
+    # apart.
+    config = small_config(
+        tmp_path,
+        stages=["data"],
+        storage={
+            "root": "s3://bucket/runs",
+            "max_attempts": 1,
+            "endpoint_url": f"http://127.0.0.1:{port}",
+            "connect_timeout_s": 0.5,
+        },
+        deployment={"retry_delay_s": 1},
+    )
     with pytest.raises(Exception) as err:
         alignflow_pipeline(config)
     assert f"cannot reach S3 at http://127.0.0.1:{port}" in str(err.value)

@@ -30,7 +30,8 @@ OURS = ("[sft] sft: ", "[reward-rm] reward-rm: ", "alignflow pipeline 'test' fin
 
 
 def run_cli(workdir: Path, *flags: str) -> str:
-    """`alignflow run` on a small data -> base -> sft -> reward config in a fresh folder; its whole console."""
+    """`alignflow run` on a small data -> base -> sft -> reward config in a fresh folder; its whole
+    console."""
     workdir.mkdir()
     config = small_config(workdir, stages=["data", "base", "sft", "reward"])
     path = workdir / "pipeline.yaml"
@@ -40,8 +41,14 @@ def run_cli(workdir: Path, *flags: str) -> str:
     # A user's shell: none of the switches set, the session's Prefect API (saves starting a server).
     env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV and k != VERBOSE_VAR}
     env["PREFECT_API_URL"] = PREFECT_API_URL.value()
-    proc = subprocess.run([sys.executable, "-m", "alignflow.cli", "run", str(path), *flags], capture_output=True,
-                          text=True, cwd=workdir, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "alignflow.cli", "run", str(path), *flags],
+        capture_output=True,
+        text=True,
+        cwd=workdir,
+        env=env,
+        timeout=600,
+    )
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-3000:]
     return console
@@ -53,6 +60,8 @@ def test_run_is_quiet_by_default_and_verbose_brings_the_noise_back(tmp_path, pre
     assert {name: marker for name, marker in NOISE.items() if marker in quiet} == {}
     assert [line for line in OURS if line not in quiet] == []
     loud = run_cli(tmp_path / "verbose", "--verbose")
-    assert {name: marker for name, marker in NOISE.items() if marker not in loud} == {}, "the markers must be real"
+    assert {name: marker for name, marker in NOISE.items() if marker not in loud} == {}, (
+        "the markers must be real"
+    )
     assert [line for line in OURS if line not in loud] == []
     assert len(quiet.splitlines()) < len(loud.splitlines())

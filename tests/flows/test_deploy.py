@@ -1,4 +1,4 @@
-"""flows/deploy.py: deployments from the source folder (process pools) and from an image (docker/kubernetes pools)."""
+"""flows/deploy.py: deployments from the source folder (process pools) and an image (docker, kubernetes)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ def _read(name: str) -> dict:
         async with get_client() as client:
             deployment = await client.read_deployment_by_name(name)
             pool = await client.read_work_pool(deployment.work_pool_name)
-            return {"entrypoint": deployment.entrypoint, "pull_steps": deployment.pull_steps,
-                    "job_variables": deployment.job_variables, "pool_type": pool.type, "path": deployment.path}
+            return {
+                "entrypoint": deployment.entrypoint,
+                "pull_steps": deployment.pull_steps,
+                "job_variables": deployment.job_variables,
+                "pool_type": pool.type,
+                "path": deployment.path,
+            }
 
     return asyncio.run(read())
 
@@ -24,14 +29,28 @@ def test_image_deployments_import_the_installed_flow_and_leave_gpus_out(prefect_
     from alignflow.flows.deploy import deploy, ensure_work_pool
 
     ensure_work_pool("e2e-docker", "docker")
-    infra = {"sft": {"work_pool": "e2e-docker", "image": "localhost/alignflow-training:t", "gpus": 0},
-             "ppo": {"work_pool": "e2e-docker", "image": "localhost/alignflow-engine-native:t", "gpus": 2},
-             "data": {"work_pool": "e2e-process"}}
-    config = small_config(tmp_path, deployment={"name": "img", "work_pool": "e2e-docker", "work_pool_type": "docker",
-                                                "image": "localhost/alignflow-worker:t", "stage_infra": infra})
+    infra = {
+        "sft": {"work_pool": "e2e-docker", "image": "localhost/alignflow-training:t", "gpus": 0},
+        "ppo": {"work_pool": "e2e-docker", "image": "localhost/alignflow-engine-native:t", "gpus": 2},
+        "data": {"work_pool": "e2e-process"},
+    }
+    config = small_config(
+        tmp_path,
+        deployment={
+            "name": "img",
+            "work_pool": "e2e-docker",
+            "work_pool_type": "docker",
+            "image": "localhost/alignflow-worker:t",
+            "stage_infra": infra,
+        },
+    )
     deployed = deploy(config)
-    assert set(deployed) == {"alignflow-pipeline/img", "alignflow-stage/img-sft", "alignflow-stage/img-ppo",
-                             "alignflow-stage/img-data"}
+    assert set(deployed) == {
+        "alignflow-pipeline/img",
+        "alignflow-stage/img-sft",
+        "alignflow-stage/img-ppo",
+        "alignflow-stage/img-data",
+    }
 
     pipeline = _read("alignflow-pipeline/img")
     # Inside the container the source folder does not exist: a module entrypoint, no pull step.
@@ -54,8 +73,9 @@ def test_image_deployments_import_the_installed_flow_and_leave_gpus_out(prefect_
 
 
 def test_deploy_sets_up_one_zombie_automation_from_the_heartbeat_period(prefect_harness, tmp_path):
-    """The automation that marks a run Crashed when its heartbeats stop: 3 missed periods, one per server however
-    often `alignflow deploy` runs. That it fires is tested in tests/faults/test_orchestration.py (a killed worker)."""
+    """The automation that marks a run Crashed when its heartbeats stop: 3 missed periods, one per server
+    however often `alignflow deploy` runs. That it fires is tested in tests/faults/test_orchestration.py (a
+    killed worker)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 

@@ -1,4 +1,4 @@
-"""SFT -> DPO -> evaluate as a pipeline: no reward model, no engine stage; evaluated and gated like an RL policy."""
+"""SFT -> DPO -> evaluate as a pipeline: no reward model, no engine stage; evaluated and gated as RL is."""
 
 from __future__ import annotations
 
@@ -16,11 +16,22 @@ pytestmark = pytest.mark.slow
 def test_dpo_pipeline_runs_evaluates_and_registers(tmp_path, prefect_harness):
     from alignflow.flows.pipeline import alignflow_pipeline
 
-    config = small_config(tmp_path, stages=["data", "base", "sft", "dpo", "evaluate"],
-                          dpo={"loss": "ipo", "beta": 5.0, "lr": 1e-3, "batch_size": 16, "micro_batch_size": 16,
-                               "max_length": 64, "eval_every": 4, "lora": {"rank": 4, "alpha": 8}},
-                          evaluate={"n_prompts": 8, "max_new_tokens": 16, "temperature": 1.0},
-                          engine={"max_seq_len": 96, "max_batch_size": 16})
+    config = small_config(
+        tmp_path,
+        stages=["data", "base", "sft", "dpo", "evaluate"],
+        dpo={
+            "loss": "ipo",
+            "beta": 5.0,
+            "lr": 1e-3,
+            "batch_size": 16,
+            "micro_batch_size": 16,
+            "max_length": 64,
+            "eval_every": 4,
+            "lora": {"rank": 4, "alpha": 8},
+        },
+        evaluate={"n_prompts": 8, "max_new_tokens": 16, "temperature": 1.0},
+        engine={"max_seq_len": 96, "max_batch_size": 16},
+    )
     rows = {row["key"]: row for row in alignflow_pipeline(config)}
     assert list(rows) == ["data", "base", "sft", "dpo", "evaluate", "registry"]
     assert {rows[k]["status"] for k in ("data", "base", "sft", "dpo", "evaluate")} == {"ok"}

@@ -1,4 +1,4 @@
-"""launch_local through a warm stage process: the same result as a cold `python -m` launch, and cold when it must be."""
+"""launch_local through a warm stage process: a cold `python -m` launch's result, and cold when it must be."""
 
 from __future__ import annotations
 
@@ -15,9 +15,15 @@ from alignflow.stages.common import warm
 
 def data_spec(workdir: Path) -> StageSpec:
     """The data stage on a small demo set: seconds of work, a real manifest out."""
-    config = {"data": {"demo": {"n_sft": 40, "n_preferences": 40, "n_prompts": 8, "n_eval_prompts": 4},
-                       "eval_fraction": 0.1}}
-    return StageSpec(stage="data", config=config, output_uri=str(workdir / "store" / "data"), workdir=str(workdir))
+    config = {
+        "data": {
+            "demo": {"n_sft": 40, "n_preferences": 40, "n_prompts": 8, "n_eval_prompts": 4},
+            "eval_fraction": 0.1,
+        }
+    }
+    return StageSpec(
+        stage="data", config=config, output_uri=str(workdir / "store" / "data"), workdir=str(workdir)
+    )
 
 
 def test_warm_launch_publishes_the_same_output_as_a_cold_launch(tmp_path, monkeypatch):
@@ -37,7 +43,9 @@ def test_warm_launch_publishes_the_same_output_as_a_cold_launch(tmp_path, monkey
     assert cold_code == warm_code == 0 and cold.status == warm_result.status == "ok"
     assert warm_result.metrics == cold.metrics
     for name in ("sft_train.jsonl", "preferences_train.jsonl", "prompts.jsonl", "eval_prompts.jsonl"):
-        assert (warm_dir / "store" / "data" / name).read_bytes() == (cold_dir / "store" / "data" / name).read_bytes()
+        assert (warm_dir / "store" / "data" / name).read_bytes() == (
+            cold_dir / "store" / "data" / name
+        ).read_bytes()
 
 
 def test_warm_process_is_not_taken_for_another_folder_or_an_import_time_variable(tmp_path, monkeypatch):
@@ -81,15 +89,31 @@ def test_warm_process_applies_the_environment_changes_before_the_stage_runs(tmp_
     seen = {}
 
     def fake_main(argv):
-        seen.update(argv=argv, uri=os.environ.get("MLFLOW_TRACKING_URI"), profile=os.environ.get("AWS_PROFILE"),
-                    launched=os.environ.get("ALIGNFLOW_LAUNCHED_AT"))
+        seen.update(
+            argv=argv,
+            uri=os.environ.get("MLFLOW_TRACKING_URI"),
+            profile=os.environ.get("AWS_PROFILE"),
+            launched=os.environ.get("ALIGNFLOW_LAUNCHED_AT"),
+        )
         return 0
 
     monkeypatch.setattr("alignflow.stages.data.stage.main", fake_main)
-    request = {"stage": "data", "argv": ["--spec", "s.json"],
-               "env": {"MLFLOW_TRACKING_URI": "sqlite:///y.db", "AWS_PROFILE": None, "ALIGNFLOW_LAUNCHED_AT": "12.5"}}
+    request = {
+        "stage": "data",
+        "argv": ["--spec", "s.json"],
+        "env": {
+            "MLFLOW_TRACKING_URI": "sqlite:///y.db",
+            "AWS_PROFILE": None,
+            "ALIGNFLOW_LAUNCHED_AT": "12.5",
+        },
+    }
     assert warm.run_request(json.dumps(request)) == 0
-    assert seen == {"argv": ["--spec", "s.json"], "uri": "sqlite:///y.db", "profile": None, "launched": "12.5"}
+    assert seen == {
+        "argv": ["--spec", "s.json"],
+        "uri": "sqlite:///y.db",
+        "profile": None,
+        "launched": "12.5",
+    }
     for name in ("MLFLOW_TRACKING_URI", "ALIGNFLOW_LAUNCHED_AT"):
         os.environ.pop(name, None)
 
@@ -105,10 +129,21 @@ def test_warm_process_reports_bad_requests_with_exit_code_2(capsys):
 def test_warm_process_gives_the_stage_exit_code_and_error_like_a_cold_one(tmp_path):
     missing = str(tmp_path / "missing.json")
     env = {**os.environ, "ALIGNFLOW_WARM_STAGES": "0"}
-    cold = subprocess.run([sys.executable, "-m", "alignflow.stages.data", "--spec", missing], capture_output=True,
-                          text=True, env=env, timeout=300)
-    warm_run = subprocess.run([sys.executable, "-m", "alignflow.stages.common.warm"], capture_output=True, text=True, env=env,
-                              input=json.dumps({"stage": "data", "argv": ["--spec", missing]}) + "\n", timeout=300)
+    cold = subprocess.run(
+        [sys.executable, "-m", "alignflow.stages.data", "--spec", missing],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    warm_run = subprocess.run(
+        [sys.executable, "-m", "alignflow.stages.common.warm"],
+        capture_output=True,
+        text=True,
+        env=env,
+        input=json.dumps({"stage": "data", "argv": ["--spec", missing]}) + "\n",
+        timeout=300,
+    )
     assert cold.returncode == warm_run.returncode == 2
     assert f"spec '{missing}' not found" in warm_run.stderr
     cold_result, warm_result = (json.loads(run.stdout.strip().splitlines()[-1]) for run in (cold, warm_run))

@@ -72,7 +72,9 @@ def test_mlflow_has_parent_nested_runs_params_metrics_artifacts(first_run):
                                                        str(workdir / "dl"))).read_text())
     assert logged["digest"] == rows["sft"]["manifest_digest"]
     reward = by_stage["reward"]
-    assert reward.data.metrics["eval/accuracy"] == pytest.approx(rows["reward-rm"]["metrics"]["eval/accuracy"])
+    assert reward.data.metrics["eval/accuracy"] == pytest.approx(
+        rows["reward-rm"]["metrics"]["eval/accuracy"]
+    )
     inputs = {d.dataset.name: d.dataset.digest for d in sft.inputs.dataset_inputs}
     assert set(inputs) == {"sft_train", "sft_eval"}
 
@@ -83,8 +85,12 @@ def test_same_config_reuses_and_changed_sft_reruns_downstream(first_run):
     assert {k: r["status"] for k, r in again.items()} == {k: "skipped" for k in rows}
     assert {k: r["output_uri"] for k, r in again.items()} == {k: r["output_uri"] for k, r in rows.items()}
     changed = run_pipeline(small_config(workdir, sft={"lr": 2e-3}))
-    assert {k: r["status"] for k, r in changed.items()} == {"data": "skipped", "base": "skipped",
-                                                            "sft": "ok", "reward-rm": "ok"}
+    assert {k: r["status"] for k, r in changed.items()} == {
+        "data": "skipped",
+        "base": "skipped",
+        "sft": "ok",
+        "reward-rm": "ok",
+    }
     assert changed["sft"]["output_uri"] != rows["sft"]["output_uri"]
     assert changed["reward-rm"]["output_uri"] != rows["reward-rm"]["output_uri"]
 
@@ -93,9 +99,12 @@ def test_pipeline_on_s3(tmp_path, prefect_harness, s3_bucket):
     import boto3
 
     endpoint, bucket = s3_bucket
-    config = small_config(tmp_path, stages=["data", "base", "sft"],
-                          storage={"root": f"s3://{bucket}/runs", "endpoint_url": endpoint},
-                          sft={"epochs": 0.5})
+    config = small_config(
+        tmp_path,
+        stages=["data", "base", "sft"],
+        storage={"root": f"s3://{bucket}/runs", "endpoint_url": endpoint},
+        sft={"epochs": 0.5},
+    )
     rows = run_pipeline(config)
     assert {r["status"] for r in rows.values()} == {"ok"}
     client = boto3.client("s3", endpoint_url=endpoint)
@@ -104,7 +113,9 @@ def test_pipeline_on_s3(tmp_path, prefect_harness, s3_bucket):
     assert f"{sft_prefix}/manifest.json" in keys and f"{sft_prefix}/model.safetensors" in keys
     assert {k.split("/")[1] for k in keys} == {"data", "base", "sft"}
     manifest = read_manifest(rows["sft"]["output_uri"], config.storage)
-    sizes = {o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix=sft_prefix)["Contents"]}
+    sizes = {
+        o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix=sft_prefix)["Contents"]
+    }
     for entry in manifest.files:
         assert sizes[f"{sft_prefix}/{entry.path}"] == entry.size
 
@@ -115,30 +126,51 @@ def test_flow_run_has_a_summary_artifact(first_run):
 
     _, _, rows = first_run
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["alignflow-summary"])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["alignflow-summary"]))
+        )
     assert artifacts, "the flow publishes a Markdown summary artifact"
     assert f"`{rows['sft']['output_uri']}`" in " ".join(a.data for a in artifacts)
-    text = next(a.data for a in artifacts if f"`{rows['sft']['output_uri']}`" in a.data)  # this module's run's
-    assert ("| stage | status | duration | ran (s into the run) | device | key metric | output | MLflow run |"
-            in text)
+    # this module's run's
+    text = next(a.data for a in artifacts if f"`{rows['sft']['output_uri']}`" in a.data)
+    assert (
+        "| stage | status | duration | ran (s into the run) | device | key metric | output | MLflow run |"
+        in text
+    )
     sft_row = next(line for line in text.splitlines() if line.startswith("| sft |"))
     assert "| cpu |" in sft_row  # the device column: where SFT trained
 
 
 def test_stages_whose_inputs_are_ready_run_at_the_same_time(first_run):
-    """Two reward models need only SFT: with 2 stages at a time they overlap; the table shows when each ran."""
+    """Two reward models need only SFT: with 2 stages at a time they overlap;
+    the table shows when each ran."""
     from alignflow.flows.pipeline import parallel_stages
     from alignflow.flows.report import summary_markdown
 
     workdir, config, _ = first_run
     models = [{"name": "a", "seed": 1}, {"name": "b", "seed": 2}]
-    parallel = config.model_copy(update={"reward": config.reward.model_copy(update={
-        "models": [type(config.reward.models[0])(**m) for m in models]}), "max_parallel_stages": 2})
+    parallel = config.model_copy(
+        update={
+            "reward": config.reward.model_copy(
+                update={"models": [type(config.reward.models[0])(**m) for m in models]}
+            ),
+            "max_parallel_stages": 2,
+        }
+    )
     rows = run_pipeline(parallel)
-    assert list(rows) == ["data", "base", "sft", "reward-a", "reward-b"]  # plan order, whatever finished first
+    # plan order, whatever finished first
+    assert list(rows) == [
+        "data",
+        "base",
+        "sft",
+        "reward-a",
+        "reward-b",
+    ]
     assert [rows[k]["status"] for k in ("data", "base", "sft")] == ["skipped"] * 3
-    spans = {k: (rows[k]["finished_at_s"] - rows[k]["duration_s"], rows[k]["finished_at_s"])
-             for k in ("reward-a", "reward-b")}
+    spans = {
+        k: (rows[k]["finished_at_s"] - rows[k]["duration_s"], rows[k]["finished_at_s"])
+        for k in ("reward-a", "reward-b")
+    }
     (a_start, a_end), (b_start, b_end) = spans["reward-a"], spans["reward-b"]
     assert a_start < b_end and b_start < a_end, f"the reward models did not overlap: {spans}"
     assert "| ran (s into the run) |" in summary_markdown(parallel, list(rows.values()))

@@ -1,5 +1,6 @@
 """Production path: a real Prefect server and process worker, `alignflow deploy`, REST-triggered and
-scheduled runs; the pipeline on a local S3 server with an `mlflow server` (proxied artifacts); the registry."""
+scheduled runs; the pipeline on a local S3 server with an `mlflow server` (proxied artifacts); the
+registry."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ BIN = Path(sys.executable).parent
 
 def _http(method: str, url: str, body: dict | None = None, attempts: int = 5) -> dict | list:
     """One REST call; 503 and 429 are retried with backoff, as Prefect's own client does: the server
-    answers 503 when its SQLite database is busy (seen once in a full test run on 2 cores). A GET (safe to
-    repeat; a POST is not) is retried on a read timeout too: a poll of a flow run's state waited 30 s for an
-    answer once in a full run on 2 cores while the flow's stages ran beside the server."""
+    answers 503 when its SQLite database is busy (it can be, on 2 cores under a full test run). A GET (safe
+    to repeat; a POST is not) is retried on a read timeout too: a poll of a flow run's state can wait past
+    the timeout while the flow's stages run beside the server on the same cores."""
     data = json.dumps(body).encode() if body is not None else None
     for attempt in range(attempts):
-        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            url, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - loopback only
                 return json.loads(response.read() or b"null")
@@ -77,22 +80,44 @@ def prefect_server(tmp_path_factory):
     """A Prefect server on 127.0.0.1 and a process worker polling the pipeline's pool."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_HOST": "127.0.0.1",
-           "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5", "PREFECT_LOGGING_LEVEL": "WARNING"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
     env.pop("PREFECT_API_URL", None)
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start"], env=env, cwd=home,
-                              stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start"],
+        env=env,
+        cwd=home,
+        stdout=open(home / "server.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     api = f"http://127.0.0.1:{port}/api"
     worker = None
     try:
         _wait(lambda: _healthy(f"{api}/health"), 180, "the Prefect server")
         client_env = {**env, "PREFECT_API_URL": api, "PREFECT_WORKER_QUERY_SECONDS": "2"}
-        subprocess.run([str(BIN / "prefect"), "work-pool", "create", "alignflow-process", "--type", "process"],
-                       env=client_env, check=True, capture_output=True, timeout=120)
-        worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "alignflow-process"],
-                                  env=client_env, cwd=home, stdout=open(home / "worker.log", "w"),
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        subprocess.run(
+            [str(BIN / "prefect"), "work-pool", "create", "alignflow-process", "--type", "process"],
+            env=client_env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        worker = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", "alignflow-process"],
+            env=client_env,
+            cwd=home,
+            stdout=open(home / "worker.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         yield api, client_env
     finally:
         if worker is not None:
@@ -102,17 +127,25 @@ def prefect_server(tmp_path_factory):
 
 def _deploy(config_dict: dict, path: Path, env: dict) -> dict[str, str]:
     path.write_text(yaml.safe_dump(config_dict))
-    out = subprocess.run([str(BIN / "alignflow"), "deploy", str(path)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [str(BIN / "alignflow"), "deploy", str(path)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    return dict(line.removeprefix("deployed ").rstrip(")").split(" (") for line in out.stdout.splitlines()
-                if line.startswith("deployed "))
+    return dict(
+        line.removeprefix("deployed ").rstrip(")").split(" (")
+        for line in out.stdout.splitlines()
+        if line.startswith("deployed ")
+    )
 
 
 def _wait_run(api: str, run_id: str, timeout_s: float) -> dict:
     final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-    run = _wait(lambda: (r := _http("GET", f"{api}/flow_runs/{run_id}"))["state_type"] in final and r,
-                timeout_s, f"flow run {run_id}", 3)
+    run = _wait(
+        lambda: (r := _http("GET", f"{api}/flow_runs/{run_id}"))["state_type"] in final and r,
+        timeout_s,
+        f"flow run {run_id}",
+        3,
+    )
     return run
 
 
@@ -120,19 +153,27 @@ def test_deploy_then_trigger_over_rest_with_overrides(prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
     api, env = prefect_server
-    config = small_config(tmp_path / "work", stages=["data", "base", "sft"], sft={"epochs": 0.5},
-                          deployment={"name": "rest"}).model_dump(mode="json")
+    config = small_config(
+        tmp_path / "work", stages=["data", "base", "sft"], sft={"epochs": 0.5}, deployment={"name": "rest"}
+    ).model_dump(mode="json")
     ids = _deploy(config, tmp_path / "pipeline.yaml", env)
     deployment_id = ids["alignflow-pipeline/rest"]
     deployment = _http("GET", f"{api}/deployments/{deployment_id}")
     schema = deployment["parameter_openapi_schema"]
     definitions = schema.get("definitions") or schema.get("$defs")
     assert definitions["SFTConfig"]["properties"]["lr"]["description"] == "Peak learning rate (AdamW)."
-    assert definitions["EngineConfig"]["properties"]["backend"]["enum"] == ["native", "hf", "vllm", "tensorrt-llm"]
+    assert definitions["EngineConfig"]["properties"]["backend"]["enum"] == [
+        "native",
+        "hf",
+        "vllm",
+        "tensorrt-llm",
+    ]
 
     config["sft"]["lr"] = 2e-3                    # two config fields overridden at trigger time
     config["data"]["demo"]["n_sft"] = 120
-    run = _http("POST", f"{api}/deployments/{deployment_id}/create_flow_run", {"parameters": {"config": config}})
+    run = _http(
+        "POST", f"{api}/deployments/{deployment_id}/create_flow_run", {"parameters": {"config": config}}
+    )
     final = _wait_run(api, run["id"], 600)
     assert final["state_type"] == "COMPLETED", final["state"]
 
@@ -149,16 +190,27 @@ def test_deploy_then_trigger_over_rest_with_overrides(prefect_server, tmp_path):
 
 def test_interval_schedule_produces_a_completed_run(prefect_server, tmp_path):
     api, env = prefect_server
-    config = small_config(tmp_path / "work", stages=["data"],
-                          deployment={"name": "every-minute", "schedules": [{"interval_s": 60}]})
+    config = small_config(
+        tmp_path / "work",
+        stages=["data"],
+        deployment={"name": "every-minute", "schedules": [{"interval_s": 60}]},
+    )
     ids = _deploy(config.model_dump(mode="json"), tmp_path / "scheduled.yaml", env)
     deployment_id = ids["alignflow-pipeline/every-minute"]
 
     def completed_scheduled_run():
         # Filter on the state: an interval schedule also creates many future SCHEDULED runs.
-        runs = _http("POST", f"{api}/flow_runs/filter",
-                     {"flow_runs": {"deployment_id": {"any_": [deployment_id]},
-                                    "state": {"type": {"any_": ["COMPLETED"]}}}, "limit": 10})
+        runs = _http(
+            "POST",
+            f"{api}/flow_runs/filter",
+            {
+                "flow_runs": {
+                    "deployment_id": {"any_": [deployment_id]},
+                    "state": {"type": {"any_": ["COMPLETED"]}},
+                },
+                "limit": 10,
+            },
+        )
         return next((r for r in runs if r["state_type"] == "COMPLETED" and r.get("auto_scheduled")), None)
 
     run = _wait(completed_scheduled_run, 480, "a scheduled run to complete", 5)
@@ -175,11 +227,28 @@ def mlflow_server(tmp_path_factory, s3_server):
     home = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     env = {**os.environ, "AWS_ENDPOINT_URL_S3": s3_server, "MLFLOW_S3_ENDPOINT_URL": s3_server}
-    server = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
-                               "--artifacts-destination", "s3://prod/mlflow", "--serve-artifacts", "--workers", "1"],
-                              env=env, cwd=home, stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{home / 'mlflow.db'}",
+            "--artifacts-destination",
+            "s3://prod/mlflow",
+            "--serve-artifacts",
+            "--workers",
+            "1",
+        ],
+        env=env,
+        cwd=home,
+        stdout=open(home / "server.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait(lambda: _healthy(f"{url}/health"), 180, "the MLflow server")
@@ -189,7 +258,9 @@ def mlflow_server(tmp_path_factory, s3_server):
 
 
 @pytest.mark.heavy
-def test_pipeline_on_s3_and_mlflow_server_with_registry_gate(mlflow_server, prefect_harness, tmp_path, monkeypatch):
+def test_pipeline_on_s3_and_mlflow_server_with_registry_gate(
+    mlflow_server, prefect_harness, tmp_path, monkeypatch
+):
     import boto3
     from mlflow.tracking import MlflowClient
 
@@ -199,22 +270,44 @@ def test_pipeline_on_s3_and_mlflow_server_with_registry_gate(mlflow_server, pref
     # Stage processes reach MLflow only over HTTP (proxied artifacts): no S3 endpoint for MLflow in their env.
     monkeypatch.delenv("MLFLOW_S3_ENDPOINT_URL", raising=False)
     storage = {"root": "s3://prod/runs", "endpoint_url": endpoint}
-    sections = dict(storage=storage, tracking={"uri": url, "experiment": "prod"},
-                    engine={"max_seq_len": 96, "max_batch_size": 32},
-                    ppo={"iterations": 6, "prompts_per_iteration": 8, "minibatch_size": 8, "max_new_tokens": 16,
-                         "checkpoint_every": 3},
-                    evaluate={"n_prompts": 8, "max_new_tokens": 16, "temperature": 1.0})
-    first = {r["key"]: r for r in alignflow_pipeline(small_config(tmp_path, stages=None, **sections).model_copy(
-        update={"stages": ["data", "base", "sft", "reward", "engine", "ppo", "evaluate"]}))}
+    sections = dict(
+        storage=storage,
+        tracking={"uri": url, "experiment": "prod"},
+        engine={"max_seq_len": 96, "max_batch_size": 32},
+        ppo={
+            "iterations": 6,
+            "prompts_per_iteration": 8,
+            "minibatch_size": 8,
+            "max_new_tokens": 16,
+            "checkpoint_every": 3,
+        },
+        evaluate={"n_prompts": 8, "max_new_tokens": 16, "temperature": 1.0},
+    )
+    first = {
+        r["key"]: r
+        for r in alignflow_pipeline(
+            small_config(tmp_path, stages=None, **sections).model_copy(
+                update={"stages": ["data", "base", "sft", "reward", "engine", "ppo", "evaluate"]}
+            )
+        )
+    }
     assert {first[k]["status"] for k in first if k != "registry"} == {"ok"}
 
     s3 = boto3.client("s3", endpoint_url=endpoint)
-    objects = {o["Key"]: o["Size"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="prod")
-               for o in page.get("Contents", [])}
+    objects = {
+        o["Key"]: o["Size"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket="prod")
+        for o in page.get("Contents", [])
+    }
     mlflow_objects = {k: s for k, s in objects.items() if k.startswith("mlflow/")}
-    checkpoint_files = {k: s for k, s in objects.items()
-                        if k.startswith("runs/") and k.endswith((".safetensors", ".pt", ".bin"))}
-    assert any(k.startswith("runs/ppo/") and k.endswith("/policy/model.safetensors") for k in checkpoint_files)
+    checkpoint_files = {
+        k: s
+        for k, s in objects.items()
+        if k.startswith("runs/") and k.endswith((".safetensors", ".pt", ".bin"))
+    }
+    assert any(
+        k.startswith("runs/ppo/") and k.endswith("/policy/model.safetensors") for k in checkpoint_files
+    )
     assert mlflow_objects, "MLflow artifacts went to S3 through the proxy"
     assert not [k for k in mlflow_objects if k.endswith((".safetensors", ".pt", ".bin"))]
     copies = sorted(k for k, size in mlflow_objects.items() if size in set(checkpoint_files.values()))
@@ -244,10 +337,17 @@ def test_pipeline_on_s3_and_mlflow_server_with_registry_gate(mlflow_server, pref
     assert policy.aliases["champion"] == registry["policy_version"]
 
     # A second run whose policy is worse (barely trained) must not take 'champion', and must say why.
-    worse = small_config(tmp_path, stages=None, **{**sections, "ppo": {**sections["ppo"], "iterations": 1,
-                                                                        "actor_lr": 1e-7}})
-    second = {r["key"]: r for r in alignflow_pipeline(worse.model_copy(
-        update={"stages": ["data", "base", "sft", "reward", "engine", "ppo", "evaluate"]}))}
+    worse = small_config(
+        tmp_path, stages=None, **{**sections, "ppo": {**sections["ppo"], "iterations": 1, "actor_lr": 1e-7}}
+    )
+    second = {
+        r["key"]: r
+        for r in alignflow_pipeline(
+            worse.model_copy(
+                update={"stages": ["data", "base", "sft", "reward", "engine", "ppo", "evaluate"]}
+            )
+        )
+    }
     assert [second[k]["status"] for k in ("data", "base", "sft", "reward-rm", "engine")] == ["skipped"] * 5
     decision = second["registry"]["promotion"]
     assert decision["promoted"] is False and decision["verdict"] == "rejected"
@@ -260,8 +360,8 @@ def test_pipeline_on_s3_and_mlflow_server_with_registry_gate(mlflow_server, pref
 
 
 def test_a_local_folder_registers_on_an_mlflow_server_and_resolves_back(mlflow_server, tmp_path):
-    """An MLflow server refuses a local folder as a model version's source; the registry must still work with a
-    local storage.root: the version points at the stage run, and the folder comes back from its tag."""
+    """An MLflow server refuses a local folder as a model version's source; the registry must still work with
+    a local storage.root: the version points at the stage run, and the folder comes back from its tag."""
     from mlflow.tracking import MlflowClient
 
     from alignflow import tracking
@@ -275,7 +375,9 @@ def test_a_local_folder_registers_on_an_mlflow_server_and_resolves_back(mlflow_s
     registered = client.get_model_version("local-root-policy", version)
     assert registered.source == f"runs:/{run.run_id}/{tracking.REGISTERED_OUTPUT_PATH}"
     assert registered.tags["k"] == "v"
-    pointer = client.download_artifacts(run.run_id, f"{tracking.REGISTERED_OUTPUT_PATH}/source.txt", str(tmp_path))
+    pointer = client.download_artifacts(
+        run.run_id, f"{tracking.REGISTERED_OUTPUT_PATH}/source.txt", str(tmp_path)
+    )
     assert Path(pointer).read_text().strip() == folder
     assert tracking.resolve_models_uri(url, f"models:/local-root-policy/{version}") == folder
     assert tracking.resolve_models_uri(url, "models:/local-root-policy@candidate") == folder
@@ -284,6 +386,10 @@ def test_a_local_folder_registers_on_an_mlflow_server_and_resolves_back(mlflow_s
     with pytest.raises(ValueError, match="storage.root on S3"):
         tracking.register_version(url, "local-root-policy", folder, None, {})
     # An object-store folder stays the version's own source.
-    s3_version = tracking.register_version(url, "local-root-policy", "s3://prod/runs/ppo/0123abcd/policy",
-                                           run.run_id, {})
-    assert client.get_model_version("local-root-policy", s3_version).source == "s3://prod/runs/ppo/0123abcd/policy"
+    s3_version = tracking.register_version(
+        url, "local-root-policy", "s3://prod/runs/ppo/0123abcd/policy", run.run_id, {}
+    )
+    assert (
+        client.get_model_version("local-root-policy", s3_version).source
+        == "s3://prod/runs/ppo/0123abcd/policy"
+    )

@@ -1,4 +1,4 @@
-"""The registry's promotion gate, a pure function of one evaluation's metrics, and what register_and_gate records."""
+"""The promotion gate, a pure function of one evaluation's metrics, and what register_and_gate records."""
 
 from __future__ import annotations
 
@@ -13,9 +13,15 @@ from tests.conftest import small_config
 KL_BUDGET = 5.0
 
 
-def _metrics(rm: tuple[float, float] | None = None, gold: tuple[float, float] | None = None, kl: float = 1.0,
-             champion_rm: float | None = None, champion_gold: float | None = None) -> dict[str, float]:
-    """The evaluate stage's metrics: (policy, sft) per score that was measured, the champion's when it was scored."""
+def _metrics(
+    rm: tuple[float, float] | None = None,
+    gold: tuple[float, float] | None = None,
+    kl: float = 1.0,
+    champion_rm: float | None = None,
+    champion_gold: float | None = None,
+) -> dict[str, float]:
+    """The evaluate stage's metrics: (policy, sft) per score that was measured,
+    the champion's when it was scored."""
     metrics = {"eval/kl_to_ref": kl, "eval/policy_length": 5.0, "eval/sft_length": 6.0, "eval/n_prompts": 8.0}
     if rm is not None:
         metrics.update({"eval/policy_rm_score": rm[0], "eval/sft_rm_score": rm[1]})
@@ -31,6 +37,7 @@ def _metrics(rm: tuple[float, float] | None = None, gold: tuple[float, float] | 
 # ----------------------------------------------------------------------------------------------
 # decide(): one test per branch
 # ----------------------------------------------------------------------------------------------
+
 
 def test_rm_score_beats_sft_and_is_preferred_over_gold():
     # Gold says worse, the reward model says better: the gate uses the reward-model score, as it always did.
@@ -63,14 +70,18 @@ def test_without_reward_models_the_gate_uses_the_gold_score():
     assert (decision.candidate_score, decision.baseline_score, decision.baseline) == (0.3, -0.2, "sft")
     assert decision.reason == "held-out gold score 0.3000 beats sft's -0.2000 with KL 1.000 <= 5.000"
     worse = decide(_metrics(gold=(-0.3, -0.2)), KL_BUDGET, 0.0, None)
-    assert worse.promote is False and worse.reason.startswith("held-out gold score -0.3000 does not beat sft's")
+    assert worse.promote is False and worse.reason.startswith(
+        "held-out gold score -0.3000 does not beat sft's"
+    )
 
 
 def test_gold_score_against_the_champion():
     decision = decide(_metrics(gold=(0.3, -0.2), champion_gold=0.4), KL_BUDGET, 0.0, "2")
     assert decision.promote is False and decision.baseline == "champion v2" and decision.baseline_score == 0.4
     beaten = decide(_metrics(gold=(0.5, -0.2), champion_gold=0.4), KL_BUDGET, 0.0, "2")
-    assert beaten.promote is True and beaten.reason.startswith("held-out gold score 0.5000 beats champion v2's 0.4000")
+    assert beaten.promote is True and beaten.reason.startswith(
+        "held-out gold score 0.5000 beats champion v2's 0.4000"
+    )
 
 
 def test_a_champion_not_scored_in_this_evaluation_falls_back_to_sft():
@@ -88,6 +99,7 @@ def test_with_no_score_nothing_is_promoted():
 # ----------------------------------------------------------------------------------------------
 # The policy row, the record and the Markdown
 # ----------------------------------------------------------------------------------------------
+
 
 def test_policy_row_is_the_ppo_or_the_dpo_row():
     ppo, dpo = {"stage": "ppo"}, {"stage": "dpo"}
@@ -110,10 +122,12 @@ def test_register_and_gate_registers_a_dpo_policy_and_records_the_score(monkeypa
     monkeypatch.setattr(registry.tracking, "tag_version", lambda *a: calls["tag"].append(a))
     monkeypatch.setattr(registry.tracking, "run_tag", lambda *a: calls["run_tag"].append(a))
     config = small_config(tmp_path, stages=["data", "base", "sft", "dpo", "evaluate"])
-    rows = {"data": {"stage": "data", "manifest_digest": "d" * 64},
-            "sft": {"stage": "sft", "output_uri": "file:///store/sft"},
-            "dpo": {"stage": "dpo", "output_uri": "file:///store/dpo/abc", "mlflow_run_id": "run-dpo"},
-            "evaluate": {"stage": "evaluate", "metrics": _metrics(gold=(0.3, -0.2))}}
+    rows = {
+        "data": {"stage": "data", "manifest_digest": "d" * 64},
+        "sft": {"stage": "sft", "output_uri": "file:///store/sft"},
+        "dpo": {"stage": "dpo", "output_uri": "file:///store/dpo/abc", "mlflow_run_id": "run-dpo"},
+        "evaluate": {"stage": "evaluate", "metrics": _metrics(gold=(0.3, -0.2))},
+    }
     result = register_and_gate(config, rows, "sqlite:///unused.db", "parent", None)
 
     ((name, source, run_id, tags),) = calls["register"]  # no reward model to register
@@ -123,17 +137,27 @@ def test_register_and_gate_registers_a_dpo_policy_and_records_the_score(monkeypa
     assert result["promoted"] is True and result["score"] == "gold score"
     assert calls["alias"] == [("sqlite:///unused.db", "alignflow-policy", "champion", "4")]
     record = calls["tag"][0][3]
-    assert record == {"alignflow.promotion": "promoted", "alignflow.promotion_reason": result["reason"],
-                      "alignflow.promotion_score": "gold score"}
+    assert record == {
+        "alignflow.promotion": "promoted",
+        "alignflow.promotion_reason": result["reason"],
+        "alignflow.promotion_score": "gold score",
+    }
     assert {(key, value) for _, _, key, value in calls["run_tag"]} == set(record.items())
 
 
 def test_decision_markdown_names_the_score_and_shows_missing_numbers():
-    scored = {"policy_version": "4", "verdict": "promoted",
-              **asdict(decide(_metrics(gold=(0.3, -0.2)), KL_BUDGET, 0.0, None))}
+    scored = {
+        "policy_version": "4",
+        "verdict": "promoted",
+        **asdict(decide(_metrics(gold=(0.3, -0.2)), KL_BUDGET, 0.0, None)),
+    }
     text = decision_markdown(scored, "alignflow-policy")
     assert "| | held-out gold score | KL to reference |" in text
     assert "| candidate v4 | 0.3000 | 1.000 |" in text and "| sft | -0.2000 | (budget 5.000) |" in text
-    unscored = {"policy_version": "5", "verdict": "rejected", **asdict(decide(_metrics(), KL_BUDGET, 0.0, None))}
+    unscored = {
+        "policy_version": "5",
+        "verdict": "rejected",
+        **asdict(decide(_metrics(), KL_BUDGET, 0.0, None)),
+    }
     text = decision_markdown(unscored, "alignflow-policy")
     assert f"{NO_SCORE_REASON}." in text and "| candidate v5 | n/a | 1.000 |" in text

@@ -1,5 +1,6 @@
-"""The demo config (configs/tiny.yaml) scaled out through the flow: 2 trainer ranks and a tensor-parallel rollout
-replica (1 replica x 2 ranks) complete, and the policy's held-out gold gain is the single-process run's.
+"""The demo config (configs/tiny.yaml) scaled out through the flow: 2 trainer ranks and a tensor-parallel
+rollout replica (1 replica x 2 ranks) complete, and the policy's held-out gold gain is the single-process
+run's.
 
 The two runs share one workdir, so the scaled-out run reuses the single-process run's data, base, SFT, reward
 and engine outputs (the flow keys them by their config sections, which the scale-out keys do not touch) and
@@ -25,12 +26,12 @@ SCALE_OUT = ["ppo.resources.nproc_per_node=2", "engine.rollout_workers=1", "engi
 TRIM = ["data.demo.n_sft=1000", "data.demo.n_preferences=1500", "sft.epochs=1", "reward.epochs=1"]
 # The scaled-out run is the same algorithm on the same seeds: rollouts come from the same engine weights (TP=2
 # sampled log-probs within ~2e-6 of one device, tokens equal), and 2 ranks' updates equal 1 rank's within 1e-6
-# (tests/stages/common/test_ranks.py). What still differs is rounding (DeepSpeed's Adam on 2 ranks against torch's
-# AdamW on 1, the TP all_reduce's partial sums), which 12 iterations of sampling can amplify once a token sits
-# on a sampling boundary. The bound is 0.1: about two standard errors of one evaluation's gold gain (0.046
-# measured on its 128 prompts) and 1.4 standard deviations of the difference of two independent seeds (0.049
-# each, README "RL iteration speed"), so even runs that drifted apart like two seeds rarely fail it, while a
-# scale-out that breaks learning (no gain: the single run gains +0.17) does.
+# (tests/stages/common/test_ranks.py). What still differs is rounding (DeepSpeed's Adam on 2 ranks against
+# torch's AdamW on 1, the TP all_reduce's partial sums), which 12 iterations of sampling can amplify once a
+# token sits on a sampling boundary. The bound is 0.1: about two standard errors of one evaluation's gold gain
+# (0.046 on its 128 prompts) and 1.4 standard deviations of the difference of two independent seeds (0.049
+# each, benchmarks/alignment_seeds.py), so even runs that drifted apart like two seeds rarely fail it,
+# while a scale-out that breaks learning (no gain: the single run gains +0.17) does.
 GOLD_GAIN_TOL = 0.1
 
 
@@ -48,32 +49,43 @@ def gold_gain(rows: dict[str, dict]) -> float:
 # Above the suite's 600 s: two pipelines of the demo config (the second reuses everything before PPO).
 @pytest.mark.timeout(1800)
 @pytest.mark.heavy
-def test_tiny_config_on_two_ranks_and_a_tp_replica_gains_like_one_process(tmp_path, prefect_harness, monkeypatch):
-    # One code version for both runs: output keys include it, and a checkout edited between the two (other work
-    # in progress) would otherwise re-run every stage of the second.
+def test_tiny_config_on_two_ranks_and_a_tp_replica_gains_like_one_process(
+    tmp_path, prefect_harness, monkeypatch
+):
+    # One code version for both runs: output keys include it, and a checkout edited between the two (other
+    # work in progress) would otherwise re-run every stage of the second.
     monkeypatch.setenv("ALIGNFLOW_CODE_VERSION", "scaleout-test")
     one = run_pipeline(load_config(TINY, [f"workdir={tmp_path}", "tracking.experiment=scaleout", *TRIM]))
     assert {row["status"] for key, row in one.items() if key != "registry"} == {"ok"}
 
-    scaled = run_pipeline(load_config(TINY, [f"workdir={tmp_path}", "tracking.experiment=scaleout", *TRIM,
-                                             *SCALE_OUT]))
-    history = [json.loads(line) for line in (Path(scaled["ppo"]["output_uri"].removeprefix("file://"))
-                                             / "metrics.jsonl").read_text().splitlines()]
+    scaled = run_pipeline(
+        load_config(TINY, [f"workdir={tmp_path}", "tracking.experiment=scaleout", *TRIM, *SCALE_OUT])
+    )
+    history = [
+        json.loads(line)
+        for line in (Path(scaled["ppo"]["output_uri"].removeprefix("file://")) / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    ]
     refit_s = sum(m["refit/seconds"] for m in history)
     share = refit_s / sum(m["timing/iteration"] for m in history)
     single, scaled_gain = gold_gain(one), gold_gain(scaled)
-    print(f"held-out gold gain: one process {single:+.4f}, 2 ranks + TP=2 replica {scaled_gain:+.4f} "
-          f"(|diff| {abs(single - scaled_gain):.4f}, bound {GOLD_GAIN_TOL}); refit "
-          f"{history[-1]['refit/bytes_sent'] / 2**20:.2f} MiB sent per iteration, {refit_s / len(history):.3f} s "
-          f"on average, {share:.1%} of the iteration")
+    print(
+        f"held-out gold gain: one process {single:+.4f}, 2 ranks + TP=2 replica {scaled_gain:+.4f} (|diff| "
+        f"{abs(single - scaled_gain):.4f}, bound {GOLD_GAIN_TOL}); refit "
+        f"{history[-1]['refit/bytes_sent'] / 2**20:.2f} MiB sent per iteration, {refit_s / len(history):.3f} "
+        f"s on average, {share:.1%} of the iteration"
+    )
 
     assert {k: scaled[k]["status"] for k in ("data", "base", "sft", "reward-rm", "engine")} == {
-        k: "skipped" for k in ("data", "base", "sft", "reward-rm", "engine")}, "earlier stages reused"
+        k: "skipped" for k in ("data", "base", "sft", "reward-rm", "engine")
+    }, "earlier stages reused"
     assert scaled["engine"]["output_uri"] == one["engine"]["output_uri"]
     assert scaled["ppo"]["status"] == "ok" and scaled["evaluate"]["status"] == "ok"
     assert scaled["ppo"]["output_uri"] != one["ppo"]["output_uri"]
     assert [m["iteration"] for m in history] == list(range(1, 13))
-    for m in history:  # the full stream reached both TP ranks each iteration; each kept its shard (tests/stages/ppo)
+    # the full stream reached both TP ranks each iteration; each kept its shard (tests/stages/ppo)
+    for m in history:
         assert m["refit/bytes_sent"] == 2 * m["refit/bytes"] > 0 and m["refit/seconds"] > 0, m
         assert m["perf/rollout_tensor_parallel"] == 2 and m["perf/rollout_workers"] == 1
     assert single > 0, "the single-process run improves the gold score (+0.17 measured)"

@@ -1,4 +1,4 @@
-"""Kernel-test setup: Triton's CPU interpreter under --device cpu, and the one tolerance table every kernel test uses.
+"""Kernel-test setup: Triton's CPU interpreter under --device cpu; the tolerance table of every kernel test.
 
 TRITON_INTERPRET must be set before the ``alignflow.kernels._triton_*`` modules are imported
 (``@triton.jit`` reads it when decorating), so it is set in this conftest's pytest_configure, which runs
@@ -13,7 +13,8 @@ import pytest
 
 
 def pytest_configure(config):
-    # config.option.device is resolved ("cpu" or "cuda") by tests/conftest.py's pytest_configure, which runs first.
+    # config.option.device is resolved ("cpu" or "cuda") by tests/conftest.py's pytest_configure, which runs
+    # first.
     if config.option.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
         return
@@ -21,8 +22,9 @@ def pytest_configure(config):
 
     if interpreter_requested():
         raise pytest.UsageError(
-            f"--device cuda with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the Triton kernels would run "
-            "in the interpreter, not compiled; unset TRITON_INTERPRET for the CUDA run")
+            f"--device cuda with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: the Triton kernels would "
+            "run in the interpreter, not compiled; unset TRITON_INTERPRET for the CUDA run"
+        )
 
 
 # (atol, rtol) per comparison, set from measured maxima on the shapes in these tests (V up to 32_771,

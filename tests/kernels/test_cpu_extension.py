@@ -30,7 +30,9 @@ def test_build_ahead_compiles_without_avx512_and_extension_then_loads_that_build
     # On an AVX-512 host the ahead-of-time build is loaded, not compiled again.
     calls = []
     real_load = torch.utils.cpp_extension.load
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda *a, **k: calls.append(k) or real_load(*a, **k))
+    monkeypatch.setattr(
+        torch.utils.cpp_extension, "load", lambda *a, **k: calls.append(k) or real_load(*a, **k)
+    )
     assert _cpu_extension.extension().__file__ == built and len(calls) == 1
 
 
@@ -67,8 +69,9 @@ def test_build_ahead_compiles_without_loading_and_a_new_process_finds_that_build
         pytest.skip("ninja is not installed: torch's cpp_extension cannot build")
     runs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _BUILD_IN_A_FRESH_PROCESS], capture_output=True, text=True,
-                              timeout=480)
+        done = subprocess.run(
+            [sys.executable, "-c", _BUILD_IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=480
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     first, second = runs
@@ -91,7 +94,9 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_recent_one_kept(mo
     assert _cpu_extension.clear_stale_lock("some_extension") is None and lock.exists()
     old = time.time() - _cpu_extension.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
-    with pytest.warns(RuntimeWarning, match=r"removing the build lock .*some_extension/lock, left 16 minutes ago"):
+    with pytest.warns(
+        RuntimeWarning, match=r"removing the build lock .*some_extension/lock, left 16 minutes ago"
+    ):
         assert _cpu_extension.clear_stale_lock("some_extension") == lock
     assert not lock.exists()
     assert _cpu_extension.clear_stale_lock("some_extension") is None  # nothing to remove

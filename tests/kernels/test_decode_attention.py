@@ -13,7 +13,8 @@ pytestmark = pytest.mark.cpu_only("the C++ decode-attention kernel takes CPU ten
 
 @pytest.fixture(autouse=True)
 def _kernel_builds_here():
-    # A fixture, not a skipif at import: a --device cuda run (which skips this module) never builds the kernels.
+    # A fixture, not a skipif at import: a --device cuda run (which skips this module) never builds the
+    # kernels.
     if not da.available():
         pytest.skip(f"CPU kernels: {_cpu_extension.unavailable_reason()}")
 

@@ -105,11 +105,22 @@ def test_two_checkouts_of_the_kernels_share_one_build_directory_per_extension(tm
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     clone = Path(shutil.copytree(_cpu_extension.CSRC, tmp_path / "clone" / "kernels" / "csrc"))
     directories = set()
-    for name, sources, flags in [(_cpu_extension.NAME, _cpu_extension.SOURCES, _cpu_extension._FLAGS),
-                                 (_cpu_extension.AVX2_NAME, _cpu_extension.AVX2_SOURCES, _cpu_extension._AVX2_FLAGS)]:
-        ours, theirs = (_cpu_extension.keyed_build_directory(name, _cpu_extension.build_key(
-            _cpu_extension.build_inputs([root / s.relative_to(_cpu_extension.CSRC) for s in sources], root), flags))
-            for root in (_cpu_extension.CSRC, clone))
+    for name, sources, flags in [
+        (_cpu_extension.NAME, _cpu_extension.SOURCES, _cpu_extension._FLAGS),
+        (_cpu_extension.AVX2_NAME, _cpu_extension.AVX2_SOURCES, _cpu_extension._AVX2_FLAGS),
+    ]:
+        ours, theirs = (
+            _cpu_extension.keyed_build_directory(
+                name,
+                _cpu_extension.build_key(
+                    _cpu_extension.build_inputs(
+                        [root / s.relative_to(_cpu_extension.CSRC) for s in sources], root
+                    ),
+                    flags,
+                ),
+            )
+            for root in (_cpu_extension.CSRC, clone)
+        )
         assert ours == theirs and ours.parent == tmp_path / "extensions"
         assert ours.name.startswith(f"{name}_") and len(ours.name) == len(name) + 13
         directories.add(ours)
@@ -134,18 +145,24 @@ def test_the_kernels_are_built_through_the_keyed_builder(tmp_path, monkeypatch):
         _cpu_extension.build_ahead()
     finally:
         _cpu_extension.reset()
-    expected = {_cpu_extension.NAME: (_cpu_extension.SOURCES, _cpu_extension._FLAGS),
-                _cpu_extension.AVX2_NAME: (_cpu_extension.AVX2_SOURCES, _cpu_extension._AVX2_FLAGS)}
+    expected = {
+        _cpu_extension.NAME: (_cpu_extension.SOURCES, _cpu_extension._FLAGS),
+        _cpu_extension.AVX2_NAME: (_cpu_extension.AVX2_SOURCES, _cpu_extension._AVX2_FLAGS),
+    }
     assert sorted(name for name, *_ in built) == sorted([*expected, *expected])
     for name, staged, flags, directory in built:
         sources, expected_flags = expected[name]
         key = _cpu_extension.build_key(_cpu_extension.build_inputs(sources), expected_flags)
-        assert flags == expected_flags and directory == tmp_path / f"{name}_{_cpu_extension.build_digest(key)}"
+        assert (
+            flags == expected_flags and directory == tmp_path / f"{name}_{_cpu_extension.build_digest(key)}"
+        )
         # Compiled from the copy in the build directory, the same bytes, headers beside them.
         assert staged == [directory / "src" / s.relative_to(_cpu_extension.CSRC) for s in sources]
         assert [s.read_bytes() for s in staged] == [s.read_bytes() for s in sources]
         assert all(s.stat().st_mode & 0o777 == 0o644 for s in staged)
-        assert (directory / "src" / "kernels.h").read_bytes() == (_cpu_extension.CSRC / "kernels.h").read_bytes()
+        assert (directory / "src" / "kernels.h").read_bytes() == (
+            _cpu_extension.CSRC / "kernels.h"
+        ).read_bytes()
         assert json.loads((directory / "key.json").read_text())["files"] == key["files"]
 
 
@@ -158,8 +175,13 @@ def _needs_a_compiler():
 
 def _build_in_a_fresh_process(root: Path, extensions: Path, flags=_FLAGS) -> subprocess.Popen:
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", _BUILD_IN_A_FRESH_PROCESS, str(root), _NAME, *flags], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _BUILD_IN_A_FRESH_PROCESS, str(root), _NAME, *flags],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _result(process: subprocess.Popen) -> dict:

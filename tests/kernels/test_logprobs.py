@@ -11,7 +11,8 @@ from alignflow.kernels import logprobs as logprobs_module
 from alignflow.kernels._triton_dispatch import cpp_available, resolve_impl  # noqa: F401 - read by NEEDS_CPP
 
 CPP_ONLY = pytest.mark.cpu_only("the C++ log-prob kernels take CPU tensors")
-# A string condition: evaluated only for a test that runs, so a --device cuda run never builds the C++ kernels.
+# A string condition: evaluated only for a test that runs, so a --device cuda run never builds the C++
+# kernels.
 NEEDS_CPP = pytest.mark.skipif("not cpp_available('selective_log_softmax')",
                                reason="the C++ log-prob kernels are unavailable here")
 
@@ -25,7 +26,8 @@ ODD_SHAPES = [(6,), (3, 42), (2, 123, 431), (2, 32_771)]
 
 
 def _inputs(shape, dtype, seed=0, scale=3.0, device="cpu"):
-    """(logits, index, grad of log-probs, grad of entropy) on `device`, drawn on the CPU: the same values anywhere."""
+    """(logits, index, grad of log-probs, grad of entropy) on `device`, drawn on the CPU:
+    the same values anywhere."""
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(shape, generator=gen) * scale).to(dtype)
     index = torch.randint(0, shape[-1], shape[:-1], generator=gen)
@@ -97,7 +99,8 @@ def test_triton_matches_torch_reference(shape, dtype, temperature, tol, device):
 @pytest.mark.parametrize("shape", [(6,), (3, 42), (2, 7, 431), (2, 32_771), (5, 2048)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_cpp_kernel_matches_torch_reference(shape, temperature, tol):
-    # V = 6 and 42 end inside one 8-lane vector, 431 and 32_771 in a ragged tail, 2048 is the RL models' vocabulary.
+    # V = 6 and 42 end inside one 8-lane vector, 431 and 32_771 in a ragged tail, 2048 is the RL models'
+    # vocabulary.
     logits, index, g_lp, g_ent = _inputs(shape, torch.float32, seed=7)
     ref = _ours(logits, index, temperature, g_lp, g_ent, impl="torch")
     got = _ours(logits, index, temperature, g_lp, g_ent, impl="cpp")
@@ -136,8 +139,15 @@ def test_cpp_logprobs_equal_the_avx2_samplers_bit_for_bit(temperature):
         pytest.skip("the sampler here is not the AVX2 build")
     logits = _inputs((16, 2048), torch.float32, seed=9)[0]
     rows = torch.arange(16)
-    sampled = sample_tokens(logits, torch.full((16,), temperature), torch.zeros(16, dtype=torch.long), torch.ones(16),
-                            rows, 3, impl="cpp")
+    sampled = sample_tokens(
+        logits,
+        torch.full((16,), temperature),
+        torch.zeros(16, dtype=torch.long),
+        torch.ones(16),
+        rows,
+        3,
+        impl="cpp",
+    )
     ours = selective_log_softmax(logits, sampled.tokens, temperature, impl="cpp")
     assert torch.equal(ours, sampled.logprobs)
 

@@ -1,5 +1,5 @@
-"""rms_norm's C++ CPU kernel against F.rms_norm (the reference): outputs and both gradients to float rounding, the
-same bits on 1 and 2 threads, the no-grad call equal to the autograd one, and where "auto" keeps torch."""
+"""rms_norm's C++ CPU kernel against F.rms_norm (the reference): outputs and both gradients to float rounding,
+the same bits on 1 and 2 threads, the no-grad call equal to the autograd one, and where "auto" keeps torch."""
 
 import pytest
 import torch
@@ -13,9 +13,13 @@ pytestmark = pytest.mark.cpu_only("rms_norm's C++ kernel takes CPU tensors")
 
 @pytest.fixture(autouse=True)
 def _kernel_builds_here():
-    # A fixture, not a skipif at import: a --device cuda run (which skips this module) never builds the kernels.
+    # A fixture, not a skipif at import: a --device cuda run (which skips this module) never builds the
+    # kernels.
     if _cpu_extension.logprob_kernels() is None:
-        pytest.skip(f"the AVX2 CPU kernels are unavailable here: {_cpu_extension.logprob_kernels_unavailable_reason()}")
+        pytest.skip(
+            "the AVX2 CPU kernels are unavailable here: "
+            f"{_cpu_extension.logprob_kernels_unavailable_reason()}"
+        )
 
 
 def _inputs(shape, seed=0):
@@ -78,7 +82,10 @@ def test_without_autograd_the_kernel_gives_the_autograd_paths_output():
 def test_auto_keeps_torch_where_the_kernel_does_not_apply():
     x, weight, _ = _inputs((5, 64))
     half = x.detach().bfloat16()
-    assert torch.equal(rms_norm(half, weight.detach().bfloat16(), 1e-6), F.rms_norm(half, (64,), weight.detach().bfloat16(), 1e-6))
+    assert torch.equal(
+        rms_norm(half, weight.detach().bfloat16(), 1e-6),
+        F.rms_norm(half, (64,), weight.detach().bfloat16(), 1e-6),
+    )
     with pytest.raises(ValueError, match="takes float32 CPU tensors"):
         rms_norm(half, weight.detach().bfloat16(), 1e-6, "cpp")
     with pytest.raises(ValueError, match="impl must be"):

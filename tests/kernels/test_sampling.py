@@ -12,8 +12,8 @@ from alignflow.kernels import SampleOutput, rng, sample_tokens, sampling
 from alignflow.kernels._triton_dispatch import cpp_available
 
 CPP_ONLY = pytest.mark.cpu_only("the C++ sampler takes CPU tensors")
-# Skipped where the extension does not build (no AVX2, no compiler). A string condition: evaluated only for a test
-# that runs, so a --device cuda run never builds the C++ kernels.
+# Skipped where the extension does not build (no AVX2, no compiler). A string condition: evaluated only for a
+# test that runs, so a --device cuda run never builds the C++ kernels.
 NEEDS_CPP = pytest.mark.skipif("not cpp_available()", reason="C++ CPU kernels unavailable")
 CPP = pytest.param("cpp", marks=[CPP_ONLY, NEEDS_CPP])
 CHUNKED_ONLY = pytest.mark.cpu_only("the chunked sampler is the eager CPU path")
@@ -26,7 +26,11 @@ def needs_cpp(test):
 
 def _logits(batch, vocab, seed=0, scale=2.0, dtype=torch.float32, device="cpu"):
     """[batch, vocab] logits on `device`, drawn on the CPU: the same values on every device."""
-    return (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(device)
+    return (
+        (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * scale)
+        .to(dtype)
+        .to(device)
+    )
 
 
 def _oracle_kept(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> set[int]:
@@ -209,7 +213,9 @@ def test_prefix_thresholds_equal_the_full_sort_bit_for_bit(dtype, scale, device)
     batch, vocab = 32, 5000
     logits = _logits(batch, vocab, seed=6, scale=scale, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(7)
-    top_k = torch.where(torch.rand(batch, generator=gen) < 0.5, torch.randint(1, 300, (batch,), generator=gen), 0)
+    top_k = torch.where(
+        torch.rand(batch, generator=gen) < 0.5, torch.randint(1, 300, (batch,), generator=gen), 0
+    )
     top_p = torch.rand(batch, generator=gen) * 0.98 + 0.01
     top_k[:4], top_p[:4] = torch.tensor([1, 2, 0, 0]), torch.tensor([0.5, 1.0, 1.0, 0.999])
     args = _threshold_inputs(logits, top_k, top_p)
@@ -247,8 +253,12 @@ def test_top_p_rows_take_the_prefix_their_masses_allow(monkeypatch, device):
     logits[3, 1:50] = math.log(0.5)  # decided by the first prefix
     widths = []
     real = sampling._sorted_prefix
-    monkeypatch.setattr(sampling, "_sorted_prefix", lambda k, m, w: widths.append((k.shape[0], w)) or real(k, m, w))
-    args = _threshold_inputs(logits, torch.zeros(4, dtype=torch.long), torch.tensor([0.9, 0.95, 0.9, 0.9]), 1.0)
+    monkeypatch.setattr(
+        sampling, "_sorted_prefix", lambda k, m, w: widths.append((k.shape[0], w)) or real(k, m, w)
+    )
+    args = _threshold_inputs(
+        logits, torch.zeros(4, dtype=torch.long), torch.tensor([0.9, 0.95, 0.9, 0.9]), 1.0
+    )
     tau = sampling.kept_thresholds(*args)
     assert widths == [(3, 256), (1, 2048), (2, vocab)]  # rows {0, 1, 3}, then row 0, then rows {2, 1}
     assert torch.equal(tau, sampling.kept_thresholds(*args, method="sort"))
@@ -279,7 +289,8 @@ def test_precomputed_thresholds_give_the_same_samples(top_k, top_p, impl, device
 
 
 def test_row_keys_per_step_equal_row_keys_at_each_step(device):
-    seeds = torch.tensor([0, 1, -1, 2**40 + 7, -(2**62), 12345], device=device)  # negative and > 32-bit seeds too
+    # negative and > 32-bit seeds too
+    seeds = torch.tensor([0, 1, -1, 2**40 + 7, -(2**62), 12345], device=device)
     k1, k2 = rng.row_keys_per_step(seeds, 70)
     assert k2.shape == (6, 70)
     for t in (0, 1, 33, 69):
@@ -300,7 +311,9 @@ def test_precomputed_row_keys_give_the_same_samples(top_p, impl, device):
     # The keys decide the draw: another step's keys give other tokens (the check is not vacuous).
     other = sample_tokens(logits, 0.8, 0, top_p, seeds, 0, impl=impl, row_keys=(k1, k2[:, 5]))
     assert not torch.equal(other.tokens, sample_tokens(logits, 0.8, 0, top_p, seeds, 0, impl=impl).tokens)
-    with pytest.raises(ValueError, match="row_keys= is for the torch and chunked impls; triton hashes in-kernel"):
+    with pytest.raises(
+        ValueError, match="row_keys= is for the torch and chunked impls; triton hashes in-kernel"
+    ):
         sample_tokens(logits, 0.8, 0, 1.0, seeds, 0, impl="triton", row_keys=(k1, k2[:, 0]))
     with pytest.raises(ValueError, match=r"row_keys must be two int64 \[5\] tensors"):
         sample_tokens(logits, 0.8, 0, 1.0, seeds, 0, impl="chunked", row_keys=(k1, k2))
@@ -333,8 +346,15 @@ def _filtered_probs(row, temperature, top_k, top_p):
 def test_sample_frequencies_match_the_filtered_distribution_across_seeds(temperature, top_k, top_p, device):
     n = 20_000
     row = _logits(1, 40, seed=7, scale=1.0)[0]
-    out = sample_tokens(row.to(device).expand(n, 40), temperature, top_k, top_p, torch.arange(n, device=device) + 1000,
-                        5, impl="torch")
+    out = sample_tokens(
+        row.to(device).expand(n, 40),
+        temperature,
+        top_k,
+        top_p,
+        torch.arange(n, device=device) + 1000,
+        5,
+        impl="torch",
+    )
     kept, probs = _filtered_probs(row, temperature, top_k, top_p)
     counts = torch.bincount(out.tokens.cpu(), minlength=40).double()
     assert float(counts.sum() - counts[kept].sum()) == 0.0
@@ -347,7 +367,9 @@ def test_sample_frequencies_match_across_steps_of_one_seed(device):
     # One request decoding 20k steps on the same logits: the step counter alone must give fresh draws.
     n = 20_000
     row = _logits(1, 30, seed=8, scale=1.0)[0]
-    out = sample_tokens(row.to(device).expand(n, 30), 1.1, 0, 0.95, 42, torch.arange(n, device=device), impl="torch")
+    out = sample_tokens(
+        row.to(device).expand(n, 30), 1.1, 0, 0.95, 42, torch.arange(n, device=device), impl="torch"
+    )
     kept, probs = _filtered_probs(row, 1.1, 0, 0.95)
     counts = torch.bincount(out.tokens.cpu(), minlength=30).double()[kept]
     chi2 = float(((counts - probs * n) ** 2 / (probs * n)).sum())
@@ -358,7 +380,9 @@ def test_chi_square_check_rejects_a_wrong_temperature(device):
     # The frequency check above can fail: samples at T = 1.0 judged against T = 0.7 do.
     n = 20_000
     row = _logits(1, 40, seed=7, scale=1.0)[0]
-    out = sample_tokens(row.to(device).expand(n, 40), 1.0, 0, 1.0, torch.arange(n, device=device), 0, impl="torch")
+    out = sample_tokens(
+        row.to(device).expand(n, 40), 1.0, 0, 1.0, torch.arange(n, device=device), 0, impl="torch"
+    )
     kept, probs = _filtered_probs(row, 0.7, 0, 1.0)
     counts = torch.bincount(out.tokens.cpu(), minlength=40).double()[kept]
     chi2 = float(((counts - probs * n) ** 2 / (probs * n)).sum())
@@ -430,7 +454,9 @@ def test_chunked_sampler_equals_the_reference_bit_for_bit(batch, vocab, dtype):
             noise = rng.gumbel_noise(*rng.row_keys(rows.seeds, rows.steps), vocab)
             for given in (None, noise):
                 lean = _chunked_sampling.sample(logits, rows._replace(noise=given), flags, want_tau=False)
-                assert torch.equal(lean[0], ref[0]) and torch.equal(lean[1], ref[1]), f"step {step}, noise {given is not None}"
+                assert torch.equal(lean[0], ref[0]) and torch.equal(lean[1], ref[1]), (
+                    f"step {step}, noise {given is not None}"
+                )
                 assert (lean[2] is None) == (not flags.any_top_k and not flags.any_top_p)
 
 
@@ -449,7 +475,13 @@ def test_chunked_sampler_ties_go_to_the_lowest_index_across_chunks():
 def test_batch_flags_from_values_match_uniform_flags_and_leave_results_unchanged(device):
     logits = _logits(4, 300, seed=3, device=device)
     seeds = torch.arange(4, device=device)
-    for temperature, top_k, top_p in ((0.0, 5, 0.5), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.9), (1.0, 300, 1.0)):
+    for temperature, top_k, top_p in (
+        (0.0, 5, 0.5),
+        (1.0, 0, 1.0),
+        (0.7, 20, 1.0),
+        (1.3, 0, 0.9),
+        (1.0, 300, 1.0),
+    ):
         rows = _rows(logits, temperature, top_k, top_p, seeds, 2)
         flags = sampling.uniform_flags(temperature, top_k, top_p, 300)
         assert sampling.batch_flags(rows, 300) == flags
@@ -458,7 +490,9 @@ def test_batch_flags_from_values_match_uniform_flags_and_leave_results_unchanged
         assert torch.equal(with_flags.tokens, without.tokens)
 
 
-@pytest.mark.cpu_only("auto's choice among the CPU samplers (it builds the C++ kernels to see whether they run)")
+@pytest.mark.cpu_only(
+    "auto's choice among the CPU samplers (it builds the C++ kernels to see whether they run)"
+)
 def test_auto_picks_the_cpp_or_chunked_sampler_on_cpu_and_rejects_them_where_they_do_not_apply(monkeypatch):
     from alignflow.kernels import _triton_dispatch
     from alignflow.kernels._triton_dispatch import resolve_impl
@@ -476,7 +510,9 @@ def test_auto_picks_the_cpp_or_chunked_sampler_on_cpu_and_rejects_them_where_the
         resolve_impl("cpp", torch.device("cuda"), "sample_tokens")
     with pytest.raises(ValueError, match=r"impl='cpp' is not one of \('auto', 'torch', 'triton'\)"):
         resolve_impl("cpp", torch.device("cpu"), "op")
-    with pytest.raises(ValueError, match=r"impl='chunked' is not one of \('auto', 'torch', 'cpp', 'triton'\)"):
+    with pytest.raises(
+        ValueError, match=r"impl='chunked' is not one of \('auto', 'torch', 'cpp', 'triton'\)"
+    ):
         resolve_impl("chunked", torch.device("cpu"), "selective_log_softmax")
 
 
@@ -565,9 +601,8 @@ def test_bad_arguments_are_named(kwargs, error, message):
 
 def test_validate_false_skips_only_the_value_checks():
     logits = torch.randn(3, 5)
-    out = sample_tokens(
-        logits, -1.0, 0, 1.0, torch.arange(3), 0, impl="torch", validate=False
-    )  # no sync, no check
+    # no sync, no check
+    out = sample_tokens(logits, -1.0, 0, 1.0, torch.arange(3), 0, impl="torch", validate=False)
     assert out.tokens.shape == (3,)
     with pytest.raises(ValueError, match=r"seeds must have shape \[3\]"):
         sample_tokens(logits, 1.0, 0, 1.0, torch.arange(2), 0, impl="torch", validate=False)
@@ -585,16 +620,21 @@ def test_cpp_sampler_uses_the_hash_constants_of_rng():
     csrc = Path(sampling.__file__).parent / "csrc"
     for path in (csrc / "sampling.cpp", csrc / "avx2" / "sampling_avx2.cpp"):  # the AVX-512 and AVX2 builds
         source = path.read_text()
-        for name, cpp_name in (("FMIX_M1", "kFmixM1"), ("FMIX_M2", "kFmixM2"), ("GOLDEN", "kGolden"),
-                               ("SEED_SALT", "kSeedSalt"), ("STEP_SALT", "kStepSalt")):
+        for name, cpp_name in (
+            ("FMIX_M1", "kFmixM1"),
+            ("FMIX_M2", "kFmixM2"),
+            ("GOLDEN", "kGolden"),
+            ("SEED_SALT", "kSeedSalt"),
+            ("STEP_SALT", "kStepSalt"),
+        ):
             value = re.search(rf"constexpr uint32_t {cpp_name} = (0x[0-9A-F]+)u;", source).group(1)
             assert int(value, 16) == getattr(rng, name), (path.name, name)
 
 
 @needs_cpp
 def test_the_cpp_sampler_is_the_avx512_extension_or_else_the_avx2_build():
-    """sampler(): where the AVX-512 kernels run it is their extension; on an AVX2 CPU (torch's kernels AVX2 too,
-    so the same SLEEF log), the AVX2 sampler's own extension, which the tests above then check."""
+    """sampler(): where the AVX-512 kernels run it is their extension; on an AVX2 CPU (torch's kernels AVX2
+    too, so the same SLEEF log), the AVX2 sampler's own extension, which the tests above then check."""
     from alignflow.kernels import _cpu_extension
 
     module = _cpu_extension.sampler()
@@ -608,8 +648,13 @@ def test_the_cpp_sampler_is_the_avx512_extension_or_else_the_avx2_build():
 @needs_cpp
 @pytest.mark.parametrize(
     ("batch", "vocab", "dtype"),
-    [(1, 1, torch.float32), (3, 17, torch.float32), (7, 1000, torch.bfloat16), (9, 32_001, torch.float32),
-     (70, 5003, torch.float32)],
+    [
+        (1, 1, torch.float32),
+        (3, 17, torch.float32),
+        (7, 1000, torch.bfloat16),
+        (9, 32_001, torch.float32),
+        (70, 5003, torch.float32),
+    ],
 )
 def test_cpp_sampler_gives_the_reference_tokens_and_close_logprobs(batch, vocab, dtype, tol):
     gen = torch.Generator().manual_seed(batch + vocab)
@@ -660,7 +705,9 @@ def test_cpp_sampler_rejects_malformed_arguments_by_name():
     none = torch.empty(0, dtype=torch.long)
     with pytest.raises(RuntimeError, match=r"logits must be a contiguous float32 CPU \[B, V\]"):
         module.sample_tokens(logits.double(), *rows, none)
-    with pytest.raises(RuntimeError, match=r"temperature must be a contiguous Float CPU tensor of shape \[2\]"):
+    with pytest.raises(
+        RuntimeError, match=r"temperature must be a contiguous Float CPU tensor of shape \[2\]"
+    ):
         module.sample_tokens(logits, torch.ones(3), *rows[1:], none)
     with pytest.raises(RuntimeError, match=r"seeds must be a contiguous Long CPU tensor"):
         module.sample_tokens(logits, rows[0], rows[1].int(), rows[2], none)
@@ -681,8 +728,13 @@ def test_noise_windows_of_steps_equal_the_per_step_noise_and_samples():
         assert torch.equal(window[:, offset], rng.gumbel_noise(k1, k2[:, step], vocab)), step
         for temperature, top_p in ((0.8, 1.0), (0.8, 0.8), (torch.tensor([0.8, 0.0, 1.3, 0.0, 0.5]), 1.0)):
             want = sample_tokens(logits, temperature, 0, top_p, seeds, step, impl="torch")
-            got = sample_tokens(logits, temperature, 0, top_p, seeds, step, impl="chunked", noise=window[:, offset])
-            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs), (step, top_p)
+            got = sample_tokens(
+                logits, temperature, 0, top_p, seeds, step, impl="chunked", noise=window[:, offset]
+            )
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs), (
+                step,
+                top_p,
+            )
     # The noise decides the draw: another step's gives other tokens (the comparison above is not vacuous).
     other = sample_tokens(logits, 0.8, 0, 1.0, seeds, 2, impl="chunked", noise=window[:, 3])
     assert not torch.equal(other.tokens, sample_tokens(logits, 0.8, 0, 1.0, seeds, 2, impl="torch").tokens)

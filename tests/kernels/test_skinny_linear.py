@@ -1,4 +1,4 @@
-"""The skinny_linear kernel (its AVX-512 or AVX2 build) against F.linear and float64, on odd shapes; layout, errors."""
+"""skinny_linear (its AVX-512 or AVX2 build) against F.linear and float64 on odd shapes; layout, errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ pytestmark = pytest.mark.cpu_only("skinny_linear is a C++ CPU kernel")
 
 @pytest.fixture
 def kernel_builds_here():
-    # A fixture, not a skipif at import: a --device cuda run (which skips this module) never builds the kernels.
+    # A fixture, not a skipif at import: a --device cuda run (which skips this module) never builds the
+    # kernels.
     if not skinny.available():
         pytest.skip(f"skinny_linear: {skinny.unavailable_reason()}")
 
@@ -45,19 +46,22 @@ def test_block_weight_layout_is_16_column_blocks_zero_padded():
 # partial last one, a vocabulary; K: 1, odd, real.
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 8, 9, 12, 17, 64, 130])
-@pytest.mark.parametrize("out_features, in_features", [(5, 1), (16, 7), (33, 768), (50, 31), (2304, 768),
-                                                       (32_001, 64)])
+@pytest.mark.parametrize(
+    "out_features, in_features", [(5, 1), (16, 7), (33, 768), (50, 31), (2304, 768), (32_001, 64)]
+)
 def test_matches_f_linear_and_float64(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * 7919 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
     got = skinny.skinny_linear(x, skinny.block_weight(weight), out_features)
-    exact = (x.double() @ weight.double().T)
+    exact = x.double() @ weight.double().T
     mkl = skinny.reference(x, weight)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     # A float32 sum over K: error grows like sqrt(K) ulps of the terms' magnitude. Both kernels are held
     # to the same float64 yardstick; measured, both reach at most 0.52 of sqrt(K) * eps * (|x| @ |W|.T).
-    bound = 4 * in_features**0.5 * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+    bound = (
+        4 * in_features**0.5 * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+    )
     assert ((got.double() - exact).abs() <= bound + 1e-30).all()
     assert ((mkl.double() - exact).abs() <= bound + 1e-30).all()
 
@@ -91,7 +95,10 @@ def test_the_build_that_runs_is_the_cpus_and_sets_the_row_limit():
     if torch.cpu._is_avx512_supported():
         assert module is _cpu_extension.extension() and (skinny.isa(), skinny.max_rows()) == ("AVX-512", 128)
     else:
-        assert module.__name__ == _cpu_extension.AVX2_NAME and (skinny.isa(), skinny.max_rows()) == ("AVX2", 256)
+        assert module.__name__ == _cpu_extension.AVX2_NAME and (skinny.isa(), skinny.max_rows()) == (
+            "AVX2",
+            256,
+        )
 
 
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])

@@ -29,10 +29,10 @@ _calls_in_this_process = 0
 
 
 def stall_when_asked(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
-    """0.0 for every completion. With ALIGNFLOW_TEST_STALL_AT=N, call N of this process (iteration N) and later
-    ones wait until the file ALIGNFLOW_TEST_RELEASE exists (if set; else 600 s), so a test can look at the
-    stage, or kill it, at a known iteration however fast the iterations are. A release path with '{call}' in it
-    names one file per call (release-{call}: release-3 lets iteration 3 go on and holds iteration 4)."""
+    """0.0 for every completion. With ALIGNFLOW_TEST_STALL_AT=N, call N of this process (iteration N) and
+    later ones wait until the file ALIGNFLOW_TEST_RELEASE exists (if set; else 600 s), so a test can look at
+    the stage, or kill it, at a known iteration however fast the iterations are. A release path with '{call}'
+    in it names one file per call (release-{call}: release-3 lets iteration 3 go on and holds iteration 4)."""
     global _calls_in_this_process
     _calls_in_this_process += 1
     stall_at = int(os.environ.get("ALIGNFLOW_TEST_STALL_AT", "0"))

@@ -57,19 +57,34 @@ def test_engine_stage_publishes_the_engine_and_a_build_report_tracked_in_mlflow(
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is importable in this venv")
 def test_a_backend_this_interpreter_cannot_run_is_a_configuration_error_exit_2(upstream, tmp_path):
-    """engine.backend: vllm where vllm is not installed, and an engine.worker_python that is not there: the stage
-    exits 2 (bad input, not retried) with one line naming the package or the key, and publishes nothing."""
+    """engine.backend: vllm where vllm is not installed, and an engine.worker_python that is not there: the
+    stage exits 2 (bad input, not retried) with one line naming the package or the key, and publishes
+    nothing."""
     workdir, _, rows = upstream
-    spec = StageSpec.model_validate_json(next((workdir / ".alignflow" / "specs").glob("engine-*.json")).read_text())
-    cases = {"vllm": ({"backend": "vllm"}, r"engine.backend: vllm needs the vllm package .*containers/engine-vllm"),
-             "worker_python": ({"backend": "vllm", "worker_python": str(tmp_path / "no-venv" / "python")},
-                               rf"engine.worker_python={tmp_path}/no-venv/python: no executable there")}
+    spec = StageSpec.model_validate_json(
+        next((workdir / ".alignflow" / "specs").glob("engine-*.json")).read_text()
+    )
+    cases = {
+        "vllm": (
+            {"backend": "vllm"},
+            r"engine.backend: vllm needs the vllm package .*containers/engine-vllm",
+        ),
+        "worker_python": (
+            {"backend": "vllm", "worker_python": str(tmp_path / "no-venv" / "python")},
+            rf"engine.worker_python={tmp_path}/no-venv/python: no executable there",
+        ),
+    }
     for name, (engine, message) in cases.items():
         config = {**spec.config, "engine": {**spec.config["engine"], **engine}}
         case = spec.model_copy(update={"config": config, "output_uri": f"file://{tmp_path}/out-{name}"})
         path = case.dump(tmp_path / f"{name}.json")
-        proc = subprocess.run([sys.executable, "-m", "alignflow.stages.engine", "--spec", str(path)],
-                              capture_output=True, text=True, cwd=workdir, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "alignflow.stages.engine", "--spec", str(path)],
+            capture_output=True,
+            text=True,
+            cwd=workdir,
+            timeout=300,
+        )
         result = StageResult.from_output(proc.stdout)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert result.status == "failed" and re.search(message, result.message), result.message

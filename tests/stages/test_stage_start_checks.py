@@ -1,5 +1,6 @@
-"""The stages refuse a config that cannot start with the very message `alignflow validate` / `plan` print for it:
-each stage, given the spec the flow would give it, raises before it loads anything (alignflow/start_checks.py)."""
+"""The stages refuse a config that cannot start with the very message `alignflow validate` / `plan` print for
+it: each stage, given the spec the flow would give it, raises before it loads anything
+(alignflow/start_checks.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,17 @@ TINY = {"model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidd
 
 
 def planned(tmp_path, stage: str, **sections):
-    """(the spec the flow would give `stage`, the planner's messages for it) for the default pipeline + sections."""
+    """(the spec the flow would give `stage`,
+    the planner's messages for it) for the default pipeline + sections."""
     config = validate_config({**TINY, "workdir": str(tmp_path), **sections})
     call = next(c for c in plan(config) if c.stage == stage)
     messages = [p.message for p in start_problems(config) if p.stage == call.key]
-    spec = StageSpec(stage=stage, config=call.config, output_uri=f"file://{tmp_path}/out",
-                     inputs={name: f"file://{tmp_path}/missing-{name}" for name in call.inputs})
+    spec = StageSpec(
+        stage=stage,
+        config=call.config,
+        output_uri=f"file://{tmp_path}/out",
+        inputs={name: f"file://{tmp_path}/missing-{name}" for name in call.inputs},
+    )
     return spec, messages
 
 
@@ -32,7 +38,9 @@ RL_CASES = {
     "unload with async": {"engine": {"unload_during_training": True}, "ppo": {"async_rollouts": True}},
     "lora with zero 3": {"ppo": {"lora": {"rank": 4}, "zero_stage": 3}},
     "torch backend with ranks": {"ppo": {"train_backend": "torch", "resources": {"nproc_per_node": 2}}},
-    "tensor parallel vllm replicas": {"engine": {"backend": "vllm", "tensor_parallel_size": 2, "rollout_workers": 2}},
+    "tensor parallel vllm replicas": {
+        "engine": {"backend": "vllm", "tensor_parallel_size": 2, "rollout_workers": 2}
+    },
     "no room for a prompt": {"ppo": {"max_new_tokens": 300}},
 }
 
@@ -40,6 +48,7 @@ RL_CASES = {
 @pytest.mark.parametrize("case", sorted(RL_CASES))
 def test_the_rl_stage_says_what_the_planner_said(tmp_path, case):
     from alignflow.stages.ppo import stage as ppo
+
     spec, messages = planned(tmp_path, "ppo", **RL_CASES[case])
     assert messages, "the planner finds the problem"
     with pytest.raises(StageInputError) as refused:
@@ -50,8 +59,9 @@ def test_the_rl_stage_says_what_the_planner_said(tmp_path, case):
 def test_the_engine_stage_says_what_the_planner_said(tmp_path):
     from alignflow.stages import engine
 
-    spec, messages = planned(tmp_path, "engine", engine={"backend": "vllm", "tensor_parallel_size": 2,
-                                                         "rollout_workers": 2})
+    spec, messages = planned(
+        tmp_path, "engine", engine={"backend": "vllm", "tensor_parallel_size": 2, "rollout_workers": 2}
+    )
     with pytest.raises(StageInputError) as refused:
         engine.run(spec)
     assert [str(refused.value)] == messages
@@ -69,13 +79,26 @@ def test_the_evaluate_stage_says_what_the_planner_said(tmp_path):
     assert str(refused.value).startswith("stage 'evaluate' needs a policy input")
 
 
-@pytest.mark.parametrize(("stage", "model", "sections"), [
-    ("sft", SFTConfig, {"sft": {"batch_size": 24, "micro_batch_size": 8, "resources": {"nproc_per_node": 2}}}),
-    ("sft", SFTConfig, {"sft": {"lora": {"rank": 4}, "zero_stage": 3}}),
-    ("reward", RewardConfig, {"reward": {"batch_size": 30}}),
-    ("dpo", DPOConfig, {"dpo": {"lora": {"rank": 4}, "zero_stage": 3},
-                        "stages": ["data", "base", "sft", "dpo", "evaluate"]}),
-])
+@pytest.mark.parametrize(
+    ("stage", "model", "sections"),
+    [
+        (
+            "sft",
+            SFTConfig,
+            {"sft": {"batch_size": 24, "micro_batch_size": 8, "resources": {"nproc_per_node": 2}}},
+        ),
+        ("sft", SFTConfig, {"sft": {"lora": {"rank": 4}, "zero_stage": 3}}),
+        ("reward", RewardConfig, {"reward": {"batch_size": 30}}),
+        (
+            "dpo",
+            DPOConfig,
+            {
+                "dpo": {"lora": {"rank": 4}, "zero_stage": 3},
+                "stages": ["data", "base", "sft", "dpo", "evaluate"],
+            },
+        ),
+    ],
+)
 def test_the_supervised_stages_say_what_the_planner_said(tmp_path, stage, model, sections):
     from alignflow.stages.common.training.loop import check_training_section
 
@@ -103,5 +126,7 @@ def test_the_base_stage_says_what_the_planner_said(tmp_path):
         _import_dir(SimpleNamespace(spec=SimpleNamespace(workdir=str(tmp_path))), "no/such/model")
     assert [str(refused.value)] == messages
     (tmp_path / "no/such/model").mkdir(parents=True)
-    assert _import_dir(SimpleNamespace(spec=SimpleNamespace(workdir=str(tmp_path))), "no/such/model") == \
-        tmp_path / "no/such/model"
+    assert (
+        _import_dir(SimpleNamespace(spec=SimpleNamespace(workdir=str(tmp_path))), "no/such/model")
+        == tmp_path / "no/such/model"
+    )

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-# The real servers (Prefect server + process worker, `mlflow server` with proxied artifacts): one copy of them.
+# The real servers (Prefect server + process worker, `mlflow server` with proxied artifacts): one copy of
+# them.
 from tests.flows.test_production import mlflow_server, prefect_server  # noqa: F401
 
 SCREENSHOTS: list[Path] = []
@@ -17,7 +18,9 @@ SCREENSHOTS: list[Path] = []
 @pytest.fixture(scope="session")
 def screenshots_dir() -> Path:
     """Where the screenshots go: $ALIGNFLOW_UI_SCREENSHOTS, else tests/ui/screenshots/ (git-ignored)."""
-    folder = Path(os.environ.get("ALIGNFLOW_UI_SCREENSHOTS") or Path(__file__).parent / "screenshots").resolve()
+    folder = Path(
+        os.environ.get("ALIGNFLOW_UI_SCREENSHOTS") or Path(__file__).parent / "screenshots"
+    ).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     SCREENSHOTS.append(folder)
     return folder

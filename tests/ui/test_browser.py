@@ -1,6 +1,6 @@
-"""The two UIs in a real browser, walked as a user walks them: trigger the pipeline from its deployment's form in
-the Prefect UI, follow the run to Completed and read its summary artifact; then find the run in the MLflow UI
-with its stage runs, a PPO curve and the evaluation report.
+"""The two UIs in a real browser, walked as a user walks them: trigger the pipeline from its deployment's form
+in the Prefect UI, follow the run to Completed and read its summary artifact; then find the run in the MLflow
+UI with its stage runs, a PPO curve and the evaluation report.
 
 Headless Chromium (Debian's, through Playwright) against a real `prefect server` + process worker and an
 `mlflow server` on 127.0.0.1 (the fixtures of tests/flows/test_production.py). Screenshots of each step go to
@@ -40,21 +40,26 @@ def chromium_path() -> str | None:
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(chromium_path() is None, reason="no Chromium found: `apt-get install -y chromium` (Debian) "
-                       "or set ALIGNFLOW_CHROMIUM to its binary; these tests never download a browser"),
+    pytest.mark.skipif(
+        chromium_path() is None,
+        reason="no Chromium found: `apt-get install -y chromium` (Debian) "
+        "or set ALIGNFLOW_CHROMIUM to its binary; these tests never download a browser",
+    ),
 ]
 
 STAGES = ["data", "base", "sft", "reward", "engine", "ppo", "evaluate"]
 # The deployment's defaults; the form changes two of them before the run.
 DEPLOYED_ITERATIONS, FORM_ITERATIONS = 4, 3
 FORM_SFT_LR = "0.002"
-# The shrunken pipeline takes ~2-3 min on a quiet 2-core box; with other jobs on the box (load ~5) it took more
-# than 5 min, so the wait is 15 min: a run still going then is a fault, not a slow box.
+# The shrunken pipeline takes a few minutes on a quiet 2-core machine and can take twice that with other
+# jobs on it, so the wait is 15 min: a run still going then is a fault, not a slow machine.
 RUN_TIMEOUT_MS = 900_000
 
-# One property of Prefect's schema form: the nearest enclosing `.schema-form-property`; its own input is the one
-# directly in its body (a nested section's inputs are deeper).
-FORM_PROPERTY = "xpath=ancestor::div[contains(concat(' ', normalize-space(@class), ' '), ' schema-form-property ')][1]"
+# One property of Prefect's schema form: the nearest enclosing `.schema-form-property`; its own input is the
+# one directly in its body (a nested section's inputs are deeper).
+FORM_PROPERTY = (
+    "xpath=ancestor::div[contains(concat(' ', normalize-space(@class), ' '), ' schema-form-property ')][1]"
+)
 OWN_INPUT = "xpath=./div[contains(@class, 'p-label__body')]/fieldset/div/input"
 
 
@@ -95,26 +100,38 @@ def page(browser, screenshots_dir, request):
 
 @pytest.fixture(scope="module")
 def deployment(mlflow_server, prefect_server, tmp_path_factory):
-    """The pipeline deployed to the Prefect server, tracking to the MLflow server, outputs on the local S3 server
-    (the production layout; MLflow's registry refuses a local folder as a model version's source)."""
+    """The pipeline deployed to the Prefect server, tracking to the MLflow server, outputs on the local S3
+    server (the production layout; MLflow's registry refuses a local folder as a model version's source)."""
     mlflow_url, s3_endpoint = mlflow_server
     api, env = prefect_server
     work = tmp_path_factory.mktemp("ui-pipeline")
     config = small_config(
-        work / "work", stages=STAGES, deployment={"name": "browser"},
+        work / "work",
+        stages=STAGES,
+        deployment={"name": "browser"},
         storage={"root": "s3://prod/ui-test", "endpoint_url": s3_endpoint},
         tracking={"uri": mlflow_url, "experiment": "browser"},
         sft={"epochs": 1},
         engine={"max_seq_len": 96, "max_batch_size": 32},
-        ppo={"iterations": DEPLOYED_ITERATIONS, "prompts_per_iteration": 8, "minibatch_size": 8,
-             "max_new_tokens": 16, "checkpoint_every": 2},
-        evaluate={"n_prompts": 8, "max_new_tokens": 16, "temperature": 1.0})
+        ppo={
+            "iterations": DEPLOYED_ITERATIONS,
+            "prompts_per_iteration": 8,
+            "minibatch_size": 8,
+            "max_new_tokens": 16,
+            "checkpoint_every": 2,
+        },
+        evaluate={"n_prompts": 8, "max_new_tokens": 16, "temperature": 1.0},
+    )
     ids = _deploy(config.model_dump(mode="json"), work / "pipeline.yaml", env)
-    return {"id": ids["alignflow-pipeline/browser"], "api": api, "ui": api.removesuffix("/api"),
-            "mlflow": mlflow_url}
+    return {
+        "id": ids["alignflow-pipeline/browser"],
+        "api": api,
+        "ui": api.removesuffix("/api"),
+        "mlflow": mlflow_url,
+    }
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_MS // 1000 + 300)   # above the suite's 600 s: the run alone may take 15 min
+@pytest.mark.timeout(RUN_TIMEOUT_MS // 1000 + 300)  # above the suite's 600 s: the run alone may take 15 min
 @pytest.mark.heavy
 def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screenshots_dir):
     started = time.time()
@@ -126,15 +143,15 @@ def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screens
     page.get_by_text("Custom run", exact=True).click()
     sft_lr = form_input(page, SFTConfig.model_json_schema()["description"], "Lr (Optional)")
     iterations = form_input(page, PPOConfig.model_json_schema()["description"], "Iterations (Optional)")
-    expect(iterations).to_have_value(str(DEPLOYED_ITERATIONS))   # the form starts from the deployed config
+    expect(iterations).to_have_value(str(DEPLOYED_ITERATIONS))  # the form starts from the deployed config
     sft_lr.fill(FORM_SFT_LR)
     iterations.fill(str(FORM_ITERATIONS))
     sft_lr.scroll_into_view_if_needed()
     shoot(page, shots, "01-prefect-custom-run-form.png")
     page.get_by_role("button", name="Submit", exact=True).click()
 
-    # The confirmation toast names the new run and links to it. Prefect 3.8 shows the toast twice, the second over
-    # the first while they slide in: the visible one is the last.
+    # The confirmation toast names the new run and links to it. Prefect 3.8 shows the toast twice, the second
+    # over the first while they slide in: the visible one is the last.
     toast = page.locator(".toast-flow-run-create__message").first
     expect(toast).to_contain_text("scheduled to start now")
     run_name = toast.locator(".toast-flow-run-create__message--emphasized").first.inner_text()
@@ -143,7 +160,7 @@ def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screens
     try:
         page.wait_for_url(run_page, timeout=5000)
     except playwright_api.TimeoutError:
-        # Once in CI the click met the toast's second copy sliding in and went nowhere (the page stayed on the
+        # The click can meet the toast's second copy sliding in and go nowhere (the page stays on the
         # deployment's Runs tab): there a user opens the run by its name, as here.
         page.get_by_role("link", name=run_name, exact=True).first.click()
     expect(page).to_have_url(run_page)
@@ -151,18 +168,21 @@ def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screens
     run_id = page.url.rsplit("/", 1)[-1].split("?")[0]
     run = _http("GET", f"{deployment['api']}/flow_runs/{run_id}")
     config = run["parameters"]["config"]
-    assert (config["sft"]["lr"], config["ppo"]["iterations"]) == (float(FORM_SFT_LR), FORM_ITERATIONS), \
+    assert (config["sft"]["lr"], config["ppo"]["iterations"]) == (float(FORM_SFT_LR), FORM_ITERATIONS), (
         "the values typed into the form are the run's parameters"
+    )
 
     # --- Prefect: follow the run page (it refreshes itself) until the state badge is final
     badge = page.locator(".state-badge").first
     expect(badge).to_have_text(re.compile("Completed|Failed|Crashed|Cancelled"), timeout=RUN_TIMEOUT_MS)
     final = _http("GET", f"{deployment['api']}/flow_runs/{run_id}")
-    assert badge.inner_text().strip() == "Completed", f"flow run ended {final['state_type']}: {final['state']}"
+    assert badge.inner_text().strip() == "Completed", (
+        f"flow run ended {final['state_type']}: {final['state']}"
+    )
     shoot(page, shots, "02-prefect-flow-run-completed.png")
 
-    # The run page's Artifacts tab lists the stage table, the MLflow link and the evaluation summary; the table
-    # opens on its artifact page: one ok row per stage. (The tabs are <li> without role=tab.)
+    # The run page's Artifacts tab lists the stage table, the MLflow link and the evaluation summary; the
+    # table opens on its artifact page: one ok row per stage. (The tabs are <li> without role=tab.)
     page.get_by_role("tablist").get_by_text("Artifacts", exact=True).click()
     cards = page.locator(".artifact-card")
     for key in ["alignflow-summary", "alignflow-mlflow", "alignflow-evaluation", "alignflow-promotion"]:
@@ -172,8 +192,9 @@ def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screens
     table = page.get_by_role("table")
     expect(table).to_be_visible()
     for stage in ["data", "base", "sft", "reward-rm", "engine", "ppo", "evaluate"]:
-        expect(table.get_by_role("row").filter(has=page.get_by_role("cell", name=stage, exact=True))
-               ).to_contain_text("ok")
+        expect(
+            table.get_by_role("row").filter(has=page.get_by_role("cell", name=stage, exact=True))
+        ).to_contain_text("ok")
     shoot(page, shots, "04-prefect-summary-artifact.png")
 
     # --- MLflow: home -> Model training -> the experiment -> the parent run, expanded into its stage runs
@@ -184,7 +205,7 @@ def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screens
     parent = page.get_by_role("link", name=re.compile(r"^test-\d{8}-\d{6}$"))
     expect(parent).to_have_count(1)
     assistant_close = page.get_by_role("button", name="Close")
-    if assistant_close.count() == 1:   # MLflow 3's assistant panel takes a third of the width
+    if assistant_close.count() == 1:  # MLflow 3's assistant panel takes a third of the width
         assistant_close.click()
     # The row's expander has no accessible name: it is the only button in the run-name cell.
     parent.locator("xpath=ancestor::*[@role='gridcell'][1]").get_by_role("button").click()
@@ -197,17 +218,19 @@ def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screens
 
     # The parent run's parameters are the resolved config, with the value typed into Prefect's form.
     parent.click()
-    expect(page.get_by_role("row").filter(has=page.get_by_role("cell", name="sft.lr", exact=True))
-           ).to_contain_text(FORM_SFT_LR)
+    expect(
+        page.get_by_role("row").filter(has=page.get_by_role("cell", name="sft.lr", exact=True))
+    ).to_contain_text(FORM_SFT_LR)
 
     # A PPO curve: one point per iteration that ran (the form asked for 3).
     page.goto(f"{mlflow}/{stage_links['ppo']}")
     page.get_by_role("tab", name="Model metrics").click()
     page.get_by_placeholder("Search metric charts").fill("policy_loss")
     chart = page.get_by_test_id("experiment-view-compare-runs-card").filter(
-        has=page.get_by_title("losses/policy_loss", exact=True))
+        has=page.get_by_title("losses/policy_loss", exact=True)
+    )
     expect(chart).to_be_visible()
-    expect(chart.locator("path.point")).to_have_count(FORM_ITERATIONS)   # Plotly's markers: no accessible name
+    expect(chart.locator("path.point")).to_have_count(FORM_ITERATIONS)  # Plotly's markers: no accessible name
     shoot(page, shots, "06-mlflow-ppo-policy-loss.png")
 
     # The evaluation report artifact, rendered.
@@ -217,5 +240,7 @@ def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screens
     expect(page.get_by_role("heading", name="Evaluation: final policy vs SFT")).to_be_visible()
     expect(page.get_by_text(f"ppo policy after {FORM_ITERATIONS} iterations")).to_be_visible()
     shoot(page, shots, "07-mlflow-eval-report.png")
-    print(f"browser test: {time.time() - started:.0f} s from the deployment page to the report; "
-          f"screenshots in {shots}")
+    print(
+        f"browser test: {time.time() - started:.0f} s from the deployment page to the report; "
+        f"screenshots in {shots}"
+    )

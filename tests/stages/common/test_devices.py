@@ -1,4 +1,4 @@
-"""model.device resolves to this rank's device: the GPU when asked or when auto finds one, never by accident."""
+"""model.device resolves to this rank's device: the GPU when asked or when auto finds one, never by chance."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The profiler: phases accumulate, the rules name the dominant phase with its share, GIL contention is seen."""
+"""The profiler: phases accumulate, the rules name the dominant phase and its share, GIL contention shows."""
 
 from __future__ import annotations
 
@@ -86,8 +86,10 @@ def test_throughput_counters_divide_by_the_wall_time():
 
 def test_the_rule_names_the_dominant_phase_with_its_share():
     rules = bottleneck_rules(ProfileSnapshot({"generation": 7.8, "training": 2.0, "refit": 0.2}, wall_s=10.0))
-    assert rules[0] == ("generation is 78% of each iteration: try the native engine or larger rollout batches "
-                        "(engine.max_batch_size), and CUDA graphs on GPU")
+    assert rules[0] == (
+        "generation is 78% of each iteration: try the native engine or larger rollout batches "
+        "(engine.max_batch_size), and CUDA graphs on GPU"
+    )
     assert len(rules) == 1  # nothing else crosses a threshold
 
 
@@ -124,13 +126,27 @@ def test_spread_out_time_and_untimed_time_are_reported():
 
 
 def test_gil_and_memory_rules_fire_only_above_their_thresholds():
-    quiet = ProfileSnapshot({"x": 1.0}, wall_s=1.0, gil_delay_ms_mean=0.2, gil_contention=0.04,
-                            peak_rss_mb=500.0, machine_memory_mb=1000.0)
+    quiet = ProfileSnapshot(
+        {"x": 1.0},
+        wall_s=1.0,
+        gil_delay_ms_mean=0.2,
+        gil_contention=0.04,
+        peak_rss_mb=500.0,
+        machine_memory_mb=1000.0,
+    )
     assert len(bottleneck_rules(quiet)) == 1  # only the phase sentence
-    busy = ProfileSnapshot({"x": 1.0}, wall_s=1.0, gil_delay_ms_mean=3.5, gil_contention=0.7,
-                           peak_rss_mb=900.0, machine_memory_mb=1000.0,
-                           peak_device_mem_mb=75_000.0, device_mem_total_mb=80_000.0,
-                           device_util=20.0, device_util_readings=30)
+    busy = ProfileSnapshot(
+        {"x": 1.0},
+        wall_s=1.0,
+        gil_delay_ms_mean=3.5,
+        gil_contention=0.7,
+        peak_rss_mb=900.0,
+        machine_memory_mb=1000.0,
+        peak_device_mem_mb=75_000.0,
+        device_mem_total_mb=80_000.0,
+        device_util=20.0,
+        device_util_readings=30,
+    )
     rules = bottleneck_rules(busy)
     assert rules[1].startswith("the Python thread waited 3.50 ms per wake-up on average")
     assert "GIL contention 0.70" in rules[1]
@@ -227,8 +243,9 @@ def test_a_phase_recorded_before_start_moves_the_wall_clock_back():
 
 
 class FakeCudaMemory:
-    """torch.cuda's memory counters as the profiler reads them: bytes allocated now, bytes the caching allocator
-    reserves (it keeps what was freed until empty_cache), and the peaks of both since the last reset."""
+    """torch.cuda's memory counters as the profiler reads them: bytes allocated now, bytes the caching
+    allocator reserves (it keeps what was freed until empty_cache), and the peaks of both since the last
+    reset."""
 
     MIB = 2**20
 
@@ -272,6 +289,7 @@ def test_peak_gpu_memory_per_phase_survives_a_nested_phase(monkeypatch):
     """A phase resets CUDA's peak counters when it starts, which would erase the peak of the phase around it:
     the outer phase's 1600 MiB spike came before the inner phase started and must still be its peak."""
     from alignflow.stages.common import profiler as profiler_module
+
     cuda = FakeCudaMemory(base_mib=1000)
     monkeypatch.setattr(profiler_module, "_torch_cuda", lambda: cuda)
     prof = Profiler("ppo")
@@ -295,20 +313,31 @@ def test_peak_gpu_memory_per_phase_survives_a_nested_phase(monkeypatch):
     summary = prof.summary()
     assert cuda.resets == 4
     peaks = {k: v for k, v in summary.items() if k.startswith("perf/peak_gpu")}
-    assert peaks == {"perf/peak_gpu_allocated_mb": 3000.0, "perf/peak_gpu_reserved_mb": 3000.0,
-                     "perf/peak_gpu_allocated_mb/train": 1600.0, "perf/peak_gpu_reserved_mb/train": 1600.0,
-                     "perf/peak_gpu_allocated_mb/refit": 1150.0, "perf/peak_gpu_reserved_mb/refit": 1600.0,
-                     "perf/peak_gpu_allocated_mb/generate": 1200.0, "perf/peak_gpu_reserved_mb/generate": 1200.0}
+    assert peaks == {
+        "perf/peak_gpu_allocated_mb": 3000.0,
+        "perf/peak_gpu_reserved_mb": 3000.0,
+        "perf/peak_gpu_allocated_mb/train": 1600.0,
+        "perf/peak_gpu_reserved_mb/train": 1600.0,
+        "perf/peak_gpu_allocated_mb/refit": 1150.0,
+        "perf/peak_gpu_reserved_mb/refit": 1600.0,
+        "perf/peak_gpu_allocated_mb/generate": 1200.0,
+        "perf/peak_gpu_reserved_mb/generate": 1200.0,
+    }
     assert summary["perf/peak_device_mem_mb"] == 3000.0
     text = prof.report_markdown()
-    assert "| phase | calls | seconds | mean s/call | share | peak GPU allocated MiB | peak GPU reserved MiB |" in text
-    assert [line.split("|")[-3:-1] for line in text.splitlines() if line.startswith("| train |")] == \
-        [[" 1600 ", " 1600 "]]
+    assert (
+        "| phase | calls | seconds | mean s/call | share | peak GPU allocated MiB | peak GPU reserved MiB |"
+        in text
+    )
+    assert [line.split("|")[-3:-1] for line in text.splitlines() if line.startswith("| train |")] == [
+        [" 1600 ", " 1600 "]
+    ]
     assert "- peak device memory (reserved by the caching allocator): 3000 MiB of 80.0 GiB" in text
 
 
 def test_a_phase_that_began_before_cuda_was_initialised_gets_its_peak_at_the_end(monkeypatch):
     from alignflow.stages.common import profiler as profiler_module
+
     cuda, ready = FakeCudaMemory(base_mib=0), []
     monkeypatch.setattr(profiler_module, "_torch_cuda", lambda: cuda if ready else None)
     prof = Profiler("sft")

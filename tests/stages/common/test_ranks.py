@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.stages.ppo.test_ppo import finish, local, start_stage
 
 from alignflow.contract import StageResult
+from tests.stages.ppo.test_ppo import finish, local, start_stage
 from tests.stages.test_lora_stages import stage_spec
 
 pytestmark = pytest.mark.slow
 
 # What two ranks change: the order in which gloo sums the two halves of each gradient (and DeepSpeed's
 # division by the world size before the sum), ~1e-7 relative per step; Adam can turn a gradient entry near 0
-# into a step of up to lr, so the bound that always holds is loose (lr x steps). Measured on the 2-core EPYC
-# after 9 steps: ZeRO-2 bit-identical (max |diff| 0.0), ZeRO-3 7.5e-9; 1e-6 leaves room for other CPUs'
+# into a step of up to lr, so the bound that always holds is loose (lr x steps). After 9 steps on a
+# 2-core CPU: ZeRO-2 bit-identical (max |diff| 0.0), ZeRO-3 7.5e-9; 1e-6 leaves room for other CPUs'
 # kernels while training moves the weights by > 1e-2 (asserted below, so the comparison can fail).
 WEIGHT_ATOL = 1e-6
 LOSS_RTOL = 1e-5
@@ -186,8 +186,8 @@ def test_reward_and_dpo_on_two_ranks_equal_one_rank(upstream, stage, section, we
 
 
 def test_ranks_die_with_a_killed_launcher(upstream):
-    """A SIGKILLed stage process takes its ranks with it: none is left training into an output a retry
-    re-creates."""
+    """A SIGKILLed stage process takes its ranks with it:
+    none is left training into an output a retry re-creates."""
     spec, proc, ranks = start_long_two_rank_sft(upstream, "launcher-killed")
     time.sleep(15)
     proc.kill()
@@ -249,9 +249,8 @@ def test_ppo_on_two_trainer_ranks_equals_one_rank(upstream, zero_stage):
         for r in (one, two)
     ]
     for one_it, two_it in zip(*history, strict=True):
-        assert (
-            two_it["rollout/score_mean"] == one_it["rollout/score_mean"]
-        )  # the same rollouts (rank 0's engine)
+        # the same rollouts (rank 0's engine)
+        assert two_it["rollout/score_mean"] == one_it["rollout/score_mean"]
         for key in (
             "losses/policy_loss",
             "losses/value_loss",
@@ -304,9 +303,8 @@ def test_ppo_on_two_trainer_ranks_with_two_rollout_workers(upstream):
         for line in (local(one_rank_ppo(upstream, 2).output_uri) / "metrics.jsonl").read_text().splitlines()
     ]
     assert [m["iteration"] for m in two] == [1.0, 2.0]
-    assert all(
-        m["refit/bytes_sent"] == 2 * m["refit/bytes"] > 0 for m in two
-    )  # both workers refit each iteration
+    # both workers refit each iteration
+    assert all(m["refit/bytes_sent"] == 2 * m["refit/bytes"] > 0 for m in two)
     for one_it, two_it in zip(one, two, strict=True):
         assert two_it["rollout/score_mean"] == pytest.approx(one_it["rollout/score_mean"], abs=1e-6)
         assert two_it["losses/policy_loss"] == pytest.approx(one_it["losses/policy_loss"], rel=1e-4, abs=1e-7)

@@ -1,4 +1,4 @@
-"""Reward-model scoring: the read-out matches reward training, the total is the weighted sum of z-scores, loading checks."""
+"""Reward-model scoring: read-out as in reward training, total = weighted sum of z-scores, loading checks."""
 
 from __future__ import annotations
 
@@ -26,9 +26,19 @@ PAD = 2
 def _classifier(seed: int):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    config = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, num_labels=1,
-                         pad_token_id=PAD, bos_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        num_labels=1,
+        pad_token_id=PAD,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForSequenceClassification(config).eval()
@@ -45,7 +55,8 @@ def test_raw_scores_match_the_reward_stage_read_out():
     got = raw_scores(model, SEQUENCES, PAD, batch_size=3)
     # Same model, same padding rule; only the batch split differs: fp32 agreement to 1e-6.
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    assert got.std() > 1e-4  # different sequences, different scores: the check above is not constant == constant
+    # different sequences, different scores: the check above is not constant == constant
+    assert got.std() > 1e-4
     with pytest.raises(ValueError, match="empty sequence"):
         raw_scores(model, [[0, 1], []], PAD)
 
@@ -53,38 +64,45 @@ def test_raw_scores_match_the_reward_stage_read_out():
 def test_packed_llama_forward_scores_equal_transformers_padded_forward():
     model = _classifier(3)
     assert runs_packed(model, PAD)  # so the comparison below really takes the packed path
-    # Trailing pad-id tokens (an EOS that doubles as the pad token) and an all-pad sequence: transformers reads
-    # the last non-pad token, index 0 when there is none; the packed path must read the same positions.
+    # Trailing pad-id tokens (an EOS that doubles as the pad token) and an all-pad sequence: transformers
+    # reads the last non-pad token, index 0 when there is none; the packed path must read the same positions.
     sequences = [*SEQUENCES, [0, 5, PAD, PAD], [PAD, PAD, PAD], [0, 6, PAD, 9, 1, 3, 4, 7, 8, 10, 12, 13, 14]]
     reference = raw_scores(model, sequences, PAD, batch_size=4, packed=False)
     got = raw_scores(model, sequences, PAD, batch_size=4)
     # Same arithmetic in another summation order (SDPA vs eager softmax, packed rows): fp32, measured 2e-7.
     torch.testing.assert_close(got, reference, rtol=0, atol=2e-6)
     assert reference.std() > 1e-3
-    shifted = raw_scores(model, [[0, 5]], PAD)  # reading [0, 5, PAD, PAD] at its last slot would differ from this
+    # reading [0, 5, PAD, PAD] at its last slot would differ from this
+    shifted = raw_scores(model, [[0, 5]], PAD)
     torch.testing.assert_close(got[len(SEQUENCES)], shifted[0], rtol=0, atol=2e-6)
     # A config that pads with another id: transformers would read other positions, so the padded path runs.
     assert not runs_packed(model, PAD + 1)
 
 
 def test_total_is_the_weighted_sum_of_z_scores():
-    models = [RewardModel("a", 1.0, 0.2, 0.5, _classifier(1)), RewardModel("b", -0.5, -0.1, 2.0, _classifier(2))]
+    models = [
+        RewardModel("a", 1.0, 0.2, 0.5, _classifier(1)),
+        RewardModel("b", -0.5, -0.1, 2.0, _classifier(2)),
+    ]
     got = score_with_reward_models(models, SEQUENCES, PAD, batch_size=2)
     per_model, total = got  # unpacks like the (dict, total) pair the PPO stage uses
     for m in models:
         raw = raw_scores(m.model, SEQUENCES, PAD)
         loop = torch.tensor([(float(raw[i]) - m.mean) / m.std for i in range(len(SEQUENCES))])
         torch.testing.assert_close(per_model[m.name], loop, rtol=0, atol=1e-6)
-    loop_total = torch.tensor([sum(m.weight * float(per_model[m.name][i]) for m in models)
-                               for i in range(len(SEQUENCES))])
+    loop_total = torch.tensor(
+        [sum(m.weight * float(per_model[m.name][i]) for m in models) for i in range(len(SEQUENCES))]
+    )
     torch.testing.assert_close(total, loop_total, rtol=0, atol=1e-6)
-    assert float(combine(models, {"a": torch.tensor([0.7]), "b": torch.tensor([1.9])}).total) == pytest.approx(
-        1.0 * (0.7 - 0.2) / 0.5 - 0.5 * (1.9 + 0.1) / 2.0)
+    assert float(
+        combine(models, {"a": torch.tensor([0.7]), "b": torch.tensor([1.9])}).total
+    ) == pytest.approx(1.0 * (0.7 - 0.2) / 0.5 - 0.5 * (1.9 + 0.1) / 2.0)
 
 
 # ----------------------------------------------------------------------------------------------
 # Loading from a stage's inputs
 # ----------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tokenizers():
@@ -106,22 +124,49 @@ def _reward_input(tmp_path, key: str, sidecar: dict | None, tokenizer, seed: int
 
 
 def _ctx(tmp_path, inputs: dict[str, str]) -> StageContext:
-    return StageContext(StageSpec(stage="ppo", config={"model": {"dtype": "float32"}}, inputs=inputs,
-                                  output_uri=f"file://{tmp_path}/store/out", workdir=str(tmp_path)))
+    return StageContext(
+        StageSpec(
+            stage="ppo",
+            config={"model": {"dtype": "float32"}},
+            inputs=inputs,
+            output_uri=f"file://{tmp_path}/store/out",
+            workdir=str(tmp_path),
+        )
+    )
 
 
 def test_load_reward_models_reads_sidecars_in_input_order(tmp_path, tokenizers):
     tok, _ = tokenizers
-    inputs = {"reward_z": _reward_input(tmp_path, "reward_z", {"name": "z", "weight": 0.5, "score_mean": 1.0,
-                                                                "score_std": 2.0}, tok, seed=1),
-              "reward_a": _reward_input(tmp_path, "reward_a", {"name": "a", "weight": 2.0, "score_mean": -1.0,
-                                                                "score_std": 0.5}, tok, seed=2),
-              "sft": "file:///unused"}
+    inputs = {
+        "reward_z": _reward_input(
+            tmp_path,
+            "reward_z",
+            {"name": "z", "weight": 0.5, "score_mean": 1.0, "score_std": 2.0},
+            tok,
+            seed=1,
+        ),
+        "reward_a": _reward_input(
+            tmp_path,
+            "reward_a",
+            {"name": "a", "weight": 2.0, "score_mean": -1.0, "score_std": 0.5},
+            tok,
+            seed=2,
+        ),
+        "sft": "file:///unused",
+    }
     models = load_reward_models(_ctx(tmp_path, inputs), tokenizer=tok, device="cpu")
-    assert [(m.name, m.weight, m.mean, m.std) for m in models] == [("a", 2.0, -1.0, 0.5), ("z", 0.5, 1.0, 2.0)]
+    assert [(m.name, m.weight, m.mean, m.std) for m in models] == [
+        ("a", 2.0, -1.0, 0.5),
+        ("z", 0.5, 1.0, 2.0),
+    ]
     assert all(not p.requires_grad for m in models for p in m.model.parameters())
-    torch.testing.assert_close(raw_scores(models[0].model, SEQUENCES, PAD), raw_scores(_classifier(2), SEQUENCES, PAD),
-                               rtol=0, atol=1e-6)  # the saved weights, not a fresh init
+    # the saved weights, not a fresh init
+    torch.testing.assert_close(
+        raw_scores(models[0].model, SEQUENCES, PAD),
+        raw_scores(_classifier(2), SEQUENCES, PAD),
+        rtol=0,
+        atol=1e-6,
+    )
 
 
 def test_load_reward_models_refuses_bad_inputs(tmp_path, tokenizers):

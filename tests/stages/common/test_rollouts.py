@@ -1,4 +1,4 @@
-"""Tests of the rollout Parquet schema: round trips (pyarrow, pandas, DuckDB), rejected rows, rejected files."""
+"""The rollout Parquet schema: round trips (pyarrow, pandas, DuckDB), rejected rows, rejected files."""
 
 from __future__ import annotations
 
@@ -47,7 +47,12 @@ def test_schema_is_declared_with_docs():
     for field in ROLLOUT_SCHEMA:
         assert field.metadata and field.metadata[b"description"], f"{field.name} has no description"
     nullable = {f.name for f in ROLLOUT_SCHEMA if f.nullable}
-    assert nullable == {"values", "returns", "ref_logprobs"}  # ref_logprobs: null when the reference is skipped
+    # ref_logprobs: null when the reference is skipped
+    assert nullable == {
+        "values",
+        "returns",
+        "ref_logprobs",
+    }
     rewards = ROLLOUT_SCHEMA.field("rewards").type
     assert (rewards.key_type, rewards.item_type) == (pa.string(), pa.float32())
     assert ROLLOUT_SCHEMA.field("logprobs").type.value_type == pa.float32()
@@ -133,14 +138,14 @@ def _with(i: int, **changes) -> list[dict]:
         ),
         (
             _with(2, length=4),
-            "rollouts: 7 problems:\n"
-            "  - column 'response_token_ids' row 2: has 3 values but the response has 4 tokens (column 'length')\n"
-            "  - column 'logprobs' row 2: has 3 values but the response has 4 tokens (column 'length')\n"
-            "  - column 'ref_logprobs' row 2: has 3 values but the response has 4 tokens (column 'length')\n"
-            "  - column 'values' row 2: has 3 values but the response has 4 tokens (column 'length')\n"
-            "  - column 'token_rewards' row 2: has 3 values but the response has 4 tokens (column 'length')\n"
-            "  - column 'advantages' row 2: has 3 values but the response has 4 tokens (column 'length')\n"
-            "  - column 'returns' row 2: has 3 values but the response has 4 tokens (column 'length')",
+            "rollouts: 7 problems:\n  - column 'response_token_ids' row 2: has 3 values but the response has "
+            "4 tokens (column 'length')\n  - column 'logprobs' row 2: has 3 values but the response has 4 "
+            "tokens (column 'length')\n  - column 'ref_logprobs' row 2: has 3 values but the response has 4 "
+            "tokens (column 'length')\n  - column 'values' row 2: has 3 values but the response has 4 tokens "
+            "(column 'length')\n  - column 'token_rewards' row 2: has 3 values but the response has 4 tokens "
+            "(column 'length')\n  - column 'advantages' row 2: has 3 values but the response has 4 tokens "
+            "(column 'length')\n  - column 'returns' row 2: has 3 values but the response has 4 tokens "
+            "(column 'length')",
         ),
         (
             _with(0, advantages=[0.0, float("nan"), 0.0]),
@@ -305,8 +310,10 @@ def test_os_replace_is_used_for_atomicity(tmp_path, rows, monkeypatch):
 
 
 def test_the_docs_show_the_schema_as_declared():
-    """The documented rollout table is schema_markdown()'s: a column or description changed in one place only fails."""
+    """The documented rollout table is schema_markdown()'s:
+    a column or description changed in one place only fails."""
     repo = Path(__file__).resolve().parents[3]
     pages = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
-    assert any(ro.schema_markdown().strip() in page.read_text() for page in pages), \
+    assert any(ro.schema_markdown().strip() in page.read_text() for page in pages), (
         "no page of README.md or docs/ shows the rollout schema; paste schema_markdown()'s table into one"
+    )

@@ -16,8 +16,9 @@ from alignflow.stages.common.runtime import StageContext, tracked
 
 
 def test_an_output_waits_for_its_queued_metrics_and_is_not_published_without_them(tmp_path, monkeypatch):
-    """The sender's kept batch cannot get in (the server refuses the background sender's calls) while the stage's
-    own calls still do: publish_output must not publish before the sender gives up, and then not at all."""
+    """The sender's kept batch cannot get in (the server refuses the background sender's calls) while the
+    stage's own calls still do: publish_output must not publish before the sender gives up, and then not at
+    all."""
     monkeypatch.setattr(tracking, "_RETRY_FIRST_S", 0.01)
     monkeypatch.setenv(tracking.OUTAGE_VAR, "0.5")
     spec = StageSpec(stage="ppo", config={}, output_uri=f"file://{tmp_path}/out/ppo", workdir=str(tmp_path),

@@ -1,4 +1,4 @@
-"""Tiny random Llama-family checkpoints, tolerances and prompt helpers shared by the engine tests (not a test module)."""
+"""Tiny random Llama-family checkpoints, tolerances and prompt helpers of the engine tests (no tests)."""
 
 from __future__ import annotations
 
@@ -13,25 +13,47 @@ ARCHITECTURES: dict[str, dict] = {
     "llama_mha_untied": {"model_type": "llama", "num_key_value_heads": 4, "tie_word_embeddings": False},
     # Grouped-query attention (2 query heads per KV head), tied embeddings, llama3 RoPE scaling.
     "llama_gqa_tied_llama3": {
-        "model_type": "llama", "num_key_value_heads": 2, "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        "model_type": "llama",
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
     },
     # Qwen2: QKV bias, 4 query heads on 1 KV head, the second layer with a 6-token sliding window.
     "qwen2_bias_window": {
-        "model_type": "qwen2", "num_key_value_heads": 1, "tie_word_embeddings": False,
-        "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1,
+        "model_type": "qwen2",
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": False,
+        "use_sliding_window": True,
+        "sliding_window": 6,
+        "max_window_layers": 1,
     },
     # Mistral: head_dim 32 != hidden / heads, linear RoPE scaling, an 8-token sliding window.
     "mistral_linear_window": {
-        "model_type": "mistral", "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 8,
+        "model_type": "mistral",
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "sliding_window": 8,
         "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     },
     # Llama with attention_bias (q, k, v and o biases) and yarn RoPE.
     "llama_bias_yarn": {
-        "model_type": "llama", "num_key_value_heads": 2, "attention_bias": True, "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                            "original_max_position_embeddings": 32},
+        "model_type": "llama",
+        "num_key_value_heads": 2,
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     },
 }
 
@@ -44,9 +66,18 @@ def tiny_config(name: str, **overrides):
 
     spec = dict(ARCHITECTURES[name])
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[spec.pop("model_type")]
-    kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  vocab_size=256, max_position_embeddings=128, bos_token_id=1, eos_token_id=EOS_ID,
-                  pad_token_id=0, initializer_range=0.1)
+    kwargs = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=256,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+        initializer_range=0.1,
+    )
     kwargs.update(spec)
     kwargs.update(overrides)
     return cls(**kwargs)
@@ -90,9 +121,21 @@ TOLERANCES = {
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def heap_in_use() -> int | None:
@@ -107,14 +150,16 @@ def heap_in_use() -> int | None:
 
 
 def memory_in_use(device: str) -> int | None:
-    """Bytes allocated on `device` right now: torch's CUDA allocator on cuda, malloc's heap on the CPU (None off
-    glibc). What an engine allocates while it works shows here on its own device."""
+    """Bytes allocated on `device` right now: torch's CUDA allocator on cuda, malloc's heap on the CPU (None
+    off glibc). What an engine allocates while it works shows here on its own device."""
     if torch.device(device).type == "cuda":
         return torch.cuda.memory_allocated(device)
     return heap_in_use()
 
 
-def random_prompts(batch: int, seed: int = 0, vocab: int = 256, lengths: tuple[int, int] = (1, 14)) -> list[list[int]]:
+def random_prompts(
+    batch: int, seed: int = 0, vocab: int = 256, lengths: tuple[int, int] = (1, 14)
+) -> list[list[int]]:
     """`batch` prompts of different lengths (ids >= 3: clear of pad/bos/eos)."""
     gen = torch.Generator().manual_seed(seed)
     sizes = torch.randint(lengths[0], lengths[1], (batch,), generator=gen).tolist()
@@ -126,9 +171,9 @@ def random_prompts(batch: int, seed: int = 0, vocab: int = 256, lengths: tuple[i
 def engine_config(**overrides):
     from alignflow.config import EngineConfig
 
-    # The C++ decode loop (engine.cpu_decode_loop, on by default) replaces the torch step on AVX-512 CPUs: off here,
-    # so these tests keep testing the torch step on every CPU; test_engine_decode_loop.py turns it on and checks
-    # the loop against that step.
+    # The C++ decode loop (engine.cpu_decode_loop, on by default) replaces the torch step on AVX-512 CPUs: off
+    # here, so these tests keep testing the torch step on every CPU; test_engine_decode_loop.py turns it on
+    # and checks the loop against that step.
     values = {"max_batch_size": 8, "max_seq_len": 64, "cuda_graphs": False, "cpu_decode_loop": False}
     values.update(overrides)
     return EngineConfig(**values)

@@ -1,4 +1,4 @@
-"""The native engine's C++ decode loop (engine.cpu_decode_loop) against its torch step: same tokens, same stops."""
+"""The native engine's C++ decode loop (engine.cpu_decode_loop) against its torch step: same tokens, stops."""
 
 from __future__ import annotations
 
@@ -24,11 +24,14 @@ pytestmark = pytest.mark.cpu_only("the C++ decode loop is the CPU engine's")
 
 @pytest.fixture(autouse=True)
 def _loop_builds_here():
-    # A fixture, not a skipif at import: a --device cuda run (which skips this module) never builds the C++ kernels.
+    # A fixture, not a skipif at import: a --device cuda run (which skips this module) never builds the C++
+    # kernels.
     if not kernel.available():
         pytest.skip(f"no C++ decode loop here: {kernel.unavailable_reason()}")
 
-# Stop tokens common enough (9 of the 256-token vocabulary) that rows finish at different steps, and some do not.
+
+# Stop tokens common enough (9 of the 256-token vocabulary) that rows finish at different steps, and some do
+# not.
 STOPPING = SamplingParams(temperature=1.0, max_new_tokens=20, seed=11, stop_token_ids=list(range(3, 12)))
 
 
@@ -53,9 +56,10 @@ def _assert_same_generation(got, want) -> None:
 
 @pytest.mark.parametrize("arch", ["llama_mha_untied", "llama_gqa_tied_llama3", "qwen2_bias"])
 def test_the_loop_generates_what_the_torch_step_does(tiny_checkpoints, tmp_path, arch):
-    """Multi-head and grouped-query attention, tied and untied heads, llama3 RoPE, Qwen2's QKV bias (nonzero here);
-    left-padded prompts of mixed lengths; rows stopping at different steps; each step's logits."""
-    if arch == "qwen2_bias":  # the fixture's Qwen2 has a sliding window, which the loop leaves to the torch step
+    """Multi-head and grouped-query attention, tied and untied heads, llama3 RoPE, Qwen2's QKV bias (nonzero
+    here); left-padded prompts of mixed lengths; rows stopping at different steps; each step's logits."""
+    # the fixture's Qwen2 has a sliding window, which the loop leaves to the torch step
+    if arch == "qwen2_bias":
         path = save_tiny_model(tmp_path / arch, "qwen2_bias_window", bias_std=0.5, use_sliding_window=False)
     else:
         path = tiny_checkpoints[arch]
@@ -64,15 +68,20 @@ def test_the_loop_generates_what_the_torch_step_does(tiny_checkpoints, tmp_path,
     got = fast.generate(prompts, STOPPING, return_logits=True)
     want = reference.generate(prompts, STOPPING, return_logits=True)
     lengths = {len(r) for r in want.response_token_ids}
-    assert len(lengths) > 2 and "stop" in want.finish_reasons and "length" in want.finish_reasons  # it has to show
+    # it has to show
+    assert len(lengths) > 2 and "stop" in want.finish_reasons and "length" in want.finish_reasons
     _assert_same_generation(got, want)
-    # The logits of each step are those of the model run over prompt + response (the prefill path, parity-tested
-    # against transformers in test_engine_parity.py): the loop's cache, positions and masks are right.
+    # The logits of each step are those of the model run over prompt + response (the prefill path,
+    # parity-tested against transformers in test_engine_parity.py): the loop's cache, positions and masks are
+    # right.
     full = reference.forward_logits([p + r for p, r in zip(prompts, got.response_token_ids, strict=True)])
-    for prompt, response, step_logits, whole in zip(prompts, got.response_token_ids, got.logits, full, strict=True):
+    for prompt, response, step_logits, whole in zip(
+        prompts, got.response_token_ids, got.logits, full, strict=True
+    ):
         n = len(response)
-        torch.testing.assert_close(step_logits, whole[len(prompt) - 1: len(prompt) - 1 + n], rtol=0,
-                                   atol=TOLERANCES["logits_fp32"])
+        torch.testing.assert_close(
+            step_logits, whole[len(prompt) - 1 : len(prompt) - 1 + n], rtol=0, atol=TOLERANCES["logits_fp32"]
+        )
 
 
 def test_greedy_rows_early_stop_and_a_repeated_prompt(tiny_checkpoints):
@@ -83,7 +92,9 @@ def test_greedy_rows_early_stop_and_a_repeated_prompt(tiny_checkpoints):
     prompts = prompts + prompts[:2]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
     _assert_same_generation(fast.generate(prompts, greedy), reference.generate(prompts, greedy))
-    everything_stops = SamplingParams(temperature=1.0, max_new_tokens=24, seed=2, stop_token_ids=list(range(3, 128)))
+    everything_stops = SamplingParams(
+        temperature=1.0, max_new_tokens=24, seed=2, stop_token_ids=list(range(3, 128))
+    )
     got, want = fast.generate(prompts, everything_stops), reference.generate(prompts, everything_stops)
     assert want.metrics["perf/decode_steps"] < 24
     _assert_same_generation(got, want)
@@ -91,8 +102,8 @@ def test_greedy_rows_early_stop_and_a_repeated_prompt(tiny_checkpoints):
 
 @pytest.mark.parametrize("arch", ["llama_mha_untied", "llama_gqa_tied_llama3"])
 def test_the_avx2_build_generates_what_the_torch_step_does(tiny_checkpoints, monkeypatch, arch):
-    """CPUs without AVX-512 run the loop's AVX2 build (its skinny_linear, sampler and attention body); that build
-    runs on AVX-512 CPUs too, so it is checked here wherever it builds."""
+    """CPUs without AVX-512 run the loop's AVX2 build (its skinny_linear, sampler and attention body); that
+    build runs on AVX-512 CPUs too, so it is checked here wherever it builds."""
     avx2 = _cpu_extension.logprob_kernels()  # the AVX2 extension, on any CPU with AVX2 and FMA
     if avx2 is None:
         pytest.skip(f"no AVX2 build here: {_cpu_extension.logprob_kernels_unavailable_reason()}")
@@ -103,14 +114,21 @@ def test_the_avx2_build_generates_what_the_torch_step_does(tiny_checkpoints, mon
     got = fast.generate(prompts, STOPPING, return_logits=True)
     _assert_same_generation(got, reference.generate(prompts, STOPPING, return_logits=True))
     full = reference.forward_logits([p + r for p, r in zip(prompts, got.response_token_ids, strict=True)])
-    for prompt, response, step_logits, whole in zip(prompts, got.response_token_ids, got.logits, full, strict=True):
-        torch.testing.assert_close(step_logits, whole[len(prompt) - 1: len(prompt) - 1 + len(response)], rtol=0,
-                                   atol=TOLERANCES["logits_fp32"])
+    for prompt, response, step_logits, whole in zip(
+        prompts, got.response_token_ids, got.logits, full, strict=True
+    ):
+        torch.testing.assert_close(
+            step_logits,
+            whole[len(prompt) - 1 : len(prompt) - 1 + len(response)],
+            rtol=0,
+            atol=TOLERANCES["logits_fp32"],
+        )
 
 
 def test_the_result_does_not_depend_on_the_thread_count(tiny_checkpoints):
-    """Each row's arithmetic is one thread's and each linear's pieces are whole (tile, 8 rows) blocks, so 1 and 2
-    threads give the same bits (the critic's process and the rollout workers run with other thread counts)."""
+    """Each row's arithmetic is one thread's and each linear's pieces are whole (tile, 8 rows) blocks, so
+    1 and 2 threads give the same bits (the critic's process and the rollout workers run with other thread
+    counts)."""
     fast, _ = _engines(tiny_checkpoints["llama_mha_untied"])
     prompts = random_prompts(8, seed=6)  # 8 rows: both threads get rows and linear pieces
     one = fast.generate(prompts, STOPPING)
@@ -146,7 +164,9 @@ def test_top_k_and_top_p_sampling_take_the_torch_step(tiny_checkpoints, monkeypa
     fast, reference = _engines(tiny_checkpoints["llama_mha_untied"])
     calls = []
     run = engine_loop.CppDecodeLoop.run
-    monkeypatch.setattr(engine_loop.CppDecodeLoop, "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))
+    monkeypatch.setattr(
+        engine_loop.CppDecodeLoop, "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k)
+    )
     prompts = random_prompts(3, seed=8)
     for update in ({"top_k": 10}, {"top_p": 0.8}):
         sampling = STOPPING.model_copy(update=update)
@@ -154,8 +174,10 @@ def test_top_k_and_top_p_sampling_take_the_torch_step(tiny_checkpoints, monkeypa
     assert calls == []
     fast.generate(prompts, STOPPING)
     assert calls == [1]
-    assert fast.execution_paths()["decode_step"] == f"C++ decode loop ({kernel.isa()}, kernels/decode_loop.py); " \
-                                                     "with top-k/top-p sampling eager"
+    assert (
+        fast.execution_paths()["decode_step"] == f"C++ decode loop ({kernel.isa()}, kernels/decode_loop.py); "
+        "with top-k/top-p sampling eager"
+    )
 
 
 def test_models_and_settings_the_loop_leaves_to_the_torch_step(tiny_checkpoints):
@@ -178,20 +200,49 @@ def test_bad_arguments_name_what_is_wrong(tiny_checkpoints):
     fast, _ = _engines(tiny_checkpoints["llama_mha_untied"])
     loop, cache = fast._decode_loop, fast.cache
     B, V = 2, fast.vocab_size
-    args = dict(first_logits=torch.zeros(B, V), k_cache=cache.k, v_cache=cache.v, cos=fast.model.cos,
-                sin_signed=fast.model.sin, mask=torch.zeros(B, 64), positions=torch.tensor([3, 4]), first_slot=4,
-                temperature=torch.ones(B), seeds=torch.tensor([1, 2]), ends=torch.zeros(V, dtype=torch.bool),
-                max_new_tokens=8)
+    args = dict(
+        first_logits=torch.zeros(B, V),
+        k_cache=cache.k,
+        v_cache=cache.v,
+        cos=fast.model.cos,
+        sin_signed=fast.model.sin,
+        mask=torch.zeros(B, 64),
+        positions=torch.tensor([3, 4]),
+        first_slot=4,
+        temperature=torch.ones(B),
+        seeds=torch.tensor([1, 2]),
+        ends=torch.zeros(V, dtype=torch.bool),
+        max_new_tokens=8,
+    )
     with pytest.raises(RuntimeError, match=r"ends must be a contiguous Bool CPU tensor \[256\]"):
         loop.run(**{**args, "ends": torch.zeros(V)})
     with pytest.raises(RuntimeError, match="slots 60..126 do not fit the cache's 64"):
         loop.run(**{**args, "first_slot": 60, "max_new_tokens": 68, "mask": torch.zeros(B, 128)})
     with pytest.raises(RuntimeError, match="position 60 of row 0 runs past the RoPE table's 64 positions"):
         loop.run(**{**args, "positions": torch.tensor([60, 4])})
+
     def call(layers, lm_head):
-        kernel.decode_loop(args["first_logits"], layers, fast.weights["embed"], fast.weights["norm"], lm_head,
-                           cache.k, cache.v, fast.model.cos, fast.model.sin, args["mask"], args["positions"], 4,
-                           args["temperature"], args["seeds"], args["ends"], 8, 4, 4, 1e-6)
+        kernel.decode_loop(
+            args["first_logits"],
+            layers,
+            fast.weights["embed"],
+            fast.weights["norm"],
+            lm_head,
+            cache.k,
+            cache.v,
+            fast.model.cos,
+            fast.model.sin,
+            args["mask"],
+            args["positions"],
+            4,
+            args["temperature"],
+            args["seeds"],
+            args["ends"],
+            8,
+            4,
+            4,
+            1e-6,
+        )
 
     layers = list(loop._layers)
     layers[1] = layers[1][:, :-1].contiguous()  # qkv of layer 0, one input column short

@@ -1,4 +1,4 @@
-"""save/load, unload/reload, interrupted generation, the build-time parity check and the compiled decode step."""
+"""save/load, unload/reload, interrupted generation, the build-time parity check, the compiled decode step."""
 
 from __future__ import annotations
 
@@ -31,7 +31,11 @@ def test_save_load_round_trip_gives_identical_output(tiny_checkpoints, tmp_path,
     saved = engine.save(tmp_path / "engine")
 
     meta = json.loads((saved / "engine_config.json").read_text())
-    assert meta["backend"] == backend and meta["layout_version"] == 1 and meta["engine_config"]["max_seq_len"] == 48
+    assert (
+        meta["backend"] == backend
+        and meta["layout_version"] == 1
+        and meta["engine_config"]["max_seq_len"] == 48
+    )
     assert meta["tokenizer"] == "tokenizer" and (saved / "tokenizer" / "tokenizer.json").is_file()
     if backend == "native":  # weights are stored in the inference layout
         from safetensors import safe_open
@@ -49,7 +53,9 @@ def test_save_load_round_trip_gives_identical_output(tiny_checkpoints, tmp_path,
 def test_load_rejects_what_is_not_an_engine(tmp_path, tiny_checkpoints, device):
     with pytest.raises(FileNotFoundError, match="not a saved engine"):
         load_engine(tiny_checkpoints["llama_mha_untied"], device=device)
-    saved = build_engine(tiny_checkpoints["llama_mha_untied"], engine_config(), device=device).save(tmp_path / "e")
+    saved = build_engine(tiny_checkpoints["llama_mha_untied"], engine_config(), device=device).save(
+        tmp_path / "e"
+    )
     meta = json.loads((saved / "engine_config.json").read_text())
     meta["layout_version"] = 99
     (saved / "engine_config.json").write_text(json.dumps(meta))
@@ -115,21 +121,25 @@ def test_interrupted_generation_leaves_the_engine_usable(tiny_checkpoints, devic
 
 def test_build_time_parity_check_against_hf(tiny_checkpoints, device):
     path = tiny_checkpoints["llama_bias_yarn"]
-    report = check_greedy_parity(build_engine(path, engine_config(), device=device),
-                                 build_engine(path, engine_config(backend="hf"), device=device),
-                                 random_prompts(8, seed=4), max_new_tokens=12)
+    report = check_greedy_parity(
+        build_engine(path, engine_config(), device=device),
+        build_engine(path, engine_config(backend="hf"), device=device),
+        random_prompts(8, seed=4),
+        max_new_tokens=12,
+    )
     assert report.ok and report.sequences == 8 and report.first_mismatch is None
 
 
 def test_padded_view_of_a_generation(tiny_checkpoints, device):
     engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(), device=device)
-    gen = engine.generate([[5, 6], [7]], SamplingParams(temperature=0.0, max_new_tokens=6,
-                                                        stop_token_ids=[0]))
+    gen = engine.generate(
+        [[5, 6], [7]], SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[0])
+    )
     tokens, logprobs, lengths = gen.padded(pad_token_id=-1)
     assert tokens.shape == logprobs.shape == (2, max(gen.lengths))
     for b in range(2):
         assert tokens[b, : lengths[b]].tolist() == gen.response_token_ids[b]
-        assert (tokens[b, lengths[b]:] == -1).all() and (logprobs[b, lengths[b]:] == 0).all()
+        assert (tokens[b, lengths[b] :] == -1).all() and (logprobs[b, lengths[b] :] == 0).all()
 
 
 @pytest.mark.slow
@@ -139,7 +149,9 @@ def test_compiled_decode_step_matches_eager_and_survives_refit(tiny_checkpoints,
     compiled graphs read the weight buffers as inputs, so an in-place refit needs no recompile."""
     path = tiny_checkpoints["qwen2_bias_window"]
     prompts = random_prompts(3, seed=5)
-    eager = NativeEngine.build(path, engine_config(), device=device).generate(prompts, SAMPLED, return_logits=True)
+    eager = NativeEngine.build(path, engine_config(), device=device).generate(
+        prompts, SAMPLED, return_logits=True
+    )
     engine = NativeEngine.build(path, engine_config(compile=True), device=device)
     compiled = engine.generate(prompts, SAMPLED, return_logits=True)
     assert compiled.response_token_ids == eager.response_token_ids
@@ -159,8 +171,9 @@ def test_compiled_decode_step_matches_eager_and_survives_refit(tiny_checkpoints,
 
 @pytest.mark.parametrize("arch", ["mistral_linear_window", "qwen2_bias_window", "llama_gqa_tied_llama3"])
 def test_static_shape_decode_path_matches_eager(tiny_checkpoints, arch, device):
-    """The CUDA-graph path's static buffers, tensor slot, full-length masks and batch buckets: captured as CUDA
-    graphs under --device cuda, run eagerly under --device cpu (only the graph capture itself needs a GPU)."""
+    """The CUDA-graph path's static buffers, tensor slot, full-length masks and batch buckets: captured as
+    CUDA graphs under --device cuda, run eagerly under --device cpu (only the graph capture itself needs a
+    GPU)."""
     path = tiny_checkpoints[arch]
     static = NativeEngine.build(path, engine_config(), device=device)
     static._use_graphs = True
@@ -196,7 +209,10 @@ def test_cuda_graph_decode_matches_eager_on_gpu(tiny_checkpoints, device):
 def test_engine_dtype_comes_from_the_config_unless_given(tiny_checkpoints, device):
     path = tiny_checkpoints["llama_mha_untied"]
     assert build_engine(path, engine_config(dtype="bfloat16"), device=device).dtype == torch.bfloat16
-    assert build_engine(path, engine_config(dtype="bfloat16"), dtype="float32", device=device).dtype == torch.float32
+    assert (
+        build_engine(path, engine_config(dtype="bfloat16"), dtype="float32", device=device).dtype
+        == torch.float32
+    )
     assert build_engine(path, engine_config(), device=device).dtype == torch.float32
 
 

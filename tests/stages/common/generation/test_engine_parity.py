@@ -50,7 +50,9 @@ def test_greedy_tokens_and_logits_match_hf(tiny_checkpoints, arch, batch, device
     engine = NativeEngine.build(path, engine_config(), device=device)
     prompts = random_prompts(batch, seed=batch)
 
-    gen = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), return_logits=True)
+    gen = engine.generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), return_logits=True
+    )
 
     assert gen.response_token_ids == hf_greedy(model, prompts, NEW_TOKENS)
     worst_decode = worst_prefill = 0.0
@@ -65,7 +67,9 @@ def test_greedy_tokens_and_logits_match_hf(tiny_checkpoints, arch, batch, device
         assert decode_logits.shape == at_responses.shape
         worst_decode = max(worst_decode, (decode_logits - at_responses).abs().max().item())
         worst_prefill = max(worst_prefill, (all_logits - reference).abs().max().item())
-    assert worst_decode <= TOLERANCES["logits_fp32"], f"decode-path logits differ from hf by {worst_decode:.2e}"
+    assert worst_decode <= TOLERANCES["logits_fp32"], (
+        f"decode-path logits differ from hf by {worst_decode:.2e}"
+    )
     assert worst_prefill <= TOLERANCES["logits_fp32"], f"prefill logits differ from hf by {worst_prefill:.2e}"
 
 
@@ -88,7 +92,9 @@ def test_sampled_logprobs_match_hf_forward(tiny_checkpoints, arch, batch, device
             assert len(logprobs) == len(response) >= 1
             logits = hf_logits(model, prompt + response)[len(prompt) - 1 : len(prompt) + len(response) - 1]
             # Full-vocabulary distribution at the sampling temperature, not the top-k/top-p renormalised one.
-            want = torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
+            want = torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(response)[:, None])[
+                :, 0
+            ]
             worst = max(worst, (torch.tensor(logprobs) - want).abs().max().item())
         assert worst <= TOLERANCES["logprobs_fp32"], f"{sampling}: log-probs differ from hf by {worst:.2e}"
 
@@ -100,13 +106,18 @@ def test_hf_backend_agrees_with_native(tiny_checkpoints, arch, device):
     native = build_engine(path, engine_config(backend="native"), device=device)
     hf = build_engine(path, engine_config(backend="hf"), device=device)
     prompts = random_prompts(5, seed=3)
-    for sampling in (SamplingParams(temperature=0.0, max_new_tokens=16),
-                     SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seeds=[5, 6, 7, 8, 9])):
+    for sampling in (
+        SamplingParams(temperature=0.0, max_new_tokens=16),
+        SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seeds=[5, 6, 7, 8, 9]),
+    ):
         a, b = native.generate(prompts, sampling), hf.generate(prompts, sampling)
         assert a.response_token_ids == b.response_token_ids
         assert a.finish_reasons == b.finish_reasons
-        worst = max(abs(x - y) for ra, rb in zip(a.logprobs, b.logprobs, strict=True)
-                    for x, y in zip(ra, rb, strict=True))
+        worst = max(
+            abs(x - y)
+            for ra, rb in zip(a.logprobs, b.logprobs, strict=True)
+            for x, y in zip(ra, rb, strict=True)
+        )
         assert worst <= TOLERANCES["logprobs_fp32"]
 
 
@@ -119,7 +130,10 @@ def test_parity_models_exercise_what_they_claim(tiny_checkpoints):
     specs = {n: spec_from_hf_config(AutoConfig.from_pretrained(p), 64) for n, p in tiny_checkpoints.items()}
     assert specs["llama_mha_untied"].num_kv_heads == specs["llama_mha_untied"].num_heads
     assert not specs["llama_mha_untied"].tie_word_embeddings
-    assert specs["llama_gqa_tied_llama3"].tie_word_embeddings and specs["llama_gqa_tied_llama3"].rope_type == "llama3"
+    assert (
+        specs["llama_gqa_tied_llama3"].tie_word_embeddings
+        and specs["llama_gqa_tied_llama3"].rope_type == "llama3"
+    )
     assert specs["qwen2_bias_window"].qkv_bias and specs["qwen2_bias_window"].sliding_windows == (None, 6)
     assert specs["mistral_linear_window"].rope_type == "linear"
     assert specs["mistral_linear_window"].sliding_windows == (8, 8)

@@ -1,6 +1,7 @@
-"""CPU weight prepacking: packed copies give F.linear's results, are never used stale, and leave with the engine.
+"""CPU weight prepacking: packed copies give F.linear's results, are never used stale, leave with the engine.
 
-A CPU path: every engine here is built with device="cpu" (the default device is the GPU wherever there is one)."""
+A CPU path: every engine here is built with device="cpu" (the default device is the GPU wherever there is
+one)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from alignflow.stages.common.generation.native.weights import checkpoint_tensors
 
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
 
-pytestmark = [pytest.mark.cpu_only("weight prepacking and the CPU kernels it selects"),
-              pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")]
+pytestmark = [
+    pytest.mark.cpu_only("weight prepacking and the CPU kernels it selects"),
+    pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -39,16 +42,22 @@ def _delta(before: dict[str, int]) -> dict[str, int]:
 @pytest.fixture
 def force_layout(monkeypatch):
     """Make engines built after this call pack in `layout` (skipping where it cannot run here)."""
+
     def force(layout: str, dtype: str = "float32") -> None:
         if layout == "blocked" and not skinny.available():
             pytest.skip(f"skinny_linear unavailable: {skinny.unavailable_reason()}")
         if layout == "onednn" and dtype == "bfloat16" and not torch.cpu._is_avx512_supported():
-            pytest.skip("oneDNN packs bf16 weights only with AVX-512 (prepack.layout_for leaves them plain here)")
+            pytest.skip(
+                "oneDNN packs bf16 weights only with AVX-512 (prepack.layout_for leaves them plain here)"
+            )
         monkeypatch.setattr(prepack, "layout_for", lambda device, dtype, kernels=True: layout)
+
     return force
 
 
-@pytest.mark.parametrize("dtype, layout", [("float32", "blocked"), ("float32", "onednn"), ("bfloat16", "onednn")])
+@pytest.mark.parametrize(
+    "dtype, layout", [("float32", "blocked"), ("float32", "onednn"), ("bfloat16", "onednn")]
+)
 def test_prepacked_engine_matches_the_plain_one(tiny_checkpoints, force_layout, dtype, layout):
     force_layout(layout, dtype)
     path = tiny_checkpoints["qwen2_bias_window"]  # QKV bias: the bias is added after the packed GEMM
@@ -58,16 +67,24 @@ def test_prepacked_engine_matches_the_plain_one(tiny_checkpoints, force_layout, 
     assert plain._prepacked is None and packed._prepacked.layout == layout
     before = _calls()
     got = packed.forward_logits(prompts)  # 5 x 13 = 65 rows: within skinny_linear.MAX_ROWS
-    assert _delta(before) == {"packed": 4 * 2 + 1, "fallback": 0, "plain": 0}  # 4 linears x 2 layers + the head
+    # 4 linears x 2 layers + the head
+    assert _delta(before) == {
+        "packed": 4 * 2 + 1,
+        "fallback": 0,
+        "plain": 0,
+    }
     want = plain.forward_logits(prompts)
     worst = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
-    # Measured 0.0 for oneDNN in both dtypes on the CI box. Bounds that still allow another summation
+    # oneDNN gives 0.0 in both dtypes on x86 CPUs with AVX-512. Bounds that still allow another summation
     # order (the blocked kernel's, another CPU's oneDNN kernel): the fp32 parity tolerance, and one bf16
     # ulp of the largest logit.
     largest = max(w.abs().max().item() for w in want)
     assert worst <= (TOLERANCES["logits_fp32"] if dtype == "float32" else largest * 2**-7)
     if dtype == "float32":
-        assert packed.generate(prompts, SAMPLED).response_token_ids == plain.generate(prompts, SAMPLED).response_token_ids
+        assert (
+            packed.generate(prompts, SAMPLED).response_token_ids
+            == plain.generate(prompts, SAMPLED).response_token_ids
+        )
 
 
 def test_blocked_layout_leaves_a_long_prefill_to_f_linear(tiny_checkpoints, force_layout):
@@ -102,7 +119,9 @@ def test_a_write_behind_the_engines_back_falls_back_to_the_new_weights(tiny_chec
     delta = _delta(before)
     assert delta["fallback"] == 2 and delta["packed"] == 3 * 2 + 1  # only down_w (2 layers) falls back
     want = reference.forward_logits(prompts)
-    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= TOLERANCES["logits_fp32"]
+    assert (
+        max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= TOLERANCES["logits_fp32"]
+    )
 
 
 def test_refit_repacks_and_the_table_empties_with_the_engine(tiny_checkpoints, tmp_path):
@@ -115,7 +134,8 @@ def test_refit_repacks_and_the_table_empties_with_the_engine(tiny_checkpoints, t
 
     perturbed = perturbed_checkpoint(path, tmp_path / "p")
     engine.refit(checkpoint_tensors(perturbed))
-    if engine._prepacked.layout == "blocked":  # rewritten in place (skinny.block_weight's out), not reallocated
+    # rewritten in place (skinny.block_weight's out), not reallocated
+    if engine._prepacked.layout == "blocked":
         assert all(prepack._TABLE[key][0] is copies[key] for key in keys)
     before = _calls()
     got = engine.generate(prompts, SAMPLED).response_token_ids
@@ -137,7 +157,7 @@ def test_refit_repacks_and_the_table_empties_with_the_engine(tiny_checkpoints, t
 @pytest.mark.slow
 def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpoints):
     """One graph per compiled function: a graph break (e.g. a SymBool reaching SDPA, or a host sync in
-    the sampler) used to split the decode step at every layer and cost ~20% of its speed."""
+    the sampler) splits the decode step at every layer, at a large cost to its speed."""
     from torch._dynamo.utils import counters
 
     path = tiny_checkpoints["llama_gqa_tied_llama3"]
@@ -160,7 +180,11 @@ def test_compiled_step_uses_the_packed_weights_without_graph_breaks(tiny_checkpo
     from alignflow.kernels import _cpu_extension
     from alignflow.kernels._triton_dispatch import cpp_available
 
-    cpp = "sample_tokens (AVX-512 C++)" if _cpu_extension.extension() is not None else "sample_tokens (AVX2 C++)"
+    cpp = (
+        "sample_tokens (AVX-512 C++)"
+        if _cpu_extension.extension() is not None
+        else "sample_tokens (AVX2 C++)"
+    )
     sampler = cpp if cpp_available() else "sample_tokens (torch reference), compiled"
     assert (paths["decode_step"], paths["sampler"]) == ("torch.compile", sampler)
 
@@ -184,8 +208,9 @@ def test_cpu_kernels_switch_selects_the_cpp_kernels_or_torch_and_onednn(tiny_che
     assert worst <= TOLERANCES["logits_fp32"]
 
 
-def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(tiny_checkpoints, tmp_path,
-                                                                               monkeypatch):
+def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(
+    tiny_checkpoints, tmp_path, monkeypatch
+):
     import torch.utils.cpp_extension
     from engine_test_models import save_tiny_model
 
@@ -200,20 +225,35 @@ def test_execution_paths_name_the_code_that_runs_and_why_a_fast_path_does_not(ti
     else:  # the AVX2 builds: linears and sampler, no attention kernel
         isa, rows = "AVX2", 256
         attention = "torch (one query per row, KV groups folded); no C++ kernel: this CPU has no AVX-512"
-    assert fast == {"backend": "native", "device": "cpu", "dtype": "float32", "decode_step": "eager",
-                    "linear": f"skinny_linear ({isa} C++) up to {rows} rows, F.linear above",
-                    "decode_attention": attention, "prefill_attention": "sdpa",
-                    "sampler": f"sample_tokens ({isa} C++)",
-                    "decode_loop": "not used: off (engine.cpu_decode_loop: false)"}
+    assert fast == {
+        "backend": "native",
+        "device": "cpu",
+        "dtype": "float32",
+        "decode_step": "eager",
+        "linear": f"skinny_linear ({isa} C++) up to {rows} rows, F.linear above",
+        "decode_attention": attention,
+        "prefill_attention": "sdpa",
+        "sampler": f"sample_tokens ({isa} C++)",
+        "decode_loop": "not used: off (engine.cpu_decode_loop: false)",
+    }
     off = NativeEngine.build(path, engine_config(cpu_kernels=False), device="cpu").execution_paths()
     assert off["linear"] == "oneDNN prepacked" and off["decode_attention"].startswith("torch")
-    assert off["cpu_kernels"] == "off (engine.cpu_kernels: false)" and off["sampler"] == "sample_tokens (chunked torch)"
+    assert (
+        off["cpu_kernels"] == "off (engine.cpu_kernels: false)"
+        and off["sampler"] == "sample_tokens (chunked torch)"
+    )
     plain = NativeEngine.build(path, engine_config(cpu_prepack=False), device="cpu").execution_paths()
     assert plain["linear"] == "F.linear" and plain["cpu_prepack"] == "off (engine.cpu_prepack: false)"
     assert plain["decode_attention"] == fast["decode_attention"]  # attention does not need the prepack
     hf = build_engine(path, engine_config(backend="hf"), device="cpu").execution_paths()
-    assert hf == {"backend": "hf", "device": "cpu", "dtype": "float32", "decode_step": "transformers generate",
-                  "attention": "sdpa", "sampler": f"sample_tokens ({isa} C++)"}
+    assert hf == {
+        "backend": "hf",
+        "device": "cpu",
+        "dtype": "float32",
+        "decode_step": "transformers generate",
+        "attention": "sdpa",
+        "sampler": f"sample_tokens ({isa} C++)",
+    }
     odd_head = save_tiny_model(tmp_path / "head24", "llama_mha_untied", head_dim=24)
     odd = NativeEngine.build(odd_head, engine_config(), device="cpu").execution_paths()
     assert odd["linear"] == fast["linear"]
@@ -262,7 +302,7 @@ def test_without_avx512_the_engines_run_the_avx2_cpp_kernels_unless_cpu_kernels_
 
 
 def test_bf16_weights_are_packed_only_where_onednn_can():
-    """oneDNN's bf16 reorder needs AVX-512 (it raised on an AVX2-only EPYC): there bf16 weights stay plain."""
+    """oneDNN's bf16 reorder needs AVX-512 (it raises on AVX2-only CPUs): there bf16 weights stay plain."""
     cpu = torch.device("cpu")
     want = "onednn" if torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_supported() else None
     assert prepack.layout_for(cpu, torch.bfloat16) == want
@@ -270,8 +310,9 @@ def test_bf16_weights_are_packed_only_where_onednn_can():
 
 
 def test_weights_under_the_floor_stay_plain(tiny_checkpoints, force_layout, monkeypatch):
-    """oneDNN packing loses to F.linear on a weight that stays in L2 (prepack.MIN_PACKED_BYTES): an engine whose
-    weights are all below the floor runs plain F.linear, without the custom op; one with some above packs those."""
+    """oneDNN packing loses to F.linear on a weight that stays in L2 (prepack.MIN_PACKED_BYTES): an engine
+    whose weights are all below the floor runs plain F.linear, without the custom op; one with some above
+    packs those."""
     force_layout("onednn")
     path = tiny_checkpoints["qwen2_bias_window"]
     prompts = random_prompts(5, seed=2)
@@ -280,7 +321,8 @@ def test_weights_under_the_floor_stay_plain(tiny_checkpoints, force_layout, monk
     small = NativeEngine.build(path, engine_config(), device="cpu")
     assert small._prepacked is None and small.model.linear is torch.nn.functional.linear
     assert small.execution_paths()["linear"] == (
-        "F.linear (every weight is under 1024 KiB, where onednn packing does not pay)")
+        "F.linear (every weight is under 1024 KiB, where onednn packing does not pay)"
+    )
     # A floor between the model's weight sizes: the gate/up and down weights (the largest, with the head) are
     # packed, the QKV and output projections are not.
     floor = plain.weights.buffers["gate_up_w"][0].nbytes
@@ -292,16 +334,25 @@ def test_weights_under_the_floor_stay_plain(tiny_checkpoints, force_layout, monk
     got = mixed.forward_logits(prompts)
     head_packed = int(mixed.weights["lm_head"].nbytes >= floor)
     down_packed = int(mixed.weights.buffers["down_w"][0].nbytes >= floor)
-    assert _delta(before) == {"packed": 2 * (1 + down_packed) + head_packed, "fallback": 0,
-                              "plain": 2 * (3 - down_packed) + 1 - head_packed}
+    assert _delta(before) == {
+        "packed": 2 * (1 + down_packed) + head_packed,
+        "fallback": 0,
+        "plain": 2 * (3 - down_packed) + 1 - head_packed,
+    }
     want = plain.forward_logits(prompts)
-    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= TOLERANCES["logits_fp32"]
-    assert mixed.generate(prompts, SAMPLED).response_token_ids == plain.generate(prompts, SAMPLED).response_token_ids
+    assert (
+        max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= TOLERANCES["logits_fp32"]
+    )
+    assert (
+        mixed.generate(prompts, SAMPLED).response_token_ids
+        == plain.generate(prompts, SAMPLED).response_token_ids
+    )
 
 
 def test_the_avx2_blocked_kernel_has_onednns_floor_and_the_avx512_one_none(tiny_checkpoints, monkeypatch):
-    """The AVX2 skinny_linear lost to plain F.linear on the demo model's weights (all under 256 KiB, in L2), so its
-    blocked layout packs from prepack.MIN_PACKED_BYTES["blocked-avx2"]; the AVX-512 build packs every weight."""
+    """The AVX2 skinny_linear lost to plain F.linear on the demo model's weights (all under 256 KiB, in L2),
+    so its blocked layout packs from prepack.MIN_PACKED_BYTES["blocked-avx2"]; the AVX-512 build packs every
+    weight."""
     monkeypatch.undo()  # pack_small_weights' zero floors
     with monkeypatch.context() as patch:
         patch.setattr(skinny, "isa", lambda: "AVX2")
@@ -314,4 +365,5 @@ def test_the_avx2_blocked_kernel_has_onednns_floor_and_the_avx512_one_none(tiny_
     engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(), device="cpu")
     assert engine._prepacked is None and engine.model.linear is torch.nn.functional.linear
     assert engine.execution_paths()["linear"] == (
-        "F.linear (every weight is under 256 KiB, where blocked packing does not pay)")
+        "F.linear (every weight is under 256 KiB, where blocked packing does not pay)"
+    )

@@ -39,7 +39,8 @@ def test_refit_equals_fresh_build_streams_and_does_not_rebuild(medium_pair, devi
     pointers, builds = engine.weights.data_ptrs(), NativeEngine.builds
     model_bytes = engine.weights.nbytes()
 
-    baseline = memory_in_use(device)  # the engine's own device: host heap on the CPU, the CUDA allocator on a GPU
+    # the engine's own device: host heap on the CPU, the CUDA allocator on a GPU
+    baseline = memory_in_use(device)
     peak = [0]
 
     def measured(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -62,14 +63,15 @@ def test_refit_equals_fresh_build_streams_and_does_not_rebuild(medium_pair, devi
     if baseline is None:
         pytest.skip("no glibc mallinfo2: peak memory not measured")
     # safetensors hands out memory-mapped tensors, so the probe counts what the engine itself
-    # allocates while streaming: ~0.1 MiB measured for a 13 MiB model on the CPU. An engine that kept a copy of
-    # each tensor (or fused by torch.cat) would show >= 100%; the probe does see such memory:
+    # allocates while streaming: ~0.1 MiB measured for a 13 MiB model on the CPU. An engine that kept a copy
+    # of each tensor (or fused by torch.cat) would show >= 100%; the probe does see such memory:
     probe_start = memory_in_use(device)
     second_copy = torch.empty(model_bytes // 4, device=device)
     assert memory_in_use(device) - probe_start >= model_bytes
     del second_copy
-    assert peak[0] < 0.05 * model_bytes, f"refit peak extra memory {peak[0] / 2**20:.2f} MiB of " \
-                                         f"{model_bytes / 2**20:.1f} MiB model"
+    assert peak[0] < 0.05 * model_bytes, (
+        f"refit peak extra memory {peak[0] / 2**20:.2f} MiB of {model_bytes / 2**20:.1f} MiB model"
+    )
 
 
 def test_refit_from_live_module_parameters(tiny_checkpoints, tmp_path, device):
@@ -127,8 +129,10 @@ def test_partial_refit_updates_only_what_it_is_given(tiny_checkpoints, device):
     # Host tensors (what the rollout workers receive), copied into the engine's buffers on its device.
     new_k = torch.randn(64, 64)
     new_up = torch.randn(128, 64)
-    stats = engine.refit([("model.layers.1.self_attn.k_proj.weight", new_k),
-                          ("model.layers.0.mlp.up_proj.weight", new_up)], partial=True)
+    stats = engine.refit(
+        [("model.layers.1.self_attn.k_proj.weight", new_k), ("model.layers.0.mlp.up_proj.weight", new_up)],
+        partial=True,
+    )
     assert stats.tensors == 2
     new_k, new_up = new_k.to(device), new_up.to(device)  # compared on the engine's device
     qkv, gate_up = engine.weights["qkv_w"], engine.weights["gate_up_w"]

@@ -48,10 +48,14 @@ def test_bad_sampling_values_raise_naming_them(kwargs, names):
 
 @pytest.mark.parametrize("backend", ["native", "hf"])
 def test_generation_beyond_the_cache_is_an_error_not_a_clamp(tiny_checkpoints, backend, device):
-    engine = build_engine(tiny_checkpoints["llama_mha_untied"], engine_config(backend=backend, max_seq_len=32),
-                          device=device)
-    with pytest.raises(ValueError, match=r"longest prompt \(10 tokens\) \+ max_new_tokens=23 = 33 exceeds "
-                                         r"the engine's max_seq_len=32; lower max_new_tokens to <= 22"):
+    engine = build_engine(
+        tiny_checkpoints["llama_mha_untied"], engine_config(backend=backend, max_seq_len=32), device=device
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"longest prompt \(10 tokens\) \+ max_new_tokens=23 = 33 exceeds "
+        r"the engine's max_seq_len=32; lower max_new_tokens to <= 22",
+    ):
         engine.generate([[5] * 10, [6] * 3], SamplingParams(max_new_tokens=23))
     assert len(engine.generate([[5] * 10], SamplingParams(max_new_tokens=22)).response_token_ids[0]) <= 22
 
@@ -68,10 +72,14 @@ def test_bad_prompts_raise(native):
 
 
 def test_unknown_backend_lists_the_valid_ones(tiny_checkpoints, device):
-    with pytest.raises(ValueError, match="unknown engine backend 'trt'; valid backends: native, hf, vllm, tensorrt-llm"):
+    with pytest.raises(
+        ValueError, match="unknown engine backend 'trt'; valid backends: native, hf, vllm, tensorrt-llm"
+    ):
         engine_class("trt")
     with pytest.raises(ValueError, match="unknown engine backend"):
-        build_engine(tiny_checkpoints["llama_mha_untied"], EngineConfig.model_construct(backend="vlm"), device=device)
+        build_engine(
+            tiny_checkpoints["llama_mha_untied"], EngineConfig.model_construct(backend="vlm"), device=device
+        )
     with pytest.raises(ValidationError, match="native"):  # the config schema itself lists them too
         EngineConfig(backend="trt")
     assert set(ENGINE_BACKENDS) == {"native", "hf", "vllm", "tensorrt-llm"}
@@ -80,13 +88,15 @@ def test_unknown_backend_lists_the_valid_ones(tiny_checkpoints, device):
 def test_unsupported_architecture_suggests_hf_which_runs_it(tmp_path, device):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=128, n_positions=64)).save_pretrained(
-        tmp_path / "gpt2")
+    GPT2LMHeadModel(
+        GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=128, n_positions=64)
+    ).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(UnsupportedArchitectureError, match=r"model_type='gpt2'.*engine.backend: hf"):
         build_engine(tmp_path / "gpt2", engine_config(), device=device)
     # The fallback really works for it.
     gen = build_engine(tmp_path / "gpt2", engine_config(backend="hf"), device=device).generate(
-        [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=4))
+        [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=4)
+    )
     assert len(gen.response_token_ids[0]) == 4
 
 
@@ -97,12 +107,16 @@ def test_batch_dependent_rope_is_unsupported_not_wrong(tiny_checkpoints, tmp_pat
     config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     config["max_position_embeddings"] = 32
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedArchitectureError, match=r"'dynamic' with engine.max_seq_len=64 > max_position"):
+    with pytest.raises(
+        UnsupportedArchitectureError, match=r"'dynamic' with engine.max_seq_len=64 > max_position"
+    ):
         build_engine(path, engine_config(max_seq_len=64), device=device)
-    build_engine(path, engine_config(max_seq_len=32), device=device)  # within the trained length: the default RoPE
+    # within the trained length: the default RoPE
+    build_engine(path, engine_config(max_seq_len=32), device=device)
 
 
 # -- finish reasons and early stop ---------------------------------------------------------------------
+
 
 def _checkpoint_with_eos(source, dest, eos: int):
     shutil.copytree(source, dest)
@@ -126,15 +140,18 @@ def test_stop_tokens_eos_and_length_give_their_finish_reasons(tiny_checkpoints, 
     row = plain.response_token_ids[0]
     stop = row[4]
     cut = row.index(stop) + 1  # the first occurrence ends the sequence, stop token included
-    stopped = NativeEngine.build(path, engine_config(), device=device).generate(prompts, greedy.model_copy(
-        update={"stop_token_ids": [stop]}))
+    stopped = NativeEngine.build(path, engine_config(), device=device).generate(
+        prompts, greedy.model_copy(update={"stop_token_ids": [stop]})
+    )
     assert stopped.response_token_ids[0] == row[:cut]
     assert stopped.finish_reasons[0] == "stop"
     assert len(stopped.logprobs[0]) == cut
     assert stopped.logprobs[0] == pytest.approx(plain.logprobs[0][:cut], abs=0)
 
     # The same token as the model's EOS: reason "eos"; ignore_eos runs to the length limit.
-    eos_engine = NativeEngine.build(_checkpoint_with_eos(path, tmp_path / "eos", stop), engine_config(), device=device)
+    eos_engine = NativeEngine.build(
+        _checkpoint_with_eos(path, tmp_path / "eos", stop), engine_config(), device=device
+    )
     assert eos_engine.eos_token_ids == (stop,)
     ended = eos_engine.generate(prompts, greedy)
     assert ended.response_token_ids[0] == row[:cut] and ended.finish_reasons[0] == "eos"
@@ -153,7 +170,8 @@ def test_decoding_stops_early_once_every_sequence_is_done(tiny_checkpoints, tmp_
     path = tiny_checkpoints["llama_mha_untied"]
     prompts = random_prompts(3, seed=7)
     long_run = NativeEngine.build(path, engine_config(), device=device).generate(
-        prompts, SamplingParams(temperature=0.0, max_new_tokens=40))
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=40)
+    )
     # Make every row's 3rd token a stop token: all sequences finish within a few steps.
     stops = sorted({r[2] for r in long_run.response_token_ids})
     engine = NativeEngine.build(path, engine_config(), device=device)
@@ -164,8 +182,8 @@ def test_decoding_stops_early_once_every_sequence_is_done(tiny_checkpoints, tmp_
     assert all(reason == "stop" for reason in gen.finish_reasons)
     longest = max(len(r) for r in gen.response_token_ids)
     assert longest <= 3
-    # The CPU checks for "all done" after every step; CUDA every GPU_STOP_CHECK_EVERY steps (one host sync each), so
-    # it stops at the first multiple of that at or after the longest sequence's end.
+    # The CPU checks for "all done" after every step; CUDA every GPU_STOP_CHECK_EVERY steps (one host sync
+    # each), so it stops at the first multiple of that at or after the longest sequence's end.
     every = native_engine.GPU_STOP_CHECK_EVERY if device == "cuda" else 1
     steps = -(-longest // every) * every
     assert steps < 40  # the check has something to show: decoding still stops long before max_new_tokens
@@ -173,6 +191,7 @@ def test_decoding_stops_early_once_every_sequence_is_done(tiny_checkpoints, tmp_
 
 
 # -- seeds ----------------------------------------------------------------------------------------------
+
 
 def test_same_seed_same_output_and_batch_position_does_not_matter(native):
     prompts = random_prompts(5, seed=8)
@@ -183,8 +202,9 @@ def test_same_seed_same_output_and_batch_position_does_not_matter(native):
 
     # Reverse the batch (and drop one prompt): each prompt keeps its seed, so its sample is unchanged.
     order = [4, 3, 1, 0]
-    moved = native.generate([prompts[i] for i in order],
-                            sampling.model_copy(update={"seeds": [sampling.seeds[i] for i in order]}))
+    moved = native.generate(
+        [prompts[i] for i in order], sampling.model_copy(update={"seeds": [sampling.seeds[i] for i in order]})
+    )
     for got, i in zip(moved.response_token_ids, order, strict=True):
         assert got == first.response_token_ids[i]
     for got, i in zip(moved.logprobs, order, strict=True):
@@ -218,18 +238,35 @@ def test_more_prompts_than_cache_rows_run_in_chunks_with_the_same_result(tiny_ch
     path = tiny_checkpoints["qwen2_bias_window"]
     prompts = random_prompts(11, seed=9)
     sampling = SamplingParams(temperature=0.9, max_new_tokens=10, seed=4)
-    small = NativeEngine.build(path, engine_config(max_batch_size=4), device=device).generate(prompts, sampling)
-    large = NativeEngine.build(path, engine_config(max_batch_size=16), device=device).generate(prompts, sampling)
+    small = NativeEngine.build(path, engine_config(max_batch_size=4), device=device).generate(
+        prompts, sampling
+    )
+    large = NativeEngine.build(path, engine_config(max_batch_size=16), device=device).generate(
+        prompts, sampling
+    )
     assert small.response_token_ids == large.response_token_ids
     assert len(small) == 11 and small.metrics["perf/generated_tokens"] == 110
 
 
-@pytest.mark.parametrize(("overrides", "reason"), [
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"mlp_bias": True}, "mlp_bias=True"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                          "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}}, "rope_type 'longrope'"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [1.0] * 8,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "rope_type 'longrope'",
+        ),
+    ],
+)
 def test_llama_variants_the_native_engine_does_not_run_are_rejected(overrides, reason):
     from engine_test_models import tiny_config
 
@@ -241,9 +278,12 @@ def test_llama_variants_the_native_engine_does_not_run_are_rejected(overrides, r
 
 @pytest.mark.cpu_only("the chunked sampler is the eager CPU engine's (CUDA samples with the Triton kernel)")
 def test_noise_windows_cross_window_boundaries_with_the_same_noise_and_samples(tiny_checkpoints, monkeypatch):
-    """Windows of 3 steps (an eager engine on the chunked sampler gets one window per generate call) give every
-    step the per-step noise, and the engine the same tokens and log-probs as with one window for all steps."""
-    native = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(cpu_kernels=False), device="cpu")
+    """Windows of 3 steps (an eager engine on the chunked sampler gets one window per generate call) give
+    every step the per-step noise, and the engine the same tokens and log-probs as with one window for all
+    steps."""
+    native = NativeEngine.build(
+        tiny_checkpoints["llama_mha_untied"], engine_config(cpu_kernels=False), device="cpu"
+    )
     assert native._sample_impl == "chunked"  # the C++ samplers hash their own noise
     seeds = torch.tensor([3, 17, 40])
     monkeypatch.setattr(native_engine, "NOISE_WINDOW_ELEMENTS", 3 * 3 * 256)

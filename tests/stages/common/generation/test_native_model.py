@@ -37,12 +37,16 @@ def test_packed_prefill_equals_the_padded_one(tiny_checkpoints, name, logits_for
         for packed_kv, padded_kv in ((packed_cache.k[layer], padded_cache.k[layer]),
                                      (packed_cache.v[layer], padded_cache.v[layer])):
             slots = packed_kv[:B, :, :S].transpose(1, 2)  # [B, S, kv_heads, D]
-            torch.testing.assert_close(slots[real], padded_kv[:B, :, :S].transpose(1, 2)[real], rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                slots[real], padded_kv[:B, :, :S].transpose(1, 2)[real], rtol=0, atol=1e-5
+            )
             assert (slots[~real] == 0).all(), "padding slots hold zero keys and values"
 
 
 def test_a_batch_without_padding_takes_the_plain_path(tiny_checkpoints, device):
-    engine = NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(cpu_prepack=False), device=device)
+    engine = NativeEngine.build(
+        tiny_checkpoints["llama_mha_untied"], engine_config(cpu_prepack=False), device=device
+    )
     tokens = torch.randint(3, 256, (3, 7), generator=torch.Generator().manual_seed(2)).to(device)
     positions = torch.arange(7, device=device)[None, :].expand(3, 7)
     pad = torch.zeros(3, dtype=torch.long, device=device)

@@ -1,4 +1,4 @@
-"""Tensor-parallel native engine: 2 gloo ranks on CPU equal the one-device engine, and refit reshards as it streams.
+"""Tensor-parallel native engine: 2 gloo ranks on CPU equal one device, and refit reshards as it streams.
 
 One spawn of 2 ranks does all the distributed work of this module (building, generating, refitting
 every variant) and saves what each rank returned; the tests compare that, in the parent, with a
@@ -6,8 +6,9 @@ tensor_parallel_size 1 engine on the same checkpoints: logits at prefill and dec
 tokens, sampled tokens and their log-probs, and a refit from a perturbed checkpoint against a fresh
 TP=2 build of it. The sharding rules themselves are checked as pure functions.
 
-The ranks are CPU processes over gloo, and their one-device reference is a CPU engine (device="cpu" explicitly:
-the default device is the GPU wherever there is one); those tests are cpu_only. The others run on --device.
+The ranks are CPU processes over gloo, and their one-device reference is a CPU engine (device="cpu"
+explicitly: the default device is the GPU wherever there is one); those tests are cpu_only. The others run on
+--device.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ NEW_TOKENS = 16  # past both sliding windows (6, 8) for prompts of 2-13 tokens
 TP_VARIANTS: dict[str, dict] = {
     # MHA: 2 of 4 KV heads per rank; untied LM head.
     "llama_mha_untied": {},
-    # GQA, 1 KV head per rank; tied embedding and head; vocab 255 is odd: rank 1's shard ends in a padding row.
+    # GQA, 1 KV head per rank; tied embedding and head; vocab 255 is odd: rank 1's shard ends in a padding
+    # row.
     "llama_gqa_tied_llama3": {"vocab_size": 255},
     # Qwen2 QKV bias sharded with its columns, a sliding-window layer. 2 KV heads: the parity variant's
     # single KV head cannot be split (test_indivisible_kv_heads_is_a_clear_error).
@@ -79,9 +81,12 @@ def _run_engine(engine: NativeEngine, prompts: list[list[int]]) -> dict:
     sequences = [p + r for p, r in zip(prompts, greedy.response_token_ids, strict=True)]
     return {
         "greedy_tokens": greedy.response_token_ids,
-        "decode_logits": torch.stack(greedy.logits),  # [B, NEW_TOKENS, V]: the prefill's last position, then decode
+        # [B, NEW_TOKENS, V]: the prefill's last position, then decode
+        "decode_logits": torch.stack(greedy.logits),
         "prefill_logits": engine.forward_logits(sequences),  # [len_i, V] at every position
-        "sampled": [(g.response_token_ids, g.logprobs) for g in (engine.generate(prompts, s) for s in SAMPLED)],
+        "sampled": [
+            (g.response_token_ids, g.logprobs) for g in (engine.generate(prompts, s) for s in SAMPLED)
+        ],
     }
 
 
@@ -98,15 +103,24 @@ def _refit_memory(base: Path, perturbed: Path) -> dict:
                 peak[0] = max(peak[0], now - baseline)
 
     stats = engine.refit(measured(checkpoint_tensors(perturbed)))
-    return {"peak": peak[0] if baseline is not None else None, "held_bytes": engine.weights.nbytes(),
-            "copied_bytes": stats.bytes, "shapes": {k: tuple(t.shape) for k, t in engine.weights.buffers.items()}}
+    return {
+        "peak": peak[0] if baseline is not None else None,
+        "held_bytes": engine.weights.nbytes(),
+        "copied_bytes": stats.bytes,
+        "shapes": {k: tuple(t.shape) for k, t in engine.weights.buffers.items()},
+    }
 
 
 def _worker(rank: int, jobs: dict, out_dir: str) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir}/rendezvous",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=120),
+    )
     results: dict = {}
     try:
         config = engine_config(tensor_parallel_size=WORLD)
@@ -115,10 +129,12 @@ def _worker(rank: int, jobs: dict, out_dir: str) -> None:
             prompts = _prompts(name)
             before = engine.generate(prompts, GREEDY).response_token_ids
             pointers = engine.weights.data_ptrs()
-            result = {"base": _run_engine(engine, prompts),
-                      "shapes": {k: tuple(t.shape) for k, t in engine.weights.buffers.items()},
-                      "cache_shape": tuple(engine.cache.k[0].shape),
-                      "paths": engine.execution_paths()}
+            result = {
+                "base": _run_engine(engine, prompts),
+                "shapes": {k: tuple(t.shape) for k, t in engine.weights.buffers.items()},
+                "cache_shape": tuple(engine.cache.k[0].shape),
+                "paths": engine.execution_paths(),
+            }
             engine.refit(checkpoint_tensors(perturbed))
             result["refit_kept_buffers"] = engine.weights.data_ptrs() == pointers
             result["refit"] = _run_engine(engine, prompts)
@@ -135,11 +151,14 @@ def _worker(rank: int, jobs: dict, out_dir: str) -> None:
         results["memory"] = _refit_memory(*jobs["medium"])
         errors = {}
         for key, call in {
-            "group_size": lambda: NativeEngine.build(jobs["variants"]["llama_mha_untied"][0],
-                                                     engine_config(tensor_parallel_size=4), device="cpu"),
+            "group_size": lambda: NativeEngine.build(
+                jobs["variants"]["llama_mha_untied"][0], engine_config(tensor_parallel_size=4), device="cpu"
+            ),
             "save": lambda: engine.save(Path(out_dir) / f"saved{rank}"),
             # The stream carries full tensors: a wrong shape is reported against the full HF shape.
-            "refit_shape": lambda: engine.refit([("model.layers.1.self_attn.q_proj.weight", torch.zeros(64, 65))]),
+            "refit_shape": lambda: engine.refit(
+                [("model.layers.1.self_attn.q_proj.weight", torch.zeros(64, 65))]
+            ),
         }.items():
             try:
                 call()
@@ -157,7 +176,7 @@ def _worker(rank: int, jobs: dict, out_dir: str) -> None:
 @contextmanager
 def _one_thread() -> Iterator[None]:
     """Module fixtures run before conftest's per-test one-thread fixture: on the 2 shared cores, torch's
-    default 2 threads made the TP=1 reference runs 40x slower (30 s against 0.7 s) when the box was busy."""
+    default 2 threads make the TP=1 reference runs many times slower when the machine is busy."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -174,8 +193,16 @@ def checkpoints(tmp_path_factory) -> dict:
         for name, overrides in TP_VARIANTS.items():
             base = save_tiny_model(root / name, name, bias_std=0.5, **overrides)
             variants[name] = (base, perturbed_checkpoint(base, root / f"{name}_perturbed"))
-        medium = save_tiny_model(root / "medium", "llama_mha_untied", hidden_size=256, intermediate_size=688,
-                                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=1024)
+        medium = save_tiny_model(
+            root / "medium",
+            "llama_mha_untied",
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=1024,
+        )
         medium_perturbed = perturbed_checkpoint(medium, root / "medium_perturbed")
     return {"variants": variants, "medium": (medium, medium_perturbed)}
 
@@ -196,15 +223,19 @@ def one_device(checkpoints) -> dict:
     out = {}
     with _one_thread():
         for name, (base, perturbed) in checkpoints["variants"].items():
-            out[name] = {"base": _run_engine(NativeEngine.build(base, engine_config(), device="cpu"), _prompts(name)),
-                         "perturbed": _run_engine(NativeEngine.build(perturbed, engine_config(), device="cpu"),
-                                                  _prompts(name))}
+            out[name] = {
+                "base": _run_engine(NativeEngine.build(base, engine_config(), device="cpu"), _prompts(name)),
+                "perturbed": _run_engine(
+                    NativeEngine.build(perturbed, engine_config(), device="cpu"), _prompts(name)
+                ),
+            }
     return out
 
 
 # The tests of the 2 ranks' results.
-GLOO_RANKS = pytest.mark.cpu_only("tensor parallel over 2 gloo ranks on the CPU (on CUDA it needs NCCL and a GPU "
-                                  "per rank)")
+GLOO_RANKS = pytest.mark.cpu_only(
+    "tensor parallel over 2 gloo ranks on the CPU (on CUDA it needs NCCL and a GPU per rank)"
+)
 
 
 def _max_diff(a, b) -> float:
@@ -215,11 +246,17 @@ def _max_diff(a, b) -> float:
 
 def _assert_matches(got: dict, want: dict, what: str) -> dict[str, float]:
     assert got["greedy_tokens"] == want["greedy_tokens"], f"{what}: greedy tokens differ"
-    diffs = {"decode_logits": _max_diff(got["decode_logits"], want["decode_logits"]),
-             "prefill_logits": _max_diff(got["prefill_logits"], want["prefill_logits"])}
+    diffs = {
+        "decode_logits": _max_diff(got["decode_logits"], want["decode_logits"]),
+        "prefill_logits": _max_diff(got["prefill_logits"], want["prefill_logits"]),
+    }
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got["sampled"], want["sampled"], strict=True):
         assert tokens == want_tokens, f"{what}: sampled tokens differ"
-        diff = max(abs(x - y) for r, w in zip(logprobs, want_logprobs, strict=True) for x, y in zip(r, w, strict=True))
+        diff = max(
+            abs(x - y)
+            for r, w in zip(logprobs, want_logprobs, strict=True)
+            for x, y in zip(r, w, strict=True)
+        )
         diffs["sampled_logprobs"] = max(diffs.get("sampled_logprobs", 0.0), diff)
     assert diffs["decode_logits"] <= TOLERANCES["tp_logits_fp32"], f"{what}: {diffs}"
     assert diffs["prefill_logits"] <= TOLERANCES["tp_logits_fp32"], f"{what}: {diffs}"
@@ -233,7 +270,8 @@ def test_two_ranks_match_one_device(ranks, one_device, name):
     for rank in ranks:
         diffs = _assert_matches(rank[name]["base"], one_device[name]["base"], f"{name} TP=2")
     print(f"{name}: max |TP=2 - TP=1| {diffs}")  # shown with -s; the README quotes these
-    # Every rank returns the same thing, bit for bit (all_reduce and all_gather give every rank the same bytes).
+    # Every rank returns the same thing, bit for bit (all_reduce and all_gather give every rank the same
+    # bytes).
     a, b = ranks[0][name]["base"], ranks[1][name]["base"]
     assert a["greedy_tokens"] == b["greedy_tokens"] and a["sampled"] == b["sampled"]
     assert torch.equal(a["decode_logits"], b["decode_logits"])
@@ -296,7 +334,10 @@ def test_refit_keeps_no_full_copy(ranks, checkpoints):
             pytest.skip("no glibc mallinfo2: peak memory not measured")
         # A rank that kept (or materialised) a full tensor would show at least the largest one, the
         # 1024 x 256 embedding (1 MiB, 8% of the 13 MiB model); measured: 0.05 MiB.
-        print(f"rank refit peak extra memory {memory['peak'] / 2**20:.3f} MiB of a {full_bytes / 2**20:.1f} MiB model")
+        print(
+            f"rank refit peak extra memory {memory['peak'] / 2**20:.3f} MiB of a {full_bytes / 2**20:.1f} "
+            "MiB model"
+        )
         assert memory["peak"] < 0.04 * full_bytes, f"refit peak extra memory {memory['peak'] / 2**20:.2f} MiB"
 
 
@@ -314,30 +355,46 @@ def test_tp_errors_name_the_setting(ranks):
 
 def test_indivisible_kv_heads_is_a_clear_error(tiny_checkpoints, device):
     # Qwen2 parity variant: 4 query heads on 1 KV head; fails before any process group is needed.
-    with pytest.raises(TensorParallelError, match=r"engine.tensor_parallel_size=2 cannot split this qwen2 model: "
-                                                  r"num_key_value_heads=1 is not divisible by it \(grouped-query "
-                                                  r"attention: 4 query heads on 1 KV heads.*valid tensor_parallel_size "
-                                                  r"values for this model are 1$"):
-        NativeEngine.build(tiny_checkpoints["qwen2_bias_window"], engine_config(tensor_parallel_size=2), device=device)
+    with pytest.raises(
+        TensorParallelError,
+        match=r"engine.tensor_parallel_size=2 cannot split this qwen2 model: "
+        r"num_key_value_heads=1 is not divisible by it \(grouped-query "
+        r"attention: 4 query heads on 1 KV heads.*valid tensor_parallel_size "
+        r"values for this model are 1$",
+    ):
+        NativeEngine.build(
+            tiny_checkpoints["qwen2_bias_window"], engine_config(tensor_parallel_size=2), device=device
+        )
 
 
 def test_tp_without_torch_distributed_is_a_clear_error(tiny_checkpoints, device):
     assert not dist.is_initialized()
-    with pytest.raises(EngineError, match=r"engine.tensor_parallel_size=2 needs torch.distributed initialised "
-                                          r"with 2 ranks"):
-        NativeEngine.build(tiny_checkpoints["llama_mha_untied"], engine_config(tensor_parallel_size=2), device=device)
+    with pytest.raises(
+        EngineError,
+        match=r"engine.tensor_parallel_size=2 needs torch.distributed initialised "
+        r"with 2 ranks",
+    ):
+        NativeEngine.build(
+            tiny_checkpoints["llama_mha_untied"], engine_config(tensor_parallel_size=2), device=device
+        )
 
 
-@pytest.mark.parametrize("name", ["llama_mha_untied", "llama_gqa_tied_llama3", "qwen2_bias_window", "llama_bias_yarn"])
+@pytest.mark.parametrize(
+    "name", ["llama_mha_untied", "llama_gqa_tied_llama3", "qwen2_bias_window", "llama_bias_yarn"]
+)
 def test_a_saved_engine_streams_back_as_its_checkpoints_tensors(tmp_path, name, device):
-    """What a tensor-parallel rollout worker loads from (each rank cuts these as they arrive): the saved engine's
-    fused buffers unfused, one layer at a time, give exactly the checkpoint's tensors under their HF names
-    (biased models, drawn non-zero so a bias in the wrong rows shows; tied and untied heads)."""
+    """What a tensor-parallel rollout worker loads from (each rank cuts these as they arrive): the saved
+    engine's fused buffers unfused, one layer at a time, give exactly the checkpoint's tensors under their HF
+    names (biased models, drawn non-zero so a bias in the wrong rows shows; tied and untied heads)."""
     checkpoint = save_tiny_model(tmp_path / "checkpoint", name, bias_std=0.1)
     engine = NativeEngine.build(checkpoint, engine_config(), device=device)
     engine.save(tmp_path / "engine")
     streamed = dict(saved_engine_tensors(tmp_path / "engine" / "weights.safetensors", engine.spec))
-    want = {n: t for n, t in checkpoint_tensors(checkpoint) if n != "lm_head.weight" or "lm_head.weight" in streamed}
+    want = {
+        n: t
+        for n, t in checkpoint_tensors(checkpoint)
+        if n != "lm_head.weight" or "lm_head.weight" in streamed
+    }
     assert streamed.keys() == want.keys()
     for n, t in want.items():
         assert torch.equal(streamed[n], t), n
@@ -355,6 +412,7 @@ def test_one_device_calls_no_collective(tiny_checkpoints, monkeypatch, device):
 
 
 # -- the sharding rules as pure functions --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("size", [1, 2, 4])
 @pytest.mark.parametrize("rows", [8, 7, 1])
@@ -399,6 +457,9 @@ def test_rank_spec_and_valid_sizes(tiny_checkpoints):
     assert local.head_dim == spec.head_dim and local.hidden_size == spec.hidden_size
     assert rank_spec(spec, 1) is spec
     assert valid_sizes(spec) == [1, 2, 4]
-    with pytest.raises(TensorParallelError, match=r"num_attention_heads=4 is not divisible by it; intermediate_size"
-                                                  r"=128 is not divisible by it.*are 1, 2, 4$"):
+    with pytest.raises(
+        TensorParallelError,
+        match=r"num_attention_heads=4 is not divisible by it; intermediate_size"
+        r"=128 is not divisible by it.*are 1, 2, 4$",
+    ):
         check_tensor_parallel(spec, 3)

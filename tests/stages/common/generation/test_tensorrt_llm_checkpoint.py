@@ -1,4 +1,4 @@
-"""TensorRT-LLM checkpoints on CPU: resharding is exact, a forward over the TP shards equals hf, refit pieces equal the files.
+"""TensorRT-LLM checkpoints on CPU: exact resharding, a TP-shard forward equal to hf, refit pieces = files.
 
 For tp in {1, 2, 4} x pp in {1, 2} on tiny Llama models (MHA untied; GQA tied with a vocabulary
 tp 4 does not divide and 2 KV heads copied onto 4 ranks; attention bias untied):
@@ -55,8 +55,13 @@ def models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def converted(models, tmp_path_factory) -> dict[tuple[str, int, int], Path]:
     root = tmp_path_factory.mktemp("trt_checkpoints")
-    return {(key, tp, pp): convert_checkpoint(models[key], root / f"{key}_tp{tp}_pp{pp}", tp_size=tp, pp_size=pp).out_dir
-            for key in MODELS for tp, pp in MAPPINGS}
+    return {
+        (key, tp, pp): convert_checkpoint(
+            models[key], root / f"{key}_tp{tp}_pp{pp}", tp_size=tp, pp_size=pp
+        ).out_dir
+        for key in MODELS
+        for tp, pp in MAPPINGS
+    }
 
 
 def hf_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -79,7 +84,10 @@ def test_rank_files_hold_their_layers_and_shapes(models, converted):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["mapping"] == {"world_size": 8, "tp_size": 4, "pp_size": 2}
     assert (cfg["architecture"], cfg["position_embedding_type"], cfg["num_key_value_heads"]) == (
-        "LlamaForCausalLM", "rope_gpt_neox", 2)
+        "LlamaForCausalLM",
+        "rope_gpt_neox",
+        2,
+    )
     assert cfg["rotary_scaling"]["type"] == "llama3" and cfg["tie_word_embeddings"] is True
     layout = layout_for(_hf_config(models["gqa_tied"]), 4, 2)
     hf = hf_tensors(models["gqa_tied"])
@@ -92,12 +100,12 @@ def test_rank_files_hold_their_layers_and_shapes(models, converted):
         assert tensors["transformer.layers.0.mlp.proj.weight"].shape == (64, 32)
         stage, tp_rank = divmod(rank, 4)
         # Local layer 0 of stage 1 is global layer 1; mlp.fc is gate_proj (activated), mlp.gate is up_proj.
-        gate = hf[f"model.layers.{stage}.mlp.gate_proj.weight"][32 * tp_rank: 32 * (tp_rank + 1)]
-        up = hf[f"model.layers.{stage}.mlp.up_proj.weight"][32 * tp_rank: 32 * (tp_rank + 1)]
+        gate = hf[f"model.layers.{stage}.mlp.gate_proj.weight"][32 * tp_rank : 32 * (tp_rank + 1)]
+        up = hf[f"model.layers.{stage}.mlp.up_proj.weight"][32 * tp_rank : 32 * (tp_rank + 1)]
         assert torch.equal(tensors["transformer.layers.0.mlp.fc.weight"], gate)
         assert torch.equal(tensors["transformer.layers.0.mlp.gate.weight"], up)
         kv_head = tp_rank // 2  # ranks 0,1 share KV head 0; ranks 2,3 KV head 1
-        k = hf[f"model.layers.{stage}.self_attn.k_proj.weight"][16 * kv_head: 16 * (kv_head + 1)]
+        k = hf[f"model.layers.{stage}.self_attn.k_proj.weight"][16 * kv_head : 16 * (kv_head + 1)]
         assert torch.equal(tensors["transformer.layers.0.attention.qkv.weight"][16:32], k)
         assert ("transformer.vocab_embedding.weight" in tensors) == (stage == 0)
         assert ("lm_head.weight" in tensors) == (stage == 1)
@@ -115,8 +123,11 @@ def test_reassemble_refuses_copied_kv_heads_that_differ(converted, tmp_path):
     rank1 = load_file(str(broken / "rank1.safetensors"))
     rank1["transformer.layers.1.attention.qkv.weight"][20] += 1.0  # a row of its K slice
     save_file(rank1, str(broken / "rank1.safetensors"))
-    with pytest.raises(CheckpointConversionError, match=r"rank1 transformer.layers.1.attention.qkv.weight holds other "
-                                                        r"K/V values than rank0"):
+    with pytest.raises(
+        CheckpointConversionError,
+        match=r"rank1 transformer.layers.1.attention.qkv.weight holds other "
+        r"K/V values than rank0",
+    ):
         reassemble(broken)
 
 
@@ -146,7 +157,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-def trt_layout_forward(checkpoint: Path, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def trt_layout_forward(
+    checkpoint: Path, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """Logits [B, T, V] of a TensorRT-LLM checkpoint, simulating its tp x pp ranks in one process.
 
     Read from config.json and the rank files only. Per layer, every rank of the stage computes its
@@ -165,7 +178,7 @@ def trt_layout_forward(checkpoint: Path, ids: torch.Tensor, cos: torch.Tensor, s
 
     x = ranks[0]["transformer.vocab_embedding.weight"][ids]
     for stage in range(pp):
-        stage_ranks = ranks[stage * tp: (stage + 1) * tp]
+        stage_ranks = ranks[stage * tp : (stage + 1) * tp]
         for j in range(cfg["num_hidden_layers"] // pp):
             p = f"transformer.layers.{j}."
             h = _rms_norm(x, stage_ranks[0][p + "input_layernorm.weight"], eps)
@@ -176,7 +189,11 @@ def trt_layout_forward(checkpoint: Path, ids: torch.Tensor, cos: torch.Tensor, s
                     qkv = qkv + w[p + "attention.qkv.bias"]
                 q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
                 q = _rotate(q.view(B, T, nq, d), cos, sin).transpose(1, 2)  # [B, nq, T, d]
-                k = _rotate(k.view(B, T, nkv, d), cos, sin).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
+                k = (
+                    _rotate(k.view(B, T, nkv, d), cos, sin)
+                    .transpose(1, 2)
+                    .repeat_interleave(nq // nkv, dim=1)
+                )
                 v = v.view(B, T, nkv, d).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
                 scores = (q @ k.transpose(-1, -2)) / d**0.5
                 attn = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
@@ -186,18 +203,21 @@ def trt_layout_forward(checkpoint: Path, ids: torch.Tensor, cos: torch.Tensor, s
                 out = out + stage_ranks[0][p + "attention.dense.bias"]
             x = x + out
             h = _rms_norm(x, stage_ranks[0][p + "post_layernorm.weight"], eps)
-            partial = [(torch.nn.functional.silu(h @ w[p + "mlp.fc.weight"].T) * (h @ w[p + "mlp.gate.weight"].T))
-                       @ w[p + "mlp.proj.weight"].T for w in stage_ranks]
+            partial = [
+                (torch.nn.functional.silu(h @ w[p + "mlp.fc.weight"].T) * (h @ w[p + "mlp.gate.weight"].T))
+                @ w[p + "mlp.proj.weight"].T
+                for w in stage_ranks
+            ]
             x = x + sum(partial[1:], partial[0])
-    last = ranks[(pp - 1) * tp:]
+    last = ranks[(pp - 1) * tp :]
     h = _rms_norm(x, last[0]["transformer.ln_f.weight"], eps)
     return torch.cat([h @ w["lm_head.weight"].T for w in last], dim=-1)[..., : cfg["vocab_size"]]
 
 
 # fp32, logits of magnitude ~3. Measured max |got - hf| over 5 prompt seeds x the 24 cases: 0.0 at tp 1
 # (the same GEMMs as hf's eager attention; 1.7e-6 with head_dim 32), 1.9e-6 at tp 2 and 4 (the tp
-# partial products of attention.dense / mlp.proj summed in another order than hf's one GEMM). The bound is 5x that, 10x
-# tighter than the engines' TOLERANCES["tp_logits_fp32"] = 1e-4 (the issue's acceptance bound); a
+# partial products of attention.dense / mlp.proj summed in another order than hf's one GEMM). The bound is 5x
+# that, 10x tighter than the engines' TOLERANCES["tp_logits_fp32"] = 1e-4 (the issue's acceptance bound); a
 # swapped fc / gate moves logits by > 1e-2 (test_forward_check_can_fail).
 SHARD_FORWARD_TOLERANCE = 1e-5
 assert SHARD_FORWARD_TOLERANCE <= TOLERANCES["tp_logits_fp32"]
@@ -222,7 +242,8 @@ def test_forward_over_shards_matches_hf(key, tp, pp, models, converted):
 
 
 def test_forward_check_can_fail(models, converted, tmp_path):
-    """The forward check catches a layout bug: swapping mlp.fc and mlp.gate (gate_proj / up_proj) is caught."""
+    """The forward check catches a layout bug: swapping mlp.fc and mlp.gate
+    (gate_proj / up_proj) is caught."""
     from transformers import AutoModelForCausalLM
 
     src = converted["mha_untied", 2, 1]
@@ -233,7 +254,10 @@ def test_forward_check_can_fail(models, converted, tmp_path):
         tensors = load_file(str(src / f"rank{rank}.safetensors"))
         for j in range(2):
             p = f"transformer.layers.{j}.mlp."
-            tensors[p + "fc.weight"], tensors[p + "gate.weight"] = tensors[p + "gate.weight"], tensors[p + "fc.weight"]
+            tensors[p + "fc.weight"], tensors[p + "gate.weight"] = (
+                tensors[p + "gate.weight"],
+                tensors[p + "fc.weight"],
+            )
         save_file(tensors, str(broken / f"rank{rank}.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(models["mha_untied"], attn_implementation="eager").eval()
     ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -273,7 +297,8 @@ def test_refit_stream_equals_the_files(key, tp, pp, models, converted):
 
 
 def test_refit_stream_buffers_only_one_layers_qkv(models):
-    """In the trainer's order only q and k of the current layer wait; other pieces are views of the sent tensor."""
+    """In the trainer's order only q and k of the current layer wait;
+    other pieces are views of the sent tensor."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(models["bias_untied"])
@@ -295,14 +320,23 @@ def test_refit_stream_errors_say_what_is_wrong(models):
     model = AutoModelForCausalLM.from_pretrained(models["mha_untied"])
     layout = layout_for(model.config, 2, 1)
     params = dict(model.named_parameters())
-    with pytest.raises(CheckpointConversionError, match=r"unknown HF parameter 'model.layers.9.mlp.up_proj.weight'"):
+    with pytest.raises(
+        CheckpointConversionError, match=r"unknown HF parameter 'model.layers.9.mlp.up_proj.weight'"
+    ):
         list(StreamConverter(layout).feed("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64)))
-    with pytest.raises(CheckpointConversionError, match=r"model.norm.weight: shape \(32,\), the model's config says \(64,\)"):
+    with pytest.raises(
+        CheckpointConversionError, match=r"model.norm.weight: shape \(32,\), the model's config says \(64,\)"
+    ):
         list(StreamConverter(layout).feed("model.norm.weight", torch.zeros(32)))
     q = "model.layers.1.self_attn.q_proj.weight"
-    with pytest.raises(CheckpointConversionError, match=r"q/k/v incomplete: missing model.layers.1.self_attn.\{k_proj,v_proj\}"):
+    with pytest.raises(
+        CheckpointConversionError,
+        match=r"q/k/v incomplete: missing model.layers.1.self_attn.\{k_proj,v_proj\}",
+    ):
         list(StreamConverter(layout).convert([(q, params[q].detach())], partial=True))
-    with pytest.raises(CheckpointConversionError, match=r"HF parameters never arrived: model.embed_tokens.weight"):
+    with pytest.raises(
+        CheckpointConversionError, match=r"HF parameters never arrived: model.embed_tokens.weight"
+    ):
         list(StreamConverter(layout).convert([]))
     assert list(StreamConverter(layout).convert([], partial=True)) == []
 
@@ -312,25 +346,39 @@ def test_bad_mappings_are_clear_errors(models):
     from transformers import LlamaConfig
 
     config = _hf_config(models["gqa_tied"])  # 4 heads, 2 KV heads, 2 layers, intermediate 128
-    with pytest.raises(CheckpointConversionError,
-                       match=r"tp_size=3 cannot split.*num_attention_heads=4 is not divisible by it.*valid tp_size "
-                             r"values for this model are 1, 2, 4") as err:
+    with pytest.raises(
+        CheckpointConversionError,
+        match=r"tp_size=3 cannot split.*num_attention_heads=4 is not divisible by it.*valid tp_size "
+        r"values for this model are 1, 2, 4",
+    ) as err:
         layout_for(config, 3)
     assert "engine.tensor_parallel_size" not in str(err.value)
-    with pytest.raises(CheckpointConversionError, match=r"pp_size=3 does not divide num_hidden_layers=2.*valid pp_size "
-                                                        r"values for this model are 1, 2"):
+    with pytest.raises(
+        CheckpointConversionError,
+        match=r"pp_size=3 does not divide num_hidden_layers=2.*valid pp_size "
+        r"values for this model are 1, 2",
+    ):
         layout_for(config, 1, 3)
     # 6 heads on 3 KV heads: tp 2 splits the heads, but 3 KV heads neither split in 2 nor copy evenly.
-    odd = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=192,
-                      num_hidden_layers=2, vocab_size=64)
-    with pytest.raises(CheckpointConversionError,
-                       match=r"num_key_value_heads=3 is not divisible by it \(grouped-query attention: 6 query heads on "
-                             r"3 KV heads; KV heads are copied only when the size is a multiple of them\)"):
+    odd = LlamaConfig(
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        vocab_size=64,
+    )
+    with pytest.raises(
+        CheckpointConversionError,
+        match=r"num_key_value_heads=3 is not divisible by it \(grouped-query attention: 6 query heads on "
+        r"3 KV heads; KV heads are copied only when the size is a multiple of them\)",
+    ):
         layout_for(odd, 2)
     with pytest.raises(CheckpointConversionError, match="valid tp_size values for this model are 1, 3, 6"):
         layout_for(odd, 2)
     assert layout_for(odd, 3).kv_heads_per_rank == 1  # 3 KV heads over 3 ranks
-    assert layout_for(config, 4).kv_heads_per_rank == 1  # 2 KV heads copied onto 4 ranks, as TensorRT-LLM does
+    # 2 KV heads copied onto 4 ranks, as TensorRT-LLM does
+    assert layout_for(config, 4).kv_heads_per_rank == 1
     with pytest.raises(CheckpointConversionError, match="tp_size=0 and pp_size=1 must both be >= 1"):
         layout_for(config, 0)
     with pytest.raises(CheckpointConversionError, match="dtype 'float64' is not supported; valid: float32"):
@@ -340,8 +388,11 @@ def test_bad_mappings_are_clear_errors(models):
 def test_unsupported_architectures_name_the_fallback():
     from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
-    for config, reason in [(GPT2Config(), "model_type='gpt2'"), (Qwen2Config(), "model_type='qwen2'"),
-                           (LlamaConfig(hidden_act="gelu"), "hidden_act='gelu'")]:
+    for config, reason in [
+        (GPT2Config(), "model_type='gpt2'"),
+        (Qwen2Config(), "model_type='qwen2'"),
+        (LlamaConfig(hidden_act="gelu"), "hidden_act='gelu'"),
+    ]:
         with pytest.raises(UnsupportedArchitectureError, match=reason) as err:
             layout_for(config, 1)
         assert "engine.backend: native" in str(err.value) and "engine.backend: hf" in str(err.value)
@@ -375,12 +426,30 @@ def test_conversion_is_atomic(models, tmp_path, monkeypatch):
 
 def test_cli_prints_one_summary_line(models, tmp_path, capsys):
     out = tmp_path / "cli"
-    assert convert_main(["--checkpoint", str(models["gqa_tied"]), "--out", str(out), "--tp", "2", "--pp", "2",
-                         "--dtype", "bfloat16"]) == 0
+    assert (
+        convert_main(
+            [
+                "--checkpoint",
+                str(models["gqa_tied"]),
+                "--out",
+                str(out),
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip()
     assert line.startswith("tensorrt-llm checkpoint tp=2 pp=2 bfloat16: rank0 ") and " s -> " in line
     assert "\n" not in line
-    assert convert_main(["--checkpoint", str(models["gqa_tied"]), "--out", str(tmp_path / "bad"), "--tp", "3"]) == 2
+    assert (
+        convert_main(["--checkpoint", str(models["gqa_tied"]), "--out", str(tmp_path / "bad"), "--tp", "3"])
+        == 2
+    )
     assert "tp_size=3 cannot split" in capsys.readouterr().err
 
 
@@ -425,7 +494,9 @@ def test_engine_build_names_the_fallback_for_an_unsupported_architecture(tmp_pat
         TensorRTLLMEngine.build(qwen, engine_config(backend="tensorrt-llm"), device=device)
 
 
-needs_gpu = pytest.mark.skipif(_trtllm_on_gpu() is not None, reason=f"TensorRT-LLM engine: {_trtllm_on_gpu()}")
+needs_gpu = pytest.mark.skipif(
+    _trtllm_on_gpu() is not None, reason=f"TensorRT-LLM engine: {_trtllm_on_gpu()}"
+)
 ON_CUDA = pytest.mark.cuda_only("TensorRT-LLM engines run on NVIDIA GPUs only")
 
 
@@ -436,8 +507,12 @@ def test_gpu_engine_greedy_parity_with_hf(models, device):
 
     from alignflow.stages.common.generation.interface import build_engine, check_greedy_parity
 
-    engine = build_engine(models["mha_untied"], engine_config(backend="tensorrt-llm"), dtype="float32", device=device)
-    reference = build_engine(models["mha_untied"], engine_config(backend="hf"), dtype="float32", device=device)
+    engine = build_engine(
+        models["mha_untied"], engine_config(backend="tensorrt-llm"), dtype="float32", device=device
+    )
+    reference = build_engine(
+        models["mha_untied"], engine_config(backend="hf"), dtype="float32", device=device
+    )
     report = check_greedy_parity(engine, reference, random_prompts(4), max_new_tokens=8)
     assert report.ok, report.first_mismatch
 
@@ -451,9 +526,14 @@ def test_gpu_engine_refit_equals_fresh_build(models, tmp_path, device):
     from alignflow.stages.common.generation.interface import SamplingParams, build_engine
 
     moved = perturbed_checkpoint(models["mha_untied"], tmp_path / "moved")
-    engine = build_engine(models["mha_untied"], engine_config(backend="tensorrt-llm"), dtype="float32", device=device)
+    engine = build_engine(
+        models["mha_untied"], engine_config(backend="tensorrt-llm"), dtype="float32", device=device
+    )
     engine.refit((n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(moved).named_parameters())
     fresh = build_engine(moved, engine_config(backend="tensorrt-llm"), dtype="float32", device=device)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
     prompts = random_prompts(4)
-    assert engine.generate(prompts, sampling).response_token_ids == fresh.generate(prompts, sampling).response_token_ids
+    assert (
+        engine.generate(prompts, sampling).response_token_ids
+        == fresh.generate(prompts, sampling).response_token_ids
+    )

@@ -139,7 +139,8 @@ def test_tokenizer_padding_side_and_missing_pad(tmp_path, tokenizer):
     # A GPT-2-style tokenizer: eos only, no pad anywhere (neither in its config nor its padding setup).
     backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     backend.no_padding()
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=tiny.EOS_TOKEN).save_pretrained(tmp_path / "eos")
+    eos_only = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=tiny.EOS_TOKEN)
+    eos_only.save_pretrained(tmp_path / "eos")
     assert AutoTokenizer.from_pretrained(tmp_path / "eos").pad_token is None
     no_pad = load_tokenizer(tmp_path / "eos")
     assert (no_pad.pad_token, no_pad.pad_token_id) == (tiny.EOS_TOKEN, tokenizer.eos_token_id)
@@ -164,12 +165,17 @@ def test_missing_directory_is_named(tmp_path):
 
 def test_a_directory_without_config_or_weights_says_which_file_is_missing(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelDirError, match=r"config.json is missing \(found: nothing, the directory is empty\)"):
+    with pytest.raises(
+        ModelDirError, match=r"config.json is missing \(found: nothing, the directory is empty\)"
+    ):
         load_causal_lm(tmp_path / "empty")
     (tmp_path / "noweights").mkdir()
     (tmp_path / "noweights" / "config.json").write_text("{}")
-    with pytest.raises(ModelDirError, match=r"no model weights: expected one of model.safetensors, "
-                                            r"model.safetensors.index.json, .* \(found: config.json\)"):
+    with pytest.raises(
+        ModelDirError,
+        match=r"no model weights: expected one of model.safetensors, "
+        r"model.safetensors.index.json, .* \(found: config.json\)",
+    ):
         load_sequence_classifier(tmp_path / "noweights")
     with pytest.raises(ModelDirError, match="no tokenizer files: expected one of tokenizer.json"):
         load_tokenizer(tmp_path / "noweights")

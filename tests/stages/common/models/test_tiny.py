@@ -1,4 +1,4 @@
-"""The tiny-model factory: tokenizer conventions, lossless byte-level BPE, model init and the save/load round trip."""
+"""The tiny-model factory: tokenizer conventions, lossless BPE, model init, save/load trip."""
 
 from __future__ import annotations
 
@@ -11,8 +11,15 @@ from alignflow.stages.common.models import tiny
 from alignflow.stages.data import demo_task
 from alignflow.stages.data.formats import Message, render_prompt
 
-CFG = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=384, max_position_embeddings=64)
+CFG = TinyModelConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=384,
+    max_position_embeddings=64,
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""cpu_attention: SDPA's result and gradients in fp32, under autocast and with GQA, the same bits on 1 and 2 threads.
+"""cpu_attention: SDPA's result and gradients in fp32, autocast, GQA; equal bits on 1 and 2 threads.
 
 Tolerances: fp32 against SDPA's math path, max |diff| measured ~1e-7 (outputs) and ~5e-7 (gradients relative
 to the largest); the bound 1e-5 is far below what a wrong scale, mask or softmax term moves (>1e-2).
@@ -41,7 +41,9 @@ def forward_backward(fn, q, k, v, bias, grad):
 
 
 def sdpa(q, k, v, bias):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3, enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias, scale=0.3, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 def explicit(q, k, v, bias):
@@ -57,15 +59,18 @@ def assert_close(got, want, bound):
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_matches_sdpa_with_gradients_in_fp32(kv_heads):
     q, k, v, bias, grad = inputs(kv_heads=kv_heads)
-    assert_close(forward_backward(explicit, q, k, v, bias, grad), forward_backward(sdpa, q, k, v, bias, grad), FP32)
+    assert_close(
+        forward_backward(explicit, q, k, v, bias, grad), forward_backward(sdpa, q, k, v, bias, grad), FP32
+    )
 
 
 def test_under_autocast_it_computes_in_fp32_from_the_bf16_inputs():
     q, k, v, bias, grad = inputs(kv_heads=2)
     rounded = [t.detach().bfloat16().float().requires_grad_() for t in (q, k, v)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = forward_backward(lambda *a: explicit(*(t.bfloat16() for t in a[:3]), a[3].bfloat16()),
-                               q, k, v, bias, grad)
+        got = forward_backward(
+            lambda *a: explicit(*(t.bfloat16() for t in a[:3]), a[3].bfloat16()), q, k, v, bias, grad
+        )
     # fp32 attention of the bf16-rounded inputs; the gradients pass back through the bf16 casts.
     want = forward_backward(sdpa, *rounded, bias, grad)
     assert float((got[0] - want[0]).abs().max()) <= FP32 * float(want[0].abs().max())
@@ -100,7 +105,9 @@ def test_llama_forward_takes_it_under_cpu_autocast_within_the_eager_length_and_t
         calls = []
         monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or real(*a))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids, packed.position_ids)
+            llama_forward.llama_hidden_states(
+                model.model, packed.input_ids, packed.segment_ids, packed.position_ids
+            )
         return len(calls)
 
     assert layers_through_it(autocast=False) == 0  # fp32: SDPA
@@ -109,7 +116,11 @@ def test_llama_forward_takes_it_under_cpu_autocast_within_the_eager_length_and_t
         patch.setattr(llama_forward, "EAGER_ATTENTION_MAX_LEN", width - 1)
         assert layers_through_it() == 0  # longer rows keep SDPA (scores are width^2)
     with monkeypatch.context() as patch:
-        patch.setattr(cpu_attention, "MAX_PROBABILITY_BYTES", batch * model.config.num_attention_heads * width**2 * 4 - 1)
+        patch.setattr(
+            cpu_attention,
+            "MAX_PROBABILITY_BYTES",
+            batch * model.config.num_attention_heads * width**2 * 4 - 1,
+        )
         assert layers_through_it() == 0  # and so do batches whose probabilities would not fit
 
 

@@ -40,7 +40,8 @@ def rl_batch(seed: int = 0, rows: int = 5, vocab: int = 256, device: str = "cpu"
 
 
 def causal_lm(name: str, seed: int = 0, device: str = "cpu", **overrides):
-    """A random tiny model of variant `name`, drawn on the CPU (the same weights on every device), on `device`."""
+    """A random tiny model of variant `name`, drawn on the CPU
+    (the same weights on every device), on `device`."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name, **overrides), attn_implementation="eager")
     with torch.no_grad():  # transformers initialises biases to zero: a misplaced bias would change nothing
@@ -75,8 +76,10 @@ def assert_packed_log_probs_match_padded(model, exp: Experience, packed) -> None
     plain_logp, plain_entropy = policy_logprobs(model, exp, 0.7, entropy="loss", lean=False)
     assert float((logp - plain_logp).abs().max()) <= HIDDEN_FP32
     assert float((entropy - plain_entropy).abs().max()) <= HIDDEN_FP32
-    assert_grads_close(grads_of(model, (logp * weights).sum() + entropy.sum()),
-                       grads_of(model, (plain_logp * weights).sum() + plain_entropy.sum()))
+    assert_grads_close(
+        grads_of(model, (logp * weights).sum() + entropy.sum()),
+        grads_of(model, (plain_logp * weights).sum() + plain_entropy.sum()),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
@@ -85,8 +88,9 @@ def test_hidden_states_and_gradients_match_transformers(name, device):
     assert llama_forward.supports(model.model) is None
     exp = rl_batch(device=device)
     real = exp.attention_mask.bool()
-    plain = model.model(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
-                        position_ids=exp.position_ids).last_hidden_state
+    plain = model.model(
+        input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids
+    ).last_hidden_state
     lean = llama_forward.llama_hidden_states(model.model, exp.input_ids, exp.attention_mask, exp.position_ids)
     assert lean.shape == plain.shape
     assert float((lean - plain)[real].abs().max()) <= HIDDEN_FP32
@@ -109,10 +113,13 @@ def test_kept_rows_equal_the_selected_rows_of_the_full_forward_with_their_gradie
     exp = rl_batch(seed=3, rows=6, device=device)
     packed = exp.packed
     weights = loss_weights((packed.predicts.numel(), 1), device)
-    full = llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids, packed.position_ids)
+    full = llama_forward.llama_hidden_states(
+        model.model, packed.input_ids, packed.segment_ids, packed.position_ids
+    )
     full = full.reshape(-1, full.shape[-1])[packed.predicts]
-    kept = llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids, packed.position_ids,
-                                             keep=packed.predicts)
+    kept = llama_forward.llama_hidden_states(
+        model.model, packed.input_ids, packed.segment_ids, packed.position_ids, keep=packed.predicts
+    )
     assert kept.shape == full.shape
     assert float((kept - full).abs().max()) <= HIDDEN_FP32
     assert_grads_close(grads_of(model, (kept * weights).sum()), grads_of(model, (full * weights).sum()))
@@ -120,8 +127,9 @@ def test_kept_rows_equal_the_selected_rows_of_the_full_forward_with_their_gradie
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_packed_rows_give_the_padded_log_probs_entropy_and_gradients(name, device):
-    """Several sequences per row (stages/common/training/packing.py), each masked to itself, against transformers' padded
-    forward: a key of the wrong sequence or a position not restarted moves these by >1e-2."""
+    """Several sequences per row (stages/common/training/packing.py), each masked to itself, against
+    transformers' padded forward: a key of the wrong sequence or a position not restarted moves these by
+    >1e-2."""
     model = causal_lm(name, device=device)
     exp = rl_batch(seed=2, rows=7, device=device)
     packed = exp.packed
@@ -145,8 +153,9 @@ def test_rows_sharing_a_prompt_give_the_padded_log_probs_values_and_gradients(na
     assert_packed_log_probs_match_padded(model, exp, packed)
 
     torch.manual_seed(0)
-    critic = AutoModelForSequenceClassification.from_config(tiny_config(name, num_labels=1),
-                                                            attn_implementation="eager").to(device)
+    critic = AutoModelForSequenceClassification.from_config(
+        tiny_config(name, num_labels=1), attn_implementation="eager"
+    ).to(device)
     values = token_values(critic, exp, packed=packed)
     plain = token_values(critic, exp, lean=False)
     assert float((values - plain).abs().max()) <= HIDDEN_FP32
@@ -157,22 +166,29 @@ def test_rows_sharing_a_prompt_give_the_padded_log_probs_values_and_gradients(na
 def test_critic_values_match_transformers(device):
     torch.manual_seed(0)
     critic = AutoModelForSequenceClassification.from_config(
-        tiny_config("llama_gqa_tied_llama3", num_labels=1), attn_implementation="eager").to(device)
+        tiny_config("llama_gqa_tied_llama3", num_labels=1), attn_implementation="eager"
+    ).to(device)
     exp = rl_batch(seed=1, device=device)
     plain = token_values(critic, exp, lean=False)
     lean = token_values(critic, exp, lean=True)
     assert float((lean - plain).abs().max()) <= HIDDEN_FP32
-    assert_grads_close(grads_of(critic, lean.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum()))
+    assert_grads_close(
+        grads_of(critic, lean.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum())
+    )
     packed = token_values(critic, exp, packed=exp.packed)
     assert float((packed - plain).abs().max()) <= HIDDEN_FP32
-    assert_grads_close(grads_of(critic, packed.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum()))
+    assert_grads_close(
+        grads_of(critic, packed.sum()), grads_of(critic, token_values(critic, exp, lean=False).sum())
+    )
 
 
 def test_lora_adapters_run_in_the_lean_forward_and_the_reference_keeps_transformers(device):
     from peft import LoraConfig, get_peft_model
 
     model = causal_lm("llama_mha_untied", device=device)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    )
     with torch.no_grad():  # LoRA's B starts at zero: make the adapters change the output
         for param_name, param in peft_model.named_parameters():
             if "lora_B" in param_name:
@@ -183,8 +199,10 @@ def test_lora_adapters_run_in_the_lean_forward_and_the_reference_keeps_transform
     assert float((lean - plain).abs().max()) <= HIDDEN_FP32
     reference = policy_logprobs(AdaptersDisabled(peft_model), exp, 1.0, lean=True)[0]
     assert float((reference - lean).abs().max()) > 1e-2  # the adapters are off in the reference
-    assert_grads_close(grads_of(peft_model, policy_logprobs(peft_model, exp, 1.0, lean=True)[0].sum()),
-                       grads_of(peft_model, policy_logprobs(peft_model, exp, 1.0, lean=False)[0].sum()))
+    assert_grads_close(
+        grads_of(peft_model, policy_logprobs(peft_model, exp, 1.0, lean=True)[0].sum()),
+        grads_of(peft_model, policy_logprobs(peft_model, exp, 1.0, lean=False)[0].sum()),
+    )
 
 
 def test_bf16_autocast_stays_within_bf16_rounding(device):
@@ -200,8 +218,16 @@ def test_bf16_autocast_stays_within_bf16_rounding(device):
 
 
 def test_bucketed_row_counts_add_at_most_an_eighth_and_repeat_in_8_sizes_an_octave():
-    assert [llama_forward.bucketed_rows(n) for n in (1, 16, 17, 31, 33, 449, 524, 1100)] == \
-        [1, 16, 18, 32, 36, 480, 576, 1152]
+    assert [llama_forward.bucketed_rows(n) for n in (1, 16, 17, 31, 33, 449, 524, 1100)] == [
+        1,
+        16,
+        18,
+        32,
+        36,
+        480,
+        576,
+        1152,
+    ]
     for n in range(1, 5000):
         assert n <= llama_forward.bucketed_rows(n) <= n + n / 8
     assert len({llama_forward.bucketed_rows(n) for n in range(513, 1025)}) == 8  # 576, 640, ..., 1024
@@ -211,7 +237,8 @@ def test_bucketed_row_counts_add_at_most_an_eighth_and_repeat_in_8_sizes_an_octa
 def test_rows_padded_to_a_bucket_give_the_same_log_probs_values_and_gradients(name, device):
     """The linear layers on zero-padded row counts (pad_rows, bucketed_keep): the real rows' outputs and every
     gradient as without padding (measured equal bit for bit here; the bound allows another summation order).
-    A padding row that reached attention, or a repeated read-out row that kept its gradient, moves them >1e-2."""
+    A padding row that reached attention, or a repeated read-out row that kept its gradient, moves them
+    >1e-2."""
     model = causal_lm(name, device=device)
     exp = rl_batch(seed=5, rows=7, device=device)
     packed = exp.packed
@@ -220,14 +247,20 @@ def test_rows_padded_to_a_bucket_give_the_same_log_probs_values_and_gradients(na
     assert keep.numel() > packed.predicts.numel()  # this batch's count is not a bucket size already
 
     def hidden(pad: bool, keep_rows: torch.Tensor | None):
-        return llama_forward.llama_hidden_states(model.model, packed.input_ids, packed.segment_ids,
-                                                 packed.position_ids, keep=keep_rows, prefix_ids=packed.prefix_ids,
-                                                 pad_rows=pad)
+        return llama_forward.llama_hidden_states(
+            model.model,
+            packed.input_ids,
+            packed.segment_ids,
+            packed.position_ids,
+            keep=keep_rows,
+            prefix_ids=packed.prefix_ids,
+            pad_rows=pad,
+        )
 
     plain = hidden(False, packed.predicts)
     padded = hidden(True, keep)
     assert padded.shape[0] == keep.numel()
-    padded = padded[:packed.predicts.numel()]
+    padded = padded[: packed.predicts.numel()]
     assert float((padded - plain).abs().max()) <= HIDDEN_FP32
     assert_grads_close(grads_of(model, (padded * weights).sum()), grads_of(model, (plain * weights).sum()))
     full_plain, full_padded = hidden(False, None), hidden(True, None)
@@ -237,20 +270,25 @@ def test_rows_padded_to_a_bucket_give_the_same_log_probs_values_and_gradients(na
 
 @pytest.mark.cpu_only("the row padding is for CPU autocast's oneDNN kernels, compiled per shape")
 def test_cpu_autocast_pads_every_linear_to_a_bucketed_row_count():
-    """Under CPU autocast (bf16 matmuls through oneDNN, a kernel compiled per shape) every linear layer and the
-    LM head see bucketed row counts, and the log-probs stay within bf16 rounding of the unpadded ones."""
+    """Under CPU autocast (bf16 matmuls through oneDNN, a kernel compiled per shape) every linear layer and
+    the LM head see bucketed row counts, and the log-probs stay within bf16 rounding of the unpadded ones."""
     model = causal_lm("llama_gqa_tied_llama3")
     exp = rl_batch(seed=5, rows=7)
     seen: list[int] = []
-    hooks = [module.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
-             for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    hooks = [
+        module.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         padded = policy_logprobs(model, exp, 1.0, lean=True, packed=exp.packed)[0]
     for hook in hooks:
         hook.remove()
     assert seen and all(rows == llama_forward.bucketed_rows(rows) for rows in seen)
-    assert {llama_forward.bucketed_rows(exp.packed.input_ids.numel()),
-            llama_forward.bucketed_rows(exp.packed.predicts.numel())} <= set(seen)
+    assert {
+        llama_forward.bucketed_rows(exp.packed.input_ids.numel()),
+        llama_forward.bucketed_rows(exp.packed.predicts.numel()),
+    } <= set(seen)
     assert not llama_forward.pads_rows(None, torch.device("cpu"))  # outside autocast: no padding
     fp32 = policy_logprobs(model, exp, 1.0, lean=False)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -273,8 +311,8 @@ def test_refuses_what_it_does_not_run_exactly():
 
 
 def test_the_answer_of_supports_is_kept_per_config_and_dropped_with_it():
-    """supports() checks a config once: a second model's config gets its own answer (a refused architecture after
-    a supported one is still refused), and the entry goes when its config does."""
+    """supports() checks a config once: a second model's config gets its own answer (a refused architecture
+    after a supported one is still refused), and the entry goes when its config does."""
     import gc
 
     plain, gelu = causal_lm("llama_mha_untied"), causal_lm("llama_mha_untied", hidden_act="gelu")
@@ -302,8 +340,9 @@ def test_unsupported_models_fall_back_to_transformers_forward(device):
 
 
 def test_rope_tables_are_never_taken_from_a_dead_config_whose_id_was_reused():
-    """The tables are cached by id(config) (configs are not hashable). An entry left by a collected config must
-    not serve a new config that got the same id: in CI a critic was given another model's KV-head count."""
+    """The tables are cached by id(config) (configs are not hashable). An entry left by a collected config
+    must not serve a new config that got the same id: in CI a critic was given another model's KV-head
+    count."""
     import gc
     import weakref
 

@@ -1,4 +1,4 @@
-"""LoRA helpers: config checks that name the key, only adapters trainable, merged weights equal base + adapter.
+"""LoRA helpers: config checks naming the key, only adapters trainable, merged weights equal base + adapter.
 
 The models run on the session's device (--device); a saved checkpoint is loaded back onto it."""
 
@@ -18,8 +18,17 @@ from alignflow.stages.common.training.lora import (
     save_merged,
 )
 
-LLAMA = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=300, max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)
+LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    pad_token_id=0,
+)
 
 
 def _trained_adapter(model: torch.nn.Module, seed: int = 0) -> None:
@@ -47,9 +56,12 @@ def test_only_adapters_are_trainable_and_off_means_untouched():
 
 def test_unknown_target_module_names_the_key_and_the_valid_names():
     model = LlamaForCausalLM(LlamaConfig(**LLAMA))
-    with pytest.raises(LoRAConfigError, match=r"^ppo.lora.target_modules: 'qproj' matches no linear layer of the "
-                                              r"model \(LlamaForCausalLM\); its linear layers are: down_proj, "
-                                              r"gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj$"):
+    with pytest.raises(
+        LoRAConfigError,
+        match=r"^ppo.lora.target_modules: 'qproj' matches no linear layer of the "
+        r"model \(LlamaForCausalLM\); its linear layers are: down_proj, "
+        r"gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj$",
+    ):
         apply_lora(model, LoRAConfig(rank=4, target_modules=["q_proj", "qproj"]), "ppo.lora")
 
 
@@ -57,10 +69,18 @@ def test_unknown_target_module_names_the_key_and_the_valid_names():
 def test_merged_weights_equal_base_plus_adapter(classifier, tmp_path, device):
     torch.manual_seed(1)
     model_class = LlamaForSequenceClassification if classifier else LlamaForCausalLM
-    base = model_class(LlamaConfig(**LLAMA, num_labels=1) if classifier else LlamaConfig(**LLAMA)).eval().to(device)
+    base = (
+        model_class(LlamaConfig(**LLAMA, num_labels=1) if classifier else LlamaConfig(**LLAMA))
+        .eval()
+        .to(device)
+    )
     base_weights = {k: v.clone() for k, v in base.state_dict().items()}  # peft injects adapters into `base`
-    lora = apply_lora(base, LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-                      "reward.lora", classifier=classifier)
+    lora = apply_lora(
+        base,
+        LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+        "reward.lora",
+        classifier=classifier,
+    )
     _trained_adapter(lora)
     ids = torch.randint(1, 300, (3, 11)).to(device)
     with torch.no_grad():
@@ -73,8 +93,11 @@ def test_merged_weights_equal_base_plus_adapter(classifier, tmp_path, device):
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
     adapted = dict(merged_adapted_weights(lora))
-    assert sorted(adapted) == sorted(f"model.layers.{i}.{m}.weight" for i in range(2)
-                                     for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"))
+    assert sorted(adapted) == sorted(
+        f"model.layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+    )
     for name, weight in adapted.items():
         # The refit stream stays on the model's device; the merged state dict is CPU copies (what is saved).
         assert weight.device.type == torch.device(device).type
@@ -104,6 +127,10 @@ def test_adapters_disabled_is_the_frozen_base_without_a_copy(device):
     frozen = AdaptersDisabled(lora)
     ids = torch.randint(1, 300, (2, 9)).to(device)
     with torch.no_grad():
-        torch.testing.assert_close(frozen(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
-        assert (lora(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max() > 1e-3  # adapters back on
+        torch.testing.assert_close(
+            frozen(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0
+        )
+        assert (
+            lora(input_ids=ids).logits - reference(input_ids=ids).logits
+        ).abs().max() > 1e-3  # adapters back on
     assert list(frozen.parameters()) == []

@@ -120,7 +120,9 @@ def test_pack_sequences_puts_each_token_list_in_its_segment_from_its_start():
     sequences = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
     packed = pack_sequences(sequences, capacity=6)
     assert packed.input_ids.shape == (2, 6)
-    flat_ids, flat_pos, flat_seg = (t.reshape(-1) for t in (packed.input_ids, packed.position_ids, packed.segment_ids))
+    flat_ids, flat_pos, flat_seg = (
+        t.reshape(-1) for t in (packed.input_ids, packed.position_ids, packed.segment_ids)
+    )
     for index, tokens in enumerate(sequences):
         span = slice(int(packed.starts[index]), int(packed.starts[index]) + len(tokens))
         assert flat_ids[span].tolist() == tokens
@@ -173,7 +175,7 @@ def test_rows_with_one_prompt_share_one_copy_and_every_prediction_reads_the_toke
         where = shared.segment_ids == row + 1
         sequence = real_sequence(exp, row)
         own = len(sequence) if row == 1 else len(sequence) - int(prompt_lengths[row])
-        assert torch.equal(shared.input_ids[where], sequence[len(sequence) - own:])
+        assert torch.equal(shared.input_ids[where], sequence[len(sequence) - own :])
         assert torch.equal(shared.position_ids[where], torch.arange(len(sequence) - own, len(sequence)))
 
 
@@ -187,8 +189,8 @@ def test_a_shared_unit_stays_within_the_width_asked_for():
 
 
 def rl_ladder_grpo_batch() -> Experience:
-    """The RL benchmark's GRPO minibatch: 4 prompts of 7-12 tokens x 4 completions of 32 tokens, rows shuffled.
-    A group (7 + 4 x 32 = 135 tokens or more) is longer than 3 x the longest sequence (44)."""
+    """The RL benchmark's GRPO minibatch: 4 prompts of 7-12 tokens x 4 completions of 32 tokens, rows
+    shuffled. A group (7 + 4 x 32 = 135 tokens or more) is longer than 3 x the longest sequence (44)."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 100, (n,), generator=generator).tolist() for n in (7, 9, 10, 12)]
     owners = [2, 0, 3, 1, 0, 2, 1, 3, 3, 0, 1, 2, 1, 3, 0, 2]
@@ -198,9 +200,8 @@ def rl_ladder_grpo_batch() -> Experience:
 
 def test_a_whole_group_shares_one_prompt_copy_when_the_models_attention_width_prefers_it():
     """For the 256-wide benchmark model (attention width 1,024) the minibatch packs as 4 rows, one whole group
-    each: every prompt once. Measured there (2 threads, fwd+bwd+AdamW): 8 rows of 74-78 slots (two copies of
-    each prompt, 592-624 slots) 147-150 ms, one group per row (552-568 slots) 144-145 ms. The demo's 64-wide
-    model keeps its attention width (128) and narrower rows."""
+    each: every prompt once, fewer slots for more attention pairs, the faster layout there
+    (packing.attention_width). The demo's 64-wide model keeps its attention width (128) and narrower rows."""
     from alignflow.stages.common.training.packing import attention_width
 
     assert attention_width(64) == 128 and attention_width(256) == 1024

@@ -1,4 +1,4 @@
-"""The plain-torch trainer makes DeepSpeed's update (one rank, ZeRO 0, CPU) and resumes from its own checkpoints."""
+"""The plain-torch trainer makes DeepSpeed's update (one rank, ZeRO 0, CPU), resumes from its own."""
 
 from __future__ import annotations
 
@@ -13,15 +13,32 @@ from alignflow.stages.common.training.plain_trainer import (
     resolve_train_backend,
 )
 
-SETTINGS = OptimSettings(lr=1e-2, weight_decay=0.01, warmup_steps=0, total_steps=10, micro_batch_size=4,
-                         grad_accum=1, zero_stage=0, grad_clip=0.5, schedule="constant")
+SETTINGS = OptimSettings(
+    lr=1e-2,
+    weight_decay=0.01,
+    warmup_steps=0,
+    total_steps=10,
+    micro_batch_size=4,
+    grad_accum=1,
+    zero_stage=0,
+    grad_clip=0.5,
+    schedule="constant",
+)
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                        max_position_embeddings=32))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def train(engine, steps: int = 4) -> None:
@@ -38,7 +55,9 @@ def test_same_weights_as_deepspeed_after_clipped_steps():
     deep, _, _ = initialize(tiny_model(), SETTINGS)
     train(plain)
     train(deep)
-    for (name, a), (_, b) in zip(plain.module.named_parameters(), deep.module.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(
+        plain.module.named_parameters(), deep.module.named_parameters(), strict=True
+    ):
         # Same AdamW and clipping (fused here, DeepSpeed's torch AdamW there): another summation order, ~1e-8.
         assert torch.allclose(a, b, atol=1e-6, rtol=0), name
 
@@ -49,7 +68,8 @@ def test_checkpoint_resumes_to_the_same_weights(tmp_path):
     first = PlainTorchTrainer(tiny_model(), SETTINGS)
     train(first, steps=3)
     first.save_checkpoint(str(tmp_path), tag="state")
-    resumed = PlainTorchTrainer(tiny_model(seed=7), SETTINGS)  # other weights: everything comes from the checkpoint
+    # other weights: everything comes from the checkpoint
+    resumed = PlainTorchTrainer(tiny_model(seed=7), SETTINGS)
     resumed.load_checkpoint(str(tmp_path), tag="state")
     gen_state = torch.Generator().manual_seed(1)
     for _ in range(3):  # the batches the straight run saw in steps 1-3
@@ -58,7 +78,9 @@ def test_checkpoint_resumes_to_the_same_weights(tmp_path):
         ids = torch.randint(0, 64, (4, 12), generator=gen_state)
         resumed.backward(resumed(input_ids=ids, labels=ids).loss * 10)
         resumed.step()
-    for (name, a), (_, b) in zip(straight.module.named_parameters(), resumed.module.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(
+        straight.module.named_parameters(), resumed.module.named_parameters(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 
@@ -68,10 +90,16 @@ def test_a_deepspeed_checkpoint_is_named_as_such(tmp_path):
         PlainTorchTrainer(tiny_model(), SETTINGS).load_checkpoint(str(tmp_path), tag="state")
 
 
-@pytest.mark.parametrize(("setting", "zero", "world", "expected"), [
-    ("auto", 0, "1", "torch"), ("auto", 2, "1", "deepspeed"), ("auto", 0, "2", "deepspeed"),
-    ("deepspeed", 0, "1", "deepspeed"), ("torch", 0, "1", "torch"),
-])
+@pytest.mark.parametrize(
+    ("setting", "zero", "world", "expected"),
+    [
+        ("auto", 0, "1", "torch"),
+        ("auto", 2, "1", "deepspeed"),
+        ("auto", 0, "2", "deepspeed"),
+        ("deepspeed", 0, "1", "deepspeed"),
+        ("torch", 0, "1", "torch"),
+    ],
+)
 def test_backend_choice(monkeypatch, setting, zero, world, expected):
     monkeypatch.setenv("WORLD_SIZE", world)
     assert resolve_train_backend(setting, zero) == expected
@@ -87,7 +115,9 @@ def test_settings_it_cannot_honour_are_errors():
     with pytest.raises(ValueError, match="grad_accum 1"):
         initialize_trainer(tiny_model(), OptimSettings(**{**SETTINGS.__dict__, "grad_accum": 2}), "torch")
     with pytest.raises(ValueError, match="no learning-rate schedule"):
-        initialize_trainer(tiny_model(), OptimSettings(**{**SETTINGS.__dict__, "schedule": "cosine"}), "torch")
+        initialize_trainer(
+            tiny_model(), OptimSettings(**{**SETTINGS.__dict__, "schedule": "cosine"}), "torch"
+        )
 
 
 def test_model_attributes_reach_through_like_deepspeed():
@@ -97,7 +127,7 @@ def test_model_attributes_reach_through_like_deepspeed():
 
 def test_saving_a_torch_trained_model_does_not_import_deepspeed(tmp_path):
     """transformers' save_pretrained asks accelerate whether the model is a DeepSpeed engine, and accelerate
-    imports deepspeed (and mlflow) to ask: 2.6 s at the end of every plain-torch stage. Fresh interpreter,
+    imports deepspeed (and mlflow) to ask: seconds at the end of every plain-torch stage. Fresh interpreter,
     since this test session has imported deepspeed already."""
     import subprocess
     import sys
@@ -109,10 +139,11 @@ from alignflow.stages.common.training.lora import save_trained
 from alignflow.stages.common.training.deepspeed_setup import OptimSettings
 from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
 torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=64, max_position_embeddings=32))
-settings = OptimSettings(lr=1e-2, weight_decay=0.0, warmup_steps=0, total_steps=1, micro_batch_size=1, grad_accum=1,
-                         zero_stage=0, grad_clip=1.0, schedule="constant")
+model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                     max_position_embeddings=32))
+settings = OptimSettings(lr=1e-2, weight_decay=0.0, warmup_steps=0, total_steps=1, micro_batch_size=1,
+                         grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
 save_trained(PlainTorchTrainer(model, settings), {str(tmp_path)!r})
 assert 'deepspeed' not in sys.modules, 'save_trained imported deepspeed'
 loaded = LlamaForCausalLM.from_pretrained({str(tmp_path)!r})

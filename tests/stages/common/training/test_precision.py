@@ -47,8 +47,8 @@ def test_unknown_setting_is_named():
 
 
 def test_auto_on_cuda_autocasts_any_width_and_supervised_stages_stay_in_fp32_on_a_cpu(monkeypatch):
-    """On a GPU `auto` is bf16 whatever the width (the CPU-measured width rule is for CPUs); the supervised stages'
-    auto autocasts on CUDA only."""
+    """On a GPU `auto` is bf16 whatever the width (the CPU-measured width rule is for CPUs); the supervised
+    stages' auto autocasts on CUDA only."""
     monkeypatch.setattr(precision_module, "has_bf16_arithmetic", lambda device: True)
     cuda = torch.device("cuda", 0)
     assert resolve_precision("auto", "float32", cuda, hidden_size=64).autocast_dtype == torch.bfloat16
