@@ -1,5 +1,5 @@
-"""The critic in its own process (stages/ppo/critic_worker.py) trains exactly like the critic on a thread, keeps the
-stale-log-prob gate, and names its failures: an error inside it, a failed start, its death."""
+"""The critic in its own process (stages/ppo/critic_worker.py) trains exactly like the critic on a thread,
+keeps the stale-log-prob gate, and names its failures: an error inside it, a failed start, its death."""
 
 from __future__ import annotations
 
@@ -27,13 +27,15 @@ pytestmark = pytest.mark.cpu_only("the critic's process holds the models on the 
 
 @pytest.fixture(autouse=True)
 def _two_threads(one_torch_thread):
-    torch.set_num_threads(2)  # one for the actor, one for the critic (one_torch_thread restores 1 after the test)
+    # one for the actor, one for the critic (one_torch_thread restores 1 after the test)
+    torch.set_num_threads(2)
     yield
 
 
 @pytest.fixture(scope="module")
 def critic_folder(checkpoint, tmp_path_factory) -> Path:
-    """The critic's initial weights as the reward stage publishes them: a sequence classifier that pads with PAD."""
+    """The critic's initial weights as the reward stage publishes them: a sequence classifier that pads with
+    PAD."""
     folder = tmp_path_factory.mktemp("critic") / "reward"
     torch.manual_seed(0)
     load_sequence_classifier(checkpoint, pad_token_id=PAD).save_pretrained(folder)
@@ -54,8 +56,11 @@ def experience_with_targets(rollout):
 
 def remote_critic(folder: Path, cfg, **spec) -> CriticWorker:
     settings = trainer_settings(micro_batch_size=cfg.minibatch_size)
-    return CriticWorker(CriticSpec(str(folder), cfg, "float32", settings, spec.pop("attention", "eager"), FP32,
-                                   threads=1, **spec))
+    return CriticWorker(
+        CriticSpec(
+            str(folder), cfg, "float32", settings, spec.pop("attention", "eager"), FP32, threads=1, **spec
+        )
+    )
 
 
 def remote_weights(worker: CriticWorker, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -63,9 +68,11 @@ def remote_weights(worker: CriticWorker, tmp_path: Path) -> dict[str, torch.Tens
     return torch.load(tmp_path / "critic" / "state" / STATE_FILE, weights_only=True)["model"]
 
 
-def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(critic_folder, checkpoint, rollout, tmp_path):
-    """Same values pass, same metrics, same actor and critic weights, bit for bit (2 epochs x 2 minibatches, one
-    thread per model both ways); the trainer's thread count is restored."""
+def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(
+    critic_folder, checkpoint, rollout, tmp_path
+):
+    """Same values pass, same metrics, same actor and critic weights, bit for bit (2 epochs x 2 minibatches,
+    one thread per model both ways); the trainer's thread count is restored."""
     exp = experience_with_targets(rollout)
     cfg = ppo_with_critic()
     settings = trainer_settings(micro_batch_size=3)
@@ -88,15 +95,17 @@ def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(critic_folder
         assert torch.get_num_threads() == 2
         weights = remote_weights(worker, tmp_path)
     assert "losses/value_loss" in on_thread and in_process == on_thread
-    for (name, x), (_, y) in zip(actor.module.named_parameters(), remote_actor.module.named_parameters(), strict=True):
+    for (name, x), (_, y) in zip(
+        actor.module.named_parameters(), remote_actor.module.named_parameters(), strict=True
+    ):
         assert torch.equal(x, y), name
     for name, param in critic.module.state_dict().items():
         assert torch.equal(param, weights[name]), name
 
 
 def test_a_stale_check_leaves_the_critics_process_untouched(critic_folder, checkpoint, rollout, tmp_path):
-    """The process starts the critic's updates before the actor's check of the old log-probs: when the check fails
-    its first update drops its gradients and nothing steps; the same worker then trains normally."""
+    """The process starts the critic's updates before the actor's check of the old log-probs: when the check
+    fails its first update drops its gradients and nothing steps; the same worker then trains normally."""
     exp = experience_with_targets(rollout)
     cfg = ppo_with_critic()
     actor = PlainTorchTrainer(load_causal_lm(checkpoint), trainer_settings(micro_batch_size=3))
@@ -109,9 +118,13 @@ def test_a_stale_check_leaves_the_critics_process_untouched(critic_folder, check
         after_stale = remote_weights(worker, tmp_path / "stale")
         metrics = train_on(copy.copy(exp), actor, worker, cfg, 0.0, 1, FP32, check_old_tolerance=1e-4)
         trained = remote_weights(worker, tmp_path / "trained")
-    assert all(torch.equal(before[name], after_stale[name]) for name in before), "the critic moved before the check"
+    assert all(torch.equal(before[name], after_stale[name]) for name in before), (
+        "the critic moved before the check"
+    )
     assert "losses/value_loss" in metrics
-    assert any(not torch.equal(before[name], trained[name]) for name in before), "the critic did not train after"
+    assert any(not torch.equal(before[name], trained[name]) for name in before), (
+        "the critic did not train after"
+    )
 
 
 def test_an_error_inside_the_worker_is_raised_here_with_its_traceback(critic_folder, tmp_path):
@@ -119,7 +132,8 @@ def test_an_error_inside_the_worker_is_raised_here_with_its_traceback(critic_fol
         with pytest.raises(FileNotFoundError) as raised:
             worker.load_checkpoint(str(tmp_path / "nowhere"), tag="state")
         assert any(f"critic worker (pid {worker.pid})" in note for note in raised.value.__notes__)
-        worker.save_checkpoint(str(tmp_path / "critic"), tag="state")  # the worker goes on answering after an error
+        # the worker goes on answering after an error
+        worker.save_checkpoint(str(tmp_path / "critic"), tag="state")
         assert (tmp_path / "critic" / "state" / STATE_FILE).exists()
 
 
@@ -143,8 +157,8 @@ def test_a_dead_worker_is_named_with_its_signal_and_close_is_safe(critic_folder,
 
 
 def test_the_critic_goes_to_its_process_only_where_it_would_get_a_thread():
-    """One rank, the plain torch trainer on the CPU, PPO, more than one thread, no async rollouts or compile_train,
-    overlap_critic on, and under auto an actor narrower than 256."""
+    """One rank, the plain torch trainer on the CPU, PPO, more than one thread, no async rollouts or
+    compile_train, overlap_critic on, and under auto an actor narrower than 256."""
     assert critic_in_process(64, ppo_with_critic(), "torch", CPU)
     assert not critic_in_process(64, ppo_with_critic(), "deepspeed", CPU)
     assert not critic_in_process(64, ppo_with_critic(critic_process="off"), "torch", CPU)

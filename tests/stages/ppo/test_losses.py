@@ -327,8 +327,11 @@ def test_grpo_advantages_hand_computed(device):
     close(alg.grpo_advantages(scores, 3), [-1.0, 0.0, 1.0, -0.57735027, -0.57735027, 1.15470054])
     close(alg.grpo_advantages(scores, 3, scale_std=False), [-1.0, 0.0, 1.0, -2.0, -2.0, 4.0])
     # A group where every completion scored the same carries no signal: advantage exactly 0.
-    close(alg.grpo_advantages(torch.tensor([5.0, 5.0, 5.0, 1.0, 2.0, 3.0], device=device), 3)[:3], [0.0, 0.0, 0.0],
-          atol=0)
+    close(
+        alg.grpo_advantages(torch.tensor([5.0, 5.0, 5.0, 1.0, 2.0, 3.0], device=device), 3)[:3],
+        [0.0, 0.0, 0.0],
+        atol=0,
+    )
 
 
 def test_grpo_advantages_match_loop(device):
@@ -355,8 +358,9 @@ def test_grpo_advantages_reject_bad_groups():
 
 def test_sequence_to_token(device):
     close(
-        alg.sequence_to_token(torch.tensor([2.0, -1.0], device=device),
-                              torch.tensor([[1, 1, 0], [1, 0, 0]], device=device)),
+        alg.sequence_to_token(
+            torch.tensor([2.0, -1.0], device=device), torch.tensor([[1, 1, 0], [1, 0, 0]], device=device)
+        ),
         [[2, 2, 0], [-1, 0, 0]],
     )
 
@@ -468,22 +472,40 @@ def test_decoupled_objective_weights_each_token_surrogate(batch, mode):
     behaviour = batch["old_logprobs"] + 0.3 * torch.randn_like(batch["old_logprobs"])
     weights = alg.behaviour_weights(batch["old_logprobs"], behaviour, mask, cap=2.0)
     m, w = mask.tolist(), weights.tolist()
-    loop_weights = [[min(math.exp(p - q), 2.0) * m[b][t] for t, (p, q) in enumerate(zip(rp, rq, strict=True))]
-                    for b, (rp, rq) in enumerate(zip(batch["old_logprobs"].tolist(), behaviour.tolist(),
-                                                     strict=True))]
+    loop_weights = [
+        [min(math.exp(p - q), 2.0) * m[b][t] for t, (p, q) in enumerate(zip(rp, rq, strict=True))]
+        for b, (rp, rq) in enumerate(zip(batch["old_logprobs"].tolist(), behaviour.tolist(), strict=True))
+    ]
     close(weights, loop_weights)
-    assert max(max(row) for row in w) <= 2.0 and min(max(row) for row in w) < 2.0  # the cap bites on some only
-    loss, metrics = alg.policy_loss_ppo(batch["logprobs"], batch["old_logprobs"], batch["advantages"], mask, 0.2,
-                                        aggregation=mode, token_weights=weights)
-    per_token, *_ = loop_ppo_per_token(batch["logprobs"].tolist(), batch["old_logprobs"].tolist(),
-                                       batch["advantages"].tolist(), 0.2, None)
+    # the cap bites on some only
+    assert max(max(row) for row in w) <= 2.0 and min(max(row) for row in w) < 2.0
+    loss, metrics = alg.policy_loss_ppo(
+        batch["logprobs"],
+        batch["old_logprobs"],
+        batch["advantages"],
+        mask,
+        0.2,
+        aggregation=mode,
+        token_weights=weights,
+    )
+    per_token, *_ = loop_ppo_per_token(
+        batch["logprobs"].tolist(), batch["old_logprobs"].tolist(), batch["advantages"].tolist(), 0.2, None
+    )
     weighted = [[s * wt for s, wt in zip(rs, rw, strict=True)] for rs, rw in zip(per_token, w, strict=True)]
     assert loss.item() == pytest.approx(loop_aggregate(weighted, m, mode), rel=RTOL)
     assert metrics["losses/behaviour_weight_mean"].item() == pytest.approx(loop_masked_mean(w, m), rel=RTOL)
-    unweighted, _ = alg.policy_loss_ppo(batch["logprobs"], batch["old_logprobs"], batch["advantages"], mask, 0.2,
-                                        aggregation=mode, token_weights=torch.ones_like(mask, dtype=torch.float32))
-    plain, _ = alg.policy_loss_ppo(batch["logprobs"], batch["old_logprobs"], batch["advantages"], mask, 0.2,
-                                   aggregation=mode)
+    unweighted, _ = alg.policy_loss_ppo(
+        batch["logprobs"],
+        batch["old_logprobs"],
+        batch["advantages"],
+        mask,
+        0.2,
+        aggregation=mode,
+        token_weights=torch.ones_like(mask, dtype=torch.float32),
+    )
+    plain, _ = alg.policy_loss_ppo(
+        batch["logprobs"], batch["old_logprobs"], batch["advantages"], mask, 0.2, aggregation=mode
+    )
     assert unweighted.item() == pytest.approx(plain.item(), rel=RTOL)
     with pytest.raises(ValueError, match="cap must be > 1"):
         alg.behaviour_weights(batch["old_logprobs"], behaviour, mask, cap=1.0)
@@ -525,7 +547,9 @@ def test_value_loss_clipped_matches_loop(batch, mode):
 
 def test_value_loss_hand_computed(device):
     # V_old = 0, V = 1, R = 2, clip 0.2: unclipped 0.5*(1-2)^2 = 0.5; clipped V = 0.2 -> 0.5*1.8^2 = 1.62.
-    loss, metrics = alg.value_loss_clipped(*(torch.tensor([[v]], device=device) for v in (1.0, 0.0, 2.0, 1)), 0.2)
+    loss, metrics = alg.value_loss_clipped(
+        *(torch.tensor([[v]], device=device) for v in (1.0, 0.0, 2.0, 1)), 0.2
+    )
     assert loss.item() == pytest.approx(1.62, rel=RTOL)
     assert metrics["losses/vf_clipfrac"].item() == 1.0
 
@@ -574,7 +598,8 @@ def test_aggregation_over_uneven_micro_batches_sums_to_full(batch, mode):
 def test_unknown_aggregation_lists_valid():
     with pytest.raises(
         ValueError,
-        match="unknown loss aggregation 'mean'; valid choices: seq-mean-token-mean, seq-mean-token-sum, token-mean",
+        match="unknown loss aggregation 'mean'; valid choices: "
+        "seq-mean-token-mean, seq-mean-token-sum, token-mean",
     ):
         alg.aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), "mean")
 

@@ -12,16 +12,25 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from tests.stages.ppo.test_ppo import finish, local, ppo_spec, start_stage
 
 pytestmark = pytest.mark.slow
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}
-GRPO = {"algorithm": "grpo", "group_size": 4, "prompts_per_iteration": 4, "minibatch_size": 16, "kl_coef": 0.0,
-        "iterations": 2, "checkpoint_every": 1}
+GRPO = {
+    "algorithm": "grpo",
+    "group_size": 4,
+    "prompts_per_iteration": 4,
+    "minibatch_size": 16,
+    "kl_coef": 0.0,
+    "iterations": 2,
+    "checkpoint_every": 1,
+}
 # kl_coef > 0: the reference (the actor with its adapters off) is used every iteration.
 LORA_PPO = {"lora": LORA, "kl_coef": 0.1, "actor_lr": 5e-3, "critic_lr": 5e-3}
-# DeepSpeed trainers (zero_stage 0): their checkpoints of a peft model, beside the torch trainer's of the PPO run.
+# DeepSpeed trainers (zero_stage 0): their checkpoints of a peft model, beside the torch trainer's of the PPO
+# run.
 LORA_GRPO = {**GRPO, "lora": LORA, "reward_model": True, "train_backend": "deepspeed"}
 
 
@@ -34,8 +43,11 @@ def adapted_bytes(sft_dir, target_modules: list[str]) -> int:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(sft_dir)
-    return sum(module.weight.numel() * 4 for name, module in model.named_modules()
-               if name.rsplit(".", 1)[-1] in target_modules)
+    return sum(
+        module.weight.numel() * 4
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in target_modules
+    )
 
 
 def adapter_parameters(sft_dir, lora: dict) -> int:
@@ -43,8 +55,11 @@ def adapter_parameters(sft_dir, lora: dict) -> int:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(sft_dir)
-    return sum(lora["rank"] * (module.in_features + module.out_features) for name, module in model.named_modules()
-               if name.rsplit(".", 1)[-1] in lora["target_modules"])
+    return sum(
+        lora["rank"] * (module.in_features + module.out_features)
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in lora["target_modules"]
+    )
 
 
 def run_ok(upstream, name: str, **ppo):
@@ -85,14 +100,18 @@ def test_ppo_with_lora_refits_only_the_adapted_modules(upstream, lora_ppo):
     assert result.metrics["perf/trainable_parameters"] == adapter_parameters(sft_dir, LORA)
     assert 0 < result.metrics["perf/trainable_share"] < 0.1
     policy = AutoModelForCausalLM.from_pretrained(out / "policy").eval()
-    with_adapter = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft_dir),
-                                                  out / "policy" / "adapter").eval()
+    with_adapter = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(sft_dir), out / "policy" / "adapter"
+    ).eval()
     ids = torch.randint(3, 300, (2, 15), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(policy(input_ids=ids).logits, with_adapter(input_ids=ids).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            policy(input_ids=ids).logits, with_adapter(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
     critic = AutoModelForSequenceClassification.from_pretrained(out / "critic")
-    assert critic.score.weight.shape[0] == 1 and (out / "critic" / "adapter" / "adapter_config.json").is_file()
+    assert (
+        critic.score.weight.shape[0] == 1 and (out / "critic" / "adapter" / "adapter_config.json").is_file()
+    )
 
 
 def test_lora_reference_logprobs_are_the_sft_models(upstream, lora_ppo):
@@ -111,19 +130,39 @@ def test_lora_reference_logprobs_are_the_sft_models(upstream, lora_ppo):
     frame = pd.read_parquet(local(result.output_uri) / "rollouts" / "iter_00004.parquet")
     pad = pad_token_id(load_tokenizer(sft_dir))
     input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(
-        [list(p) for p in frame["prompt_token_ids"]], [list(r) for r in frame["response_token_ids"]], pad)
+        [list(p) for p in frame["prompt_token_ids"]], [list(r) for r in frame["response_token_ids"]], pad
+    )
     zeros = torch.zeros_like(mask)
-    exp = Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     response_ids=response_ids, response_mask=mask, rollout_logprobs=zeros, old_logprobs=zeros,
-                     ref_logprobs=zeros, values=None, scores=torch.zeros(len(frame)), token_rewards=zeros, kl=zeros,
-                     advantages=zeros, returns=None, prompt_width=width_p)
+    exp = Experience(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_ids=response_ids,
+        response_mask=mask,
+        rollout_logprobs=zeros,
+        old_logprobs=zeros,
+        ref_logprobs=zeros,
+        values=None,
+        scores=torch.zeros(len(frame)),
+        token_rewards=zeros,
+        kl=zeros,
+        advantages=zeros,
+        returns=None,
+        prompt_width=width_p,
+    )
     with torch.no_grad():
-        sft_logprobs = policy_logprobs(load_causal_lm(sft_dir).eval(), exp, spec.config["ppo"]["temperature"])[0]
-    worst = max(float((torch.tensor(list(ref)) - sft_logprobs[b, :len(ref)]).abs().max())
-                for b, ref in enumerate(frame["ref_logprobs"]))
+        sft_logprobs = policy_logprobs(
+            load_causal_lm(sft_dir).eval(), exp, spec.config["ppo"]["temperature"]
+        )[0]
+    worst = max(
+        float((torch.tensor(list(ref)) - sft_logprobs[b, : len(ref)]).abs().max())
+        for b, ref in enumerate(frame["ref_logprobs"])
+    )
     assert worst <= 1e-6, worst
-    moved = max(float((torch.tensor(list(lp)) - torch.tensor(list(ref))).abs().max())
-                for lp, ref in zip(frame["logprobs"], frame["ref_logprobs"], strict=True))
+    moved = max(
+        float((torch.tensor(list(lp)) - torch.tensor(list(ref))).abs().max())
+        for lp, ref in zip(frame["logprobs"], frame["ref_logprobs"], strict=True)
+    )
     assert moved > 1e-2, "the policy that sampled iteration 4 should differ from the reference"
 
 
@@ -136,17 +175,22 @@ def test_lora_run_resumed_from_a_checkpoint_repeats_the_uninterrupted_one(upstre
     spec, result, _ = request.getfixturevalue(run)
     name = f"iter_{iteration:05d}"
     resumed_spec = spec.model_copy(update={"output_uri": spec.output_uri + "-resumed"})
-    shutil.copytree(local(result.output_uri) / "checkpoints" / name,
-                    local(resumed_spec.output_uri) / "checkpoints" / name)
+    shutil.copytree(
+        local(result.output_uri) / "checkpoints" / name, local(resumed_spec.output_uri) / "checkpoints" / name
+    )
     code, resumed, stderr = finish(start_stage(resumed_spec, workdir))
     assert code == 0, stderr[-3000:]
     first, again = local(result.output_uri), local(resumed_spec.output_uri)
     iterations = int(spec.config["ppo"]["iterations"])
     later = [f"iter_{i:05d}.parquet" for i in range(iteration + 1, iterations + 1)]
-    assert sorted(p.name for p in (again / "rollouts").iterdir()) == later, "it resumed: earlier ones never ran"
+    assert sorted(p.name for p in (again / "rollouts").iterdir()) == later, (
+        "it resumed: earlier ones never ran"
+    )
     for file in later:
         before, after = pd.read_parquet(first / "rollouts" / file), pd.read_parquet(again / "rollouts" / file)
-        assert before["response_token_ids"].map(list).tolist() == after["response_token_ids"].map(list).tolist()
+        assert (
+            before["response_token_ids"].map(list).tolist() == after["response_token_ids"].map(list).tolist()
+        )
     history = history_of(again)
     assert [row["iteration"] for row in history] == list(range(1, iterations + 1))
     assert all(row["rollout/old_logprobs_recomputed"] == 0.0 for row in history[iteration:])
@@ -170,12 +214,21 @@ def test_grpo_with_lora_and_a_full_run_side_by_side(upstream, lora_grpo):
     assert not (local(full.output_uri) / "policy" / "adapter").exists()
 
 
-@pytest.mark.parametrize("name, ppo, message", [
-    ("lora-bad-target", {"lora": {"rank": 4, "target_modules": ["qkv"]}},
-     "ppo.lora.target_modules: 'qkv' matches no linear layer of the model"),
-    ("lora-zero-3", {"lora": {"rank": 4}, "zero_stage": 3},
-     "ppo.lora with ppo.zero_stage 3: merging the adapters needs whole weights; use zero_stage 2"),
-])
+@pytest.mark.parametrize(
+    "name, ppo, message",
+    [
+        (
+            "lora-bad-target",
+            {"lora": {"rank": 4, "target_modules": ["qkv"]}},
+            "ppo.lora.target_modules: 'qkv' matches no linear layer of the model",
+        ),
+        (
+            "lora-zero-3",
+            {"lora": {"rank": 4}, "zero_stage": 3},
+            "ppo.lora with ppo.zero_stage 3: merging the adapters needs whole weights; use zero_stage 2",
+        ),
+    ],
+)
 def test_bad_lora_settings_are_one_line_errors(upstream, name, ppo, message):
     workdir, _, _ = upstream
     code, result, _ = finish(start_stage(ppo_spec(upstream, name, **ppo), workdir))
@@ -185,9 +238,9 @@ def test_bad_lora_settings_are_one_line_errors(upstream, name, ppo, message):
 
 @pytest.mark.heavy
 def test_compiled_lora_backbone_trains_like_eager_and_its_reference_is_the_base(tmp_path):
-    """ppo.compile_train with LoRA compiles the HF backbone under the peft wrapper (its LoRA layers inside): the
-    loss and the adapters' gradients are eager's, and the reference forward (adapters disabled: a flag dynamo
-    guards on, so it compiles a second graph) is the SFT model's.
+    """ppo.compile_train with LoRA compiles the HF backbone under the peft wrapper (its LoRA layers inside):
+    the loss and the adapters' gradients are eager's, and the reference forward (adapters disabled: a flag
+    dynamo guards on, so it compiles a second graph) is the SFT model's.
 
     Tolerance: inductor fuses and reorders fp32 sums (~2e-6 measured on the logits); 1e-4 relative catches
     the adapters being skipped or left on (logits move by ~1)."""
@@ -215,19 +268,32 @@ def test_compiled_lora_backbone_trains_like_eager_and_its_reference_is_the_base(
     responses = [torch.randint(3, 250, (n,), generator=generator).tolist() for n in (5, 9, 2, 7)]
     input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(prompts, responses, 0)
     zeros = torch.zeros_like(mask)
-    exp = Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     response_ids=response_ids, response_mask=mask, rollout_logprobs=zeros, old_logprobs=zeros,
-                     ref_logprobs=zeros, values=None, scores=torch.zeros(4), token_rewards=zeros, kl=zeros,
-                     advantages=torch.linspace(-1, 1, mask.numel()).reshape(mask.shape) * mask, returns=None,
-                     prompt_width=width_p)
+    exp = Experience(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_ids=response_ids,
+        response_mask=mask,
+        rollout_logprobs=zeros,
+        old_logprobs=zeros,
+        ref_logprobs=zeros,
+        values=None,
+        scores=torch.zeros(4),
+        token_rewards=zeros,
+        kl=zeros,
+        advantages=torch.linspace(-1, 1, mask.numel()).reshape(mask.shape) * mask,
+        returns=None,
+        prompt_width=width_p,
+    )
     with torch.no_grad():
         exp.old_logprobs = policy_logprobs(eager, exp, 1.0)[0] - 0.05 * mask  # some tokens clip
         base = policy_logprobs(sft, exp, 1.0)[0]
     losses, grads = [], []
     for model in (eager, compiled):
         model.zero_grad(set_to_none=True)
-        loss, _ = rl.policy_loss_ppo(policy_logprobs(model, exp, 1.0)[0], exp.old_logprobs, exp.advantages, mask,
-                                     clip_range=0.2)
+        loss, _ = rl.policy_loss_ppo(
+            policy_logprobs(model, exp, 1.0)[0], exp.old_logprobs, exp.advantages, mask, clip_range=0.2
+        )
         loss.backward()
         losses.append(float(loss.detach()))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})

@@ -1,4 +1,4 @@
-"""Reward functions are called as TRL's GRPOTrainer calls them: keyword arguments, the dataset's columns included."""
+"""Reward functions are called as TRL's GRPOTrainer calls them: keyword arguments, dataset columns too."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from alignflow.stages.data.formats import PromptRecord
 from alignflow.stages.ppo.reward_functions import call_reward_function, dataset_columns, ends_with_eos
 
-# Three reward functions written the way TRL's documentation writes them: only the arguments they use, by name,
-# and **kwargs for the rest.
+# Three reward functions written the way TRL's documentation writes them: only the arguments they use, by
+# name, and **kwargs for the rest.
 
 
 def reward_len(completions, **kwargs):
@@ -26,18 +26,30 @@ def format_reward(completions, **kwargs):
 
 def answer_reward(prompts, completions, answer, **kwargs):
     """Reads the dataset's `answer` column: 1.0 where the completion contains the row's answer."""
-    return [1.0 if expected in completion else 0.0 for completion, expected in zip(completions, answer, strict=True)]
+    return [
+        1.0 if expected in completion else 0.0
+        for completion, expected in zip(completions, answer, strict=True)
+    ]
 
 
-PROMPTS = [PromptRecord.model_validate({"prompt": "2+2?", "answer": "4", "id": 7}),
-           PromptRecord.model_validate({"prompt": "3+3?", "answer": "6"})]
+PROMPTS = [
+    PromptRecord.model_validate({"prompt": "2+2?", "answer": "4", "id": 7}),
+    PromptRecord.model_validate({"prompt": "3+3?", "answer": "6"}),
+]
 ROWS = [0, 0, 1]  # prompt 0 twice (a GRPO group), then prompt 1
 COMPLETIONS = ["<think>easy</think><answer>4</answer>", "five", "x" * 20]
 
 
 def call(fn, **extra):
-    return call_reward_function(fn.__name__, fn, [PROMPTS[i].prompt for i in ROWS], COMPLETIONS,
-                                completion_ids=[[1], [2], [3]], finish_reasons=["eos", "length", "eos"], **extra)
+    return call_reward_function(
+        fn.__name__,
+        fn,
+        [PROMPTS[i].prompt for i in ROWS],
+        COMPLETIONS,
+        completion_ids=[[1], [2], [3]],
+        finish_reasons=["eos", "length", "eos"],
+        **extra,
+    )
 
 
 def test_trls_documented_shapes_run_unchanged():
@@ -57,8 +69,11 @@ def test_a_signature_that_cannot_take_the_call_gets_one_line_that_says_how_to_fi
     def positional(p, c):
         return [0.0] * len(c)
 
-    with pytest.raises(ValueError, match=r"reward function 'positional' cannot be called as TRL calls it .*"
-                                         r"e\.g\. `def f\(completions, \*\*kwargs\)`"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward function 'positional' cannot be called as TRL calls it .*"
+        r"e\.g\. `def f\(completions, \*\*kwargs\)`",
+    ):
         call(positional)
 
     def no_column(completions, answer, **kwargs):

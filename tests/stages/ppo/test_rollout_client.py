@@ -1,4 +1,4 @@
-"""The rollout client: the same rollouts in line and overlapped, refit only once the engine is idle, versions."""
+"""The rollout client: the same rollouts in line and overlapped, refit once the engine is idle, versions."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ from tests.stages.common.generation.engine_test_models import engine_config, ran
 
 
 def request(iteration: int, prompts: list[list[int]]) -> RolloutRequest:
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seeds=[iteration * 100 + k for k in range(len(prompts))])
+    sampling = SamplingParams(
+        temperature=1.0, max_new_tokens=6, seeds=[iteration * 100 + k for k in range(len(prompts))]
+    )
     return RolloutRequest(iteration, list(range(len(prompts))), list(range(len(prompts))), prompts, sampling)
 
 
 def test_overlapped_rollouts_equal_in_line_ones(tmp_path, device):
     torch.set_num_threads(1)
-    engine = build_engine(save_tiny_model(tmp_path / "m", "llama_mha_untied"), engine_config(backend="native"),
-                          device=device)
+    engine = build_engine(
+        save_tiny_model(tmp_path / "m", "llama_mha_untied"), engine_config(backend="native"), device=device
+    )
     prompts = random_prompts(4, seed=5)
     inline = RolloutClient(engine)
     overlapped = RolloutClient(engine, overlap=True)

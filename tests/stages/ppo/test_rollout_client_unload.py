@@ -1,5 +1,6 @@
-"""engine.unload_during_training through the rollout client: what the engine freed (weights and KV cache) is in the
-metrics the RL stage logs, the reload is timed, and the next rollout is the one a fresh engine would generate."""
+"""engine.unload_during_training through the rollout client: what the engine freed (weights and KV cache) is
+in the metrics the RL stage logs, the reload is timed, and the next rollout is the one a fresh engine would
+generate."""
 
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ def test_unload_reports_the_weights_and_kv_cache_it_freed(checkpoint, device, of
     assert reloaded["timing/engine_reload"] > 0 and "perf/engine_freed_weight_bytes" not in reloaded
     if heap_bytes() is not None:
         assert reloaded["perf/engine_reloaded_bytes"] >= kv * 0.9
-    assert client.result(client.submit(request(prompts))).generation.response_token_ids == want.response_token_ids
+    assert (
+        client.result(client.submit(request(prompts))).generation.response_token_ids
+        == want.response_token_ids
+    )
 
 
 def test_ranks_pass_the_figures_of_rank_0_and_an_engine_without_stats_adds_none():
@@ -65,15 +69,30 @@ def test_ranks_pass_the_figures_of_rank_0_and_an_engine_without_stats_adds_none(
         def unload(self, keep_weights=True):
             return None
 
-    assert not {"perf/engine_freed_weight_bytes", "perf/engine_freed_kv_bytes"} & set(RolloutClient(Old()).unload())
+    assert not {"perf/engine_freed_weight_bytes", "perf/engine_freed_kv_bytes"} & set(
+        RolloutClient(Old()).unload()
+    )
 
 
 def test_rollout_workers_sum_the_bytes_of_every_worker_and_keep_the_slowest_time():
-    reports = [{"timing/engine_unload": 0.2, "perf/engine_freed_bytes": 10.0, "perf/engine_freed_weight_bytes": 100.0,
-                "perf/engine_freed_kv_bytes": 7.0},
-               {"timing/engine_unload": 0.5, "perf/engine_freed_bytes": 12.0, "perf/engine_freed_weight_bytes": 100.0}]
-    assert _merged("unload", reports) == {"timing/engine_unload": 0.5, "perf/engine_freed_bytes": 22.0,
-                                          "perf/engine_freed_weight_bytes": 200.0}  # kv: one worker only, no sum
+    reports = [
+        {
+            "timing/engine_unload": 0.2,
+            "perf/engine_freed_bytes": 10.0,
+            "perf/engine_freed_weight_bytes": 100.0,
+            "perf/engine_freed_kv_bytes": 7.0,
+        },
+        {
+            "timing/engine_unload": 0.5,
+            "perf/engine_freed_bytes": 12.0,
+            "perf/engine_freed_weight_bytes": 100.0,
+        },
+    ]
+    assert _merged("unload", reports) == {
+        "timing/engine_unload": 0.5,
+        "perf/engine_freed_bytes": 22.0,
+        "perf/engine_freed_weight_bytes": 200.0,
+    }  # no perf/engine_freed_kv_bytes: one worker only knew it, so no sum
 
 
 @pytest.mark.cpu_only("rollout workers are CPU processes here (tests/stages/ppo/test_rollout_workers.py)")

@@ -1,5 +1,6 @@
-"""Rollout workers in their own processes: the in-process engine's tokens from any chunking, refit over the gloo
-group equal to a fresh engine, a worker's error re-raised with its message, a SIGKILLed worker named in seconds.
+"""Rollout workers in their own processes: the in-process engine's tokens from any chunking, refit over the
+gloo group equal to a fresh engine, a worker's error re-raised with its message, a SIGKILLed worker named in
+seconds.
 
 Each RolloutWorkers start spawns 2 processes that import torch and load the engine (~12 s on 2 cores), so
 one pair serves the parity, refit and error tests (each sets the weights it needs first), and each death
@@ -39,14 +40,18 @@ from tests.stages.common.generation.engine_test_models import (
     save_tiny_model,
 )
 
-pytestmark = pytest.mark.cpu_only("rollout workers are CPU processes here: GPU workers are not pinned to GPUs of "
-                                  "their own yet (stages/ppo/rollout_workers.py)")
+pytestmark = pytest.mark.cpu_only(
+    "rollout workers are CPU processes here: GPU workers are not pinned to GPUs of "
+    "their own yet (stages/ppo/rollout_workers.py)"
+)
 
 WORKERS = 2
 PROMPTS = random_prompts(11, seed=4)  # 11 = chunks of 3, 3, 3, 2: a short last chunk
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
-SAMPLED = (SamplingParams(temperature=1.0, top_k=40, top_p=0.9, max_new_tokens=12, seed=3),
-           SamplingParams(temperature=0.8, max_new_tokens=12, seeds=[1000 + 7 * i for i in range(len(PROMPTS))]))
+SAMPLED = (
+    SamplingParams(temperature=1.0, top_k=40, top_p=0.9, max_new_tokens=12, seed=3),
+    SamplingParams(temperature=0.8, max_new_tokens=12, seeds=[1000 + 7 * i for i in range(len(PROMPTS))]),
+)
 # Sampled sequences are generated in other batches than in one in-process call (other sizes, other
 # neighbours): GEMM blocking changes fp32 rounding (measured ~1.4e-6 here); the per-sequence seeds make
 # the tokens identical. The same bound as the engine's batch-position test (engine_test_models).
@@ -70,7 +75,9 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(checkpoints):
-    with RolloutWorkers(checkpoints[2], WORKERS, chunk_size=3, threads=1, timeout_s=30, device="cpu") as client:
+    with RolloutWorkers(
+        checkpoints[2], WORKERS, chunk_size=3, threads=1, timeout_s=30, device="cpu"
+    ) as client:
         yield client
 
 
@@ -82,8 +89,11 @@ def in_process(checkpoint):
 def assert_same(got, want, tol: float) -> None:
     assert got.response_token_ids == want.response_token_ids
     assert got.finish_reasons == want.finish_reasons
-    worst = max(abs(a - b) for x, y in zip(got.logprobs, want.logprobs, strict=True)
-                for a, b in zip(x, y, strict=True))
+    worst = max(
+        abs(a - b)
+        for x, y in zip(got.logprobs, want.logprobs, strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
     assert worst <= tol, worst
 
 
@@ -125,10 +135,12 @@ def test_two_requests_in_flight_come_back_each_in_order(workers, checkpoints):
     assert_same(b.generation, reference.generate(PROMPTS[5:], SAMPLED[0]), LOGPROB_TOL)
 
 
-# 1 KiB: the norms (256 B) are packed, every matrix (>= 16 KiB) travels alone, interleaved; 16 MiB: one bucket.
+# 1 KiB: the norms (256 B) are packed, every matrix (>= 16 KiB) travels alone, interleaved; 16 MiB: one
+# bucket.
 @pytest.mark.parametrize("bucket_bytes", [1024, BUCKET_BYTES], ids=["mostly-alone", "one-bucket"])
-def test_refit_over_the_group_equals_a_fresh_engine_of_the_new_weights(workers, checkpoints, bucket_bytes,
-                                                                       monkeypatch):
+def test_refit_over_the_group_equals_a_fresh_engine_of_the_new_weights(
+    workers, checkpoints, bucket_bytes, monkeypatch
+):
     base, moved, _ = checkpoints
     monkeypatch.setattr(workers, "bucket_bytes", bucket_bytes)
     workers.refit(checkpoint_tensors(base))
@@ -147,8 +159,11 @@ def test_refit_over_the_group_equals_a_fresh_engine_of_the_new_weights(workers, 
         assert_same(got.generation, fresh.generate(PROMPTS, sampling), LOGPROB_TOL)
 
     # Partial: two matrices of the base model into the moved engine, in the workers and in process alike.
-    subset = [(n, t) for n, t in checkpoint_tensors(base)
-              if n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight")]
+    subset = [
+        (n, t)
+        for n, t in checkpoint_tensors(base)
+        if n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight")
+    ]
     stats = workers.refit(iter(subset), partial=True)
     assert stats.tensors == 2
     fresh.refit(iter(subset), partial=True)
@@ -156,8 +171,8 @@ def test_refit_over_the_group_equals_a_fresh_engine_of_the_new_weights(workers, 
     assert_same(got, fresh.generate(PROMPTS, SAMPLED[0]), LOGPROB_TOL)
     assert got.response_token_ids != in_process(moved).generate(PROMPTS, SAMPLED[0]).response_token_ids
 
-    # The header carries the dtype and the bytes travel as they are: a bf16 trainer's tensors arrive as bf16 (half
-    # the bytes) and each engine casts them as it copies, as the in-process refit does.
+    # The header carries the dtype and the bytes travel as they are: a bf16 trainer's tensors arrive as bf16
+    # (half the bytes) and each engine casts them as it copies, as the in-process refit does.
     half = [(n, t.to(torch.bfloat16)) for n, t in subset]
     stats = workers.refit(iter(half), partial=True)
     assert stats.bytes == sum(t.numel() * 2 for _, t in half)
@@ -169,11 +184,16 @@ def test_refit_over_the_group_equals_a_fresh_engine_of_the_new_weights(workers, 
 def test_a_refit_that_does_not_fit_is_reraised_and_the_group_survives(workers, checkpoints):
     base, _, _ = checkpoints
     tensors = list(checkpoint_tensors(base))
-    with pytest.raises(RolloutWorkerError, match=r"rollout worker \d \(pid \d+\) failed refitting: RefitError: "
-                                                 r"refit did not cover 1 of"):
+    with pytest.raises(
+        RolloutWorkerError,
+        match=r"rollout worker \d \(pid \d+\) failed refitting: RefitError: "
+        r"refit did not cover 1 of",
+    ):
         workers.refit(iter(tensors[1:]))  # not partial, one parameter missing
     wrong = [("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3)), *tensors]
-    with pytest.raises(RolloutWorkerError, match=r"RefitError: 'model.layers.0.mlp.up_proj.weight': shape \(3, 3\)"):
+    with pytest.raises(
+        RolloutWorkerError, match=r"RefitError: 'model.layers.0.mlp.up_proj.weight': shape \(3, 3\)"
+    ):
         workers.refit(iter(wrong))  # the engine stops at the first tensor; the worker drains the rest
 
     def failing():
@@ -190,15 +210,19 @@ def test_a_refit_that_does_not_fit_is_reraised_and_the_group_survives(workers, c
 def test_an_error_in_a_worker_is_reraised_with_its_message(workers, checkpoints):
     workers.refit(checkpoint_tensors(checkpoints[0]))
     too_long = SamplingParams(temperature=0.0, max_new_tokens=60)  # + a 13-token prompt > max_seq_len 64
-    with pytest.raises(RolloutWorkerError, match=r"rollout worker \d \(pid \d+\) failed generating iteration 1, "
-                                                 r"chunk \d: ValueError: longest prompt .* exceeds the engine's "
-                                                 r"max_seq_len=64") as caught:
+    with pytest.raises(
+        RolloutWorkerError,
+        match=r"rollout worker \d \(pid \d+\) failed generating iteration 1, "
+        r"chunk \d: ValueError: longest prompt .* exceeds the engine's "
+        r"max_seq_len=64",
+    ) as caught:
         workers.result(workers.submit(request(PROMPTS, too_long)))
     assert caught.value.remote_type == "ValueError"
     assert any("Traceback" in note for note in caught.value.__notes__)
     with pytest.raises(RolloutWorkerError, match=r"outside the vocabulary \[0, 256\)"):
         workers.result(workers.submit(request([[5, 999]], GREEDY)))
-    assert len(workers.result(workers.submit(request(PROMPTS, GREEDY))).generation) == len(PROMPTS)  # still serving
+    # still serving
+    assert len(workers.result(workers.submit(request(PROMPTS, GREEDY))).generation) == len(PROMPTS)
 
 
 def test_unload_frees_every_workers_kv_cache_and_reload_restores_it(workers, checkpoints):
@@ -223,20 +247,27 @@ TP_LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def tp_workers(checkpoints):
-    with RolloutWorkers(checkpoints[2], 1, tensor_parallel_size=TP, chunk_size=3, threads=1, timeout_s=30,
-                        device="cpu") as client:
+    with RolloutWorkers(
+        checkpoints[2], 1, tensor_parallel_size=TP, chunk_size=3, threads=1, timeout_s=30, device="cpu"
+    ) as client:
         yield client
 
 
-def test_a_tensor_parallel_replica_loads_its_shards_and_generates_the_one_device_tokens(tp_workers, checkpoints):
+def test_a_tensor_parallel_replica_loads_its_shards_and_generates_the_one_device_tokens(
+    tp_workers, checkpoints
+):
     """R=1 x k=2: each rank loaded its half of the saved engine (no process holds the whole model), and the
-    replica's greedy tokens equal the in-process TP=1 engine's, sampled ones too with log-probs within 1e-4."""
+    replica's greedy tokens equal the in-process TP=1 engine's, sampled ones too with log-probs within
+    1e-4."""
     base, _, engine_dir = checkpoints
     assert [(w.replica, w.tp_rank) for w in tp_workers.workers] == [(0, 0), (0, 1)]
     reference = in_process(base)
     whole = reference.weights.nbytes()
-    replicated = sum(t.numel() * t.element_size() for n, t in checkpoint_tensors(base)
-                     if sharding_rule(n).kind == "replicated")
+    replicated = sum(
+        t.numel() * t.element_size()
+        for n, t in checkpoint_tensors(base)
+        if sharding_rule(n).kind == "replicated"
+    )
     for w in tp_workers.workers:  # each rank's buffers: half of every split tensor, every norm whole
         assert w.info["weight_bytes"] == (whole - replicated) // TP + replicated < 0.6 * whole
     worst = 0.0
@@ -247,8 +278,14 @@ def test_a_tensor_parallel_replica_loads_its_shards_and_generates_the_one_device
         for sampling in SAMPLED:
             got = tp_workers.result(tp_workers.submit(request(PROMPTS, sampling))).generation
             assert_same(got, reference.generate(PROMPTS, sampling), TP_LOGPROB_TOL)
-            worst = max(worst, max(abs(a - b) for x, y in zip(got.logprobs, reference.generate(PROMPTS, sampling)
-                                                              .logprobs, strict=True) for a, b in zip(x, y, strict=True)))
+            worst = max(
+                worst,
+                max(
+                    abs(a - b)
+                    for x, y in zip(got.logprobs, reference.generate(PROMPTS, sampling).logprobs, strict=True)
+                    for a, b in zip(x, y, strict=True)
+                ),
+            )
     print(f"TP={TP} replica vs one device: sampled log-probs max |diff| {worst:.2e}")
     assert got.metrics["perf/rollout_workers"] == 1 and got.metrics["perf/rollout_tensor_parallel"] == TP
     tp_workers.chunk_size = 3
@@ -262,16 +299,24 @@ def test_a_tensor_parallel_refit_cuts_each_ranks_shard_and_equals_a_fresh_build(
     assert stats.bytes == sum(t.numel() * t.element_size() for _, t in sent)
     assert stats.bytes_sent == TP * stats.bytes  # the full stream reached both ranks
     # Each rank copied only its slice: the split tensors' halves plus the replicated norms.
-    kept = [sum(t.numel() * t.element_size() // (1 if sharding_rule(n).kind == "replicated" else TP) for n, t in sent)
-            for _ in range(TP)]
+    kept = [
+        sum(
+            t.numel() * t.element_size() // (1 if sharding_rule(n).kind == "replicated" else TP)
+            for n, t in sent
+        )
+        for _ in range(TP)
+    ]
     assert [w.bytes for w in stats.workers] == kept and kept[0] < 0.6 * stats.bytes
     fresh = in_process(moved)
     for sampling in (GREEDY, *SAMPLED):
         got = tp_workers.result(tp_workers.submit(request(PROMPTS, sampling))).generation
         assert_same(got, fresh.generate(PROMPTS, sampling), TP_LOGPROB_TOL)
     # Partial (LoRA's stream): two matrices back to the base values, on the replica and in process.
-    subset = [(n, t) for n, t in checkpoint_tensors(base)
-              if n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")]
+    subset = [
+        (n, t)
+        for n, t in checkpoint_tensors(base)
+        if n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
+    ]
     tp_workers.refit(iter(subset), partial=True)
     fresh.refit(iter(subset), partial=True)
     got = tp_workers.result(tp_workers.submit(request(PROMPTS, SAMPLED[0]))).generation
@@ -285,21 +330,25 @@ def test_a_tensor_parallel_refit_cuts_each_ranks_shard_and_equals_a_fresh_build(
 
 
 def test_a_replica_split_the_model_refuses_is_a_clear_error_before_any_process_starts(checkpoints):
-    with pytest.raises(ValueError, match=r"engine.tensor_parallel_size=3 cannot split this llama model: .*valid "
-                                         r"tensor_parallel_size values for this model are 1, 2, 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine.tensor_parallel_size=3 cannot split this llama model: .*valid "
+        r"tensor_parallel_size values for this model are 1, 2, 4",
+    ):
         RolloutWorkers(checkpoints[2], 1, tensor_parallel_size=3, device="cpu")
 
 
 def test_workers_under_an_explicit_interpreter_generate_and_refit_like_the_in_process_engine(checkpoints):
-    """engine.worker_python = this venv under another name: the workers start through the foreign-interpreter path
-    (its own sys.path, no __main__ re-run) and behave as ever: the in-process tokens, a refit equal to a fresh
-    build."""
+    """engine.worker_python = this venv under another name: the workers start through the foreign-interpreter
+    path (its own sys.path, no __main__ re-run) and behave as ever: the in-process tokens, a refit equal to a
+    fresh build."""
     from tests.stages.common.generation.test_worker_python import same_venv_other_path
 
     base, moved, engine_dir = checkpoints
     python = same_venv_other_path()
-    with RolloutWorkers(engine_dir, 1, chunk_size=4, threads=1, timeout_s=30, worker_python=python,
-                        device="cpu") as client:
+    with RolloutWorkers(
+        engine_dir, 1, chunk_size=4, threads=1, timeout_s=30, worker_python=python, device="cpu"
+    ) as client:
         assert client.interpreter is not None and client.interpreter.python == python
         got = client.result(client.submit(request(PROMPTS, SAMPLED[1]))).generation
         assert_same(got, in_process(base).generate(PROMPTS, SAMPLED[1]), LOGPROB_TOL)
@@ -308,17 +357,21 @@ def test_workers_under_an_explicit_interpreter_generate_and_refit_like_the_in_pr
         assert_same(got, in_process(moved).generate(PROMPTS, GREEDY), LOGPROB_TOL)
 
 
-def test_workers_under_an_interpreter_that_cannot_host_them_fail_before_any_process_starts(checkpoints, tmp_path):
+def test_workers_under_an_interpreter_that_cannot_host_them_fail_before_any_process_starts(
+    checkpoints, tmp_path
+):
     from alignflow.stages.common.generation.worker_python import WorkerPythonError
 
-    with pytest.raises(WorkerPythonError, match=rf"^engine.worker_python={tmp_path}/python: no executable there"):
+    with pytest.raises(
+        WorkerPythonError, match=rf"^engine.worker_python={tmp_path}/python: no executable there"
+    ):
         RolloutWorkers(checkpoints[2], 1, worker_python=str(tmp_path / "python"), device="cpu")
 
 
 def vllm_python() -> str:
-    """The python of the vLLM venv named by ALIGNFLOW_VLLM_VENV. scripts/vllm_tests.sh makes that venv, installs
-    this checkout into it and runs this test with ALIGNFLOW_REQUIRE_VLLM_VENV=1, which turns every skip into a
-    failure; the main suite skips it (it would run the same ~2.5-4 min twice per CI run)."""
+    """The python of the vLLM venv named by ALIGNFLOW_VLLM_VENV. scripts/vllm_tests.sh makes that venv,
+    installs this checkout into it and runs this test with ALIGNFLOW_REQUIRE_VLLM_VENV=1, which turns every
+    skip into a failure; the main suite skips it (it would run the same ~2.5-4 min twice per CI run)."""
     from alignflow.stages.common.generation.worker_python import WorkerPythonError, resolve
 
     if not os.environ.get("ALIGNFLOW_VLLM_VENV"):
@@ -336,10 +389,10 @@ def vllm_python() -> str:
 
 @pytest.mark.timeout(900)
 def test_workers_under_the_vllm_venv_serve_and_refit_a_vllm_engine_the_trainer_never_imports(tmp_path):
-    """The pipeline's shape with engine.backend vllm: the engine stage's build (build_and_check: vllm build, parity
-    with hf, save) in a child under the vLLM venv's python, then a rollout worker under it, refit over gloo by this
-    process (the main venv's torch); greedy tokens equal hf's before and after the refit. Measured on the loaded
-    2-core box: ~2.5 min (vLLM's import and start, ~45 s per process)."""
+    """The pipeline's shape with engine.backend vllm: the engine stage's build (build_and_check: vllm build,
+    parity with hf, save) in a child under the vLLM venv's python, then a rollout worker under it, refit over
+    gloo by this process (the main venv's torch); greedy tokens equal hf's before and after the refit.
+    Measured on the loaded 2-core box: ~2.5 min (vLLM's import and start, ~45 s per process)."""
     import sys
 
     from alignflow.config import EngineConfig
@@ -352,16 +405,26 @@ def test_workers_under_the_vllm_venv_serve_and_refit_a_vllm_engine_the_trainer_n
     moved = save_tiny_model(tmp_path / "moved", "llama_mha_untied", seed=3, **wide)
     prompts = random_prompts(4, seed=8)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-    config = EngineConfig(backend="vllm", max_batch_size=16, max_seq_len=64, parity_new_tokens=8,
-                          worker_python=python)
+    config = EngineConfig(
+        backend="vllm", max_batch_size=16, max_seq_len=64, parity_new_tokens=8, worker_python=python
+    )
     (tmp_path / "engine").mkdir()
-    report = call_in(resolve(python, "vllm"), build_and_check, base, config, "float32", prompts, tmp_path / "engine",
-                     what="the vllm engine build")
+    report = call_in(
+        resolve(python, "vllm"),
+        build_and_check,
+        base,
+        config,
+        "float32",
+        prompts,
+        tmp_path / "engine",
+        what="the vllm engine build",
+    )
     assert report["parity"]["ok"] and report["parity"]["greedy_matching_sequences"] == 4
     assert report["execution_paths"]["backend"] == "vllm" and report["execution_paths"]["python"] == python
     hf = EngineConfig(backend="hf", max_batch_size=16, max_seq_len=64)
-    with RolloutWorkers(tmp_path / "engine", 1, chunk_size=4, threads=1, timeout_s=300, worker_python=python,
-                        device="cpu") as w:
+    with RolloutWorkers(
+        tmp_path / "engine", 1, chunk_size=4, threads=1, timeout_s=300, worker_python=python, device="cpu"
+    ) as w:
         assert w.workers[0].info["backend"] == "vllm"
         got = w.result(w.submit(request(prompts, greedy))).generation.response_token_ids
         assert got == build_engine(base, hf, device="cpu").generate(prompts, greedy).response_token_ids
@@ -382,9 +445,12 @@ def test_a_sigkilled_tensor_parallel_rank_fails_result_within_seconds_naming_it(
     victim = tp_workers.workers[1]
     os.kill(victim.pid, signal.SIGKILL)
     killed = time.monotonic()
-    with pytest.raises(RolloutWorkerError, match=rf"rollout worker 1 \(replica 0, tensor-parallel rank 1 of 2, pid "
-                                                 rf"{victim.pid}\) died \(killed by signal SIGKILL\) while generating "
-                                                 r"iteration 1"):
+    with pytest.raises(
+        RolloutWorkerError,
+        match=rf"rollout worker 1 \(replica 0, tensor-parallel rank 1 of 2, pid "
+        rf"{victim.pid}\) died \(killed by signal SIGKILL\) while generating "
+        r"iteration 1",
+    ):
         tp_workers.result(ticket)
     assert time.monotonic() - killed < 5.0
     tp_workers.close()
@@ -394,7 +460,9 @@ def test_a_sigkilled_tensor_parallel_rank_fails_result_within_seconds_naming_it(
 def _assert_all_gone(client: RolloutWorkers) -> None:
     assert all(w.process.exitcode is not None for w in client.workers)
     for w in client.workers:
-        assert not os.path.exists(f"/proc/{w.pid}") or "zombie" in open(f"/proc/{w.pid}/status").read().lower()
+        assert (
+            not os.path.exists(f"/proc/{w.pid}") or "zombie" in open(f"/proc/{w.pid}/status").read().lower()
+        )
 
 
 def test_a_sigkilled_worker_fails_result_within_seconds_naming_it(checkpoints):
@@ -408,8 +476,11 @@ def test_a_sigkilled_worker_fails_result_within_seconds_naming_it(checkpoints):
         victim = client.workers[1]
         os.kill(victim.pid, signal.SIGKILL)
         killed = time.monotonic()
-        with pytest.raises(RolloutWorkerError, match=rf"rollout worker 1 \(pid {victim.pid}\) died \(killed by signal "
-                                                     r"SIGKILL\) while generating iteration 1") as caught:
+        with pytest.raises(
+            RolloutWorkerError,
+            match=rf"rollout worker 1 \(pid {victim.pid}\) died \(killed by signal "
+            r"SIGKILL\) while generating iteration 1",
+        ) as caught:
             client.result(ticket)
         assert time.monotonic() - killed < 5.0
         assert caught.value.worker == 1 and caught.value.pid == victim.pid
@@ -434,8 +505,11 @@ def test_a_worker_killed_mid_refit_fails_the_refit_within_seconds_naming_it(chec
                     killed.append(time.monotonic())
                 yield item
 
-        with pytest.raises(RolloutWorkerError, match=rf"rollout worker 0 \(pid {victim.pid}\) died \(killed by "
-                                                     r"signal SIGKILL\) while refitting"):
+        with pytest.raises(
+            RolloutWorkerError,
+            match=rf"rollout worker 0 \(pid {victim.pid}\) died \(killed by "
+            r"signal SIGKILL\) while refitting",
+        ):
             client.refit(stream())
         assert time.monotonic() - killed[0] < 5.0
     finally:
@@ -444,7 +518,8 @@ def test_a_worker_killed_mid_refit_fails_the_refit_within_seconds_naming_it(chec
 
 
 def _worker_pids(stage_pid: int) -> list[int]:
-    """The rollout worker processes a stage spawned (its multiprocessing children, not the resource tracker)."""
+    """The rollout worker processes a stage spawned (its multiprocessing children, not the resource
+    tracker)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -461,27 +536,51 @@ def _worker_pids(stage_pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_rl_stage_on_two_workers_fails_in_seconds_when_one_is_killed_and_the_rerun_resumes(upstream):
-    """Acceptance: the RL stage with engine.rollout_workers=2 (and unload_during_training); SIGKILL of a worker
-    after the iteration-1 checkpoint fails the stage within seconds naming the worker; the re-run resumes and
-    keeps engine == actor (fp32, autocast off: the check compares the workers' log-probs with the actor's)."""
+    """Acceptance: the RL stage with engine.rollout_workers=2 (and unload_during_training); SIGKILL of a
+    worker after the iteration-1 checkpoint fails the stage within seconds naming the worker; the re-run
+    resumes and keeps engine == actor (fp32, autocast off: the check compares the workers' log-probs with the
+    actor's)."""
     import json
     from pathlib import Path
 
     from tests.stages.ppo.test_ppo import finish, local, ppo_spec, start_stage
 
     workdir, _, _ = upstream
-    # 10 iterations: the kill must land while the stage still runs, and an iteration of this model takes ~0.1 s, so
-    # with 3 the stage can finish the two after the first checkpoint before the kill lands.
-    spec = ppo_spec(upstream, "workers", algorithm="grpo", group_size=4, prompts_per_iteration=4, minibatch_size=16,
-                    iterations=10, checkpoint_every=1, autocast="off")
-    spec = spec.model_copy(update={"config": {**spec.config, "engine": {
-        **spec.config["engine"], "rollout_workers": 2, "queue_chunk": 4, "unload_during_training": True}}})
+    # 10 iterations: the kill must land while the stage still runs, and an iteration of this model is quick
+    # (a tenth of a second), so with 3 the stage can finish the two after the first checkpoint before the kill
+    # lands.
+    spec = ppo_spec(
+        upstream,
+        "workers",
+        algorithm="grpo",
+        group_size=4,
+        prompts_per_iteration=4,
+        minibatch_size=16,
+        iterations=10,
+        checkpoint_every=1,
+        autocast="off",
+    )
+    spec = spec.model_copy(
+        update={
+            "config": {
+                **spec.config,
+                "engine": {
+                    **spec.config["engine"],
+                    "rollout_workers": 2,
+                    "queue_chunk": 4,
+                    "unload_during_training": True,
+                },
+            }
+        }
+    )
     first_checkpoint = local(spec.output_uri) / "checkpoints" / "iter_00001" / "manifest.json"
     proc = start_stage(spec, workdir)
     deadline = time.time() + 600
     while not first_checkpoint.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    assert first_checkpoint.exists(), proc.communicate()[1][-3000:] if proc.poll() is not None else "timed out"
+    assert first_checkpoint.exists(), (
+        proc.communicate()[1][-3000:] if proc.poll() is not None else "timed out"
+    )
     pids = _worker_pids(proc.pid)
     assert len(pids) == 2, pids
     os.kill(pids[1], signal.SIGKILL)
@@ -489,23 +588,30 @@ def test_rl_stage_on_two_workers_fails_in_seconds_when_one_is_killed_and_the_rer
     code, result, stderr = finish(proc)
     assert time.monotonic() - killed < 15, "the stage noticed the dead worker within seconds"
     assert code != 0
-    assert re.search(rf"rollout worker \d \(pid {pids[1]}\) died \(killed by signal SIGKILL\) while", result.message), \
-        result.message
+    assert re.search(
+        rf"rollout worker \d \(pid {pids[1]}\) died \(killed by signal SIGKILL\) while", result.message
+    ), result.message
     assert all(not Path(f"/proc/{pid}").exists() for pid in pids), "no worker outlives the stage"
 
     code, result, stderr = finish(start_stage(spec, workdir))
     assert code == 0, stderr[-3000:]
     assert "2 rollout worker processes" in stderr
     assert result.metrics["iterations"] == 10
-    history = [json.loads(line) for line in (local(result.output_uri) / "metrics.jsonl").read_text().splitlines()]
+    history = [
+        json.loads(line) for line in (local(result.output_uri) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["iteration"] for m in history] == list(range(1, 11))
     resumed = history[-1]
     assert resumed["refit/bytes_sent"] == 2 * resumed["refit/bytes"] > 0
     assert resumed["perf/rollout_workers"] == 2 and resumed["perf/rollout_chunks"] == 4
     assert resumed["perf/rollout_imbalance"] >= 1.0
     assert resumed["timing/engine_reload"] >= 0 and resumed["timing/engine_unload"] >= 0
-    assert resumed["perf/engine_freed_bytes"] > 0, "the workers' KV caches were freed while the trainer trained"
-    assert resumed["rollout/logprob_engine_vs_actor_max"] < 1e-4, "the resumed run refit the workers to the actor"
+    assert resumed["perf/engine_freed_bytes"] > 0, (
+        "the workers' KV caches were freed while the trainer trained"
+    )
+    assert resumed["rollout/logprob_engine_vs_actor_max"] < 1e-4, (
+        "the resumed run refit the workers to the actor"
+    )
 
 
 def test_the_rl_stage_refuses_a_tensor_parallel_engine_without_rollout_workers(tmp_path):
@@ -514,11 +620,18 @@ def test_the_rl_stage_refuses_a_tensor_parallel_engine_without_rollout_workers(t
     from alignflow.stages.common.runtime import StageInputError
     from alignflow.stages.ppo import stage as ppo
 
-    spec = StageSpec(stage="ppo", config={"ppo": {}, "model": {}, "engine": {"tensor_parallel_size": 2}},
-                     inputs={"reward_rm": f"file://{tmp_path}/none"}, output_uri=f"file://{tmp_path}/out")
-    with pytest.raises(StageInputError, match=r"engine.tensor_parallel_size=2 with engine.rollout_workers=0: "
-                                              r"tensor-parallel engines run in rollout workers; set "
-                                              r"engine.rollout_workers >= 1"):
+    spec = StageSpec(
+        stage="ppo",
+        config={"ppo": {}, "model": {}, "engine": {"tensor_parallel_size": 2}},
+        inputs={"reward_rm": f"file://{tmp_path}/none"},
+        output_uri=f"file://{tmp_path}/out",
+    )
+    with pytest.raises(
+        StageInputError,
+        match=r"engine.tensor_parallel_size=2 with engine.rollout_workers=0: "
+        r"tensor-parallel engines run in rollout workers; set "
+        r"engine.rollout_workers >= 1",
+    ):
         ppo.run(spec)
 
 
@@ -528,8 +641,15 @@ def test_the_rl_stage_runs_a_vllm_engine_in_rollout_workers_only(tmp_path):
     from alignflow.stages.common.runtime import StageInputError
     from alignflow.stages.ppo import stage as ppo
 
-    spec = StageSpec(stage="ppo", config={"ppo": {}, "model": {}, "engine": {"backend": "vllm"}},
-                     inputs={"reward_rm": f"file://{tmp_path}/none"}, output_uri=f"file://{tmp_path}/out")
-    with pytest.raises(StageInputError, match=r"engine.backend: vllm with engine.rollout_workers=0: the vLLM engine "
-                                              r"runs in rollout worker processes.*set engine.rollout_workers >= 1"):
+    spec = StageSpec(
+        stage="ppo",
+        config={"ppo": {}, "model": {}, "engine": {"backend": "vllm"}},
+        inputs={"reward_rm": f"file://{tmp_path}/none"},
+        output_uri=f"file://{tmp_path}/out",
+    )
+    with pytest.raises(
+        StageInputError,
+        match=r"engine.backend: vllm with engine.rollout_workers=0: the vLLM engine "
+        r"runs in rollout worker processes.*set engine.rollout_workers >= 1",
+    ):
         ppo.run(spec)

@@ -1,6 +1,6 @@
-"""The rollout writer: files land whole and in order, in the background or in line, uploads go to a remote store,
-an error in a write is raised by the next call (in line: by the call itself) instead of being lost, and the
-thread is used where a core is free for it or an upload waits on the network."""
+"""The rollout writer: files land whole and in order, in the background or in line, uploads go to a remote
+store, an error in a write is raised by the next call (in line: by the call itself) instead of being lost, and
+the thread is used where a core is free for it or an upload waits on the network."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.stages.common.test_rollouts import make_row
 
 from alignflow.stages.common.rollouts import RolloutSchemaError, read_rollouts
 from alignflow.stages.ppo import rollout_writer
 from alignflow.stages.ppo.rollout_writer import RolloutWriter, writes_in_background
+from tests.stages.common.test_rollouts import make_row
 
 
 class LocalStore:
@@ -36,7 +36,9 @@ class RemoteStore:
 def test_files_are_written_whole_after_wait_in_the_background_or_in_line(tmp_path, background):
     writer = RolloutWriter(LocalStore(), str(tmp_path), background=background)
     for iteration in (1, 2, 3):
-        writer.submit([make_row(i) for i in range(4)], tmp_path / "rollouts" / f"iter_{iteration:05d}.parquet")
+        writer.submit(
+            [make_row(i) for i in range(4)], tmp_path / "rollouts" / f"iter_{iteration:05d}.parquet"
+        )
     writer.close()
     for iteration in (1, 2, 3):
         assert read_rollouts(tmp_path / "rollouts" / f"iter_{iteration:05d}.parquet").num_rows == 4
@@ -49,8 +51,10 @@ def test_a_remote_store_gets_each_file_after_it_is_written(tmp_path):
     writer.submit([make_row(0)], tmp_path / "iter_00001.parquet")
     writer.submit([make_row(1)], tmp_path / "iter_00002.parquet")
     writer.close()
-    assert store.uploaded == [("iter_00001.parquet", "s3://bucket/run/ppo/rollouts/iter_00001.parquet"),
-                              ("iter_00002.parquet", "s3://bucket/run/ppo/rollouts/iter_00002.parquet")]
+    assert store.uploaded == [
+        ("iter_00001.parquet", "s3://bucket/run/ppo/rollouts/iter_00001.parquet"),
+        ("iter_00002.parquet", "s3://bucket/run/ppo/rollouts/iter_00002.parquet"),
+    ]
 
 
 def test_a_failed_write_is_raised_by_the_next_call(tmp_path):
@@ -92,4 +96,3 @@ def test_the_thread_is_used_for_uploads_and_where_a_core_is_left_over(monkeypatc
         assert writes_in_background(LocalStore(), "/tmp/run")  # a core left over
     finally:
         torch.set_num_threads(threads)
-

@@ -62,21 +62,37 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(checkpoint, device):
-    """An Experience of 6 sampled responses of different lengths from the native engine (fp32), on the device."""
+    """An Experience of 6 sampled responses of different lengths from the native engine (fp32), on the
+    device."""
     engine = build_engine(checkpoint, engine_config(backend="native"), dtype="float32", device=device)
     prompts = random_prompts(6, seed=3)
-    generation = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seeds=list(range(6))))
+    generation = engine.generate(
+        prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seeds=list(range(6)))
+    )
     engine.unload()
     input_ids, attention_mask, position_ids, response_ids, mask, width_p = assemble(
-        prompts, generation.response_token_ids, PAD)
+        prompts, generation.response_token_ids, PAD
+    )
     engine_logprobs = generation.padded(PAD)[1][:, : response_ids.shape[1]] * mask
     zeros = torch.zeros_like(mask)
     advantages = torch.linspace(-1.0, 1.0, mask.numel()).reshape(mask.shape) * mask
-    return Experience(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      response_ids=response_ids, response_mask=mask, rollout_logprobs=engine_logprobs,
-                      old_logprobs=engine_logprobs.clone(), ref_logprobs=zeros, values=None,
-                      scores=torch.zeros(len(prompts)), token_rewards=zeros, kl=zeros, advantages=advantages,
-                      returns=None, prompt_width=width_p).to(device)
+    return Experience(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_ids=response_ids,
+        response_mask=mask,
+        rollout_logprobs=engine_logprobs,
+        old_logprobs=engine_logprobs.clone(),
+        ref_logprobs=zeros,
+        values=None,
+        scores=torch.zeros(len(prompts)),
+        token_rewards=zeros,
+        kl=zeros,
+        advantages=advantages,
+        returns=None,
+        prompt_width=width_p,
+    ).to(device)
 
 
 def loss_and_grads(model, exp: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -130,7 +146,10 @@ def test_trimmed_minibatch_gives_the_padded_loss_and_gradients(checkpoint, rollo
     padded = rollout.select(rows)
     trimmed = padded.trimmed()
     assert trimmed.input_ids.shape[1] < padded.input_ids.shape[1]
-    assert trimmed.prompt_width < padded.prompt_width or trimmed.response_ids.shape[1] < padded.response_ids.shape[1]
+    assert (
+        trimmed.prompt_width < padded.prompt_width
+        or trimmed.response_ids.shape[1] < padded.response_ids.shape[1]
+    )
     assert int(trimmed.response_mask.sum()) == int(padded.response_mask.sum())
     loss_padded, grads_padded = loss_and_grads(model, padded)
     loss_trimmed, grads_trimmed = loss_and_grads(model, trimmed)
@@ -145,15 +164,18 @@ def test_trimmed_drops_only_all_padding_columns(rollout):
     assert not rollout.attention_mask[:, :left].any()
     width_r = trimmed.response_ids.shape[1]
     assert not rollout.response_mask[:, width_r:].any()
-    assert torch.equal(trimmed.input_ids, rollout.input_ids[:, left: rollout.prompt_width + width_r])
+    assert torch.equal(trimmed.input_ids, rollout.input_ids[:, left : rollout.prompt_width + width_r])
     assert torch.equal(trimmed.old_logprobs, rollout.old_logprobs[:, :width_r])
 
 
 def test_lm_head_on_response_columns_equals_the_full_forward(checkpoint, rollout, device):
     model = actor_model(checkpoint, device)
     with torch.no_grad():
-        full = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
-                     position_ids=rollout.position_ids).logits[:, rollout.prompt_width - 1:-1]
+        full = model(
+            input_ids=rollout.input_ids,
+            attention_mask=rollout.attention_mask,
+            position_ids=rollout.position_ids,
+        ).logits[:, rollout.prompt_width - 1 : -1]
         logp_full = torch.log_softmax(full, -1).gather(-1, rollout.response_ids[..., None])[..., 0]
         logp = policy_logprobs(model, rollout, temperature=1.0)[0]
     assert torch.allclose(logp, logp_full * rollout.response_mask, atol=1e-5)
@@ -161,18 +183,37 @@ def test_lm_head_on_response_columns_equals_the_full_forward(checkpoint, rollout
 
 def trainer_settings(micro_batch_size: int) -> OptimSettings:
     """The plain torch trainer's settings for these tests: AdamW at 1e-3, clipped at 1, no schedule."""
-    return OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=8, micro_batch_size=micro_batch_size,
-                         grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    return OptimSettings(
+        lr=1e-3,
+        weight_decay=0.0,
+        warmup_steps=0,
+        total_steps=8,
+        micro_batch_size=micro_batch_size,
+        grad_accum=1,
+        zero_stage=0,
+        grad_clip=1.0,
+        schedule="constant",
+    )
 
 
 def ppo_config(**overrides) -> PPOConfig:
-    values = dict(algorithm="grpo", group_size=2, prompts_per_iteration=3, minibatch_size=6, ppo_epochs=2,
-                  kl_coef=0.0, clip_range=0.2, seed=0)
+    values = dict(
+        algorithm="grpo",
+        group_size=2,
+        prompts_per_iteration=3,
+        minibatch_size=6,
+        ppo_epochs=2,
+        kl_coef=0.0,
+        clip_range=0.2,
+        seed=0,
+    )
     values.update(overrides)
     return PPOConfig(**values)
 
 
-def test_old_logprobs_from_the_first_forward_train_exactly_like_the_recomputation(checkpoint, rollout, device):
+def test_old_logprobs_from_the_first_forward_train_exactly_like_the_recomputation(
+    checkpoint, rollout, device
+):
     """One minibatch holding every row: its first forward is taken at the weights a recomputation would
     use, so two epochs of training end at the same weights (to float determinism: bit-equal here)."""
     cfg = ppo_config()
@@ -180,24 +221,38 @@ def test_old_logprobs_from_the_first_forward_train_exactly_like_the_recomputatio
     first_forward_actor = PlainTrainEngine(actor_model(checkpoint, device))
     recompute_exp, first_exp = copy.copy(rollout), copy.copy(rollout)
     with torch.no_grad():  # the stage's recomputation: the fast step's forward (lean, packed)
-        recompute_exp.old_logprobs = policy_logprobs(recompute_actor.module, rollout, temperature=1.0, lean=True,
-                                                     packed=packing_for(rollout, cfg, recompute_actor))[0]
+        recompute_exp.old_logprobs = policy_logprobs(
+            recompute_actor.module,
+            rollout,
+            temperature=1.0,
+            lean=True,
+            packed=packing_for(rollout, cfg, recompute_actor),
+        )[0]
     first_exp.old_logprobs = torch.full_like(rollout.old_logprobs, float("nan"))  # must be overwritten
     metrics_a = train_on(recompute_exp, recompute_actor, None, cfg, 0.0, 1, FP32)
     metrics_b = train_on(first_exp, first_forward_actor, None, cfg, 0.0, 1, FP32, old_from_first_forward=True)
     assert torch.allclose(first_exp.old_logprobs, recompute_exp.old_logprobs, atol=1e-6)
     for key in ("losses/policy_loss", "losses/approx_kl", "losses/clipfrac"):
         assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-5, abs=1e-8)
-    for (name, a), (_, b) in zip(recompute_actor.module.named_parameters(),
-                                 first_forward_actor.module.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(
+        recompute_actor.module.named_parameters(), first_forward_actor.module.named_parameters(), strict=True
+    ):
         assert torch.allclose(a, b, atol=1e-6, rtol=0), name
 
 
 def test_first_forward_needs_one_minibatch_of_every_row(checkpoint, rollout, device):
     actor = PlainTrainEngine(actor_model(checkpoint, device))
     with pytest.raises(ValueError, match="one minibatch holding every row"):
-        train_on(copy.copy(rollout), actor, None, ppo_config(minibatch_size=2), 0.0, 1, FP32,
-                 old_from_first_forward=True)
+        train_on(
+            copy.copy(rollout),
+            actor,
+            None,
+            ppo_config(minibatch_size=2),
+            0.0,
+            1,
+            FP32,
+            old_from_first_forward=True,
+        )
 
 
 def test_engine_logprobs_off_by_more_than_the_tolerance_stop_before_any_step(checkpoint, rollout, device):
@@ -211,20 +266,34 @@ def test_engine_logprobs_off_by_more_than_the_tolerance_stop_before_any_step(che
     assert caught.value.measured == pytest.approx(1e-2, rel=0.05)
     for name, param in actor.module.named_parameters():
         assert torch.equal(param, before[name]), f"{name} moved before the check"
-    metrics = train_on(copy.copy(rollout), PlainTrainEngine(actor_model(checkpoint, device)), None, ppo_config(),
-                       0.0, 1, FP32, check_old_tolerance=1e-4)
+    metrics = train_on(
+        copy.copy(rollout),
+        PlainTrainEngine(actor_model(checkpoint, device)),
+        None,
+        ppo_config(),
+        0.0,
+        1,
+        FP32,
+        check_old_tolerance=1e-4,
+    )
     assert metrics["rollout/logprob_engine_vs_actor_max"] <= 1e-4
 
 
-@pytest.mark.parametrize(("overrides", "autocast", "fallback", "expected"), [
-    ({"old_logprobs": "auto"}, False, False, "engine"),
-    ({"old_logprobs": "auto"}, False, True, "first_forward"),          # fell back once: recompute, here for free
-    ({"old_logprobs": "auto", "kl_coef": 0.1}, False, True, "recompute"),  # the KL needs them before training
-    ({"old_logprobs": "auto"}, True, False, "first_forward"),           # autocast is not the engine's dtype
-    ({"old_logprobs": "auto", "minibatch_size": 2}, True, False, "recompute"),
-    ({"old_logprobs": "engine"}, True, True, "engine"),
-    ({"old_logprobs": "recompute"}, False, False, "first_forward"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "autocast", "fallback", "expected"),
+    [
+        ({"old_logprobs": "auto"}, False, False, "engine"),
+        # fell back once: recompute, here for free
+        ({"old_logprobs": "auto"}, False, True, "first_forward"),
+        # the KL needs them before training
+        ({"old_logprobs": "auto", "kl_coef": 0.1}, False, True, "recompute"),
+        # autocast is not the engine's dtype
+        ({"old_logprobs": "auto"}, True, False, "first_forward"),
+        ({"old_logprobs": "auto", "minibatch_size": 2}, True, False, "recompute"),
+        ({"old_logprobs": "engine"}, True, True, "engine"),
+        ({"old_logprobs": "recompute"}, False, False, "first_forward"),
+    ],
+)
 def test_old_logprob_source(overrides, autocast, fallback, expected):
     cfg = ppo_config(**overrides)
     state = RLState(cfg)
@@ -254,9 +323,10 @@ def test_compiled_training_step_equals_eager(checkpoint, rollout, device):
 
 @pytest.mark.cpu_only("the critic's own thread (ppo.overlap_critic) is for models on the CPU")
 def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkpoint, rollout):
-    """ppo.overlap_critic: the critic's updates on a second thread, each thread with half the torch threads, end at
-    the same actor and critic weights and the same metrics as the sequential loop (2 epochs x 2 minibatches, PPO
-    with a critic, the plain torch trainer as one rank at ZeRO 0 runs it); the stage's thread count is restored."""
+    """ppo.overlap_critic: the critic's updates on a second thread, each thread with half the torch threads,
+    end at the same actor and critic weights and the same metrics as the sequential loop (2 epochs x 2
+    minibatches, PPO with a critic, the plain torch trainer as one rank at ZeRO 0 runs it); the stage's thread
+    count is restored."""
     from alignflow.stages.common.models.loading import load_sequence_classifier
     from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
     from alignflow.stages.ppo.critic_schedule import overlaps_critic
@@ -273,8 +343,9 @@ def test_critic_on_its_own_thread_trains_exactly_like_one_after_the_other(checkp
     for overlap in (False, True):
         actor = PlainTorchTrainer(load_causal_lm(checkpoint), settings)
         critic = PlainTorchTrainer(copy.deepcopy(critic_init), settings)
-        cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=3,
-                         overlap_critic=overlap)
+        cfg = ppo_config(
+            algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=3, overlap_critic=overlap
+        )
         assert overlaps_critic(actor, critic, cfg) is overlap
         runs[overlap] = (train_on(copy.copy(exp), actor, critic, cfg, 0.0, 1, FP32), actor, critic)
         assert torch.get_num_threads() == 2
@@ -304,8 +375,11 @@ def test_stale_old_logprobs_stop_the_critics_thread_before_any_step(checkpoint, 
     critic = PlainTorchTrainer(load_sequence_classifier(checkpoint, pad_token_id=PAD), settings)
     cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=3)
     assert overlaps_critic(actor, critic, cfg)
-    before = {f"{who}.{n}": p.detach().clone() for who, m in (("actor", actor), ("critic", critic))
-              for n, p in m.module.named_parameters()}
+    before = {
+        f"{who}.{n}": p.detach().clone()
+        for who, m in (("actor", actor), ("critic", critic))
+        for n, p in m.module.named_parameters()
+    }
     stale = copy.copy(exp)
     stale.old_logprobs = exp.rollout_logprobs + 1e-2 * exp.response_mask
     with pytest.raises(StaleOldLogprobs):
@@ -324,8 +398,9 @@ def test_stale_old_logprobs_stop_the_critics_thread_before_any_step(checkpoint, 
 @pytest.mark.cpu_only("the critic's own thread (ppo.overlap_critic) is for models on the CPU")
 def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkpoint, rollout):
     """values_from_first_forward: one minibatch holding every row, the critic on its own thread. Its first
-    training forward gives the values (and so the advantages and returns) that the no-grad values pass gives, and
-    the two ways train the actor and the critic to the same weights (2 epochs; fp32, 1e-6: float order)."""
+    training forward gives the values (and so the advantages and returns) that the no-grad values pass gives,
+    and the two ways train the actor and the critic to the same weights (2 epochs; fp32, 1e-6: float
+    order)."""
     from alignflow.stages.common.models.loading import load_sequence_classifier
     from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
     from alignflow.stages.ppo.critic_schedule import values_from_first_forward
@@ -345,8 +420,16 @@ def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkp
         exp = copy.copy(rollout)
         exp.scores = torch.linspace(-1.0, 2.0, 6)
         if first:
-            metrics = train_on(exp, actor, critic, cfg, 0.0, 1, FP32,
-                               advantages_after_values=lambda e: advantages_for(e, cfg, 0.0))
+            metrics = train_on(
+                exp,
+                actor,
+                critic,
+                cfg,
+                0.0,
+                1,
+                FP32,
+                advantages_after_values=lambda e: advantages_for(e, cfg, 0.0),
+            )
         else:
             with torch.no_grad():
                 exp.values = token_values(critic.module, exp, lean=True, packed=packing_for(exp, cfg, actor))
@@ -379,10 +462,12 @@ def test_values_come_from_the_first_forward_only_where_it_is_the_values_pass(che
     torch.set_num_threads(2)
     assert values_from_first_forward(actor, critic, cfg, 6)
     assert not values_from_first_forward(actor, critic, cfg, 12)
-    assert not values_from_first_forward(actor, critic, ppo_config(algorithm="ppo", minibatch_size=6,
-                                                                   overlap_critic=False), 6)
-    assert not values_from_first_forward(actor, critic, ppo_config(algorithm="ppo", minibatch_size=6,
-                                                                   fast_train_step=False), 6)
+    assert not values_from_first_forward(
+        actor, critic, ppo_config(algorithm="ppo", minibatch_size=6, overlap_critic=False), 6
+    )
+    assert not values_from_first_forward(
+        actor, critic, ppo_config(algorithm="ppo", minibatch_size=6, fast_train_step=False), 6
+    )
     critic.module.config.attention_dropout = 0.1
     assert not values_from_first_forward(actor, critic, cfg, 6)
     torch.set_num_threads(1)
@@ -393,10 +478,10 @@ def test_values_come_from_the_first_forward_only_where_it_is_the_values_pass(che
 @pytest.mark.cpu_only("the critic's own thread (ppo.overlap_critic) is for models on the CPU")
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, rollout, monkeypatch, kl_coef):
-    """ppo.overlap_critic in experience_passes: one pass runs on the critic's thread beside the scoring and the
-    others (the reference's with a KL term, else the critic's; wrappers of the passes see which thread ran
-    them), and every result equals the in-line run's bit for bit (the same forwards, one torch thread each); the
-    stage's thread count is restored."""
+    """ppo.overlap_critic in experience_passes: one pass runs on the critic's thread beside the scoring and
+    the others (the reference's with a KL term, else the critic's; wrappers of the passes see which thread ran
+    them), and every result equals the in-line run's bit for bit (the same forwards, one torch thread each);
+    the stage's thread count is restored."""
     import threading
 
     from alignflow.stages.common.models.loading import load_sequence_classifier
@@ -406,8 +491,17 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
     from alignflow.stages.ppo.critic_schedule import overlaps_critic, overlaps_passes
     from alignflow.stages.ppo.experience_passes import experience_passes
 
-    settings = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=1, micro_batch_size=6,
-                             grad_accum=1, zero_stage=0, grad_clip=1.0, schedule="constant")
+    settings = OptimSettings(
+        lr=1e-3,
+        weight_decay=0.0,
+        warmup_steps=0,
+        total_steps=1,
+        micro_batch_size=6,
+        grad_accum=1,
+        zero_stage=0,
+        grad_clip=1.0,
+        schedule="constant",
+    )
     actor = PlainTorchTrainer(load_causal_lm(checkpoint), settings)
     torch.manual_seed(0)
     critic = PlainTorchTrainer(load_sequence_classifier(checkpoint, pad_token_id=PAD), settings)
@@ -422,6 +516,7 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
             who = "reference" if model is reference else name
             ran_on.append((who, threading.current_thread().name.startswith("critic")))
             return function(model, *args, **kwargs)
+
         return run
 
     monkeypatch.setattr(passes, "token_values", watched("values", passes.token_values))
@@ -429,15 +524,25 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
     torch.set_num_threads(2)  # one thread each (the autouse fixture restores 1 after the test)
     runs = {}
     for overlap in (False, True):
-        cfg = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6, kl_coef=kl_coef,
-                         overlap_critic=overlap)
+        cfg = ppo_config(
+            algorithm="ppo", group_size=1, prompts_per_iteration=6, kl_coef=kl_coef, overlap_critic=overlap
+        )
         assert overlaps_critic(actor, critic, cfg) is overlap
         assert overlaps_passes(actor, critic, cfg) is overlap  # auto: the 64-wide actor is narrower than 256
         exp = copy.copy(rollout)
         profiler = Profiler("test")
         ran_on.clear()
-        scored = experience_passes(exp, cfg, actor, critic, reference, FP32, "recompute", profiler,
-                                   lambda: threading.current_thread().name)
+        scored = experience_passes(
+            exp,
+            cfg,
+            actor,
+            critic,
+            reference,
+            FP32,
+            "recompute",
+            profiler,
+            lambda: threading.current_thread().name,
+        )
         assert scored == threading.current_thread().name  # score() runs here, its result returned
         assert torch.get_num_threads() == 2
         passes = {"values", "old_logprobs"} | ({"reference"} if kl_coef else set())
@@ -454,19 +559,23 @@ def test_a_pass_on_the_critics_thread_gives_what_it_gives_in_line(checkpoint, ro
         assert not torch.equal(in_line.ref_logprobs, in_line.old_logprobs)
     wide = ppo_config(algorithm="ppo", group_size=1, prompts_per_iteration=6)
     assert not overlaps_passes(actor, critic, wide.model_copy(update={"overlap_passes": "off"}))
-    monkeypatch.setattr(actor.module.config, "hidden_size", 256)  # bound by arithmetic: auto keeps them in line
+    # bound by arithmetic: auto keeps them in line
+    monkeypatch.setattr(actor.module.config, "hidden_size", 256)
     assert overlaps_critic(actor, critic, wide) and not overlaps_passes(actor, critic, wide)
     assert overlaps_passes(actor, critic, wide.model_copy(update={"overlap_passes": "on"}))
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_entropy_as_a_metric_comes_detached_and_leaves_the_gradients_alone(checkpoint, rollout, packed, device):
+def test_entropy_as_a_metric_comes_detached_and_leaves_the_gradients_alone(
+    checkpoint, rollout, packed, device
+):
     """'metric' takes the entropy from the log-probs' own pass: the same values as 'loss' gives, no gradient
     through it, and the log-probs' gradients those of 'none' (bit for bit: the same backward)."""
     model = actor_model(checkpoint, device)
     layout = rollout.packed if packed else None
     weights = torch.linspace(-1.0, 1.0, rollout.response_mask.numel(), device=device).reshape(
-        rollout.response_mask.shape)
+        rollout.response_mask.shape
+    )
     grads = {}
     for mode in ("none", "metric"):
         model.zero_grad(set_to_none=True)
