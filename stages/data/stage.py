@@ -100,3 +100,7 @@ def run(spec: StageSpec) -> StageResult:
 
 def main(argv: list[str] | None = None) -> int:
     return stage_main("data", run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
