@@ -236,9 +236,10 @@ def test_entrypoint_knows_every_stage_and_each_has_a_module():
     assert tuple(listed) == STAGES
     for stage in STAGES:
         program = STAGE_PROGRAMS[stage].removeprefix("alignflow.stages.").replace(".", "/")
-        assert (REPO / "stages" / f"{program}.py").is_file(), (
-            f"stage {stage}: its program {program}.py is missing"
-        )
+        source = REPO / "stages" / f"{program}.py"
+        assert source.is_file(), f"stage {stage}: its program {program}.py is missing"
+        # The flow launches the program itself (`python -m <program>`): without the guard it would do nothing.
+        assert 'if __name__ == "__main__":' in source.read_text(), f"{program}.py runs nothing under python -m"
 
 
 @pytest.mark.parametrize("stage", STAGES)
