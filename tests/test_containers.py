@@ -239,7 +239,7 @@ def test_entrypoint_knows_every_stage_and_each_has_a_module():
         source = REPO / "stages" / f"{program}.py"
         assert source.is_file(), f"stage {stage}: its program {program}.py is missing"
         # The flow launches the program itself (`python -m <program>`): without the guard it would do nothing.
-        assert 'if __name__ == "__main__":' in source.read_text(), f"{program}.py runs nothing under python -m"
+        assert 'if __name__ == "__main__":' in source.read_text(), f"{program}.py runs nothing as a program"
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -1,1 +1,1 @@
-"""The data layer: dataset file formats (SFT, preferences, prompts) and the synthetic demo task; torch-free."""
+"""The data stage and its layer: dataset formats (SFT, preferences, prompts), the demo task; torch-free."""

@@ -66,41 +66,123 @@ from alignflow.stages.data.formats import (
 
 # topic name -> (how prompts say it, 9 topic nouns). Every word is unique across the whole task.
 TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "ocean": ("the ocean", ("waves", "sea", "tide", "fish", "shore", "coral", "boats", "seagulls", "dolphins")),
-    "forest": ("the forest", ("trees", "moss", "leaves", "owls", "ferns", "pines", "trail", "deer", "mushrooms")),
-    "city": ("the city", ("streets", "buildings", "traffic", "subway", "towers", "crowds", "cafes", "bridges",
-                          "taxis")),
-    "music": ("music", ("songs", "guitar", "drums", "melody", "piano", "concert", "rhythm", "singer", "violin")),
-    "garden": ("the garden", ("flowers", "roses", "tulips", "soil", "bees", "hedges", "vegetables", "fountain",
-                              "butterflies")),
-    "mountain": ("the mountain", ("peaks", "cliffs", "summit", "glacier", "rocks", "valley", "climbers", "ridge",
-                                  "goats")),
-    "kitchen": ("the kitchen", ("oven", "bread", "soup", "spices", "knives", "pans", "recipes", "stove",
-                                "cookies")),
-    "winter": ("winter", ("snow", "ice", "frost", "sleds", "snowmen", "mittens", "blizzard", "fireplace",
-                          "icicles")),
-    "space": ("outer space", ("stars", "planets", "rockets", "moon", "comets", "galaxy", "astronauts", "orbit",
-                              "meteors")),
-    "library": ("the library", ("books", "shelves", "pages", "librarian", "novels", "readers", "atlas",
-                                "archives", "bookmarks")),
-    "river": ("the river", ("current", "banks", "canoe", "stream", "rapids", "otters", "dam", "reeds",
-                            "pebbles")),
-    "desert": ("the desert", ("sand", "dunes", "cactus", "camels", "oasis", "lizards", "mirage", "canyon",
-                              "scorpions")),
-    "school": ("school", ("teachers", "students", "lessons", "classroom", "homework", "chalk", "desks", "recess",
-                          "notebooks")),
-    "farm": ("the farm", ("cows", "barn", "tractor", "hay", "chickens", "pigs", "fields", "orchard", "sheep")),
-    "football": ("football", ("players", "goal", "stadium", "coach", "referee", "team", "fans", "ball",
-                              "kickoff")),
-    "railway": ("the railway", ("trains", "tracks", "station", "tickets", "platform", "locomotive", "carriages",
-                                "conductor", "timetable")),
+    "ocean": (
+        "the ocean",
+        ("waves", "sea", "tide", "fish", "shore", "coral", "boats", "seagulls", "dolphins"),
+    ),
+    "forest": (
+        "the forest",
+        ("trees", "moss", "leaves", "owls", "ferns", "pines", "trail", "deer", "mushrooms"),
+    ),
+    "city": (
+        "the city",
+        ("streets", "buildings", "traffic", "subway", "towers", "crowds", "cafes", "bridges", "taxis"),
+    ),
+    "music": (
+        "music",
+        ("songs", "guitar", "drums", "melody", "piano", "concert", "rhythm", "singer", "violin"),
+    ),
+    "garden": (
+        "the garden",
+        ("flowers", "roses", "tulips", "soil", "bees", "hedges", "vegetables", "fountain", "butterflies"),
+    ),
+    "mountain": (
+        "the mountain",
+        ("peaks", "cliffs", "summit", "glacier", "rocks", "valley", "climbers", "ridge", "goats"),
+    ),
+    "kitchen": (
+        "the kitchen",
+        ("oven", "bread", "soup", "spices", "knives", "pans", "recipes", "stove", "cookies"),
+    ),
+    "winter": (
+        "winter",
+        ("snow", "ice", "frost", "sleds", "snowmen", "mittens", "blizzard", "fireplace", "icicles"),
+    ),
+    "space": (
+        "outer space",
+        ("stars", "planets", "rockets", "moon", "comets", "galaxy", "astronauts", "orbit", "meteors"),
+    ),
+    "library": (
+        "the library",
+        ("books", "shelves", "pages", "librarian", "novels", "readers", "atlas", "archives", "bookmarks"),
+    ),
+    "river": (
+        "the river",
+        ("current", "banks", "canoe", "stream", "rapids", "otters", "dam", "reeds", "pebbles"),
+    ),
+    "desert": (
+        "the desert",
+        ("sand", "dunes", "cactus", "camels", "oasis", "lizards", "mirage", "canyon", "scorpions"),
+    ),
+    "school": (
+        "school",
+        ("teachers", "students", "lessons", "classroom", "homework", "chalk", "desks", "recess", "notebooks"),
+    ),
+    "farm": (
+        "the farm",
+        ("cows", "barn", "tractor", "hay", "chickens", "pigs", "fields", "orchard", "sheep"),
+    ),
+    "football": (
+        "football",
+        ("players", "goal", "stadium", "coach", "referee", "team", "fans", "ball", "kickoff"),
+    ),
+    "railway": (
+        "the railway",
+        (
+            "trains",
+            "tracks",
+            "station",
+            "tickets",
+            "platform",
+            "locomotive",
+            "carriages",
+            "conductor",
+            "timetable",
+        ),
+    ),
 }
-POSITIVE: tuple[str, ...] = ("beautiful", "wonderful", "bright", "lovely", "peaceful", "amazing", "joyful",
-                             "delightful", "charming", "pleasant", "cheerful", "gorgeous")
-NEGATIVE: tuple[str, ...] = ("ugly", "terrible", "dull", "awful", "boring", "gloomy", "nasty", "horrible",
-                             "dirty", "miserable", "dreadful", "broken")
-NEUTRAL: tuple[str, ...] = ("large", "small", "old", "new", "usual", "ordinary", "busy", "quiet", "wide",
-                            "plain", "distant", "common")
+POSITIVE: tuple[str, ...] = (
+    "beautiful",
+    "wonderful",
+    "bright",
+    "lovely",
+    "peaceful",
+    "amazing",
+    "joyful",
+    "delightful",
+    "charming",
+    "pleasant",
+    "cheerful",
+    "gorgeous",
+)
+NEGATIVE: tuple[str, ...] = (
+    "ugly",
+    "terrible",
+    "dull",
+    "awful",
+    "boring",
+    "gloomy",
+    "nasty",
+    "horrible",
+    "dirty",
+    "miserable",
+    "dreadful",
+    "broken",
+)
+NEUTRAL: tuple[str, ...] = (
+    "large",
+    "small",
+    "old",
+    "new",
+    "usual",
+    "ordinary",
+    "busy",
+    "quiet",
+    "wide",
+    "plain",
+    "distant",
+    "common",
+)
 
 # Sentence templates: {n} takes a noun, {a} an adjective (each slot filled independently).
 TEMPLATES: tuple[str, ...] = (
@@ -116,23 +198,39 @@ TEMPLATES: tuple[str, ...] = (
     "You can see the {n} and the {n} from far away.",
 )
 # Prompt phrasings: RL/SFT/preference prompts use the training set, eval prompts the held-out set.
-TRAIN_PHRASINGS: tuple[str, ...] = ("Write about {t}.", "Tell me about {t}.", "Describe {t}.",
-                                    "Say something about {t}.")
+TRAIN_PHRASINGS: tuple[str, ...] = (
+    "Write about {t}.",
+    "Tell me about {t}.",
+    "Describe {t}.",
+    "Say something about {t}.",
+)
 TRAIN_SUFFIXES: tuple[str, ...] = ("", " Keep it short.", " Use one or two sentences.", " Be descriptive.")
-EVAL_PHRASINGS: tuple[str, ...] = ("Write a few words about {t}.", "Share your thoughts on {t}.",
-                                   "Give a short description of {t}.")
+EVAL_PHRASINGS: tuple[str, ...] = (
+    "Write a few words about {t}.",
+    "Share your thoughts on {t}.",
+    "Give a short description of {t}.",
+)
 EVAL_SUFFIXES: tuple[str, ...] = ("", " Please be brief.", " Two sentences at most.")
 PROMPT_END = "\n"  # the separator the completion follows (see formats.py: a newline is a BPE boundary)
 
 Quality = Literal["good", "neutral", "negative", "offtopic", "repetitive", "garbage"]
 SFT_MIX: tuple[tuple[Quality, float], ...] = (
-    ("good", 0.4), ("neutral", 0.3), ("negative", 0.1), ("offtopic", 0.1), ("repetitive", 0.1),
+    ("good", 0.4),
+    ("neutral", 0.3),
+    ("negative", 0.1),
+    ("offtopic", 0.1),
+    ("repetitive", 0.1),
 )
 # Preference pair types (two qualities) and their shares; the gold score decides which is chosen.
 PAIR_MIX: tuple[tuple[tuple[Quality, Quality], float], ...] = (
-    (("good", "negative"), 0.30), (("good", "neutral"), 0.25), (("neutral", "negative"), 0.20),
-    (("good", "repetitive"), 0.10), (("neutral", "repetitive"), 0.05), (("good", "garbage"), 0.05),
-    (("good", "offtopic"), 0.03), (("neutral", "offtopic"), 0.02),
+    (("good", "negative"), 0.30),
+    (("good", "neutral"), 0.25),
+    (("neutral", "negative"), 0.20),
+    (("good", "repetitive"), 0.10),
+    (("neutral", "repetitive"), 0.05),
+    (("good", "garbage"), 0.05),
+    (("good", "offtopic"), 0.03),
+    (("neutral", "offtopic"), 0.02),
 )
 # Measured (a 2-layer 64-wide Llama RM from random init, the default reward config: 2 epochs, lr 1e-3,
 # batch 32, 3000 pairs with 10% label noise; scored on 600 fresh pairs): held-out accuracy 0.85 (data
@@ -143,7 +241,9 @@ MIN_WORDS, MAX_WORDS = 8, 20
 
 _WORD = re.compile(r"[a-z]+")
 _TOPIC_OF_WORD: dict[str, str] = {w: name for name, (_, nouns) in TOPICS.items() for w in (name, *nouns)}
-_TOPIC_WORDS: dict[str, frozenset[str]] = {name: frozenset((name, *nouns)) for name, (_, nouns) in TOPICS.items()}
+_TOPIC_WORDS: dict[str, frozenset[str]] = {
+    name: frozenset((name, *nouns)) for name, (_, nouns) in TOPICS.items()
+}
 _POSITIVE, _NEGATIVE = frozenset(POSITIVE), frozenset(NEGATIVE)
 
 
@@ -152,10 +252,16 @@ def _words(text: str) -> list[str]:
 
 
 KNOWN_WORDS: frozenset[str] = frozenset(
-    set(_TOPIC_OF_WORD) | _POSITIVE | _NEGATIVE | set(NEUTRAL)
+    set(_TOPIC_OF_WORD)
+    | _POSITIVE
+    | _NEGATIVE
+    | set(NEUTRAL)
     | {w for t in TEMPLATES for w in _words(t.replace("{n}", "").replace("{a}", ""))}
-    | {w for p in (*TRAIN_PHRASINGS, *TRAIN_SUFFIXES, *EVAL_PHRASINGS, *EVAL_SUFFIXES)
-       for w in _words(p.replace("{t}", ""))}
+    | {
+        w
+        for p in (*TRAIN_PHRASINGS, *TRAIN_SUFFIXES, *EVAL_PHRASINGS, *EVAL_SUFFIXES)
+        for w in _words(p.replace("{t}", ""))
+    }
     | {w for _, (said, _) in TOPICS.items() for w in _words(said)}
 )
 
@@ -226,7 +332,9 @@ def make_prompt(rng: random.Random, topic: str, held_out: bool = False) -> str:
     return rng.choice(phrasings).format(t=said) + rng.choice(suffixes) + PROMPT_END
 
 
-def _fill(rng: random.Random, templates: Sequence[str], nouns: Sequence[str], adjectives: Sequence[str]) -> str:
+def _fill(
+    rng: random.Random, templates: Sequence[str], nouns: Sequence[str], adjectives: Sequence[str]
+) -> str:
     """Fill templates, drawing nouns and adjectives without replacement where the pools allow."""
     noun_pool, adj_pool = list(nouns), list(adjectives)
     rng.shuffle(noun_pool)
@@ -281,10 +389,14 @@ def make_completion(rng: random.Random, topic: str, quality: Quality) -> str:
     if quality == "garbage":
         if rng.random() < 0.5:
             letters = "bcdfghjklmnpqrstvwxz"
-            return " ".join("".join(rng.choice(letters) for _ in range(rng.randint(3, 7)))
-                            for _ in range(rng.randint(3, 10)))
+            return " ".join(
+                "".join(rng.choice(letters) for _ in range(rng.randint(3, 7)))
+                for _ in range(rng.randint(3, 10))
+            )
         return f"The {rng.choice(nouns)}."
-    raise ValueError(f"unknown quality {quality!r}; valid: good, neutral, negative, offtopic, repetitive, garbage")
+    raise ValueError(
+        f"unknown quality {quality!r}; valid: good, neutral, negative, offtopic, repetitive, garbage"
+    )
 
 
 def _weighted(rng: random.Random, mix: Sequence[tuple[object, float]]) -> object:
@@ -298,8 +410,15 @@ def make_sft(cfg: DemoTaskConfig) -> list[SFTRecord]:
     for i in range(cfg.n_sft):
         topic = rng.choice(list(TOPICS))
         quality = _weighted(rng, SFT_MIX)
-        records.append(SFTRecord(prompt=make_prompt(rng, topic), completion=make_completion(rng, topic, quality),
-                                 id=f"sft-{i:06d}", topic=topic, quality=quality))
+        records.append(
+            SFTRecord(
+                prompt=make_prompt(rng, topic),
+                completion=make_completion(rng, topic, quality),
+                id=f"sft-{i:06d}",
+                topic=topic,
+                quality=quality,
+            )
+        )
     return records
 
 
@@ -317,8 +436,9 @@ def make_preferences(cfg: DemoTaskConfig) -> list[PreferenceRecord]:
             if abs(gap) >= MIN_GOLD_GAP:
                 break
         chosen, rejected = (a, b) if gap > 0 else (b, a)
-        records.append(PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected,
-                                        id=f"pref-{i:06d}", topic=topic))
+        records.append(
+            PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected, id=f"pref-{i:06d}", topic=topic)
+        )
     n_noisy = round(cfg.label_noise * cfg.n_preferences)
     for i in rng.sample(range(cfg.n_preferences), n_noisy):
         r = records[i]
@@ -334,7 +454,9 @@ def make_prompts(cfg: DemoTaskConfig, held_out: bool = False) -> list[PromptReco
     records = []
     for i in range(n):
         topic = rng.choice(list(TOPICS))
-        records.append(PromptRecord(prompt=make_prompt(rng, topic, held_out), id=f"{prefix}-{i:06d}", topic=topic))
+        records.append(
+            PromptRecord(prompt=make_prompt(rng, topic, held_out), id=f"{prefix}-{i:06d}", topic=topic)
+        )
     return records
 
 
@@ -356,17 +478,23 @@ def demo_corpus(cfg: DemoTaskConfig, n_texts: int = 2000) -> list[str]:
     so chat-form data tokenizes compactly too.
     """
     rng = random.Random(f"{cfg.seed}/corpus")
-    texts = [p.format(t=said) + s + PROMPT_END
-             for _, (said, _) in TOPICS.items()
-             for p, s in [*((p, s) for p in TRAIN_PHRASINGS for s in TRAIN_SUFFIXES),
-                          *((p, s) for p in EVAL_PHRASINGS for s in EVAL_SUFFIXES)]]
+    texts = [
+        p.format(t=said) + s + PROMPT_END
+        for _, (said, _) in TOPICS.items()
+        for p, s in [
+            *((p, s) for p in TRAIN_PHRASINGS for s in TRAIN_SUFFIXES),
+            *((p, s) for p in EVAL_PHRASINGS for s in EVAL_SUFFIXES),
+        ]
+    ]
     qualities = [q for q, _ in SFT_MIX] + ["garbage"]
     for _ in range(n_texts):
         topic = rng.choice(list(TOPICS))
         prompt = make_prompt(rng, topic, held_out=rng.random() < 0.2)
         completion = make_completion(rng, topic, rng.choice(qualities))
         if rng.random() < 0.1:
-            texts.append(render_messages_fallback([Message(role="user", content=prompt.strip())]) + completion)
+            texts.append(
+                render_messages_fallback([Message(role="user", content=prompt.strip())]) + completion
+            )
         else:
             texts.append(prompt + completion)
     return texts

@@ -20,7 +20,7 @@ TASK_EVALUATORS = {"demo": "alignflow.stages.data.demo_task:gold_score"}
 
 
 def evaluator_name(data_dir: Path, prompts: tuple[str, ...] = ("eval_prompts", "prompts")) -> str | None:
-    """The 'module:function' of the data output's evaluator, from its stats.json sources; None when it has none.
+    """The 'module:function' of the data output's evaluator, from its stats.json sources; None without one.
 
     The source of the prompts it will score decides: the first of `prompts` the data output has."""
     stats = Path(data_dir) / "stats.json"
@@ -32,8 +32,10 @@ def evaluator_name(data_dir: Path, prompts: tuple[str, ...] = ("eval_prompts", "
     return TASK_EVALUATORS.get(scheme) if sep else None
 
 
-def load_evaluator(data_dir: Path, prompts: tuple[str, ...] = ("eval_prompts", "prompts")) -> Evaluator | None:
-    """The data output's evaluator for the answers to `prompts` (see evaluator_name), imported; None without one."""
+def load_evaluator(
+    data_dir: Path, prompts: tuple[str, ...] = ("eval_prompts", "prompts")
+) -> Evaluator | None:
+    """The evaluator for answers to `prompts` (see evaluator_name), imported; None without one."""
     name = evaluator_name(data_dir, prompts)
     if name is None:
         return None

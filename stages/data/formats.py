@@ -169,7 +169,9 @@ def render_prompt(prompt: Prompt, tokenizer: _ChatTokenizer | None = None) -> st
             [m.model_dump() for m in messages], tokenize=False, add_generation_prompt=True
         )
         if not isinstance(rendered, str):
-            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}, not str")
+            raise TypeError(
+                f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}, not str"
+            )
         return rendered
     return render_messages_fallback(messages)
 
@@ -188,7 +190,11 @@ _EXAMPLE = {
     "preferences": '{"prompt": ..., "chosen": ..., "rejected": ...}',
     "prompts": '{"prompt": ...}',
 }
-_MODELS: dict[str, type[_Record]] = {"sft": SFTRecord, "preferences": PreferenceRecord, "prompts": PromptRecord}
+_MODELS: dict[str, type[_Record]] = {
+    "sft": SFTRecord,
+    "preferences": PreferenceRecord,
+    "prompts": PromptRecord,
+}
 
 
 class _Invalid(Exception):
@@ -198,9 +204,14 @@ class _Invalid(Exception):
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
-    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer", float: "number"}.get(
-        type(value), type(value).__name__
-    )
+    return {
+        dict: "object",
+        list: "list",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+    }.get(type(value), type(value).__name__)
 
 
 def _shown(value: Any) -> str:
@@ -229,7 +240,9 @@ def _messages_field(value: Any, key: str) -> list[Message]:
     for i, item in enumerate(value):
         where = f"{key}[{i}]"
         if not isinstance(item, dict):
-            raise _Invalid(f"{where} must be an object {{\"role\": ..., \"content\": ...}}, got {_type_name(item)}")
+            raise _Invalid(
+                f'{where} must be an object {{"role": ..., "content": ...}}, got {_type_name(item)}'
+            )
         missing = [k for k in ("role", "content") if k not in item or item[k] is None]
         if missing:
             raise _Invalid(f"{where} is missing '{missing[0]}' (a message needs role and content)")
@@ -381,8 +394,10 @@ def _check_suffix(path: Path) -> str:
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         raise DataError(
-            [f"{path}: unsupported dataset format '{path.suffix or '(no suffix)'}'; "
-             f"use one of {', '.join(SUFFIXES)}"]
+            [
+                f"{path}: unsupported dataset format '{path.suffix or '(no suffix)'}'; "
+                f"use one of {', '.join(SUFFIXES)}"
+            ]
         )
     return suffix
 
@@ -391,8 +406,10 @@ def _not_utf8(path: Path, raw: bytes, exc: UnicodeDecodeError) -> str:
     """'FILE:LINE: ...' for the first byte that is not UTF-8 (the line and the byte's column in it)."""
     line = raw.count(b"\n", 0, exc.start) + 1
     column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
-    return (f"{path}:{line}: not valid UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column}); "
-            "save the file as UTF-8")
+    return (
+        f"{path}:{line}: not valid UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column}); "
+        "save the file as UTF-8"
+    )
 
 
 def _raw_records(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
@@ -423,8 +440,11 @@ def _raw_records(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
             ) from None
         if not isinstance(data, list):
             raise DataError(
-                [f"{path}: a .json dataset must be a list of records (a JSON array), got {_type_name(data)}; "
-                 "for one record per line use .jsonl"]
+                [
+                    f"{path}: a .json dataset must be a list of records (a JSON array), "
+                    f"got {_type_name(data)}; "
+                    "for one record per line use .jsonl"
+                ]
             )
         for index, item in enumerate(data):
             yield f"{path}[{index}]", item
@@ -443,7 +463,9 @@ def _load(path: str | os.PathLike[str], kind: Kind, max_errors: int = MAX_ERRORS
     path = Path(path)
     suffix = _check_suffix(path)
     if not path.is_file():
-        raise DataError([f"{path}: dataset file not found" + (" (it is a directory)" if path.is_dir() else "")])
+        raise DataError(
+            [f"{path}: dataset file not found" + (" (it is a directory)" if path.is_dir() else "")]
+        )
     model = _MODELS[kind]
     records: list[Any] = []
     errors: list[str] = []

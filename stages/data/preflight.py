@@ -1,4 +1,4 @@
-"""The data files of a config checked before anything starts: format, required fields, the bad records by file:line.
+"""A config's data files checked before anything starts: format, required fields, bad records by file:line.
 
 What it is for: fast feedback. `alignflow validate` and `alignflow run` call it before Prefect or any
 stage process starts (the data stage itself would report the same errors, but only after Prefect's
@@ -23,15 +23,17 @@ DATA_FILES = {"sft": "sft", "preferences": "preferences", "prompts": "prompts", 
 class DataReport:
     """What the check found: records per checked file, warnings, and files it left to the data stage."""
 
-    records: dict[str, int] = field(default_factory=dict)   # config key -> records
+    records: dict[str, int] = field(default_factory=dict)  # config key -> records
     warnings: list[str] = field(default_factory=list)
-    remote: dict[str, str] = field(default_factory=dict)    # config key -> URI not checked here
+    remote: dict[str, str] = field(default_factory=dict)  # config key -> URI not checked here
 
     def summary(self) -> str:
         checked = ", ".join(f"data.{key} {count:,} records" for key, count in self.records.items())
         parts = [f"data: {checked or 'nothing to check (demo task)'}"]
         if self.remote:
-            parts.append("read by the data stage: " + ", ".join(f"data.{k} ({u})" for k, u in self.remote.items()))
+            parts.append(
+                "read by the data stage: " + ", ".join(f"data.{k} ({u})" for k, u in self.remote.items())
+            )
         return "; ".join(parts)
 
 
@@ -41,13 +43,16 @@ def identical_pairs(records: list[PreferenceRecord]) -> list[int]:
 
 
 def identical_pairs_warning(where: str, records: list[PreferenceRecord]) -> str | None:
-    """A counted warning for pairs with chosen == rejected, or None. A warning, not an error: public preference
-    sets have a few such ties, which give a reward model or DPO a zero-margin pair and nothing to learn."""
+    """A counted warning for pairs with chosen == rejected, or None. A warning, not an error: public
+    preference sets have a few such ties, which give a reward model or DPO a zero-margin pair and nothing
+    to learn."""
     same = identical_pairs(records)
     if not same:
         return None
-    return (f"{where}: {len(same)} of {len(records)} preference pairs have chosen == rejected (first: record "
-            f"{same[0] + 1}); they teach nothing; remove them to silence this")
+    return (
+        f"{where}: {len(same)} of {len(records)} preference pairs have chosen == rejected (first: record "
+        f"{same[0] + 1}); they teach nothing; remove them to silence this"
+    )
 
 
 def local_path(uri: str, workdir: Path) -> Path | None:

@@ -94,7 +94,9 @@ def run(spec: StageSpec) -> StageResult:
                 for name in DATASET_FILES:
                     ctx.tracker.log_dataset(name, f"{spec.output_uri}/{name}.jsonl", stats[name]["sha256"],
                                             context="published", n_records=stats[name]["records"])
-            manifest = ctx.publish_output(out, summary={"metrics": metrics, "key_metric": "data/sft_train_records"})
+            manifest = ctx.publish_output(
+                out, summary={"metrics": metrics, "key_metric": "data/sft_train_records"}
+            )
         return ctx.result(manifest, metrics, "data/sft_train_records")
 
 

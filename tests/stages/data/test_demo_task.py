@@ -88,7 +88,9 @@ def test_label_noise_swaps_exactly_that_fraction(noise):
 
 def test_pairs_have_a_clear_gold_gap_and_two_different_answers():
     for record in task.make_preferences(SMALL):
-        gap = abs(task.gold_score(record.prompt, record.chosen) - task.gold_score(record.prompt, record.rejected))
+        gap = abs(
+            task.gold_score(record.prompt, record.chosen) - task.gold_score(record.prompt, record.rejected)
+        )
         assert gap >= task.MIN_GOLD_GAP
         assert record.chosen != record.rejected
 
@@ -140,7 +142,9 @@ def test_gold_orders_positive_over_neutral_over_negative():
 
 def test_gold_penalises_repetition():
     once = task.gold_score(OCEAN, "The sea is lovely and the waves look bright near the shore.")
-    repeated = task.gold_score(OCEAN, "The sea is lovely. The sea is lovely. The sea is lovely. The sea is lovely.")
+    repeated = task.gold_score(
+        OCEAN, "The sea is lovely. The sea is lovely. The sea is lovely. The sea is lovely."
+    )
     assert repeated < once
     # 16 words, 4 distinct: ratio 0.25 -> 5 * (0.60 - 0.25) = 1.75 off (one topic, one positive word)
     assert repeated == pytest.approx(0.4 + 0.35 - 1.75)
@@ -161,7 +165,9 @@ def test_gold_scores_empty_and_garbage_very_low_and_stays_in_range():
     assert task.gold_score(OCEAN, "The sea.") == pytest.approx(0.4 - 0.3 * 3)  # 3 words short of 5
     stuffed = " ".join([*task.TOPICS["ocean"][1], *task.POSITIVE])
     assert task.gold_score(OCEAN, stuffed) == 2.0  # caps: 3 topic + 3 positive words = 2.25, clipped
-    scores = [task.gold_score(r.prompt, c) for r in task.make_preferences(SMALL) for c in (r.chosen, r.rejected)]
+    scores = [
+        task.gold_score(r.prompt, c) for r in task.make_preferences(SMALL) for c in (r.chosen, r.rejected)
+    ]
     assert -2.0 <= min(scores) and max(scores) <= 2.0
 
 
@@ -169,7 +175,9 @@ def test_gold_finds_the_topic_in_rendered_chat_prompts():
     assert task.prompt_topic("User:\nShare your thoughts on outer space.\nAssistant:\n") == "space"
     assert task.prompt_topic("Hello there.") is None
     # Without a topic every topic word counts as off-topic.
-    assert task.gold_score("Hello.\n", "The waves are lovely today.") < task.gold_score(OCEAN, "The waves are lovely today.")
+    assert task.gold_score("Hello.\n", "The waves are lovely today.") < task.gold_score(
+        OCEAN, "The waves are lovely today."
+    )
 
 
 def test_gold_reward_has_the_reward_function_signature():
@@ -202,8 +210,15 @@ def test_every_word_of_the_task_is_in_the_tokenizer_corpus():
 
 
 def test_the_demo_task_imports_no_ml_library():
-    code = ("import sys, alignflow.stages.data.demo_task, alignflow.stages.data.formats; "
-            "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    code = (
+        "import sys, alignflow.stages.data.demo_task, alignflow.stages.data.formats; "
+        "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert out.stdout.strip() == "[]"

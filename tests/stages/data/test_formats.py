@@ -1,4 +1,4 @@
-"""Dataset loaders: plain and chat forms in JSONL/JSON/Parquet, exact error messages with locations, writing."""
+"""Dataset loaders: plain and chat forms in JSONL/JSON/Parquet, exact located error messages, writing."""
 
 from __future__ import annotations
 
@@ -59,10 +59,14 @@ def in_tmp(tmp_path, monkeypatch):
 # --- plain forms, every file format --------------------------------------------------------------
 
 PLAIN = {
-    "sft": [{"prompt": "Write about the sea.\n", "completion": "The sea is calm.", "id": 1},
-            {"prompt": "Hi\n", "completion": "Hello.", "id": 2}],
-    "preferences": [{"prompt": "P\n", "chosen": "good", "rejected": "bad", "id": "a"},
-                    {"prompt": "Q\n", "chosen": "fine", "rejected": "worse", "id": "b"}],
+    "sft": [
+        {"prompt": "Write about the sea.\n", "completion": "The sea is calm.", "id": 1},
+        {"prompt": "Hi\n", "completion": "Hello.", "id": 2},
+    ],
+    "preferences": [
+        {"prompt": "P\n", "chosen": "good", "rejected": "bad", "id": "a"},
+        {"prompt": "Q\n", "chosen": "fine", "rejected": "worse", "id": "b"},
+    ],
     "prompts": [{"prompt": "Write about the sea.\n", "id": 7}, {"prompt": "Describe winter.\n", "id": 8}],
 }
 LOADERS = {"sft": load_sft, "preferences": load_preferences, "prompts": load_prompts}
@@ -86,7 +90,9 @@ def test_plain_records_load_from_every_format_with_extras_kept(tmp_path, kind, s
 
 
 def test_unknown_kind_lists_valid_ones(tmp_path):
-    with pytest.raises(ValueError, match="unknown dataset kind 'dpo'; valid kinds: sft, preferences, prompts"):
+    with pytest.raises(
+        ValueError, match="unknown dataset kind 'dpo'; valid kinds: sft, preferences, prompts"
+    ):
         load_records(tmp_path / "x.jsonl", "dpo")
 
 
@@ -101,8 +107,9 @@ def test_blank_lines_are_skipped_and_line_numbers_stay_physical(in_tmp):
 
 
 def test_sft_messages_last_assistant_turn_becomes_the_completion(tmp_path):
-    path = write_lines(tmp_path / "sft.jsonl", [json.dumps({"messages": [SYSTEM, USER, assistant("Waves.")],
-                                                            "id": 3})])
+    path = write_lines(
+        tmp_path / "sft.jsonl", [json.dumps({"messages": [SYSTEM, USER, assistant("Waves.")], "id": 3})]
+    )
     (record,) = load_sft(path)
     assert record.prompt == [Message(**SYSTEM), Message(**USER)]
     assert record.completion == "Waves."
@@ -111,8 +118,10 @@ def test_sft_messages_last_assistant_turn_becomes_the_completion(tmp_path):
 
 def test_sft_multi_turn_prompt_and_completion_as_message_list(tmp_path):
     convo = [USER, assistant("Waves."), {"role": "user", "content": "More?"}, assistant("Tides.")]
-    path = write_lines(tmp_path / "sft.jsonl", [json.dumps({"messages": convo}),
-                                                json.dumps({"prompt": [USER], "completion": [assistant("Sea.")]})])
+    path = write_lines(
+        tmp_path / "sft.jsonl",
+        [json.dumps({"messages": convo}), json.dumps({"prompt": [USER], "completion": [assistant("Sea.")]})],
+    )
     first, second = load_sft(path)
     assert [m.content for m in first.prompt] == ["Write about the ocean.", "Waves.", "More?"]
     assert first.completion == "Tides."
@@ -120,7 +129,10 @@ def test_sft_multi_turn_prompt_and_completion_as_message_list(tmp_path):
 
 
 def test_preferences_implicit_prompt_is_the_shared_prefix(tmp_path):
-    row = {"chosen": [SYSTEM, USER, assistant("Lovely waves.")], "rejected": [SYSTEM, USER, assistant("Ugly.")]}
+    row = {
+        "chosen": [SYSTEM, USER, assistant("Lovely waves.")],
+        "rejected": [SYSTEM, USER, assistant("Ugly.")],
+    }
     (record,) = load_preferences(write_lines(tmp_path / "p.jsonl", [json.dumps(row)]))
     assert record.prompt == [Message(**SYSTEM), Message(**USER)]
     assert (record.chosen, record.rejected) == ("Lovely waves.", "Ugly.")
@@ -150,28 +162,63 @@ def test_chat_records_survive_parquet(tmp_path):
 @pytest.mark.parametrize(
     ("loader", "row", "message"),
     [
-        (load_sft, {"messages": [USER]},
-         "field 'messages' must end with an assistant message (it becomes the completion); last role is 'user'"),
-        (load_sft, {"messages": [assistant("x")]},
-         "field 'messages' needs a prompt before the final assistant message"),
-        (load_sft, {"messages": [USER, {"role": "bot", "content": "x"}]},
-         "messages[1].role must be one of system, user, assistant; got \"bot\""),
-        (load_sft, {"messages": [USER, {"role": "assistant"}]},
-         "messages[1] is missing 'content' (a message needs role and content)"),
-        (load_sft, {"messages": [USER, {"role": "assistant", "content": " "}]},
-         "messages[1].content is empty (or only whitespace); give it text"),
-        (load_sft, {"messages": [USER, assistant("a")], "prompt": "x"},
-         "record has both 'messages' and 'prompt'/'completion'; give one form"),
-        (load_preferences, {"chosen": [USER, assistant("a")],
-                            "rejected": [{"role": "user", "content": "other"}, assistant("b")]},
-         "'chosen' and 'rejected' conversations must share the same prompt messages and differ only in the "
-         "final assistant message (or give 'prompt' explicitly)"),
-        (load_preferences, {"prompt": [USER], "chosen": [USER, assistant("a")], "rejected": "b"},
-         "field 'chosen' as a message list must hold exactly one assistant message when 'prompt' is given; "
-         "got roles [user, assistant]"),
-        (load_prompts, {"prompt": [USER, assistant("a")]},
-         "field 'prompt' must end with a user message (the turn the model answers); last role is 'assistant'"),
-        (load_prompts, {"messages": []}, "field 'messages' is an empty message list; give it at least one message"),
+        (
+            load_sft,
+            {"messages": [USER]},
+            "field 'messages' must end with an assistant message (it becomes the completion); "
+            "last role is 'user'",
+        ),
+        (
+            load_sft,
+            {"messages": [assistant("x")]},
+            "field 'messages' needs a prompt before the final assistant message",
+        ),
+        (
+            load_sft,
+            {"messages": [USER, {"role": "bot", "content": "x"}]},
+            'messages[1].role must be one of system, user, assistant; got "bot"',
+        ),
+        (
+            load_sft,
+            {"messages": [USER, {"role": "assistant"}]},
+            "messages[1] is missing 'content' (a message needs role and content)",
+        ),
+        (
+            load_sft,
+            {"messages": [USER, {"role": "assistant", "content": " "}]},
+            "messages[1].content is empty (or only whitespace); give it text",
+        ),
+        (
+            load_sft,
+            {"messages": [USER, assistant("a")], "prompt": "x"},
+            "record has both 'messages' and 'prompt'/'completion'; give one form",
+        ),
+        (
+            load_preferences,
+            {
+                "chosen": [USER, assistant("a")],
+                "rejected": [{"role": "user", "content": "other"}, assistant("b")],
+            },
+            "'chosen' and 'rejected' conversations must share the same prompt messages and differ only "
+            "in the final assistant message (or give 'prompt' explicitly)",
+        ),
+        (
+            load_preferences,
+            {"prompt": [USER], "chosen": [USER, assistant("a")], "rejected": "b"},
+            "field 'chosen' as a message list must hold exactly one assistant message when 'prompt' is "
+            "given; got roles [user, assistant]",
+        ),
+        (
+            load_prompts,
+            {"prompt": [USER, assistant("a")]},
+            "field 'prompt' must end with a user message (the turn the model answers); "
+            "last role is 'assistant'",
+        ),
+        (
+            load_prompts,
+            {"messages": []},
+            "field 'messages' is an empty message list; give it at least one message",
+        ),
     ],
 )
 def test_bad_chat_records_say_what_is_wrong(in_tmp, loader, row, message):
@@ -183,11 +230,14 @@ def test_bad_chat_records_say_what_is_wrong(in_tmp, loader, row, message):
 
 
 def test_missing_field_message(in_tmp):
-    write_lines(Path("data/prefs.jsonl"), [
-        json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}),
-        json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}),
-        json.dumps({"prompt": "p", "rejected": "b"}),
-    ])
+    write_lines(
+        Path("data/prefs.jsonl"),
+        [
+            json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}),
+            json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}),
+            json.dumps({"prompt": "p", "rejected": "b"}),
+        ],
+    )
     assert errors_of(load_preferences, "data/prefs.jsonl") == [
         "data/prefs.jsonl:3: record is missing required field 'chosen' "
         "(preference records need prompt, chosen, rejected)"
@@ -213,26 +263,31 @@ def test_empty_dataset_message(in_tmp):
     ]
     Path("data/sft.json").write_text("[]")
     assert errors_of(load_sft, "data/sft.json") == [
-        'data/sft.json: dataset is empty (no records); add at least one {"prompt": ..., "completion": ...} record'
+        "data/sft.json: dataset is empty (no records); "
+        'add at least one {"prompt": ..., "completion": ...} record'
     ]
 
 
 def test_several_problems_are_reported_together_with_locations(in_tmp):
-    write_lines(Path("p.jsonl"), [
-        json.dumps({"prompt": "p", "chosen": "  ", "rejected": "b"}),
-        json.dumps({"prompt": 5, "chosen": "a", "rejected": "b"}),
-        json.dumps({"prompt": "p", "chosen": ["a"], "rejected": "b"}),
-        json.dumps({"prompt": "p", "chosen": None, "rejected": "b"}),
-        json.dumps(["not", "an", "object"]),
-        json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}),
-        json.dumps({"prompt": "p"}),
-    ])
+    write_lines(
+        Path("p.jsonl"),
+        [
+            json.dumps({"prompt": "p", "chosen": "  ", "rejected": "b"}),
+            json.dumps({"prompt": 5, "chosen": "a", "rejected": "b"}),
+            json.dumps({"prompt": "p", "chosen": ["a"], "rejected": "b"}),
+            json.dumps({"prompt": "p", "chosen": None, "rejected": "b"}),
+            json.dumps(["not", "an", "object"]),
+            json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}),
+            json.dumps({"prompt": "p"}),
+        ],
+    )
     assert errors_of(load_preferences, "p.jsonl") == [
         "p.jsonl:1: field 'chosen' is empty (or only whitespace); give it text",
         "p.jsonl:2: field 'prompt' must be a string or a list of messages "
         '[{"role": ..., "content": ...}], got integer 5',
-        "p.jsonl:3: chosen[0] must be an object {\"role\": ..., \"content\": ...}, got string",
-        "p.jsonl:4: field 'chosen' is null; give it a value (preference records need prompt, chosen, rejected)",
+        'p.jsonl:3: chosen[0] must be an object {"role": ..., "content": ...}, got string',
+        "p.jsonl:4: field 'chosen' is null; "
+        "give it a value (preference records need prompt, chosen, rejected)",
         'p.jsonl:5: record must be a JSON object, got list ["not", "an", "object"]',
         "p.jsonl:7: record is missing required fields 'chosen', 'rejected' "
         "(preference records need prompt, chosen, rejected)",
@@ -250,13 +305,17 @@ def test_errors_stop_after_the_cap(in_tmp):
     write_lines(Path("p.jsonl"), ['{"id": 1}'] * (MAX_ERRORS + 15))
     errors = errors_of(load_prompts, "p.jsonl")
     assert len(errors) == MAX_ERRORS + 1
-    assert errors[MAX_ERRORS - 1].startswith(f"p.jsonl:{MAX_ERRORS}: record is missing required field 'prompt'")
+    assert errors[MAX_ERRORS - 1].startswith(
+        f"p.jsonl:{MAX_ERRORS}: record is missing required field 'prompt'"
+    )
     assert errors[-1] == f"p.jsonl: stopped after {MAX_ERRORS} errors; fix these and load again"
 
 
 def test_json_locations_are_record_indexes(in_tmp):
     Path("d.json").write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}, {"prompt": " "}]))
-    assert errors_of(load_prompts, "d.json") == ["d.json[2]: field 'prompt' is empty (or only whitespace); give it text"]
+    assert errors_of(load_prompts, "d.json") == [
+        "d.json[2]: field 'prompt' is empty (or only whitespace); give it text"
+    ]
     Path("bad.json").write_text('[{"prompt": "a"}\n {"prompt": "b"}]')
     assert errors_of(load_prompts, "bad.json") == [
         "bad.json: malformed JSON (Expecting ',' delimiter: line 2 column 2)"
@@ -269,8 +328,16 @@ def test_json_locations_are_record_indexes(in_tmp):
 
 
 def test_parquet_locations_are_row_indexes(in_tmp):
-    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "completion": "x"}, {"prompt": "b", "completion": None},
-                                         {"prompt": "", "completion": "z"}]), "s.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {"prompt": "a", "completion": "x"},
+                {"prompt": "b", "completion": None},
+                {"prompt": "", "completion": "z"},
+            ]
+        ),
+        "s.parquet",
+    )
     assert errors_of(load_sft, "s.parquet") == [
         "s.parquet:row 1: field 'completion' is null; give it a value "
         "(SFT records need prompt, completion; or messages)",
@@ -290,17 +357,21 @@ def test_unknown_suffix_and_missing_file(in_tmp):
 
 def test_bom_crlf_and_unicode_line_separators_inside_strings(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n' + json.dumps({"prompt": "b\u2028c"}, ensure_ascii=False).encode())
+    path.write_bytes(
+        b'\xef\xbb\xbf{"prompt": "a"}\r\n' + json.dumps({"prompt": "b\u2028c"}, ensure_ascii=False).encode()
+    )
     assert [r.prompt for r in load_prompts(path)] == ["a", "b\u2028c"]
 
 
 def test_bad_utf8_is_reported_with_its_line_and_column(in_tmp):
     Path("d.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
     assert errors_of(load_prompts, "d.jsonl") == [
-        "d.jsonl:1: not valid UTF-8 text (byte 0xe9 at column 16); save the file as UTF-8"]
+        "d.jsonl:1: not valid UTF-8 text (byte 0xe9 at column 16); save the file as UTF-8"
+    ]
     Path("e.jsonl").write_bytes(b'{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "ok \xc3"}\n')
     assert errors_of(load_prompts, "e.jsonl") == [
-        "e.jsonl:4: not valid UTF-8 text (byte 0xc3 at column 16); save the file as UTF-8"]
+        "e.jsonl:4: not valid UTF-8 text (byte 0xc3 at column 16); save the file as UTF-8"
+    ]
 
 
 def test_records_validate_when_built_in_code():

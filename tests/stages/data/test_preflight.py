@@ -1,4 +1,4 @@
-"""The data check `alignflow validate` and `run` make before anything starts: every file's problems, in one report."""
+"""The data check that `alignflow validate` and `run` make first: all files' problems in one report."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ def write(folder: Path, name: str, records: list[dict]) -> str:
 
 
 def files_config(tmp_path: Path, **changes) -> DataConfig:
-    paths = {"sft": write(tmp_path, "sft.jsonl", [{"prompt": "Tea?", "completion": "Yes."}] * 3),
-             "preferences": write(tmp_path, "prefs.jsonl", [PAIR] * 3),
-             "prompts": write(tmp_path, "prompts.jsonl", [{"prompt": "Tea?"}] * 3)}
+    paths = {
+        "sft": write(tmp_path, "sft.jsonl", [{"prompt": "Tea?", "completion": "Yes."}] * 3),
+        "preferences": write(tmp_path, "prefs.jsonl", [PAIR] * 3),
+        "prompts": write(tmp_path, "prompts.jsonl", [{"prompt": "Tea?"}] * 3),
+    }
     return DataConfig(source="files", **{**paths, **changes})
 
 
@@ -35,16 +37,23 @@ def test_good_files_are_counted_relative_to_the_workdir(tmp_path):
 
 
 def test_every_files_problems_are_reported_together(tmp_path):
-    (tmp_path / "bad_sft.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "x" "completion": "y"}\n')
+    (tmp_path / "bad_sft.jsonl").write_text(
+        '{"prompt": "a", "completion": "b"}\n{"prompt": "x" "completion": "y"}\n'
+    )
     write(tmp_path, "bad_prefs.jsonl", [PAIR, {"prompt": "p", "rejected": "r"}])
     with pytest.raises(DataError) as info:
-        check_data(files_config(tmp_path, sft="bad_sft.jsonl", preferences="bad_prefs.jsonl",
-                                prompts="missing.jsonl"), tmp_path)
+        check_data(
+            files_config(
+                tmp_path, sft="bad_sft.jsonl", preferences="bad_prefs.jsonl", prompts="missing.jsonl"
+            ),
+            tmp_path,
+        )
     assert info.value.errors == [
         f"{tmp_path}/bad_sft.jsonl:2: malformed JSON (Expecting ',' delimiter: line 1 column 16)",
-        f"{tmp_path}/bad_prefs.jsonl:2: record is missing required field 'chosen' (preference records need prompt, "
-        "chosen, rejected)",
-        f"{tmp_path}/missing.jsonl: dataset file not found"]
+        f"{tmp_path}/bad_prefs.jsonl:2: record is missing required field 'chosen' "
+        "(preference records need prompt, chosen, rejected)",
+        f"{tmp_path}/missing.jsonl: dataset file not found",
+    ]
 
 
 def test_pairs_with_chosen_equal_to_rejected_are_a_counted_warning(tmp_path):
@@ -52,8 +61,10 @@ def test_pairs_with_chosen_equal_to_rejected_are_a_counted_warning(tmp_path):
     config = files_config(tmp_path, preferences=write(tmp_path, "ties.jsonl", [PAIR, same, PAIR, same]))
     report = check_data(config, tmp_path)
     assert report.records["preferences"] == 4
-    assert report.warnings == [f"{tmp_path}/ties.jsonl: 2 of 4 preference pairs have chosen == rejected (first: "
-                               "record 2); they teach nothing; remove them to silence this"]
+    assert report.warnings == [
+        f"{tmp_path}/ties.jsonl: 2 of 4 preference pairs have chosen == rejected (first: "
+        "record 2); they teach nothing; remove them to silence this"
+    ]
     assert identical_pairs_warning("x", []) is None
 
 
