@@ -1,4 +1,4 @@
-"""The package layering, enforced: flows/ and alignflow/ torch-free; boto3 and mlflow each in one module."""
+"""The import boundaries of README.md "Layout", enforced: flows/ and alignflow/ torch-free; one boto3, one mlflow."""
 
 from __future__ import annotations
 
