@@ -1,4 +1,4 @@
-"""The import boundaries of README.md "Layout", enforced: flows/, alignflow/ torch-free; one boto3, one mlflow."""
+"""The import boundaries in README.md "Layout", enforced: flows/ and alignflow/ torch-free; boto3, mlflow once."""
 
 from __future__ import annotations
 
