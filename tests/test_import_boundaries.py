@@ -1,4 +1,4 @@
-"""The import boundaries in README.md "Layout", enforced: flows/ and alignflow/ torch-free; boto3, mlflow once."""
+"""Import boundaries (README.md "Layout"), enforced: flows/ and alignflow/ torch-free; boto3, mlflow once."""
 
 from __future__ import annotations
 
