@@ -108,6 +108,13 @@ class ModelConfig(Section):
         "accident); cuda: the GPU, and a stage on a machine without one stops with an error that says so. "
         "Each stage's result and MLflow run record the devices it used.",
     )
+    allow_pickle: bool = Field(
+        False,
+        description="Load model.base weights in a pickle format (*.bin, *.pt, *.pkl, *.pth, *.ckpt). "
+        "Unpickling runs any code the file's author put in it, so set this only for a source you trust; "
+        "the base stage re-saves such weights as safetensors, and every later stage reads safetensors only. "
+        "Off: a model.base folder whose weights are pickle files is refused (exit 2).",
+    )
 
 
 class DemoTaskConfig(Section):

@@ -219,21 +219,27 @@ def evaluate_stage(cfg: EvaluateConfig, engine: EngineConfig, inputs: Iterable[s
     ]
 
 
-def base_model_dir(base: str | None, workdir: str | os.PathLike) -> StartProblem | None:
-    """A local model.base (a path or file:// URI, relative to the workdir) must be a folder; s3:// ones are
-    resolved against the object store by the base stage."""
+def base_model_dir(
+    base: str | None, workdir: str | os.PathLike, allow_pickle: bool = False
+) -> StartProblem | None:
+    """A local model.base (a path or file:// URI, relative to the workdir) must be a folder, and one whose
+    weights are pickle files needs model.allow_pickle; s3:// ones are resolved against the object store by
+    the base stage, which checks them the same way."""
     if not base or ("://" in base and not base.startswith("file://")):
         return None
     path = Path(base.removeprefix("file://"))
     if not path.is_absolute():
         path = Path(workdir) / path
-    if path.is_dir():
-        return None
-    return StartProblem(
-        "model.base",
-        f"model.base '{base}': no such directory; give a Hugging Face model folder "
-        "or leave model.base empty for the tiny demo model",
-    )
+    if not path.is_dir():
+        return StartProblem(
+            "model.base",
+            f"model.base '{base}': no such directory; give a Hugging Face model folder "
+            "or leave model.base empty for the tiny demo model",
+        )
+    from alignflow.stages.common.models.loading import ALLOW_PICKLE_SETTING, pickle_refusal  # torch-free
+
+    refusal = pickle_refusal(path, allow_pickle)
+    return None if refusal is None else StartProblem(ALLOW_PICKLE_SETTING, f"model.base: {refusal}")
 
 
 def stage_problems(
@@ -263,7 +269,8 @@ def stage_problems(
     if stage == "evaluate":
         return evaluate_stage(part(EvaluateConfig, "evaluate"), part(EngineConfig, "engine"), inputs)
     if stage == "base" and workdir is not None:
-        problem = base_model_dir(part(ModelConfig, "model").base, workdir)
+        model = part(ModelConfig, "model")
+        problem = base_model_dir(model.base, workdir, model.allow_pickle)
         return [problem] if problem else []
     return []
 

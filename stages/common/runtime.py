@@ -35,6 +35,7 @@ from alignflow.offline import set_offline_defaults
 from alignflow.stages.common import ranks
 from alignflow.stages.common.devices import DeviceUnavailableError, compute_device, device_name, device_of
 from alignflow.stages.common.generation.interface import BackendUnavailableError
+from alignflow.stages.common.models.loading import ModelDirError
 from alignflow.stages.common.profiler import Profiler
 from alignflow.stages.data.formats import DataError
 from alignflow.storage import StorageError, TransientStorageError, open_store, storage_retries
@@ -48,8 +49,10 @@ class StageInputError(ValueError):
 # BackendUnavailableError: an engine backend whose package or device is missing here (the config asks for the
 # wrong image or interpreter; a retry cannot help).
 # DeviceUnavailableError: model.device asks for a GPU this machine does not have.
+# ModelDirError: a model folder that is not one, or whose weights would be unpickled (PickleRefusedError).
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (StageInputError, ConfigError, StorageError, DataError,
-                                                      BackendUnavailableError, DeviceUnavailableError)
+                                                      BackendUnavailableError, DeviceUnavailableError,
+                                                      ModelDirError)
 
 
 def load_spec(path_or_uri: str) -> StageSpec:

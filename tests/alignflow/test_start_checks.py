@@ -230,6 +230,18 @@ def test_local_base_model_folder(tmp_path):
     assert problems_of(config_with(tmp_path, model={"base": "s3://bucket/model"})) == []
 
 
+def test_a_base_model_of_pickle_weights_fails_validate(tmp_path, main, capsys):
+    (tmp_path / "models/bin").mkdir(parents=True)
+    (tmp_path / "models/bin/config.json").write_text("{}")
+    (tmp_path / "models/bin/pytorch_model.bin").write_bytes(b"never read")
+    found = problems_of(config_with(tmp_path, model={"base": "models/bin"}))
+    assert [(stage, key) for stage, key, _ in found] == [("base", "model.allow_pickle")]
+    assert found[0][2].startswith(f"model.base: {tmp_path}/models/bin: refusing to load pickle files")
+    assert main(["validate", str(tmp_path / "config.yaml")]) != 0
+    assert "refusing to load pickle files (pytorch_model.bin)" in capsys.readouterr().err
+    assert problems_of(config_with(tmp_path, model={"base": "models/bin", "allow_pickle": True})) == []
+
+
 def test_checks_a_pipeline_config_cannot_reach():
     """The RL stage's and the evaluate stage's input checks (a valid pipeline always plans those inputs)."""
     ppo, engine = PPOConfig(), EngineConfig()

@@ -130,3 +130,25 @@ def test_the_base_stage_says_what_the_planner_said(tmp_path):
         _import_dir(SimpleNamespace(spec=SimpleNamespace(workdir=str(tmp_path))), "no/such/model")
         == tmp_path / "no/such/model"
     )
+
+
+def test_the_base_stage_refuses_pickle_weights_as_the_planner_does(tmp_path):
+    from alignflow.stages.base_model import _import_dir
+
+    folder = tmp_path / "models/bin"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"not read: the check looks at names")
+    ctx = SimpleNamespace(spec=SimpleNamespace(workdir=str(tmp_path)))
+    _, messages = planned(tmp_path, "base", model={**TINY["model"], "base": "models/bin"})
+    assert messages == [
+        f"model.base: {folder}: refusing to load pickle files (pytorch_model.bin): unpickling runs any code "
+        "their author put in them; convert them to safetensors (load and save_pretrained them where you "
+        "trust the source), or set model.allow_pickle=true if you trust the source"
+    ]
+    with pytest.raises(StageInputError) as refused:
+        _import_dir(ctx, "models/bin")
+    assert [str(refused.value)] == messages
+    allowed = {**TINY["model"], "base": "models/bin", "allow_pickle": True}
+    assert planned(tmp_path, "base", model=allowed)[1] == []
+    assert _import_dir(ctx, "models/bin", allow_pickle=True) == folder

@@ -43,6 +43,7 @@ from alignflow.stages.common.generation.interface import (
     validate_prompts,
     warn_if_cpu_emulates,
 )
+from alignflow.stages.common.models.loading import ENGINE_PICKLE_FIX, refuse_pickle
 
 MODEL_DIR = "model"
 
@@ -137,8 +138,9 @@ class HFEngine(Engine):
             raise FileNotFoundError(
                 f"{checkpoint_dir}: no config.json; expected a Hugging Face causal-LM directory"
             )
+        refuse_pickle(checkpoint_dir, fix=ENGINE_PICKLE_FIX)
         model = AutoModelForCausalLM.from_pretrained(
-            checkpoint_dir, dtype=resolve_dtype(dtype), attn_implementation="sdpa"
+            checkpoint_dir, dtype=resolve_dtype(dtype), attn_implementation="sdpa", use_safetensors=True
         )
         eos = eos_ids_of(checkpoint_dir, AutoConfig.from_pretrained(checkpoint_dir))
         return cls(
@@ -403,8 +405,12 @@ class HFEngine(Engine):
             raise ValueError(
                 f"{path} holds a {meta['backend']!r} engine, not {cls.backend!r}; use load_engine()"
             )
+        refuse_pickle(path / MODEL_DIR, fix=ENGINE_PICKLE_FIX)
         model = AutoModelForCausalLM.from_pretrained(
-            path / MODEL_DIR, dtype=resolve_dtype(meta["dtype"]), attn_implementation="sdpa"
+            path / MODEL_DIR,
+            dtype=resolve_dtype(meta["dtype"]),
+            attn_implementation="sdpa",
+            use_safetensors=True,
         )
         tokenizer_dir = path / meta["tokenizer"] if meta.get("tokenizer") else None
         return cls(

@@ -3,12 +3,15 @@
 What this is: causal LMs (policy, reference), reward models (sequence classifiers with one output)
 and tokenizers, with a check up front that names the directory and the missing file when it is not a
 saved model. Any architecture transformers knows (Llama, Qwen2, GPT-2, ...) loads the same way.
+Weights load from safetensors only, unless the caller allows pickle (`model.allow_pickle`, which only
+the base stage's import of `model.base` passes on): unpickling a file runs any code its author put in it.
 What it is not: storage. s3:// and file:// URIs are resolved to local directories by the storage
 layer before these functions are called.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
@@ -22,6 +25,16 @@ PaddingSide = Literal["left", "right"]
 WEIGHT_FILES: tuple[str, ...] = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
 )
+SAFETENSORS_WEIGHTS: tuple[str, ...] = ("model.safetensors", "model.safetensors.index.json")
+# Formats read with pickle (torch.save and friends). The setting that allows them, named in refusals.
+PICKLE_SUFFIXES: tuple[str, ...] = (".bin", ".pt", ".pkl", ".pth", ".ckpt")
+ALLOW_PICKLE_SETTING = "model.allow_pickle"
+# What to do about pickle weights in a folder an engine builds from or loads. Engines take no opt-in: they
+# read the pipeline's own outputs, which are safetensors.
+ENGINE_PICKLE_FIX = (
+    "engines read safetensors only: build the engine from a checkpoint a stage published (the base stage "
+    f"re-saves a model.base it was allowed to unpickle, {ALLOW_PICKLE_SETTING}, as safetensors)"
+)
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -32,6 +45,10 @@ TOKENIZER_FILES: tuple[str, ...] = (
 
 class ModelDirError(ValueError):
     """A path that is not a loadable Hugging Face directory; the message names it and what is missing."""
+
+
+class PickleRefusedError(ModelDirError):
+    """A folder whose weights would be unpickled, loaded without the setting that allows pickle."""
 
 
 def _model_dir(path: str | os.PathLike[str], what: str) -> Path:
@@ -45,8 +62,67 @@ def _model_dir(path: str | os.PathLike[str], what: str) -> Path:
     return path
 
 
-def check_model_dir(path: str | os.PathLike[str]) -> Path:
-    """Raise ModelDirError unless `path` holds config.json and weights (safetensors or .bin)."""
+def pickle_files(path: str | os.PathLike[str]) -> list[str]:
+    """The files under folder `path` (subfolders too) in a pickle format, as sorted relative paths."""
+    path = Path(path)
+    return sorted(
+        p.relative_to(path).as_posix()
+        for p in path.rglob("*")
+        if p.suffix.lower() in PICKLE_SUFFIXES and p.is_file()
+    )
+
+
+def _explicit_weights(path: Path) -> str | None:
+    """The weights file config.json names (`transformers_weights`), which from_pretrained loads first."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("transformers_weights") if isinstance(config, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def pickle_refusal(
+    path: str | os.PathLike[str], allow_pickle: bool = False, fix: str | None = None
+) -> str | None:
+    """Why loading the model folder `path` would unpickle, as a one-line error, or None.
+
+    Loading unpickles when the weights are in a pickle format only (no model.safetensors or its index), or
+    when config.json names a pickle file as its weights. Pickle files beside safetensors weights are never
+    opened (loads pass use_safetensors=True), so they do not refuse the folder. `fix`: what to do, in the
+    message (default: convert, or set model.allow_pickle).
+    """
+    path = Path(path)
+    if allow_pickle or not path.is_dir():
+        return None
+    found = pickle_files(path)
+    explicit = _explicit_weights(path)
+    if not found or (
+        any((path / name).is_file() for name in SAFETENSORS_WEIGHTS)
+        and not (explicit and Path(explicit).suffix.lower() in PICKLE_SUFFIXES)
+    ):
+        return None
+    shown = ", ".join(found[:5]) + (f", ... ({len(found)} files)" if len(found) > 5 else "")
+    fix = fix or (
+        "convert them to safetensors (load and save_pretrained them where you trust the source), or set "
+        f"{ALLOW_PICKLE_SETTING}=true if you trust the source"
+    )
+    return (
+        f"{path}: refusing to load pickle files ({shown}): unpickling runs any code their author put in "
+        f"them; {fix}"
+    )
+
+
+def refuse_pickle(path: str | os.PathLike[str], allow_pickle: bool = False, fix: str | None = None) -> None:
+    """Raise PickleRefusedError when loading the folder `path` would unpickle (see pickle_refusal)."""
+    problem = pickle_refusal(path, allow_pickle, fix)
+    if problem is not None:
+        raise PickleRefusedError(problem)
+
+
+def check_model_dir(path: str | os.PathLike[str], allow_pickle: bool = False) -> Path:
+    """Raise ModelDirError unless `path` holds config.json and weights (safetensors; .bin with allow_pickle):
+    PickleRefusedError when its weights are pickle files and allow_pickle is False."""
     path = _model_dir(path, "model")
     if not (path / "config.json").is_file():
         raise ModelDirError(
@@ -57,6 +133,7 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
         raise ModelDirError(
             f"{path}: no model weights: expected one of {', '.join(WEIGHT_FILES)} (found: {_listing(path)})"
         )
+    refuse_pickle(path, allow_pickle)
     return path
 
 
@@ -87,12 +164,24 @@ def torch_dtype(dtype: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_causal_lm(path: str | os.PathLike[str], dtype: DType = "float32") -> PreTrainedModel:
-    """AutoModelForCausalLM from a local directory, in `dtype`, in eval mode (call .train() to train)."""
+def _use_safetensors(allow_pickle: bool) -> bool | None:
+    """from_pretrained's use_safetensors: True never reads a pickle; None prefers safetensors, else .bin."""
+    return None if allow_pickle else True
+
+
+def load_causal_lm(
+    path: str | os.PathLike[str], dtype: DType = "float32", allow_pickle: bool = False
+) -> PreTrainedModel:
+    """AutoModelForCausalLM from a local directory, in `dtype`, in eval mode (call .train() to train).
+
+    Safetensors weights only unless allow_pickle (model.allow_pickle, for a model.base the user trusts).
+    """
     from transformers import AutoModelForCausalLM
 
-    path = check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    path = check_model_dir(path, allow_pickle)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype(dtype), use_safetensors=_use_safetensors(allow_pickle)
+    )
     return model.eval()
 
 
@@ -128,18 +217,20 @@ def load_sequence_classifier(
     dtype: DType = "float32",
     pad_token_id: int | None = None,
     seed: int | None = None,
+    allow_pickle: bool = False,
 ) -> PreTrainedModel:
     """A reward model: AutoModelForSequenceClassification with num_labels=1 (one scalar per sequence).
 
     `path` may hold a causal LM (the SFT policy: its body is reused and a new score head is
     initialised, under `seed` when given so ensemble members differ reproducibly) or a saved reward
     model. The model scores the last non-pad token, so it needs pad_token_id: the argument, else the
-    checkpoint's, else its eos id. Returns the model in eval mode; logits are (B, 1).
+    checkpoint's, else its eos id. Returns the model in eval mode; logits are (B, 1). Safetensors weights
+    only unless allow_pickle.
     """
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    path = check_model_dir(path)
+    path = check_model_dir(path, allow_pickle)
     config = AutoConfig.from_pretrained(path)
     if pad_token_id is None:
         pad_token_id = config.pad_token_id
@@ -159,6 +250,6 @@ def load_sequence_classifier(
         if seed is not None:
             torch.manual_seed(seed)
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, dtype=torch_dtype(dtype)
+            path, config=config, dtype=torch_dtype(dtype), use_safetensors=_use_safetensors(allow_pickle)
         )
     return model.eval()

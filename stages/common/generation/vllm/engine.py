@@ -71,6 +71,7 @@ from alignflow.stages.common.generation.interface import (
     resolve_dtype,
     validate_prompts,
 )
+from alignflow.stages.common.models.loading import ENGINE_PICKLE_FIX, refuse_pickle
 
 DOCKERFILE = "containers/engine-vllm.Dockerfile"
 MODEL_DIR = "model"
@@ -251,6 +252,7 @@ class VLLMEngine(Engine):
     ) -> VLLMEngine:
         from vllm.platforms import current_platform
 
+        refuse_pickle(model_dir, fix=ENGINE_PICKLE_FIX)
         gc.collect()  # an unreachable engine still in a reference cycle is not live
         if any(e.llm is not None for e in cls._live):
             raise EngineError(
@@ -267,6 +269,7 @@ class VLLMEngine(Engine):
         try:
             llm = vllm.LLM(
                 model=str(model_dir),
+                load_format="safetensors",  # "auto" falls back to *.bin / *.pt: pickle
                 skip_tokenizer_init=True,
                 dtype=dtype,
                 seed=0,
