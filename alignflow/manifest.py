@@ -2,7 +2,9 @@
 
 A published output is a folder of files plus `manifest.json`, written last. The manifest lists every
 file with its size and sha256, the producing stage, the resolved config, the inputs (URI and digest)
-and the code version. A reader trusts nothing without a manifest, and checks sizes and checksums.
+and the code version. A reader trusts nothing without a manifest, and checks sizes and checksums. A file
+path that would leave the output's folder (absolute, `..`, a symbolic link) refuses the whole manifest:
+a crafted one could otherwise make a reader download over, or verify and hand on, any file it can reach.
 """
 
 from __future__ import annotations
@@ -71,6 +73,27 @@ class Manifest(BaseModel):
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+
+def escaping_path(path: str) -> str | None:
+    """Why a manifest's file path would leave its output folder, or None for a plain relative path."""
+    if not path or "\x00" in path:
+        return "an empty path or a NUL byte"
+    if path.startswith("/"):
+        return "an absolute path"
+    if ".." in path.split("/"):
+        return "a '..' component"
+    return None
+
+
+def _symlink_on_the_way(folder: Path, path: str) -> Path | None:
+    """The first symbolic link among `folder/path` and the folders between, or None."""
+    current = folder
+    for part in path.split("/"):
+        current = current / part
+        if current.is_symlink():
+            return current
+    return None
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -186,9 +209,17 @@ def read_manifest(uri: str, storage: StorageConfig | None = None) -> Manifest:
             ) from None
         raise
     try:
-        return Manifest.model_validate_json(raw)
+        manifest = Manifest.model_validate_json(raw)
     except ValueError as exc:
         raise ManifestError(f"{uri}/{MANIFEST_NAME}: unreadable manifest ({exc})") from None
+    for entry in manifest.files:
+        why = escaping_path(entry.path)
+        if why is not None:
+            raise ManifestError(
+                f"{uri}/{MANIFEST_NAME}: file entry {entry.path!r} escapes the output folder ({why}); "
+                "refusing the output: a published output lists plain relative paths only"
+            )
+    return manifest
 
 
 def find_published(uri: str, storage: StorageConfig | None = None) -> Manifest | None:
@@ -202,6 +233,12 @@ def find_published(uri: str, storage: StorageConfig | None = None) -> Manifest |
 def _verify_local(manifest: Manifest, folder: Path) -> None:
     for entry in manifest.files:
         path = folder / entry.path
+        link = _symlink_on_the_way(folder, entry.path)
+        if link is not None:
+            raise ManifestError(
+                f"{manifest.uri}: file '{entry.path}' is reached through a symbolic link ({link} -> "
+                f"{os.readlink(link)}); refusing the output: a published output holds plain files only"
+            )
         if not path.is_file():
             raise ManifestError(f"{manifest.uri}: file '{entry.path}' listed in the manifest is missing")
         if path.stat().st_size != entry.size:

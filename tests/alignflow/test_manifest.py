@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from alignflow.manifest import (
     output_uri,
     publish,
     read_manifest,
+    sha256_file,
 )
 from alignflow.storage import join_uri, open_store
 
@@ -114,3 +116,67 @@ def test_publish_refuses_empty_and_reused_folders(tmp_path):
     (src / MANIFEST_NAME).write_text(json.dumps({}))
     with pytest.raises(ManifestError, match="contains a manifest.json already"):
         publish(src, f"file://{tmp_path}/o", stage="sft", config={}, inputs={}, version="v")
+
+
+# --- crafted manifests: file paths that leave the output folder are refused on read ---------------------
+
+
+def _entry_for(path, name: str) -> dict:
+    """A manifest file entry for `name` whose size and sha256 are those of the real file at `path`: only the
+    path check can stop it."""
+    return {"path": name, "size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _add_entry(uri: str, entry: dict, cfg: StorageConfig | None = None) -> None:
+    store = open_store(uri, cfg)
+    manifest = json.loads(store.get_bytes(join_uri(uri, MANIFEST_NAME)))
+    manifest["files"].append(entry)
+    store.put_bytes(json.dumps(manifest).encode(), join_uri(uri, MANIFEST_NAME))
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [("../outside.txt", "a '..' component"), ("sub/../../outside.txt", "a '..' component"),
+     ("/etc/passwd", "an absolute path")],
+)
+def test_a_manifest_entry_that_escapes_the_folder_is_refused(target, tmp_path, name, why):
+    uri, cfg = target
+    publish(_folder(tmp_path), uri, stage="sft", config={}, inputs={}, version="v1", storage=cfg)
+    secret = tmp_path / "outside.txt"
+    secret.write_text("not the output's")
+    real = Path("/etc/passwd") if name == "/etc/passwd" else secret
+    _add_entry(uri, _entry_for(real, name), cfg)
+    refused = f"{uri}/{MANIFEST_NAME}: file entry {name!r} escapes the output folder ({why})"
+    with pytest.raises(ManifestError) as error:
+        materialize(uri, tmp_path / "cache" / "inner", cfg)
+    assert str(error.value).startswith(refused)
+    with pytest.raises(ManifestError, match="escapes the output folder"):
+        read_manifest(uri, cfg)
+    assert find_published(uri, cfg) is None  # not a finished output: a re-run publishes over it
+    assert not (tmp_path / "cache" / "inner" / "outside.txt").exists()  # nothing written beside the cache
+
+
+def test_a_symlinked_entry_is_refused(tmp_path):
+    uri = f"file://{tmp_path}/store/x"
+    publish(_folder(tmp_path), uri, stage="sft", config={}, inputs={}, version="v1")
+    folder = tmp_path / "store/x"
+    passwd = Path("/etc/passwd")
+    (folder / "passwd").symlink_to(passwd)
+    _add_entry(uri, _entry_for(passwd, "passwd"))
+    with pytest.raises(ManifestError) as error:
+        materialize(uri, tmp_path / "cache")
+    assert str(error.value) == (
+        f"{uri}: file 'passwd' is reached through a symbolic link ({folder}/passwd -> /etc/passwd); "
+        "refusing the output: a published output holds plain files only"
+    )
+
+    # A symlinked folder on the way: sub/ -> a folder outside holding the same config.json.
+    uri = f"file://{tmp_path}/store/y"
+    publish(_folder(tmp_path / "again"), uri, stage="sft", config={}, inputs={}, version="v1")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "store/y/sub/config.json").rename(outside / "config.json")
+    (tmp_path / "store/y/sub").rmdir()
+    (tmp_path / "store/y/sub").symlink_to(outside)
+    with pytest.raises(ManifestError, match=r"file 'sub/config.json' is reached through a symbolic link"):
+        materialize(uri, tmp_path / "cache")
