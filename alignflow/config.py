@@ -140,6 +140,17 @@ class DataConfig(Section):
     prompts: str | None = Field(None, description="RL prompts {prompt}.")
     eval_prompts: str | None = Field(None, description="Held-out prompts {prompt} for evaluation.")
     eval_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of SFT/preference data held out.")
+    max_file_mb: int = Field(
+        2048,
+        ge=1,
+        description="Largest data file read (MiB); a larger one is refused by name before it is read.",
+    )
+    max_record_kb: int = Field(
+        1024,
+        ge=1,
+        description="Largest record (KiB: a JSONL line, or a JSON/Parquet record as JSON); a longer one is "
+        "refused with its file and line, before it is parsed.",
+    )
 
     @model_validator(mode="after")
     def _files_given(self) -> DataConfig:

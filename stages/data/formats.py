@@ -3,7 +3,10 @@
 What this is: the only reader and writer of the pipeline's dataset files. It turns a file into a list
 of pydantic records, accepting the plain form and the chat ("messages") form, and reports every bad
 record with its FILE and LINE (JSONL: 1-based line; JSON: 0-based record index as `file[3]`;
-Parquet: 0-based row as `file:row 3`). What it is not: it does not tokenize, split or store data.
+Parquet: 0-based row as `file:row 3`). Given `SizeLimits` (data.max_file_mb, data.max_record_kb), it
+refuses a file over the limit before reading it, and a record over the limit (a JSONL line before it is
+parsed), so a crafted file cannot make a stage hold gigabytes. What it is not: it does not tokenize, split
+or store data.
 
 Record forms accepted (extra keys such as "id" are kept on the record):
 
@@ -31,6 +34,7 @@ import os
 import random
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -40,6 +44,19 @@ Kind = Literal["sft", "preferences", "prompts"]
 SUFFIXES: tuple[str, ...] = (".jsonl", ".json", ".parquet")
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
 MAX_ERRORS = 20  # errors collected before a load gives up: enough to show a pattern, short enough to read
+
+
+@dataclass(frozen=True)
+class SizeLimits:
+    """The largest file (MiB) and record (KiB) a load reads: data.max_file_mb and data.max_record_kb for the
+    user's files. None: no limit (the pipeline's own files, written after the data stage checked them)."""
+
+    max_file_mb: int | None = None
+    max_record_kb: int | None = None
+
+    @property
+    def record_bytes(self) -> int | None:
+        return None if self.max_record_kb is None else self.max_record_kb * 1024
 
 
 class DataError(ValueError):
@@ -412,8 +429,24 @@ def _not_utf8(path: Path, raw: bytes, exc: UnicodeDecodeError) -> str:
     )
 
 
-def _raw_records(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
+def _over_record_limit(size: int, limits: SizeLimits) -> _Invalid:
+    return _Invalid(
+        f"record is {size / 1024:,.0f} KiB, over data.max_record_kb={limits.max_record_kb}; "
+        "shorten it or raise data.max_record_kb"
+    )
+
+
+def _held_to(record: Any, limits: SizeLimits) -> Any:
+    """A parsed JSON or Parquet record, or _Invalid when it is longer than the limit written back as JSON."""
+    if limits.record_bytes is None:
+        return record
+    size = len(json.dumps(record, ensure_ascii=False, default=str).encode("utf-8"))
+    return _over_record_limit(size, limits) if size > limits.record_bytes else record
+
+
+def _raw_records(path: Path, suffix: str, limits: SizeLimits) -> Iterator[tuple[str, Any]]:
     """Yield (location, raw record or _Invalid) for every record in the file."""
+    most = limits.record_bytes
     if suffix == ".jsonl":
         raw = path.read_bytes()
         try:
@@ -424,6 +457,10 @@ def _raw_records(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
         for number, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue  # blank lines (e.g. a trailing one) are not records
+            # a UTF-8 character is 1-4 bytes: only a line longer than most / 4 characters can be over
+            if most is not None and len(line) > most // 4 and len(line.encode("utf-8")) > most:
+                yield f"{path}:{number}", _over_record_limit(len(line.encode("utf-8")), limits)
+                continue  # not parsed
             try:
                 yield f"{path}:{number}", json.loads(line)
             except json.JSONDecodeError as exc:
@@ -447,7 +484,7 @@ def _raw_records(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
                 ]
             )
         for index, item in enumerate(data):
-            yield f"{path}[{index}]", item
+            yield f"{path}[{index}]", _held_to(item, limits)
     else:
         import pyarrow.parquet as pq  # only Parquet readers pay for the import
 
@@ -456,20 +493,31 @@ def _raw_records(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
         except Exception as exc:  # pyarrow raises several types for a bad file; all mean the same here
             raise DataError([f"{path}: not a readable Parquet file ({exc})"]) from None
         for index, row in enumerate(table.to_pylist()):
-            yield f"{path}:row {index}", row
+            yield f"{path}:row {index}", _held_to(row, limits)
 
 
-def _load(path: str | os.PathLike[str], kind: Kind, max_errors: int = MAX_ERRORS) -> list[Any]:
+def _load(
+    path: str | os.PathLike[str], kind: Kind, limits: SizeLimits | None = None, max_errors: int = MAX_ERRORS
+) -> list[Any]:
     path = Path(path)
+    limits = limits or SizeLimits()
     suffix = _check_suffix(path)
     if not path.is_file():
         raise DataError(
             [f"{path}: dataset file not found" + (" (it is a directory)" if path.is_dir() else "")]
         )
+    size = path.stat().st_size
+    if limits.max_file_mb is not None and size > limits.max_file_mb * 1024 * 1024:
+        raise DataError(
+            [
+                f"{path}: {size / 1024 / 1024:,.1f} MiB, over data.max_file_mb={limits.max_file_mb}; "
+                "split the file or raise data.max_file_mb"
+            ]
+        )
     model = _MODELS[kind]
     records: list[Any] = []
     errors: list[str] = []
-    for where, raw in _raw_records(path, suffix):
+    for where, raw in _raw_records(path, suffix, limits):
         try:
             if isinstance(raw, _Invalid):
                 raise raw
@@ -488,26 +536,28 @@ def _load(path: str | os.PathLike[str], kind: Kind, max_errors: int = MAX_ERRORS
     return records
 
 
-def load_sft(path: str | os.PathLike[str]) -> list[SFTRecord]:
+def load_sft(path: str | os.PathLike[str], limits: SizeLimits | None = None) -> list[SFTRecord]:
     """SFT records from a .jsonl/.json/.parquet file; raises DataError listing up to 20 problems."""
-    return _load(path, "sft")
+    return _load(path, "sft", limits)
 
 
-def load_preferences(path: str | os.PathLike[str]) -> list[PreferenceRecord]:
+def load_preferences(
+    path: str | os.PathLike[str], limits: SizeLimits | None = None
+) -> list[PreferenceRecord]:
     """Preference records from a .jsonl/.json/.parquet file; raises DataError listing up to 20 problems."""
-    return _load(path, "preferences")
+    return _load(path, "preferences", limits)
 
 
-def load_prompts(path: str | os.PathLike[str]) -> list[PromptRecord]:
+def load_prompts(path: str | os.PathLike[str], limits: SizeLimits | None = None) -> list[PromptRecord]:
     """Prompt records from a .jsonl/.json/.parquet file; raises DataError listing up to 20 problems."""
-    return _load(path, "prompts")
+    return _load(path, "prompts", limits)
 
 
-def load_records(path: str | os.PathLike[str], kind: Kind) -> list[Any]:
+def load_records(path: str | os.PathLike[str], kind: Kind, limits: SizeLimits | None = None) -> list[Any]:
     """Records of `kind` ('sft' | 'preferences' | 'prompts'); an unknown kind lists the valid ones."""
     if kind not in _MODELS:
         raise ValueError(f"unknown dataset kind {kind!r}; valid kinds: {', '.join(_MODELS)}")
-    return _load(path, kind)
+    return _load(path, kind, limits)
 
 
 def _record_dict(record: BaseModel | dict[str, Any]) -> dict[str, Any]:

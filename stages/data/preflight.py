@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from alignflow.config import DataConfig
-from alignflow.stages.data.formats import DataError, PreferenceRecord, load_records
+from alignflow.stages.data.formats import DataError, PreferenceRecord, SizeLimits, load_records
 
 # Config key -> record kind of the loaders.
 DATA_FILES = {"sft": "sft", "preferences": "preferences", "prompts": "prompts", "eval_prompts": "prompts"}
@@ -55,6 +55,11 @@ def identical_pairs_warning(where: str, records: list[PreferenceRecord]) -> str 
     )
 
 
+def size_limits(config: DataConfig) -> SizeLimits:
+    """The file and record limits the user's data files are held to (data.max_file_mb, data.max_record_kb)."""
+    return SizeLimits(max_file_mb=config.max_file_mb, max_record_kb=config.max_record_kb)
+
+
 def local_path(uri: str, workdir: Path) -> Path | None:
     """The local file a data URI names (relative paths against the workdir, as the data stage reads them)."""
     if uri.startswith("file://"):
@@ -66,8 +71,9 @@ def local_path(uri: str, workdir: Path) -> Path | None:
 
 
 def check_data(config: DataConfig, workdir: Path) -> DataReport:
-    """Load every local data file of `config` with the data stage's loaders; raise DataError listing every
-    problem (file:line and how to fix it) of every file, or return what was checked and the warnings."""
+    """Load every local data file of `config` with the data stage's loaders and size limits; raise DataError
+    listing every problem (file:line and how to fix it) of every file, or return what was checked and the
+    warnings."""
     report = DataReport()
     if config.source != "files":
         return report
@@ -81,7 +87,7 @@ def check_data(config: DataConfig, workdir: Path) -> DataReport:
             report.remote[key] = uri
             continue
         try:
-            records = load_records(path, kind)
+            records = load_records(path, kind, size_limits(config))
         except DataError as exc:
             errors.extend(exc.errors)
             continue

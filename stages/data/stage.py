@@ -24,7 +24,7 @@ from alignflow.stages.common.runtime import (
 )
 from alignflow.stages.data.demo_task import generate_demo_task
 from alignflow.stages.data.formats import holdout_split, load_preferences, load_prompts, load_sft, write_jsonl
-from alignflow.stages.data.preflight import identical_pairs, identical_pairs_warning
+from alignflow.stages.data.preflight import identical_pairs, identical_pairs_warning, size_limits
 from alignflow.storage import open_store
 
 DATASET_FILES = ("sft_train", "sft_eval", "preferences_train", "preferences_eval", "prompts", "eval_prompts")
@@ -65,16 +65,17 @@ def run(spec: StageSpec) -> StageResult:
                      for k in ("sft", "preferences", "prompts", "eval_prompts") if getattr(cfg, k)}
             sources = {k: getattr(cfg, k) for k in paths}
             seed = 0
-        sft = load_sft(paths["sft"])
-        preferences = load_preferences(paths["preferences"])
+        limits = size_limits(cfg)  # the same limits `alignflow validate` checks (preflight.py)
+        sft = load_sft(paths["sft"], limits)
+        preferences = load_preferences(paths["preferences"], limits)
         identical = identical_pairs_warning(sources["preferences"], preferences)
         if identical:
             print(f"warning: data: {identical}", file=sys.stderr, flush=True)
-        prompts = load_prompts(paths["prompts"])
+        prompts = load_prompts(paths["prompts"], limits)
         sft_train, sft_eval = _split("sft", sft, cfg.eval_fraction, seed)
         pref_train, pref_eval = _split("preferences", preferences, cfg.eval_fraction, seed + 1)
         if "eval_prompts" in paths:
-            eval_prompts = load_prompts(paths["eval_prompts"])
+            eval_prompts = load_prompts(paths["eval_prompts"], limits)
         else:
             prompts, eval_prompts = _split("prompts", prompts, cfg.eval_fraction, seed + 2)
         datasets = {"sft_train": sft_train, "sft_eval": sft_eval, "preferences_train": pref_train,
