@@ -3,7 +3,9 @@
 The RL state, its checkpoints (published, found, loaded), the working folder a resumed run continues in, the
 resumed attempt's MLflow run, the last good state after a NaN, and the final policy and critic. A checkpoint
 is `checkpoints/iter_NNNNN/` under the stage's output, published with its own manifest: the actor's and
-critic's trainer states (every rank's optimizer shard under ZeRO), `state.json` (RLState) and `rng.pt`.
+critic's trainer states (every rank's optimizer shard under ZeRO), `state.json` (RLState) and `rng.json` (the
+torch, Python and NumPy RNG states as numbers: nothing in it is unpickled). Checkpoints written before held
+the RNGs in a pickle, `rng.pt`; it is never opened (see load_rng).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from alignflow.config import PPOConfig
@@ -30,6 +33,9 @@ from alignflow.stages.ppo.kl_control import make_kl_controller
 from alignflow.storage import join_uri, open_store, remove_unfinished_writes
 
 CHECKPOINT_DIR = re.compile(r"/checkpoints/iter_(\d{5})/manifest\.json$")
+RNG_FILE = "rng.json"
+OLD_RNG_FILE = "rng.pt"  # a pickle (torch.save of Python objects): never loaded
+RNG_FORMAT = "alignflow-rng-1"
 
 
 class RLState:
@@ -83,7 +89,7 @@ def save_checkpoint(ctx: StageContext, out: Path, state: RLState, actor, critic)
     barrier()  # every rank's files are in the folder before rank 0 publishes it
     if not is_main():
         return uri
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, folder / "rng.pt")
+    dump_json(rng_state(), folder / RNG_FILE)
     dump_json(state.to_json(), folder / "state.json")
     publish(
         folder,
@@ -119,10 +125,54 @@ def load_checkpoint(ctx: StageContext, uri: str, state: RLState, actor, critic) 
     actor.load_checkpoint(str(folder / "actor"), tag="state")
     if critic is not None:
         critic.load_checkpoint(str(folder / "critic"), tag="state")
-    rng = torch.load(folder / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
+    seed = int((ctx.spec.config.get("ppo") or {}).get("seed", 0))  # ppo.seed
+    load_rng(folder, uri, reseed=seed * 1_000_003 + int(saved["iteration"]))
     state.load_json(saved)
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch (CPU), Python and NumPy RNG states as JSON numbers, for rng.json."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "format": RNG_FORMAT,
+        "torch": torch.get_rng_state().tolist(),
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    """Restore the RNGs from rng_state()'s dict."""
+    torch.set_rng_state(torch.tensor(saved["torch"], dtype=torch.uint8))
+    version, internal, gauss = saved["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def load_rng(folder: Path, uri: str, reseed: int) -> None:
+    """Restore the RNGs from a checkpoint's rng.json; a checkpoint of the old format (rng.pt) is re-seeded.
+
+    rng.pt is a pickle of Python objects (random.getstate() is a tuple), which only an unsafe
+    torch.load(weights_only=False) reads, and unpickling runs any code the file carries. Re-seeding (from
+    ppo.seed and the iteration, with a warning) rather than refusing: the RNGs only pick which samples and
+    tokens come next, while refusing would throw away the trained actor and critic the checkpoint holds.
+    """
+    if (folder / RNG_FILE).is_file():
+        saved = json.loads((folder / RNG_FILE).read_text())
+        if saved.get("format") != RNG_FORMAT:
+            raise StageInputError(f"{uri}/{RNG_FILE}: unknown format {saved.get('format')!r}, "
+                                  f"expected {RNG_FORMAT!r}; start a fresh run (another output)")
+        set_rng_state(saved)
+        return
+    why = (f"keeps its RNG state in {OLD_RNG_FILE}, a pickle, which is not loaded (unpickling runs any code "
+           "in the file)" if (folder / OLD_RNG_FILE).is_file() else f"has no {RNG_FILE}")
+    print(f"warning: ppo: {uri} {why}; the RNGs are re-seeded ({reseed}), so the samples drawn after this "
+          "resume differ from those of an uninterrupted run", file=sys.stderr, flush=True)
+    torch.manual_seed(reseed)
+    random.seed(reseed)
+    np.random.seed(reseed % 2**32)
 
 
 def working_dir(ctx: StageContext) -> Path:

@@ -251,7 +251,7 @@ def test_resume_after_sigkill_is_continuous(upstream):
     leftovers = [
         killed_out / "rollouts" / ".iter_00004.parquet.0123456789abcdef.tmp",
         killed_out / ".tmp-k1ll3d",
-        killed_out / "checkpoints" / "iter_00004" / "rng.pt",
+        killed_out / "checkpoints" / "iter_00004" / "rng.json",
     ]
     for path in leftovers:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,7 +266,7 @@ def test_resume_after_sigkill_is_continuous(upstream):
     assert files == [f"iter_{i:05d}.parquet" for i in range(1, 5)]
     published = {entry.path for entry in read_manifest(result.output_uri).files}
     assert not any(".tmp" in name for name in published), sorted(published)
-    assert b"half-written" not in (out / "checkpoints" / "iter_00004" / "rng.pt").read_bytes()
+    assert b"half-written" not in (out / "checkpoints" / "iter_00004" / "rng.json").read_bytes()
     for i, name in enumerate(files, start=1):
         assert set(pq.read_table(out / "rollouts" / name).column("iteration").to_pylist()) == {i}
     history = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]

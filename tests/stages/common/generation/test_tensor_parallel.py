@@ -34,6 +34,7 @@ from engine_test_models import (
 )
 
 from alignflow.stages.common.generation import EngineError, SamplingParams
+from alignflow.stages.common.generation.interface import Generation
 from alignflow.stages.common.generation.native import NativeEngine
 from alignflow.stages.common.generation.native.tensor_parallel import (
     SHARDING,
@@ -207,11 +208,16 @@ def checkpoints(tmp_path_factory) -> dict:
     return {"variants": variants, "medium": (medium, medium_perturbed)}
 
 
+# What the ranks' result files hold besides tensors and plain containers.
+RESULT_TYPES = [Generation]
+
+
 @pytest.fixture(scope="module")
 def ranks(checkpoints, tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("tp_ranks")
     mp.spawn(_worker, args=(checkpoints, str(out_dir)), nprocs=WORLD, join=True)
-    results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    with torch.serialization.safe_globals(RESULT_TYPES):  # weights_only, with the engine's record types
+        results = [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     for rank, result in enumerate(results):
         assert "traceback" not in result, f"rank {rank} failed:\n{result['traceback']}"
     return results
