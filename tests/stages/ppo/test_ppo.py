@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
-from alignflow.contract import StageResult, StageSpec, TrackingSpec
+from alignflow.contract import StageResult, StageSpec, TrackingSpec, stage_program
 from alignflow.manifest import find_published, output_uri, read_manifest
 from alignflow.stages.common.rollouts import ROLLOUT_SCHEMA, read_rollouts
 from alignflow.tracking import ATTEMPT_KEY_TAG, SUPERSEDED_BY_TAG, attempt_key
@@ -56,7 +56,7 @@ def start_stage(spec: StageSpec, workdir: Path, env: dict[str, str] | None = Non
     path = spec.dump(workdir / f"spec-{spec.output_uri.rsplit('/', 1)[1]}-{spec.stage}.json")
     environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", f"alignflow.stages.{spec.stage}", "--spec", str(path)],
+        [sys.executable, "-m", stage_program(spec.stage), "--spec", str(path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
