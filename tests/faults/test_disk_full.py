@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from alignflow.contract import StageResult, StageSpec
+from alignflow.contract import StageResult, StageSpec, stage_program
 from alignflow.manifest import MANIFEST_NAME, find_published, materialize
 from tests.conftest import REPO
 
@@ -46,7 +46,7 @@ def fill(disk: Path, leave_bytes: int) -> Path:
 
 def run_stage(spec: StageSpec, workdir: Path) -> tuple[int, str, str]:
     path = spec.dump(workdir / f"spec-{spec.stage}.json")
-    proc = subprocess.run([sys.executable, "-m", f"alignflow.stages.{spec.stage}", "--spec", str(path)],
+    proc = subprocess.run([sys.executable, "-m", stage_program(spec.stage), "--spec", str(path)],
                           capture_output=True, text=True, cwd=workdir, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     return proc.returncode, proc.stdout, proc.stderr

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from alignflow.contract import StageResult, StageSpec
+from alignflow.contract import StageResult, StageSpec, stage_program
 from alignflow.manifest import MANIFEST_NAME, find_published, materialize, output_uri, read_manifest
 from tests.conftest import REPO
 from tests.faults.clean_run import PPO_SMALL, STAGES
@@ -34,7 +34,7 @@ COUNTS = {"data": ["data/sft_train_records", "data/preferences_train_records"], 
 def start(spec: StageSpec, workdir: Path) -> subprocess.Popen:
     path = spec.dump(workdir / f"spec-{spec.output_uri.rsplit('/', 1)[1]}.json")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", f"alignflow.stages.{spec.stage}", "--spec", str(path)],
+    return subprocess.Popen([sys.executable, "-m", stage_program(spec.stage), "--spec", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from alignflow.contract import StageResult, StageSpec, TrackingSpec
+from alignflow.contract import StageResult, StageSpec, TrackingSpec, stage_program
 from alignflow.manifest import find_published, materialize, output_uri
 from tests.conftest import REPO, free_port
 
@@ -102,7 +102,7 @@ class Stage:
     def __init__(self, spec: StageSpec, workdir: Path, env: dict[str, str]):
         path = spec.dump(workdir / f"spec-{spec.output_uri.rsplit('/', 1)[1]}.json")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"alignflow.stages.{spec.stage}", "--spec", str(path)],
+            [sys.executable, "-m", stage_program(spec.stage), "--spec", str(path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
