@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -92,9 +94,50 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
     return found
 
 
+class StderrWatch:
+    """A stage's stderr read on a thread, so a test can wait for a line (a point the stage reaches) instead of
+    guessing how long it takes to get there."""
+
+    def __init__(self, proc):
+        self.proc, self.lines, self.changed = proc, [], threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("")  # end of stream: wake the waiters
+            self.changed.notify_all()
+
+    def wait_for(self, pattern: str, bound_s: float = 300) -> bool:
+        """Whether a line matching `pattern` came before the stream ended (bound_s only bounds a hang)."""
+        with self.changed:
+            return self.changed.wait_for(lambda: any(re.search(pattern, line) for line in self.lines)
+                                         or (self.lines and self.lines[-1] == ""), bound_s) and any(
+                re.search(pattern, line) for line in self.lines)
+
+    def drain(self) -> tuple[str, str]:
+        """(stdout, stderr) once the process has ended."""
+        stdout = self.proc.stdout.read()
+        self.proc.wait(timeout=900)
+        self.reader.join(timeout=60)
+        return stdout, "".join(self.lines)
+
+    def finish(self) -> tuple[int, StageResult, str]:
+        stdout, stderr = self.drain()
+        return self.proc.returncode, StageResult.from_output(stdout), stderr
+
+
+# Rank 0's progress line at each tenth of the steps (progress_bar in stages/common/training/loop.py).
+TRAINING_PROGRESS = r"\d+/\d+ .*\(\d+ s, eta \d+ s\)"
+
+
 def start_long_two_rank_sft(upstream, name: str):
-    """(spec, launcher process, {RANK: pid}) of a 2-rank SFT run long enough to be killed mid-training (~2,700
-    steps, ~80 s), returned once both ranks are up."""
+    """(spec, launcher process, {RANK: pid}, its stderr watch) of a 2-rank SFT run long enough to be killed
+    mid-training (~2,700 steps), returned once rank 0 has reported a tenth of its steps done."""
     spec = stage_spec(
         upstream,
         "sft",
@@ -105,22 +148,23 @@ def start_long_two_rank_sft(upstream, name: str):
         {"base": "base", "data": "data"},
     )
     proc = start_stage(spec, upstream[0])
+    watch = StderrWatch(proc)
     deadline = time.monotonic() + 120
     ranks: dict[int, int] = {}
     while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
         ranks = _rank_pids(proc.pid)
     assert len(ranks) == 2, f"ranks did not start: {ranks}"
-    return spec, proc, ranks
+    assert watch.wait_for(TRAINING_PROGRESS), f"no training progress: {''.join(watch.lines)[-3000:]}"
+    return spec, proc, ranks, watch
 
 
 def test_a_killed_rank_fails_the_stage_within_seconds_naming_it(upstream):
-    spec, proc, ranks = start_long_two_rank_sft(upstream, "killed")
-    time.sleep(20)  # past imports and model loading (~10 s), into training
+    spec, proc, ranks, watch = start_long_two_rank_sft(upstream, "killed")  # into training
     assert proc.poll() is None, "the stage ended before the kill"
     os.kill(ranks[1], signal.SIGKILL)
     killed = time.monotonic()
-    code, result, stderr = finish(proc)
+    code, result, stderr = watch.finish()
     waited = time.monotonic() - killed
     assert code == 1, stderr[-3000:]
     assert result.status == "failed"
@@ -188,10 +232,9 @@ def test_reward_and_dpo_on_two_ranks_equal_one_rank(upstream, stage, section, we
 def test_ranks_die_with_a_killed_launcher(upstream):
     """A SIGKILLed stage process takes its ranks with it:
     none is left training into an output a retry re-creates."""
-    spec, proc, ranks = start_long_two_rank_sft(upstream, "launcher-killed")
-    time.sleep(15)
+    spec, proc, ranks, watch = start_long_two_rank_sft(upstream, "launcher-killed")  # into training
     proc.kill()
-    proc.communicate(timeout=60)
+    watch.drain()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in ranks.values()):
         time.sleep(0.2)
