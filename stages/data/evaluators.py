@@ -8,19 +8,22 @@ scorer the stages report no gold score. What it is not: a reward: no policy trai
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 
+from alignflow.stages.data import demo_task
+
 Evaluator = Callable[[str, str], float]
 
 # Source scheme -> the evaluator of the task the data stage generated from it.
-TASK_EVALUATORS = {"demo": "alignflow.stages.data.demo_task:gold_score"}
+TASK_EVALUATORS: dict[str, Evaluator] = {"demo": demo_task.gold_score}
 
 
-def evaluator_name(data_dir: Path, prompts: tuple[str, ...] = ("eval_prompts", "prompts")) -> str | None:
-    """The 'module:function' of the data output's evaluator, from its stats.json sources; None without one.
+def load_evaluator(
+    data_dir: Path, prompts: tuple[str, ...] = ("eval_prompts", "prompts")
+) -> Evaluator | None:
+    """The data output's evaluator for answers to `prompts`, from its stats.json sources; None without one.
 
     The source of the prompts it will score decides: the first of `prompts` the data output has."""
     stats = Path(data_dir) / "stats.json"
@@ -30,14 +33,3 @@ def evaluator_name(data_dir: Path, prompts: tuple[str, ...] = ("eval_prompts", "
     source = next((sources[name] for name in prompts if sources.get(name)), "")
     scheme, sep, _ = source.partition("://") if isinstance(source, str) else ("", "", "")
     return TASK_EVALUATORS.get(scheme) if sep else None
-
-
-def load_evaluator(
-    data_dir: Path, prompts: tuple[str, ...] = ("eval_prompts", "prompts")
-) -> Evaluator | None:
-    """The evaluator for answers to `prompts` (see evaluator_name), imported; None without one."""
-    name = evaluator_name(data_dir, prompts)
-    if name is None:
-        return None
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)

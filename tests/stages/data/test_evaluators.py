@@ -3,13 +3,13 @@
 import json
 
 from alignflow.stages.data import demo_task
-from alignflow.stages.data.evaluators import evaluator_name, load_evaluator
+from alignflow.stages.data.evaluators import load_evaluator
 
 
 def test_the_demo_task_names_its_gold_scorer_and_other_data_none(tmp_path):
     assert load_evaluator(tmp_path) is None  # no stats.json
     (tmp_path / "stats.json").write_text(json.dumps({"sources": {"eval_prompts": "s3://bucket/eval.jsonl"}}))
-    assert evaluator_name(tmp_path) is None
+    assert load_evaluator(tmp_path) is None
     (tmp_path / "stats.json").write_text(json.dumps({"sources": {"prompts": "demo://seed=0/prompts"}}))
     assert load_evaluator(tmp_path) is demo_task.gold_score
 
