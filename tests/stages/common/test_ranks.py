@@ -99,7 +99,7 @@ class StderrWatch:
     guessing how long it takes to get there."""
 
     def __init__(self, proc):
-        self.proc, self.lines, self.changed = proc, [], threading.Condition()
+        self.proc, self.lines, self.ended, self.changed = proc, [], False, threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -109,15 +109,18 @@ class StderrWatch:
                 self.lines.append(line)
                 self.changed.notify_all()
         with self.changed:
-            self.lines.append("")  # end of stream: wake the waiters
+            self.ended = True
             self.changed.notify_all()
 
     def wait_for(self, pattern: str, bound_s: float = 300) -> bool:
         """Whether a line matching `pattern` came before the stream ended (bound_s only bounds a hang)."""
+
+        def seen() -> bool:
+            return any(re.search(pattern, line) for line in self.lines)
+
         with self.changed:
-            return self.changed.wait_for(lambda: any(re.search(pattern, line) for line in self.lines)
-                                         or (self.lines and self.lines[-1] == ""), bound_s) and any(
-                re.search(pattern, line) for line in self.lines)
+            self.changed.wait_for(lambda: seen() or self.ended, bound_s)
+            return seen()
 
     def drain(self) -> tuple[str, str]:
         """(stdout, stderr) once the process has ended."""
