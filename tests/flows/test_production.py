@@ -1,9 +1,12 @@
 """Production path: a real Prefect server and process worker, `alignflow deploy`, REST-triggered and
 scheduled runs; the pipeline on a local S3 server with an `mlflow server` (proxied artifacts); the
-registry."""
+registry. Both servers run with authentication on, as the production stack does (infra/compose.yaml): every
+client here authenticates from the environment."""
 
 from __future__ import annotations
 
+import base64
+import configparser
 import json
 import os
 import signal
@@ -21,18 +24,35 @@ from tests.conftest import free_port, small_config
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+
+# The servers' credentials. Passwords are at least 12 characters: MLflow refuses shorter ones.
+PREFECT_AUTH_STRING = "alignflow:prefect-test-auth-string"
+MLFLOW_ADMIN = ("admin", "mlflow-test-admin-password")
+MLFLOW_PIPELINE = ("alignflow-pipeline", "mlflow-test-pipeline-password")
+MLFLOW_VIEWER = ("alignflow-viewer", "mlflow-test-viewer-password")
 
 
-def _http(method: str, url: str, body: dict | None = None, attempts: int = 5) -> dict | list:
+def basic_auth_header(credentials: str) -> dict[str, str]:
+    """The Authorization header of HTTP Basic for `user:password`."""
+    return {"Authorization": "Basic " + base64.b64encode(credentials.encode()).decode()}
+
+
+def _http(
+    method: str,
+    url: str,
+    body: dict | None = None,
+    attempts: int = 5,
+    auth: str | None = PREFECT_AUTH_STRING,
+) -> dict | list:
     """One REST call; 503 and 429 are retried with backoff, as Prefect's own client does: the server
     answers 503 when its SQLite database is busy (it can be, on 2 cores under a full test run). A GET (safe
     to repeat; a POST is not) is retried on a read timeout too: a poll of a flow run's state can wait past
     the timeout while the flow's stages run beside the server on the same cores."""
     data = json.dumps(body).encode() if body is not None else None
     for attempt in range(attempts):
-        request = urllib.request.Request(
-            url, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json", **(basic_auth_header(auth) if auth else {})}
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - loopback only
                 return json.loads(response.read() or b"null")
@@ -77,11 +97,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
-    """A Prefect server on 127.0.0.1 and a process worker polling the pipeline's pool."""
+    """A Prefect server on 127.0.0.1 that requires PREFECT_AUTH_STRING, and a process worker polling the
+    pipeline's pool; yields the API URL and the clients' environment (which holds the auth string)."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     env = {
         **os.environ,
+        "PREFECT_SERVER_API_AUTH_STRING": PREFECT_AUTH_STRING,
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "PREFECT_SERVER_API_PORT": str(port),
@@ -102,7 +124,15 @@ def prefect_server(tmp_path_factory):
     worker = None
     try:
         _wait(lambda: _healthy(f"{api}/health"), 180, "the Prefect server")
-        client_env = {**env, "PREFECT_API_URL": api, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+        client_env = {
+            **{k: v for k, v in env.items() if k != "PREFECT_SERVER_API_AUTH_STRING"},
+            "PREFECT_API_URL": api,
+            "PREFECT_API_AUTH_STRING": PREFECT_AUTH_STRING,
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            # The flow runs this worker starts track to mlflow_server as the pipeline user, as the stack's do.
+            "MLFLOW_TRACKING_USERNAME": MLFLOW_PIPELINE[0],
+            "MLFLOW_TRACKING_PASSWORD": MLFLOW_PIPELINE[1],
+        }
         subprocess.run(
             [str(BIN / "prefect"), "work-pool", "create", "alignflow-process", "--type", "process"],
             env=client_env,
@@ -125,23 +155,25 @@ def prefect_server(tmp_path_factory):
         _stop(server)
 
 
-def _deploy(config_dict: dict, path: Path, env: dict) -> dict[str, str]:
+def _deploy(config_dict: dict, path: Path, env: dict, with_console: bool = False):
+    """`alignflow deploy` of the config; returns {flow/deployment name: id} (and its console output)."""
     path.write_text(yaml.safe_dump(config_dict))
     out = subprocess.run(
         [str(BIN / "alignflow"), "deploy", str(path)], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return dict(
+    ids = dict(
         line.removeprefix("deployed ").rstrip(")").split(" (")
         for line in out.stdout.splitlines()
         if line.startswith("deployed ")
     )
+    return (ids, out.stdout + out.stderr) if with_console else ids
 
 
-def _wait_run(api: str, run_id: str, timeout_s: float) -> dict:
+def _wait_run(api: str, run_id: str, timeout_s: float, auth: str = PREFECT_AUTH_STRING) -> dict:
     final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
     run = _wait(
-        lambda: (r := _http("GET", f"{api}/flow_runs/{run_id}"))["state_type"] in final and r,
+        lambda: (r := _http("GET", f"{api}/flow_runs/{run_id}", auth=auth))["state_type"] in final and r,
         timeout_s,
         f"flow run {run_id}",
         3,
@@ -217,20 +249,32 @@ def test_interval_schedule_produces_a_completed_run(prefect_server, tmp_path):
     assert run["auto_scheduled"] is True
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory, s3_server):
-    """`mlflow server` on 127.0.0.1 with proxied artifacts on the local S3 server."""
-    from alignflow.config import StorageConfig
-    from alignflow.storage import S3Store
+def mlflow_auth_config(home: Path) -> Path:
+    """The stack's MLflow auth settings (infra/mlflow/basic_auth.ini) with the users' database in `home`."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "infra" / "mlflow" / "basic_auth.ini")
+    config["mlflow"]["database_uri"] = f"sqlite:///{home / 'basic_auth.db'}"
+    path = home / "basic_auth.ini"
+    with path.open("w") as out:
+        config.write(out)
+    return path
 
-    S3Store(StorageConfig(endpoint_url=s3_server)).create_bucket("prod")
-    home = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    env = {**os.environ, "AWS_ENDPOINT_URL_S3": s3_server, "MLFLOW_S3_ENDPOINT_URL": s3_server}
-    server = subprocess.Popen(
+
+def start_mlflow_server(
+    home: Path,
+    port: int,
+    env: dict[str, str],
+    artifacts_destination: str,
+    admin_password: str = MLFLOW_ADMIN[1],
+) -> subprocess.Popen:
+    """`mlflow server` as infra/compose.yaml starts it (basic-auth app, workspaces), with a SQLite store."""
+    return subprocess.Popen(
         [
             str(BIN / "mlflow"),
             "server",
+            "--app-name",
+            "basic-auth",
+            "--enable-workspaces",
             "--host",
             "127.0.0.1",
             "--port",
@@ -238,21 +282,52 @@ def mlflow_server(tmp_path_factory, s3_server):
             "--backend-store-uri",
             f"sqlite:///{home / 'mlflow.db'}",
             "--artifacts-destination",
-            "s3://prod/mlflow",
+            artifacts_destination,
             "--serve-artifacts",
             "--workers",
             "1",
         ],
-        env=env,
+        env={
+            **env,
+            "MLFLOW_AUTH_CONFIG_PATH": str(mlflow_auth_config(home)),
+            "MLFLOW_AUTH_ADMIN_PASSWORD": admin_password,
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": "mlflow-test-flask-secret",
+        },
         cwd=home,
         stdout=open(home / "server.log", "w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def create_mlflow_users(url: str) -> None:
+    """The pipeline and viewer users, made as the stack's `mlflow-users` service makes them."""
+    from alignflow.mlflow_access import Account, ensure_users
+
+    ensure_users(url, Account(*MLFLOW_ADMIN), Account(*MLFLOW_PIPELINE), Account(*MLFLOW_VIEWER))
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory, s3_server):
+    """`mlflow server` on 127.0.0.1 with authentication on and proxied artifacts on the local S3 server. For
+    the module, this process and the stages it starts are the pipeline user (MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD), as the stack's worker is."""
+    from alignflow.config import StorageConfig
+    from alignflow.storage import S3Store
+
+    S3Store(StorageConfig(endpoint_url=s3_server)).create_bucket("prod")
+    home = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    env = {**os.environ, "AWS_ENDPOINT_URL_S3": s3_server, "MLFLOW_S3_ENDPOINT_URL": s3_server}
+    server = start_mlflow_server(home, port, env, "s3://prod/mlflow")
     url = f"http://127.0.0.1:{port}"
     try:
         _wait(lambda: _healthy(f"{url}/health"), 180, "the MLflow server")
-        yield url, s3_server
+        create_mlflow_users(url)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MLFLOW_TRACKING_USERNAME", MLFLOW_PIPELINE[0])
+            patch.setenv("MLFLOW_TRACKING_PASSWORD", MLFLOW_PIPELINE[1])
+            yield url, s3_server
     finally:
         _stop(server)
 
