@@ -43,6 +43,11 @@ class TrackingUnavailableError(RuntimeError):
     line and exits 1 (transient: the flow retries; an RL stage resumes from its last checkpoint)."""
 
 
+class TrackingAccessError(RuntimeError):
+    """The MLflow server refused the client's credentials (HTTP 401) or their rights (403). A setup error, not
+    a passing fault: a stage reports it in one line and exits 2 (a retry would be refused the same way)."""
+
+
 class TrackingSpec(BaseModel):
     """Where a stage logs: the MLflow server/DB, experiment, and the pipeline's parent run."""
 

@@ -38,7 +38,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.tracking import MlflowClient
 
 from alignflow.config import TrackingConfig, flatten
-from alignflow.contract import TrackingUnavailableError
+from alignflow.contract import TrackingAccessError, TrackingUnavailableError
 from alignflow.offline import set_offline_defaults
 
 # MLflow caps a param value at 6000 characters (3.x); longer values are truncated with a marker.
@@ -98,8 +98,8 @@ def _mlflow(uri: str):
 @contextlib.contextmanager
 def reaching(uri: str, what: str) -> Iterator[None]:
     """Turn a synchronous call's "the tracking server did not answer" (after MLflow's own retries) into a
-    one-line TrackingUnavailableError that names the server and what to do; other errors pass through
-    unchanged.
+    one-line TrackingUnavailableError that names the server and what to do, and a refusal (401, 403) into a
+    TrackingAccessError that names the credentials to set; other errors pass through unchanged.
 
     Why fail and not buffer, as the metric sender does: these calls either need the server's answer (a run
     id), or record the output the stage publishes; a stage that reported success while its run missed them
@@ -108,9 +108,22 @@ def reaching(uri: str, what: str) -> Iterator[None]:
     server: with a local store (sqlite, a folder) an OSError is the disk's, and is raised as it is."""
     try:
         yield
-    except TrackingUnavailableError:
+    except (TrackingUnavailableError, TrackingAccessError):
         raise
     except Exception as exc:
+        status = refused_status(exc) if uri.startswith(("http://", "https://")) else None
+        if status is not None:
+            user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+            who = f"user '{user}'" if user else "a client without credentials (no MLFLOW_TRACKING_USERNAME)"
+            fix = (
+                "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to the pipeline user's"
+                " (infra/.env: ALIGNFLOW_MLFLOW_PIPELINE_*)"
+                if status == 401
+                else "run the pipeline as the pipeline user, which may create and write (a viewer only reads)"
+            )
+            raise TrackingAccessError(
+                f"MLflow tracking server {uri} answered {status} to {who} while {what}; {fix}"
+            ) from None
         if not (uri.startswith(("http://", "https://")) and server_unreachable(exc)):
             raise
         retries = os.environ.get(RETRIES_VAR, str(_RETRIES_DEFAULT))
@@ -371,6 +384,22 @@ def server_unreachable(exc: BaseException) -> bool:
                 return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def refused_status(exc: BaseException) -> int | None:
+    """401 or 403 when a tracking call failed because the server refused the credentials or their rights."""
+    error: BaseException | None = exc
+    while error is not None:
+        if isinstance(error, mlflow.exceptions.MlflowException):
+            status = error.get_http_status_code()
+            # The basic-auth app answers a plain-text 401; MLflow's client then reports it in its message.
+            if status in (401, 403):
+                return status
+            for refused in (401, 403):
+                if f"error code {refused} " in str(error):
+                    return refused
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

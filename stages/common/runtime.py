@@ -27,6 +27,7 @@ from alignflow.contract import (
     REUSED_MESSAGE,
     StageResult,
     StageSpec,
+    TrackingAccessError,
     TrackingUnavailableError,
     stage_program,
 )
@@ -52,7 +53,7 @@ class StageInputError(ValueError):
 # ModelDirError: a model folder that is not one, or whose weights would be unpickled (PickleRefusedError).
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (StageInputError, ConfigError, StorageError, DataError,
                                                       BackendUnavailableError, DeviceUnavailableError,
-                                                      ModelDirError)
+                                                      ModelDirError, TrackingAccessError)
 
 
 def load_spec(path_or_uri: str) -> StageSpec:
