@@ -9,6 +9,9 @@
 #
 #   PREFECT_API_URL=http://127.0.0.1:4200/api infra/create-work-pools.sh [POOL...]
 #
+# Against the stack's server, which requires a login, also export PREFECT_API_AUTH_STRING (the
+# `user:password` of PREFECT_AUTH_STRING in infra/.env): prefect reads it itself.
+#
 # With no argument every pool is created; name pools to create only those.
 set -euo pipefail
 

@@ -10,13 +10,14 @@ which still needs a reachable API server for discovery).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -29,10 +30,12 @@ ENV_EXAMPLE = INFRA / ".env.example"
 K8S = INFRA / "k8s"
 POOLS = INFRA / "work-pools"
 
-STACK_SERVICES = {"postgres", "prefect-server", "mlflow", "minio", "createbuckets", "worker"}
+NO_AUTH = INFRA / "compose.no-auth.yaml"
+
+STACK_SERVICES = {"postgres", "prefect-server", "mlflow", "minio", "createbuckets", "mlflow-users", "worker"}
 ALIGNFLOW_IMAGES = ("alignflow/worker", "alignflow/training", "alignflow/engine-native",
                     "alignflow/engine-vllm", "alignflow/engine-tensorrt-llm")
-SECRET_NAME = re.compile(r"PASSWORD|SECRET|ACCESS_KEY|TOKEN", re.IGNORECASE)
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|ACCESS_KEY|TOKEN|AUTH_STRING", re.IGNORECASE)
 VAR_REF = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
 
@@ -129,6 +132,13 @@ def stock_template(worker_type: str) -> dict[str, Any]:
     raise AssertionError(f"prefect {prefect.__version__} ships no default template for {worker_type!r}")
 
 
+def required_ref(value: str) -> str:
+    """The variable a compose value `${VAR:?message}` names; fails for a literal, a default or `${VAR}`."""
+    match = re.fullmatch(VAR_REF.pattern, value)
+    assert match and match["op"] == ":?", f"{value!r} is not a required ${{VAR:?...}}"
+    return match["name"]
+
+
 def k8s_objects() -> list[tuple[Path, dict[str, Any]]]:
     return [(path, doc) for path in sorted(K8S.glob("*.yaml")) for doc in load_yaml_docs(path)]
 
@@ -212,7 +222,8 @@ def test_compose_inlines_no_secret():
                 )
     for key, value in example.items():
         if SECRET_NAME.search(key) and not key.endswith("_ID"):
-            assert value.startswith("change-me"), f".env.example {key} must be an obvious placeholder"
+            secret = value.partition(":")[2] if key.endswith("AUTH_STRING") else value
+            assert secret.startswith("change-me"), f".env.example {key} must be an obvious placeholder"
             assert value not in text, f"{key}'s example value is written in compose.yaml"
     assert ".env" in (INFRA / ".gitignore").read_text().split(), (
         "infra/.env (the real secrets) must be ignored"
@@ -227,6 +238,13 @@ def test_compose_required_variables_are_all_in_env_example():
         "MLFLOW_DB_PASSWORD",
         "MINIO_ROOT_PASSWORD",
         "ALIGNFLOW_S3_SECRET_ACCESS_KEY",
+        "PREFECT_AUTH_STRING",
+        "ALIGNFLOW_MLFLOW_ADMIN_PASSWORD",
+        "ALIGNFLOW_MLFLOW_PIPELINE_USERNAME",
+        "ALIGNFLOW_MLFLOW_PIPELINE_PASSWORD",
+        "ALIGNFLOW_MLFLOW_VIEWER_USERNAME",
+        "ALIGNFLOW_MLFLOW_VIEWER_PASSWORD",
+        "MLFLOW_FLASK_SECRET_KEY",
     } <= required
     assert required <= set(env_example()), sorted(required - set(env_example()))
     # Every required variable resolves with the example file and fails without it.
@@ -353,6 +371,194 @@ def test_docker_compose_refuses_to_start_without_secrets(tmp_path):
     assert "in infra/.env" in result.stderr, result.stderr
 
 
+# ------------------------------------------------------------------------------ compose authentication
+
+# The secrets of infra/.env each compose service receives: the ones it uses, no others.
+SERVICE_SECRETS = {
+    "postgres": {"POSTGRES_PASSWORD", "PREFECT_DB_PASSWORD", "MLFLOW_DB_PASSWORD"},  # creates both roles
+    "prefect-server": {"PREFECT_DB_PASSWORD", "PREFECT_AUTH_STRING"},
+    "minio": {"MINIO_ROOT_PASSWORD"},
+    "createbuckets": {"MINIO_ROOT_PASSWORD", "ALIGNFLOW_S3_SECRET_ACCESS_KEY"},
+    "mlflow": {
+        "MLFLOW_DB_PASSWORD",
+        "ALIGNFLOW_S3_SECRET_ACCESS_KEY",
+        "ALIGNFLOW_MLFLOW_ADMIN_PASSWORD",
+        "MLFLOW_FLASK_SECRET_KEY",
+    },
+    "mlflow-users": {
+        "ALIGNFLOW_MLFLOW_ADMIN_PASSWORD",
+        "ALIGNFLOW_MLFLOW_PIPELINE_PASSWORD",
+        "ALIGNFLOW_MLFLOW_VIEWER_PASSWORD",
+    },
+    # A client of all three: Prefect's auth string, MLflow's pipeline user, the S3 app user.
+    "worker": {"PREFECT_AUTH_STRING", "ALIGNFLOW_MLFLOW_PIPELINE_PASSWORD", "ALIGNFLOW_S3_SECRET_ACCESS_KEY"},
+    # Polls the API; its flow runs read their credentials from files (infra/work-pools/docker.json).
+    "worker-docker-gpu": {"PREFECT_AUTH_STRING"},
+}
+
+
+def test_compose_services_get_exactly_the_secrets_they_need():
+    secrets = {k for k in env_example() if SECRET_NAME.search(k) and not k.endswith("_ID")}
+    received = {
+        name: {m["name"] for m in VAR_REF.finditer(json.dumps(service))} & secrets
+        for name, service in compose()["services"].items()
+    }
+    assert received == SERVICE_SECRETS
+    assert set().union(*SERVICE_SECRETS.values()) == secrets, "a secret in .env.example that nothing uses"
+
+
+def test_compose_turns_authentication_on_by_default():
+    from alignflow.mlflow_access import ENV_PREFIX
+
+    services = compose()["services"]
+    # Prefect: the server demands the auth string; every Prefect client sends the same one.
+    auth = required_ref(service_env(services["prefect-server"])["PREFECT_SERVER_API_AUTH_STRING"])
+    for name in ("worker", "worker-docker-gpu"):
+        assert required_ref(service_env(services[name])["PREFECT_API_AUTH_STRING"]) == auth, name
+    assert "/api/health" in json.dumps(services["prefect-server"]["healthcheck"])  # left open by the server
+
+    # MLflow: the basic-auth app with workspaces, its settings file mounted read-only.
+    mlflow = services["mlflow"]
+    command, env = mlflow["command"], service_env(mlflow)
+    assert command[command.index("--app-name") + 1] == "basic-auth" and "--enable-workspaces" in command
+    (ini_mount,) = [v for v in mlflow["volumes"] if v.split(":")[1] == env["MLFLOW_AUTH_CONFIG_PATH"]]
+    source, _, mode = ini_mount.split(":")
+    assert (INFRA / source).resolve() == INFRA / "mlflow" / "basic_auth.ini" and mode == "ro"
+    admin_password = required_ref(env["MLFLOW_AUTH_ADMIN_PASSWORD"])
+    required_ref(env["MLFLOW_FLASK_SERVER_SECRET_KEY"])
+    assert "5000/health'" in json.dumps(mlflow["healthcheck"])  # the one path basic-auth leaves open
+
+    # mlflow-users makes the users as the admin the server created, once MLflow is up; the worker waits.
+    users = services["mlflow-users"]
+    assert users["image"] == services["worker"]["image"] and users["restart"] == "no"
+    assert users["command"] == ["python", "-m", "alignflow.mlflow_access"]
+    assert users["depends_on"] == {"mlflow": {"condition": "service_healthy"}}
+    assert services["worker"]["depends_on"]["mlflow-users"] == {"condition": "service_completed_successfully"}
+    users_env = service_env(users)
+    accounts = ("ADMIN", "PIPELINE", "VIEWER")
+    names = {f"{ENV_PREFIX}{who}_{what}" for who in accounts for what in ("USERNAME", "PASSWORD")}
+    assert names <= set(users_env), sorted(names - set(users_env))
+    assert users_env[f"{ENV_PREFIX}ADMIN_USERNAME"] == env["MLFLOW_AUTH_ADMIN_USERNAME"]
+    assert required_ref(users_env[f"{ENV_PREFIX}ADMIN_PASSWORD"]) == admin_password
+    # The worker (and the flow runs it starts) log in as the pipeline user mlflow-users makes.
+    worker = service_env(services["worker"])
+    assert users_env["MLFLOW_TRACKING_URI"] == worker["MLFLOW_TRACKING_URI"]
+    for client, made in (("USERNAME", "PIPELINE_USERNAME"), ("PASSWORD", "PIPELINE_PASSWORD")):
+        assert required_ref(worker[f"MLFLOW_TRACKING_{client}"]) == required_ref(users_env[ENV_PREFIX + made])
+
+
+def test_mlflow_auth_config_is_what_mlflow_reads(monkeypatch):
+    import mlflow
+
+    # MLflow's own reader, loaded alone: importing the mlflow.server.auth package builds the auth app.
+    path = Path(mlflow.__file__).parent / "server" / "auth" / "config.py"
+    spec = importlib.util.spec_from_file_location("mlflow_auth_config", path)
+    reader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reader)
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(INFRA / "mlflow" / "basic_auth.ini"))
+    monkeypatch.delenv("MLFLOW_AUTH_ADMIN_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_AUTH_ADMIN_PASSWORD", raising=False)
+    config = reader.read_auth_config()
+    # Logged-in users read; only a grant (the pipeline user's role) creates.
+    assert config.default_permission == "READ" and config.grant_default_workspace_access is True
+    assert config.authorization_function == "mlflow.server.auth:authenticate_request_basic_auth"
+    assert config.admin_username == "admin"
+    assert config.admin_password is None, "the admin password comes from the environment, not the file"
+    # The user store is a SQLite file on the volume mlflow-auth, not in the container's writable layer.
+    store = PurePosixPath(config.database_uri.removeprefix("sqlite:///"))
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in compose()["services"]["mlflow"]["volumes"]}
+    assert mounts[str(store.parent)] == "mlflow-auth" and "mlflow-auth" in compose()["volumes"]
+    # The image has the auth extra, and gives the volume's mount point to the user the server runs as.
+    dockerfile = (INFRA / "mlflow" / "Dockerfile").read_text()
+    version = re.search(r"FROM ghcr.io/mlflow/mlflow:v(\S+)", dockerfile)[1]
+    assert f'"mlflow[auth]=={version}"' in dockerfile and re.search(r'"Flask-WTF==[\d.]+"', dockerfile)
+    assert f"install -d -o mlflow -g mlflow -m 700 {store.parent} " in dockerfile.replace("\n", " ")
+    assert re.search(r"useradd --uid 1000 .*mlflow", dockerfile) and "\nUSER 1000\n" in dockerfile
+
+
+def test_env_example_credentials_fit_the_stack():
+    example = env_example()
+    user, colon, password = example["PREFECT_AUTH_STRING"].partition(":")
+    assert user and colon and password, "PREFECT_AUTH_STRING is HTTP Basic's `user:password`"
+    # MLflow refuses a password under 12 characters: the stack must start from the copied example.
+    for who in ("ADMIN", "PIPELINE", "VIEWER"):
+        assert len(example[f"ALIGNFLOW_MLFLOW_{who}_PASSWORD"]) >= 12, who
+    assert example["ALIGNFLOW_MLFLOW_PIPELINE_USERNAME"] != example["ALIGNFLOW_MLFLOW_VIEWER_USERNAME"]
+
+
+def test_authentication_goes_off_only_with_the_no_auth_file():
+    # compose.yaml alone has no switch: each credential is required, the basic-auth app literal.
+    assert sorted(p.name for p in INFRA.glob("compose*.y*ml")) == ["compose.no-auth.yaml", "compose.yaml"]
+    assert "infra/compose.no-auth.yaml" in COMPOSE.read_text().split("\nx-quiet-env")[0]
+    base = compose()["services"]
+    # The override replaces three commands and nothing else (ports, environment, volumes stay).
+    override = yaml.safe_load(NO_AUTH.read_text())
+    assert set(override) == {"services"}
+    assert {name: set(service) for name, service in override["services"].items()} == {
+        "prefect-server": {"command"},
+        "mlflow": {"command"},
+        "mlflow-users": {"command"},
+    }
+    off = {name: service["command"] for name, service in override["services"].items()}
+    # Prefect: the same server, started with the auth string removed from its environment.
+    assert off["prefect-server"][:3] == ["env", "-u", "PREFECT_SERVER_API_AUTH_STRING"]
+    assert off["prefect-server"][3:] == base["prefect-server"]["command"]
+    env = {**os.environ, "PREFECT_SERVER_API_AUTH_STRING": "user:password"}
+    probe = [sys.executable, "-c", "import os; print(os.environ.get('PREFECT_SERVER_API_AUTH_STRING'))"]
+    seen = subprocess.run([*off["prefect-server"][:3], *probe], env=env, capture_output=True, text=True)
+    assert seen.stdout.strip() == "None", seen.stdout + seen.stderr
+    # MLflow: the same command less `--app-name basic-auth`.
+    command = base["mlflow"]["command"]
+    app = command.index("--app-name")
+    assert off["mlflow"] == command[:app] + command[app + 2 :]
+    # mlflow-users has nothing to do: it says so and exits 0, which lets the worker start.
+    assert off["mlflow-users"][:2] == ["python", "-c"] and "mlflow_access" not in off["mlflow-users"][2]
+    done = subprocess.run(
+        [sys.executable, *off["mlflow-users"][1:]], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "authentication is off" in done.stdout
+
+
+def test_docker_compose_config_with_and_without_authentication():
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("no docker-compose / docker compose on this machine (apt-get install docker-compose)")
+
+    def resolved(*files: Path) -> dict[str, Any]:
+        args = [arg for path in files for arg in ("-f", str(path))]
+        result = subprocess.run(
+            [*cli, "--env-file", str(ENV_EXAMPLE), *args, "config"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=clean_env(),
+        )
+        assert result.returncode == 0, result.stderr
+        return yaml.safe_load(result.stdout)["services"]
+
+    example = env_example()
+    on, off = resolved(COMPOSE), resolved(COMPOSE, NO_AUTH)
+    server, worker = on["prefect-server"]["environment"], on["worker"]["environment"]
+    assert server["PREFECT_SERVER_API_AUTH_STRING"] == example["PREFECT_AUTH_STRING"]
+    assert worker["PREFECT_API_AUTH_STRING"] == example["PREFECT_AUTH_STRING"]
+    assert worker["MLFLOW_TRACKING_PASSWORD"] == example["ALIGNFLOW_MLFLOW_PIPELINE_PASSWORD"]
+    assert "basic-auth" in on["mlflow"]["command"] and "basic-auth" not in off["mlflow"]["command"]
+    assert off["prefect-server"]["command"][:3] == ["env", "-u", "PREFECT_SERVER_API_AUTH_STRING"]
+    assert off["mlflow-users"]["command"][:2] == ["python", "-c"]
+    # Everything but those commands is the same stack: services, ports, environment, volumes, dependencies
+    # (in any order: docker-compose 1.x reorders merged volumes).
+    def rest(service: dict[str, Any]) -> dict[str, Any]:
+        return {
+            key: sorted(value, key=json.dumps) if isinstance(value, list) else value
+            for key, value in service.items()
+            if key != "command"
+        }
+
+    assert set(on) == set(off)
+    for name in on:
+        assert rest(off[name]) == rest(on[name]), name
+
+
 # -------------------------------------------------------------------------------------- work pools
 
 
@@ -391,8 +597,8 @@ def test_docker_pool_gives_flow_runs_gpus():
     assert job["container_create_kwargs"]["shm_size"] == "32g"
     assert job["networks"] == ["alignflow"]
     assert job["env"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
-    # Credentials reach the container as a mounted AWS credentials file, never as a job variable.
-    assert not any(SECRET_NAME.search(k) for k in job["env"]), job["env"]
+    # Credentials reach the container as mounted files, never as a job variable (a null drops one).
+    assert not any(SECRET_NAME.search(k) for k, v in job["env"].items() if v is not None), job["env"]
     assert job["env"]["AWS_SHARED_CREDENTIALS_FILE"].startswith("/run/alignflow/aws/")
     # A deployment narrows it: two GPUs, a vLLM image, an extra env var kept alongside the defaults.
     job = render(
@@ -465,8 +671,9 @@ def test_kubernetes_pool_job_is_schema_valid():
     k8s_validate()
     manifest = render(template("kubernetes"), {"gpu_count": 8, "name": "clever-otter"})["job_manifest"]
     container = manifest["spec"]["template"]["spec"]["containers"][0]
-    # What the prefect-kubernetes worker does before submitting: env dict -> list, command -> args.
-    container["env"] = [{"name": k, "value": v} for k, v in container["env"].items()]
+    # What the prefect-kubernetes worker does before submitting: env dict -> list (null values dropped),
+    # command -> args.
+    container["env"] = [{"name": k, "value": v} for k, v in container["env"].items() if v is not None]
     container["args"] = ["prefect", "flow-run", "execute"]
     validate_k8s(manifest)
 
