@@ -9,6 +9,7 @@ which still needs a reachable API server for discovery).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib.util
 import json
@@ -17,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -132,11 +134,94 @@ def stock_template(worker_type: str) -> dict[str, Any]:
     raise AssertionError(f"prefect {prefect.__version__} ships no default template for {worker_type!r}")
 
 
+# What a worker's own environment may hold. None of it may reach the Jobs and containers it starts: the
+# Prefect API keeps no copy of those, but a Job manifest or `docker inspect` shows its env to anyone
+# who can read it.
+CANARIES = {
+    "PREFECT_API_AUTH_STRING": "canary-user:canary-prefect-auth",
+    "PREFECT_API_KEY": "canary-prefect-api-key",
+    "MLFLOW_TRACKING_USERNAME": "canary-mlflow-user",
+    "MLFLOW_TRACKING_PASSWORD": "canary-mlflow-password",
+    "MLFLOW_TRACKING_TOKEN": "canary-mlflow-token",
+    "AWS_ACCESS_KEY_ID": "canary-aws-key-id",
+    "AWS_SECRET_ACCESS_KEY": "canary-aws-secret",
+    "AWS_SESSION_TOKEN": "canary-aws-session-token",
+}
+WORKER_CLASSES = {
+    "docker": ("prefect_docker.worker", "DockerWorkerJobConfiguration"),
+    "kubernetes": ("prefect_kubernetes.worker", "KubernetesWorkerJobConfiguration"),
+}
+
+
+class NoApiClient:
+    """Stands in for the Prefect client that from_template_and_values resolves block and variable
+    references with; the alignflow templates hold none, so it is never called."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+def job_configuration_class(pool: str, impl: str):
+    """The class a worker of the pool builds flow-run jobs with: the real prefect-docker /
+    prefect-kubernetes one (`worker`, skipped when not installed), or Prefect's base class (`base`),
+    which is where the worker's settings are copied in and null values dropped."""
+    if impl == "worker":
+        module, name = WORKER_CLASSES[pool]
+        return getattr(pytest.importorskip(module, reason=f"{module.split('.')[0]} not installed"), name)
+    from prefect.workers.base import BaseJobConfiguration
+    from pydantic import ConfigDict
+
+    class Base(BaseJobConfiguration):
+        model_config = ConfigDict(extra="allow")  # keep the pool's other keys (job_manifest, volumes)
+
+        def prepare_for_flow_run(self, flow_run, *args, **kwargs):
+            super().prepare_for_flow_run(flow_run, *args, **kwargs)
+            # What prefect-kubernetes' _populate_env_in_manifest then does with the prepared env.
+            if manifest := getattr(self, "job_manifest", None):
+                container = manifest["spec"]["template"]["spec"]["containers"][0]
+                container["env"] = [{"name": k, "value": v} for k, v in self.env.items()]
+
+    return Base
+
+
+def job_for_flow_run(pool: str, impl: str, values: dict[str, Any], monkeypatch) -> dict[str, Any]:
+    """The job configuration a worker holding CANARIES builds for one flow run, as
+    BaseWorker._get_configuration does: from_template_and_values, then prepare_for_flow_run."""
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY, PREFECT_API_URL, temporary_settings
+
+    cls = job_configuration_class(pool, impl)
+    for name, value in CANARIES.items():
+        monkeypatch.setenv(name, value)
+    settings = {
+        PREFECT_API_URL: "http://prefect-server:4200/api",
+        PREFECT_API_AUTH_STRING: CANARIES["PREFECT_API_AUTH_STRING"],
+        PREFECT_API_KEY: CANARIES["PREFECT_API_KEY"],
+    }
+    with temporary_settings(updates=settings):
+        config = asyncio.run(cls.from_template_and_values(template(pool), values, client=NoApiClient()))
+        config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="clever-otter"))
+    return config.model_dump(mode="json")
+
+
 def required_ref(value: str) -> str:
     """The variable a compose value `${VAR:?message}` names; fails for a literal, a default or `${VAR}`."""
     match = re.fullmatch(VAR_REF.pattern, value)
     assert match and match["op"] == ":?", f"{value!r} is not a required ${{VAR:?...}}"
     return match["name"]
+
+
+def shell_command_at(text: str, marker: str) -> str:
+    """The shell command in `text` that contains `marker`, with its backslash-continued lines."""
+    lines = []
+    for line in text[text.index(marker) :].splitlines():
+        lines.append(line)
+        if not line.rstrip().endswith("\\"):
+            return "\n".join(lines)
+    raise AssertionError(f"the command with {marker!r} never ends")
 
 
 def k8s_objects() -> list[tuple[Path, dict[str, Any]]]:
@@ -678,6 +763,97 @@ def test_kubernetes_pool_job_is_schema_valid():
     validate_k8s(manifest)
 
 
+@pytest.mark.parametrize("impl", ["worker", "base"])
+@pytest.mark.parametrize("pool", ["docker", "kubernetes"])
+def test_work_pool_jobs_carry_no_credential_of_the_worker(pool, impl, monkeypatch):
+    # A deployment's own env is merged over the pool's defaults, so its nulls still apply.
+    job = job_for_flow_run(pool, impl, {"env": {"NCCL_DEBUG": "INFO"}}, monkeypatch)
+    text = json.dumps(job)
+    leaked = sorted(name for name, value in CANARIES.items() if value in text)
+    assert not leaked, f"the {pool} pool's flow-run job carries the worker's {leaked}"
+    # The worker's other settings still pass on (the API URL), and the deployment's env is kept.
+    assert job["env"]["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+    assert job["env"]["NCCL_DEBUG"] == "INFO"
+    if pool == "kubernetes":
+        container = job["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+        names = {item["name"] for item in container["env"]}
+        assert "PREFECT_API_URL" in names and not names & set(CANARIES), names
+        # The pod takes its credentials from the Secret instead (explicit env would win over it).
+        assert {"secretRef": {"name": "alignflow-client-credentials"}} in container["envFrom"]
+    else:
+        # The container reads them from the host's files, mounted read-only.
+        mounts = {volume.split(":")[1]: volume for volume in job["volumes"]}
+        profiles = PurePosixPath(job["env"]["PREFECT_PROFILES_PATH"])
+        assert mounts[str(profiles.parent)].endswith(":ro")
+        assert mounts["/home/alignflow/.mlflow"].endswith(":ro")
+
+
+@pytest.mark.parametrize("pool", ["docker", "kubernetes"])
+def test_work_pool_null_env_defaults_pass_prefects_validation(pool):
+    """The server validates a pool's defaults when the pool is created and a deployment's job variables
+    against the same schema (prefect/server/api/validation.py): the nulls must be allowed there."""
+    from prefect.utilities.schema_tools import ValidationError, is_valid_schema, validate
+
+    variables = template(pool)["variables"]
+    env = variables["properties"]["env"]["default"]
+    assert {name for name, value in env.items() if value is None} == set(CANARIES)
+
+    def check(schema: dict[str, Any]) -> None:
+        is_valid_schema(schema, preprocess=False)
+        validate({"env": env}, schema, raise_on_error=True, preprocess=False, ignore_required=True,
+                 allow_none_with_default=False)
+        validate({"env": env}, schema, raise_on_error=True, preprocess=True, ignore_required=True,
+                 allow_none_with_default=True)
+
+    check(variables)
+    strings_only = copy.deepcopy(variables)
+    strings_only["properties"]["env"]["additionalProperties"] = {"type": "string"}
+    with pytest.raises(ValidationError):
+        check(strings_only)
+
+
+def test_docker_pool_credential_files_are_what_prefect_and_mlflow_read(tmp_path):
+    """The files docs/production.md has the GPU host write, where the pool's read-only volumes put them,
+    give a flow-run container Prefect's auth string and MLflow's pipeline user; the image's user owns them."""
+    docs = (REPO / "docs" / "production.md").read_text()
+    files = dict(re.findall(r"sudo tee (/etc/alignflow/\S+) >/dev/null <<'EOF'\n(.*?)\nEOF", docs, re.S))
+    assert {PurePosixPath(p).parent.name for p in files} == {"aws", "mlflow", "prefect"}, sorted(files)
+    example = env_example()
+    job = render(template("docker"), {})
+    root = tmp_path / "container"
+    for host_path, body in files.items():
+        folder, name = host_path.rsplit("/", 1)
+        (volume,) = [v for v in job["volumes"] if v.split(":")[0] == folder]
+        target = root / volume.split(":")[1].lstrip("/") / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(re.sub(r"<(\w+)>", lambda m: example[m[1]], body) + "\n")
+    probe = (
+        "import json\n"
+        "from prefect.settings import get_current_settings\n"
+        "from mlflow.utils.credentials import read_mlflow_creds\n"
+        "auth = get_current_settings().api.auth_string\n"
+        "print(json.dumps([auth.get_secret_value() if auth else None, *read_mlflow_creds()]))\n"
+    )
+    home = re.search(r"HOME=(\S+)", (REPO / "containers" / "training.Dockerfile").read_text())[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env |= {
+        "HOME": str(root / home.lstrip("/")),
+        "PREFECT_PROFILES_PATH": str(root / job["env"]["PREFECT_PROFILES_PATH"].lstrip("/")),
+    }
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == [
+        example["PREFECT_AUTH_STRING"],
+        example["ALIGNFLOW_MLFLOW_PIPELINE_USERNAME"],
+        example["ALIGNFLOW_MLFLOW_PIPELINE_PASSWORD"],
+    ]
+    # chmod 600 files must belong to the uid the images run as, or the container cannot read them.
+    uid = re.search(r"^USER (\d+)", (REPO / "containers" / "training.Dockerfile").read_text(), re.M)[1]
+    chown = shell_command_at(docs, "sudo chown ")
+    assert chown.split()[2] == uid, chown
+    assert all(path in chown for path in files) or "{" in chown, chown
+
+
 def test_create_work_pools_script_runs_the_right_commands(tmp_path):
     script = INFRA / "create-work-pools.sh"
     assert os.access(script, os.X_OK)
@@ -788,8 +964,12 @@ def test_stage_jobs_follow_the_stage_contract():
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
-        sources = {next(iter(s)): next(iter(s.values()))["name"] for s in container["envFrom"]}
-        assert sources == {"configMapRef": "alignflow-endpoints", "secretRef": "alignflow-s3"}, path
+        sources = sorted((next(iter(s)), next(iter(s.values()))["name"]) for s in container["envFrom"])
+        assert sources == [
+            ("configMapRef", "alignflow-endpoints"),
+            ("secretRef", "alignflow-client-credentials"),
+            ("secretRef", "alignflow-s3"),
+        ], path
         assert {"requests", "limits"} <= set(container["resources"]), path
         # Exit 2 is bad input (stages/common/runtime.py): retrying cannot help, so it fails the Job at once.
         rule = job["spec"]["podFailurePolicy"]["rules"][0]
@@ -852,6 +1032,31 @@ def test_worker_deployment_serves_the_k8s_pool_with_least_privilege():
     job_rule = next(r for r in role["rules"] if "jobs" in r["resources"])
     assert job_rule["apiGroups"] == ["batch"] and "create" in job_rule["verbs"]
     assert not any(o[0].startswith("Cluster") for o in objects), "no cluster-wide RBAC"
+
+
+def test_every_k8s_client_requires_the_client_credentials():
+    from mlflow.environment_variables import MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_USERNAME
+    from prefect.settings import PREFECT_API_AUTH_STRING
+
+    pods = [
+        (f"{path.name} {doc['kind']}", doc["spec"]["template"]["spec"])
+        for path, doc in k8s_objects()
+        if doc["kind"] in ("Job", "Deployment")
+    ]
+    manifest = render(template("kubernetes"), {})["job_manifest"]
+    pods.append(("work-pools/kubernetes.json", manifest["spec"]["template"]["spec"]))
+    assert len(pods) == 6  # the worker, four stage Jobs, the flow-run Job
+    for where, pod in pods:
+        for container in pod["containers"] + pod.get("initContainers", []):
+            refs = [s["secretRef"] for s in container.get("envFrom", []) if "secretRef" in s]
+            # Required (no `optional`): a pod without it would start and be refused by both servers.
+            assert {"name": "alignflow-client-credentials"} in refs, f"{where}: {refs}"
+    # No Secret with values is committed; the recipe that creates it sets the variables the clients read.
+    assert "Secret" not in {doc["kind"] for _, doc in k8s_objects()}
+    read = {PREFECT_API_AUTH_STRING.name, MLFLOW_TRACKING_USERNAME.name, MLFLOW_TRACKING_PASSWORD.name}
+    for doc in (K8S / "configmap-endpoints.yaml", REPO / "docs" / "production.md"):
+        recipe = shell_command_at(doc.read_text(), "create secret generic alignflow-client-credentials")
+        assert set(re.findall(r"--from-literal=(\w+)=", recipe)) == read, f"{doc.name}: {recipe}"
 
 
 def test_k8s_manifests_are_schema_valid():
