@@ -47,6 +47,10 @@ class TrackingAccessError(RuntimeError):
     """The MLflow server refused the client's credentials (HTTP 401) or their rights (403). A setup error, not
     a passing fault: a stage reports it in one line and exits 2 (a retry would be refused the same way)."""
 
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
 
 class TrackingSpec(BaseModel):
     """Where a stage logs: the MLflow server/DB, experiment, and the pipeline's parent run."""

@@ -122,7 +122,7 @@ def reaching(uri: str, what: str) -> Iterator[None]:
                 else "run the pipeline as the pipeline user, which may create and write (a viewer only reads)"
             )
             raise TrackingAccessError(
-                f"MLflow tracking server {uri} answered {status} to {who} while {what}; {fix}"
+                f"MLflow tracking server {uri} answered {status} to {who} while {what}; {fix}", status
             ) from None
         if not (uri.startswith(("http://", "https://")) and server_unreachable(exc)):
             raise
@@ -639,6 +639,12 @@ def alias_version(uri: str, name: str, alias: str) -> dict[str, Any] | None:
             version = client.get_model_version_by_alias(name, alias)
     except TrackingUnavailableError:
         raise
+    except TrackingAccessError as exc:
+        # A basic-auth server answers 403, not 404, for a model that does not exist (it finds no permission
+        # for it); a 401 is the credentials' fault and stands.
+        if exc.status != 403:
+            raise
+        return None
     except mlflow.exceptions.MlflowException:
         return None
     return {"version": str(version.version), "source": _folder_of(version), "tags": dict(version.tags)}
@@ -672,5 +678,11 @@ def resolve_models_uri(uri: str, models_uri: str) -> str:
             return _folder_of(client.get_model_version(name, version))
     except TrackingUnavailableError:
         raise
+    except TrackingAccessError as exc:
+        if exc.status != 403:  # as in alias_version: 403 is also a basic-auth server's "no such model"
+            raise
+        raise ValueError(
+            f"'{models_uri}': no such registered model version, or one this user may not read ({exc})"
+        ) from None
     except (mlflow.exceptions.MlflowException, ValueError) as exc:
         raise ValueError(f"'{models_uri}': no such registered model version ({exc})") from None

@@ -269,3 +269,20 @@ def test_a_stage_refused_by_mlflow_says_which_credentials_to_set(
     assert message.startswith(f"MLflow tracking server {url} {answer} while opening the sft stage's run; ")
     assert ("MLFLOW_TRACKING_PASSWORD" in message) == (credentials != MLFLOW_VIEWER)
     assert TrackingAccessError in BAD_INPUT_ERRORS
+
+
+def test_a_model_that_does_not_exist_is_none_to_the_gate_though_the_server_answers_403(
+    mlflow_server, monkeypatch
+):
+    """A basic-auth server answers 403 (not 404) for a model nobody registered yet: the promotion gate's first
+    run must read that as "no champion", while wrong credentials still stop it."""
+    from alignflow import tracking
+    from alignflow.contract import TrackingAccessError
+
+    url, _ = mlflow_server
+    assert tracking.alias_version(url, "never-registered", "champion") is None
+    with pytest.raises(ValueError, match="no such registered model version, or one this user may not read"):
+        tracking.resolve_models_uri(url, "models:/never-registered@champion")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
+    with pytest.raises(TrackingAccessError, match="answered 401"):
+        tracking.alias_version(url, "never-registered", "champion")
