@@ -1,6 +1,7 @@
-"""The two UIs in a real browser, walked as a user walks them: trigger the pipeline from its deployment's form
-in the Prefect UI, follow the run to Completed and read its summary artifact; then find the run in the MLflow
-UI with its stage runs, a PPO curve and the evaluation report.
+"""The two UIs in a real browser, walked as a user walks them: log in to the Prefect UI, trigger the pipeline
+from its deployment's form, follow the run to Completed and read its summary artifact; then log in to the
+MLflow UI as the read-only viewer and find the run with its stage runs, a PPO curve and the evaluation report.
+Both servers run with authentication on, as the production stack does.
 
 Headless Chromium (Debian's, through Playwright) against a real `prefect server` + process worker and an
 `mlflow server` on 127.0.0.1 (the fixtures of tests/flows/test_production.py). Screenshots of each step go to
@@ -21,7 +22,7 @@ import pytest
 
 from alignflow.config import PPOConfig, SFTConfig
 from tests.conftest import small_config
-from tests.flows.test_production import _deploy, _http
+from tests.flows.test_production import MLFLOW_VIEWER, PREFECT_AUTH_STRING, _deploy, _http
 
 playwright_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed: `.venv/bin/pip install -e '.[dev]'`")
@@ -74,6 +75,22 @@ def shoot(page, folder, name: str, locator=None) -> None:
     (locator or page).screenshot(path=str(folder / name))
 
 
+def log_in_to_prefect(page, ui: str, folder) -> None:
+    """The Prefect UI's login form: a wrong auth string is refused where it was typed, the right one opens the
+    page that was asked for."""
+    page.goto(f"{ui}/deployments")
+    expect(page).to_have_url(re.compile(r"/login\?redirect="))
+    auth_field = page.get_by_placeholder("admin:pass")
+    auth_field.fill(PREFECT_AUTH_STRING.split(":", 1)[0] + ":not-the-password")
+    page.get_by_role("button", name="Login", exact=True).click()
+    expect(page.get_by_text("Authentication failed.").first).to_be_visible()
+    expect(page).to_have_url(re.compile(r"/login\?redirect="))
+    shoot(page, folder, "00-prefect-login-refused.png")
+    auth_field.fill(PREFECT_AUTH_STRING)
+    page.get_by_role("button", name="Login", exact=True).click()
+    expect(page).to_have_url(re.compile(r"/deployments$"))
+
+
 @pytest.fixture(scope="module")
 def browser():
     """Headless Chromium: the system's, driven through `executable_path` (no browser download)."""
@@ -86,9 +103,16 @@ def browser():
 
 
 @pytest.fixture
-def page(browser, screenshots_dir, request):
-    """A fresh page; when the test fails, its last view is saved as <test name>-failure.png."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+def page(browser, screenshots_dir, request, mlflow_server):
+    """A fresh page; when the test fails, its last view is saved as <test name>-failure.png. It answers the
+    MLflow server's login prompt (HTTP Basic) as the viewer, as a browser with a saved login does; the Prefect
+    UI has its own login form, which the test fills."""
+    context = browser.new_context(
+        viewport={"width": 1400, "height": 1000},
+        http_credentials={
+            "username": MLFLOW_VIEWER[0], "password": MLFLOW_VIEWER[1], "origin": mlflow_server[0]
+        },
+    )
     context.set_default_timeout(30_000)
     page = context.new_page()
     yield page
@@ -133,11 +157,12 @@ def deployment(mlflow_server, prefect_server, tmp_path_factory):
 
 @pytest.mark.timeout(RUN_TIMEOUT_MS // 1000 + 300)  # above the suite's 600 s: the run alone may take 15 min
 @pytest.mark.heavy
-def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screenshots_dir):
+def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, browser, screenshots_dir):
     started = time.time()
     ui, shots = deployment["ui"], screenshots_dir
 
-    # --- Prefect: the deployment's page -> Run -> Custom run -> change two fields -> Submit
+    # --- Prefect: log in; the deployment's page -> Run -> Custom run -> change two fields -> Submit
+    log_in_to_prefect(page, ui, shots)
     page.goto(f"{ui}/deployments/deployment/{deployment['id']}")
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_text("Custom run", exact=True).click()
@@ -197,8 +222,14 @@ def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, screens
         ).to_contain_text("ok")
     shoot(page, shots, "04-prefect-summary-artifact.png")
 
-    # --- MLflow: home -> Model training -> the experiment -> the parent run, expanded into its stage runs
+    # --- MLflow: a browser without the login gets the server's 401; this one logs in as the viewer.
     mlflow = deployment["mlflow"]
+    stranger = browser.new_context()
+    try:
+        assert stranger.new_page().goto(mlflow).status == 401
+    finally:
+        stranger.close()
+    # Home -> Model training -> the experiment -> the parent run, expanded into its stage runs
     page.goto(mlflow)
     page.get_by_text("Model training", exact=True).first.click()
     page.get_by_role("link", name="browser", exact=True).first.click()
