@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/rollout_balance.py [--model small] [--sequences 64] [--batch 8]
         [--new-tokens 64] [--workers 2] [--chunk 8] [--repeats 3] [--layouts grouped,shuffled]
-        [--schedules static,queue,in-process] [--json]
+        [--schedules static,queue,in-process] [--tensor-parallel 1] [--json]
 
 What runs: the native engine, built once from a random Llama (`--model`), loaded by R worker processes
 (stages/ppo/rollout_workers.py, `--worker-threads` torch threads each; on 2 cores 2 workers x 1 thread is
@@ -22,9 +22,15 @@ Schedules, over the same workers and the same request:
   queue    chunks of `--chunk` sequences on one queue; a free worker takes the next (NeMo-Aligner's design)
 and, for scale, `in-process`: one engine in this process with all the cores' threads.
 
+`--tensor-parallel k`: each of the R workers is a replica of k processes (engine.tensor_parallel_size);
+the refit then sends TP rank j of every replica only its slices.
+
 Reported per row: wall seconds (median of `--repeats`, interleaved with the other schedule), imbalance
 (busiest worker's generate seconds / the mean over all R workers; 1.0 is even), each worker's busy
-seconds and chunk count, and generated tokens (identical across schedules: per-sequence seeds).
+seconds and chunk count, and generated tokens (identical across schedules: per-sequence seeds). Then the
+refit of the whole checkpoint (median of `--repeats`): the bytes of the stream, of its split and its
+replicated tensors (the engine's sharding rules), the bytes sent (`refit/bytes_sent`), what sending the
+whole stream to all R x k processes would be, and seconds.
 """
 
 from __future__ import annotations
@@ -150,6 +156,7 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
     import torch
 
     from alignflow.stages.common.generation.interface import SamplingParams, load_engine
+    from alignflow.stages.common.generation.native.tensor_parallel import sharding_rule
     from alignflow.stages.common.generation.native.weights import checkpoint_tensors
     from alignflow.stages.ppo.rollout_workers import RolloutWorkers
 
@@ -159,6 +166,7 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
         "batch": args.batch,
         "new_tokens": args.new_tokens,
         "workers": args.workers,
+        "tensor_parallel": args.tensor_parallel,
         "chunk": args.chunk,
         "worker_threads": args.worker_threads,
         "repeats": args.repeats,
@@ -185,7 +193,11 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
         )
         static_chunk = math.ceil(args.sequences / args.workers)
         with RolloutWorkers(
-            engine_dir, args.workers, chunk_size=args.chunk, threads=args.worker_threads
+            engine_dir,
+            args.workers,
+            chunk_size=args.chunk,
+            threads=args.worker_threads,
+            tensor_parallel_size=args.tensor_parallel,
         ) as workers:
             for layout in args.layouts:
                 order = list(range(len(prompts)))
@@ -264,10 +276,19 @@ def bench(args: argparse.Namespace, log) -> dict[str, Any]:
                 workers.refit(checkpoint_tensors(Path(tmp) / "checkpoint")) for _ in range(args.repeats)
             ]
             middle = sorted(refits, key=lambda r: r.seconds)[len(refits) // 2]
+            replicated = sum(
+                t.numel() * t.element_size()
+                for n, t in checkpoint_tensors(Path(tmp) / "checkpoint")
+                if sharding_rule(n).kind == "replicated"
+            )
             result["refit"] = {
                 "tensors": middle.tensors,
                 "bytes": middle.bytes,
+                "split_bytes": middle.bytes - replicated,
+                "replicated_bytes": replicated,
                 "bytes_sent": middle.bytes_sent,
+                # The whole stream to every one of the R x k processes (the refit before it was sharded).
+                "whole_stream_to_every_process_bytes": middle.bytes * args.workers * args.tensor_parallel,
                 "seconds": middle.seconds,
                 "worker_copy_seconds": max(w.seconds for w in middle.workers),
             }
@@ -317,16 +338,28 @@ def print_table(result: dict[str, Any]) -> None:
     console.print(table)
     refit = result["refit"]
     queue_walls = [r["wall_s"] for r in result["rows"] if r["schedule"] == "queue"]
-    console.print(
-        f"refit over the gloo group: {refit['tensors']} tensors, {refit['bytes'] / 2**20:.1f} MiB to each "
-        f"worker ({refit['bytes_sent'] / 2**20:.1f} MiB sent), {refit['seconds']:.3f} s (median; workers' "
-        f"copies {refit['worker_copy_seconds']:.3f} s)"
-        + (
-            f" = {refit['seconds'] / min(queue_walls):.1%} of the fastest queue rollout"
-            if queue_walls
-            else ""
-        )
+    mib = 2**20
+    refit_table = Table(
+        title=f"Refit of the whole checkpoint over gloo, {result['workers']} replica(s) x "
+        f"{result['tensor_parallel']} TP rank(s), median of {result['repeats']}"
     )
+    columns = ("tensors", "stream MiB", "split MiB", "replicated MiB", "sent MiB", "whole stream to every "
+               "process MiB", "sent / that", "seconds", "workers' copy s", "of fastest queue rollout")
+    for column in columns:
+        refit_table.add_column(column, justify="right")
+    refit_table.add_row(
+        str(refit["tensors"]),
+        f"{refit['bytes'] / mib:.2f}",
+        f"{refit['split_bytes'] / mib:.2f}",
+        f"{refit['replicated_bytes'] / mib:.3f}",
+        f"{refit['bytes_sent'] / mib:.2f}",
+        f"{refit['whole_stream_to_every_process_bytes'] / mib:.2f}",
+        f"{refit['bytes_sent'] / refit['whole_stream_to_every_process_bytes']:.3f}",
+        f"{refit['seconds']:.3f}",
+        f"{refit['worker_copy_seconds']:.3f}",
+        f"{refit['seconds'] / min(queue_walls):.1%}" if queue_walls else "-",
+    )
+    console.print(refit_table)
     statics = [r for r in result["rows"] if r["schedule"] == "static"]
     console.print(
         f"{result['machine']['cpu']}, {result['machine']['cpus']} CPUs; same tokens in every schedule: "
@@ -357,6 +390,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="static,queue,in-process",
         help="in-process: one engine in this process with every core's threads, for scale",
     )
+    parser.add_argument(
+        "--tensor-parallel", type=int, default=1, help="TP ranks per worker (engine.tensor_parallel_size)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--torch-step",
@@ -374,7 +410,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = sorted(set(args.schedules) - {"static", "queue", "in-process"})
     if bad or not args.schedules:
         parser.error(f"unknown schedules {bad}; valid: static, queue, in-process")
-    args.worker_threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.workers)
+    args.worker_threads = args.worker_threads or max(
+        1, (os.cpu_count() or 1) // (args.workers * args.tensor_parallel)
+    )
     return args
 
 

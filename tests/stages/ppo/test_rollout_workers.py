@@ -291,14 +291,13 @@ def test_a_tensor_parallel_replica_loads_its_shards_and_generates_the_one_device
     tp_workers.chunk_size = 3
 
 
-def test_a_tensor_parallel_refit_cuts_each_ranks_shard_and_equals_a_fresh_build(tp_workers, checkpoints):
+def test_a_tensor_parallel_refit_sends_each_rank_its_shard_and_equals_a_fresh_build(tp_workers, checkpoints):
     base, moved, _ = checkpoints
     tp_workers.refit(checkpoint_tensors(base))
     stats = tp_workers.refit(checkpoint_tensors(moved))
     sent = list(checkpoint_tensors(moved))
     assert stats.bytes == sum(t.numel() * t.element_size() for _, t in sent)
-    assert stats.bytes_sent == TP * stats.bytes  # the full stream reached both ranks
-    # Each rank copied only its slice: the split tensors' halves plus the replicated norms.
+    # Each rank received and copied only its slice: the split tensors' halves plus the replicated norms.
     kept = [
         sum(
             t.numel() * t.element_size() // (1 if sharding_rule(n).kind == "replicated" else TP)
@@ -327,6 +326,56 @@ def test_a_tensor_parallel_refit_cuts_each_ranks_shard_and_equals_a_fresh_build(
     tp_workers.reload()
     got = tp_workers.result(tp_workers.submit(request(PROMPTS, GREEDY))).generation
     assert got.response_token_ids == fresh.generate(PROMPTS, GREEDY).response_token_ids
+
+    # The trainer's stream failing halfway: both ranks' refit groups are told (each rank raises, holding a
+    # mix), and a full refit over them works after.
+    def failing():
+        yield from subset
+        raise OSError("gather failed")
+
+    with pytest.raises(OSError, match="gather failed"):
+        tp_workers.refit(failing())
+    tp_workers.refit(checkpoint_tensors(moved))
+    got = tp_workers.result(tp_workers.submit(request(PROMPTS, GREEDY))).generation
+    assert got.response_token_ids == in_process(moved).generate(PROMPTS, GREEDY).response_token_ids
+
+
+# 1 KiB: every split matrix's slice (>= 8 KiB) travels alone, the norms in buckets of 512 B; 16 MiB: one
+# bucket per rank.
+@pytest.mark.parametrize("bucket_bytes", [1024, BUCKET_BYTES], ids=["mostly-alone", "one-bucket"])
+def test_a_tensor_parallel_refit_sends_the_split_tensors_once_not_k_times(
+    tp_workers, checkpoints, bucket_bytes, monkeypatch
+):
+    """The bytes that leave the trainer, from the checkpoint's shapes and the sharding rules alone: a split
+    tensor's k slices tile it (R x its bytes in all), a replicated one goes to every rank (R x k x its
+    bytes); a broadcast of the stream to every process would send R x k x all of it."""
+    base, moved, _ = checkpoints
+    monkeypatch.setattr(tp_workers, "bucket_bytes", bucket_bytes)
+    replicas = tp_workers.replicas
+    split = replicated = 0
+    for name, tensor in checkpoint_tensors(moved):
+        rule = sharding_rule(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if rule.kind == "replicated":
+            replicated += nbytes
+        else:  # k equal slices of dim `rule.dim` (256 vocab rows, 4 heads, 64 MLP rows: all split in 2)
+            assert tensor.shape[rule.dim] % TP == 0
+            split += nbytes
+    assert split > 0 and replicated > 0
+    stats = tp_workers.refit(checkpoint_tensors(moved))
+    assert stats.bytes == split + replicated
+    assert stats.bytes_sent == replicas * (split + TP * replicated)
+    broadcast = replicas * TP * (split + replicated)
+    assert broadcast - stats.bytes_sent == replicas * (TP - 1) * split
+    assert stats.bytes_sent < 0.55 * broadcast  # the split matrices are nearly all the model
+    # Each rank got half of every split tensor and every replicated one whole.
+    assert [w.bytes for w in stats.workers] == [split // TP + replicated] * TP
+    print(
+        f"TP={TP} refit, R={replicas}: {stats.bytes_sent} bytes sent, a broadcast would send {broadcast} "
+        f"({stats.bytes_sent / broadcast:.3f})"
+    )
+    got = tp_workers.result(tp_workers.submit(request(PROMPTS, GREEDY))).generation
+    assert got.response_token_ids == in_process(moved).generate(PROMPTS, GREEDY).response_token_ids
 
 
 def test_a_replica_split_the_model_refuses_is_a_clear_error_before_any_process_starts(checkpoints):

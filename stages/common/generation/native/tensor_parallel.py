@@ -26,9 +26,11 @@ same tokens everywhere with one collective per step; gathering to rank 0 would n
 broadcast the tokens back, and a second code path for rank 0. The price is [B, V] per step on every
 rank (64 x 32000 fp32: 8 MB), next to the 2 all_reduces of [B, H] per layer.
 
-The pure part (`SHARDING`, `shard_range`, `vocab_rows`, `shard_of`, `check_tensor_parallel`,
-`rank_spec`) knows nothing of torch.distributed; `TensorParallel` adds the process group. This module
-does not hold weights (weights.py cuts each incoming tensor with `shard_of`) or run layers (model.py).
+The pure part (`SHARDING`, `shard_range`, `vocab_rows`, `shard_of`, `shard_shape`,
+`check_tensor_parallel`, `rank_spec`) knows nothing of torch.distributed; `TensorParallel` adds the
+process group. This module does not hold weights (weights.py cuts each incoming full tensor with
+`shard_of`, or places a slice the sender already cut) or run layers (model.py); the rollout workers'
+trainer cuts with the same `shard_of`, so the split has one source of truth.
 """
 
 from __future__ import annotations
@@ -182,6 +184,16 @@ def shard_of(tensor: torch.Tensor, rule: ShardRule, rank: int, size: int) -> tor
     return tensor.narrow(rule.dim, start, stop - start)
 
 
+def shard_shape(shape: tuple[int, ...], rule: ShardRule, rank: int, size: int) -> tuple[int, ...]:
+    """The shape of `shard_of` of a tensor of `shape` (the same ranges, without a tensor)."""
+    if rule.kind == "replicated" or size == 1:
+        return tuple(shape)
+    assert rule.dim is not None
+    extent = shape[rule.dim]
+    start, stop = vocab_range(extent, rank, size) if rule.kind == "vocab" else shard_range(extent, rank, size)
+    return (*shape[: rule.dim], stop - start, *shape[rule.dim + 1 :])
+
+
 def rank_spec(spec: LlamaFamilySpec, size: int) -> LlamaFamilySpec:
     """The model one rank holds: heads, KV heads and intermediate / k, vocab_size = its (padded) vocab rows.
 
@@ -264,6 +276,10 @@ class TensorParallel:
     def cut(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice (a view) of the full HF tensor `param`."""
         return shard_of(tensor, sharding_rule(param), self.rank, self.size)
+
+    def slice_shape(self, param: str) -> tuple[int, ...]:
+        """The shape of this rank's slice of HF parameter `param` (suffix or full name)."""
+        return shard_shape(hf_parameter_shape(param, self.spec), sharding_rule(param), self.rank, self.size)
 
     # -- collectives of the forward pass ---------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

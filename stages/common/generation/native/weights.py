@@ -17,8 +17,10 @@ Every HF parameter name maps to one slice of one buffer; a refit copies each inc
 its slice as it arrives (no second model copy, no re-allocation). This module does no arithmetic.
 
 Tensor parallel (k ranks, see tensor_parallel.py): the same layout with the shapes of the rank's
-shard (heads, KV heads, I / k; V -> ceil(V / k) vocab rows), and each incoming full tensor is cut
-to the rank's slice (a view) before the copy, so a rank copies its slice only and keeps no full tensor.
+shard (heads, KV heads, I / k; V -> ceil(V / k) vocab rows). An incoming full tensor is cut to the
+rank's slice (a view) before the copy, so a rank copies its slice only and keeps no full tensor; an
+incoming tensor of the slice's shape (the rollout workers' trainer sends each rank only its slice) is
+copied as it is. The two shapes differ for every split parameter, so the shape says which arrived.
 """
 
 from __future__ import annotations
@@ -206,16 +208,25 @@ class InferenceWeights:
             if dest is None:
                 continue
             target = self.view(dest)
-            expected = tuple(target.shape) if self.tp is None else hf_parameter_shape(dest.param, self.spec)
-            if tuple(tensor.shape) != expected:
-                raise RefitError(
-                    f"{name!r}: shape {tuple(tensor.shape)} but the engine expects {expected}; "
-                    "was the engine built from a checkpoint of a different architecture?"
-                )
+            shape = tuple(tensor.shape)
             source = tensor.detach()
-            if self.tp is not None:
-                # This rank's slice, a view: the copy below reads the slice only.
-                source = self.tp.cut(dest.param, source)
+            if self.tp is None:
+                if shape != tuple(target.shape):
+                    raise RefitError(
+                        f"{name!r}: shape {shape} but the engine expects {tuple(target.shape)}; "
+                        "was the engine built from a checkpoint of a different architecture?"
+                    )
+            else:
+                full, own = hf_parameter_shape(dest.param, self.spec), self.tp.slice_shape(dest.param)
+                if shape == full:
+                    # This rank's slice, a view: the copy below reads the slice only.
+                    source = self.tp.cut(dest.param, source)
+                elif shape != own:  # else: the sender already cut this rank's slice (the rollout workers)
+                    raise RefitError(
+                        f"{name!r}: shape {shape} but the engine expects {full} (or tensor-parallel rank "
+                        f"{self.tp.rank}'s slice of it, {own}); was the engine built from a checkpoint of "
+                        "a different architecture?"
+                    )
                 target = target[: source.shape[0]]  # a padded last vocab shard holds fewer real rows
             # copy_ casts dtype and moves device in one pass; a pinned CPU source copies asynchronously.
             target.copy_(source, non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())

@@ -43,6 +43,7 @@ from alignflow.stages.common.generation.native.tensor_parallel import (
     hf_parameter_shape,
     rank_spec,
     shard_of,
+    shard_shape,
     sharding_rule,
     valid_sizes,
     vocab_range,
@@ -139,6 +140,20 @@ def _worker(rank: int, jobs: dict, out_dir: str) -> None:
             engine.refit(checkpoint_tensors(perturbed))
             result["refit_kept_buffers"] = engine.weights.data_ptrs() == pointers
             result["refit"] = _run_engine(engine, prompts)
+            # A stream of this rank's slices, already cut (the rollout workers' trainer sends those): back
+            # to the base and forward again must leave the buffers the full-tensor refit wrote.
+            held = {k: t.clone() for k, t in engine.weights.buffers.items()}
+
+            def sliced(checkpoint):
+                for n, t in checkpoint_tensors(checkpoint):
+                    yield n, shard_of(t, sharding_rule(n), rank, WORLD).clone()
+
+            engine.refit(sliced(base))
+            moved_back = any(not torch.equal(engine.weights.buffers[k], t) for k, t in held.items())
+            engine.refit(sliced(perturbed))
+            result["presliced_refit"] = moved_back and all(
+                torch.equal(engine.weights.buffers[k], t) for k, t in held.items()
+            )
             result["fresh"] = _run_engine(NativeEngine.build(perturbed, config, device="cpu"), prompts)
             result["before_refit_tokens"] = before
             results[name] = result
@@ -310,6 +325,7 @@ def test_refit_equals_a_fresh_tp_build(ranks, one_device, name):
     for rank in ranks:
         result = rank[name]
         assert result["refit_kept_buffers"], "refit reallocated a weight buffer"
+        assert result["presliced_refit"], "a stream of pre-cut slices placed other values than full tensors"
         refit, fresh = result["refit"], result["fresh"]
         # Same shard bytes in the same buffers: equal bit for bit, not just within tolerance.
         assert refit["greedy_tokens"] == fresh["greedy_tokens"] and refit["sampled"] == fresh["sampled"]
@@ -428,6 +444,9 @@ def test_shards_are_views_that_tile_the_full_tensor(size, rows):
         if rule.kind in ("column", "row") and (full.shape[rule.dim] % size):
             continue  # column/row splits need divisibility (check_tensor_parallel guarantees it)
         shards = [shard_of(full, rule, r, size) for r in range(size)]
+        assert [shard_shape(tuple(full.shape), rule, r, size) for r in range(size)] == [
+            tuple(s.shape) for s in shards
+        ], param
         assert all(s is full or s._base is full for s in shards), f"{param}: a shard is a copy, not a view"
         if rule.kind == "replicated":
             assert all(s is full for s in shards), param
