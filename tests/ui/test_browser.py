@@ -232,8 +232,10 @@ def test_run_from_prefect_ui_then_inspect_in_mlflow_ui(deployment, page, browser
         assert stranger.request.get(mlflow).status == 401
     finally:
         stranger.close()
-    # Home -> Model training -> the experiment -> the parent run, expanded into its stage runs
+    # Home -> the workspace -> Model training -> the experiment -> the parent run, expanded into its stage
+    # runs. With workspaces on (the stack's MLflow), home lists them first; the pipeline writes to `default`.
     page.goto(mlflow)
+    page.get_by_role("link", name="default", exact=True).click()
     page.get_by_text("Model training", exact=True).first.click()
     page.get_by_role("link", name="browser", exact=True).first.click()
     parent = page.get_by_role("link", name=re.compile(r"^test-\d{8}-\d{6}$"))
