@@ -126,6 +126,23 @@ def write_rank_result(code: int, line: str) -> None:
         path.write_text(json.dumps({"code": code, "line": line}))
 
 
+def failed_rank_of(failures: dict, reports: dict) -> int:
+    """The rank whose failure caused the others' (failures: torchelastic's per-rank records with `exitcode`
+    and `timestamp`; reports: the ranks that wrote a result).
+
+    A rank that died without a word (killed, or a hard crash) comes before one that reported an error, as its
+    peers then report the broken connection (gloo's "Connection closed by peer" reached rank 0 in the same
+    ~0.5 s monitor pass as rank 1's SIGKILL); else the first to fail. A rank ended by SIGTERM without a word
+    comes last: that is the launcher stopping the survivors of another rank's failure, and it can land in the
+    same monitor pass as the failure it follows."""
+
+    def cause_order(r: int) -> tuple[int, float, int]:
+        stopped_by_launcher = r not in reports and failures[r].exitcode == -signal.SIGTERM
+        return (2 if stopped_by_launcher else int(r in reports), failures[r].timestamp, r)
+
+    return min(failures, key=cause_order)
+
+
 def launch(
     spec: StageSpec, module: str, argv: list[str], resources: ResourcesConfig
 ) -> tuple[int, str | None]:
@@ -190,10 +207,7 @@ def launch(
         if 0 in reports:
             return reports[0]["code"], None
         return 1, f"the {resources.world_size} ranks finished but rank 0 wrote no result"
-    # The cause: a rank that died without a word (killed, or a hard crash) before one that reported an error,
-    # as its peers then report the broken connection (gloo's "Connection closed by peer" reached rank 0 in the
-    # same ~0.5 s monitor pass as rank 1's SIGKILL); else the first to fail.
-    failed_rank = min(failures, key=lambda r: (r in reports, failures[r].timestamp, r))
+    failed_rank = failed_rank_of(failures, reports)
     report = reports.get(failed_rank)
     if failed_rank == 0 and report is not None:
         return report["code"], None  # rank 0 printed its own failure line

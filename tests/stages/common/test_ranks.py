@@ -364,3 +364,20 @@ def test_ppo_on_two_trainer_ranks_with_two_rollout_workers(upstream):
     code, result, stderr = finish(start_stage(one_rank_spec, upstream[0]))
     assert code == 2, stderr[-3000:]
     assert "written by 2 trainer rank(s) and the stage now runs 1 (ppo.resources)" in result.message
+
+
+def test_the_cause_is_a_silent_death_then_a_reported_error_never_the_launchers_sigterm():
+    """Which rank's failure is named: the launcher's SIGTERM of a survivor (same monitor pass, same timestamp)
+    never hides the rank that reported its error; a rank killed without a word comes before both."""
+    from types import SimpleNamespace
+
+    from alignflow.stages.common.ranks import failed_rank_of
+
+    def failure(exitcode: int, timestamp: float = 100.0):
+        return SimpleNamespace(exitcode=exitcode, timestamp=timestamp)
+
+    reported = {0: {"code": 2}}
+    assert failed_rank_of({0: failure(2), 1: failure(-signal.SIGTERM, 99.0)}, reported) == 0
+    assert failed_rank_of({0: failure(1), 1: failure(-signal.SIGKILL)}, {0: {"code": 1}}) == 1
+    assert failed_rank_of({0: failure(-signal.SIGTERM), 1: failure(-signal.SIGTERM, 99.0)}, {}) == 1
+    assert failed_rank_of({0: failure(1, 101.0), 1: failure(1, 100.0)}, {0: {}, 1: {}}) == 1
