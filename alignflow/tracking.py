@@ -111,7 +111,8 @@ def reaching(uri: str, what: str) -> Iterator[None]:
     except (TrackingUnavailableError, TrackingAccessError):
         raise
     except Exception as exc:
-        status = refused_status(exc) if uri.startswith(("http://", "https://")) else None
+        on_server = uri.startswith(("http://", "https://"))
+        status = refused_status(exc) if on_server else None
         if status is not None:
             user = os.environ.get("MLFLOW_TRACKING_USERNAME")
             who = f"user '{user}'" if user else "a client without credentials (no MLFLOW_TRACKING_USERNAME)"
@@ -124,7 +125,7 @@ def reaching(uri: str, what: str) -> Iterator[None]:
             raise TrackingAccessError(
                 f"MLflow tracking server {uri} answered {status} to {who} while {what}; {fix}", status
             ) from None
-        if not (uri.startswith(("http://", "https://")) and server_unreachable(exc)):
+        if not (on_server and server_unreachable(exc)):
             raise
         retries = os.environ.get(RETRIES_VAR, str(_RETRIES_DEFAULT))
         raise TrackingUnavailableError(
