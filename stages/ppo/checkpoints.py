@@ -2,10 +2,13 @@
 
 The RL state, its checkpoints (published, found, loaded), the working folder a resumed run continues in, the
 resumed attempt's MLflow run, the last good state after a NaN, and the final policy and critic. A checkpoint
-is `checkpoints/iter_NNNNN/` under the stage's output, published with its own manifest: the actor's and
-critic's trainer states (every rank's optimizer shard under ZeRO), `state.json` (RLState) and `rng.json` (the
-torch, Python and NumPy RNG states as numbers: nothing in it is unpickled). Checkpoints written before held
-the RNGs in a pickle, `rng.pt`; it is never opened (see load_rng).
+is `checkpoints/iter_NNNNN/` under the stage's output, published with its own manifest by rank 0, the only
+rank that writes it: `actor/` and `critic/` (each trainer's weights and AdamW moments, whole, gathered from
+every rank's ZeRO shard by a collective: stages/common/training/trainer_state.py), `state.json` (RLState)
+and `rng.json` (the torch, Python and NumPy RNG states as numbers: nothing in it is unpickled). Nothing in it
+depends on the number of trainer ranks, so a run resumes on another `ppo.resources` (a node lost, or added),
+and no node but rank 0's needs to reach the folder: on resume rank 0 reads it and broadcasts. Checkpoints
+written before held the RNGs in a pickle, `rng.pt`; it is never opened (see load_rng).
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ import torch
 from alignflow.config import PPOConfig
 from alignflow.contract import StageSpec
 from alignflow.manifest import find_published, materialize, publish
-from alignflow.stages.common.ranks import barrier, is_main, world_size
+from alignflow.stages.common.ranks import from_main, is_main, world_size
 from alignflow.stages.common.runtime import StageContext, StageInputError, dump_json
 from alignflow.stages.common.training.lora import save_trained
+from alignflow.stages.common.training.trainer_state import (
+    TrainerStateError,
+    load_trainer_state,
+    save_trainer_state,
+)
 from alignflow.stages.ppo import losses as rl
 from alignflow.stages.ppo.critic_worker import CriticWorker
 from alignflow.stages.ppo.kl_control import make_kl_controller
@@ -81,12 +89,11 @@ def save_checkpoint(ctx: StageContext, out: Path, state: RLState, actor, critic)
     """Publish checkpoints/iter_NNNNN (the trainers' states, RL state, RNG) with its manifest."""
     name = f"iter_{state.iteration:05d}"
     folder = out / "checkpoints" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    actor.save_checkpoint(str(folder / "actor"), tag="state")  # every rank: its optimizer shard (ZeRO)
+    # Every rank takes part (gathering ZeRO's shards is collective); only rank 0 writes.
+    _save_trainer(actor, folder / "actor")
     if critic is not None:
-        critic.save_checkpoint(str(folder / "critic"), tag="state")
+        _save_trainer(critic, folder / "critic")
     uri = join_uri(ctx.spec.output_uri, "checkpoints", name)
-    barrier()  # every rank's files are in the folder before rank 0 publishes it
     if not is_main():
         return uri
     dump_json(rng_state(), folder / RNG_FILE)
@@ -105,29 +112,41 @@ def save_checkpoint(ctx: StageContext, out: Path, state: RLState, actor, critic)
 
 
 def load_checkpoint(ctx: StageContext, uri: str, state: RLState, actor, critic) -> None:
-    """Resume from the checkpoint at `uri`: the trainers' states, the RNGs and `state`; refused when it was
-    written by another number of trainer ranks."""
-    if is_main():  # rank 0 fills the download cache first; the other ranks then find it there
-        folder, _ = materialize(uri, ctx.cache_dir, ctx.spec.storage)
-    barrier()
-    if not is_main():
-        folder, _ = materialize(uri, ctx.cache_dir, ctx.spec.storage)
-    saved = json.loads((folder / "state.json").read_text())
+    """Resume from the checkpoint at `uri`: the trainers' states, the RNGs and `state`, on any number of
+    trainer ranks. Rank 0 downloads and reads it; the others receive what they need from it (no other node
+    reaches the object store's copy, nor needs a folder shared with rank 0)."""
+    folder = materialize(uri, ctx.cache_dir, ctx.spec.storage)[0] if is_main() else None
+    saved = from_main(json.loads((folder / "state.json").read_text()) if folder is not None else None)
     written_by = int(saved.get("world_size", 1))
-    if written_by != world_size():
-        # ppo.resources is part of the output's key, so the flow never resumes across rank counts; a spec
-        # edited by hand could. DeepSpeed's optimizer shards are cut per rank: refuse rather than mis-load.
-        raise StageInputError(
-            f"{uri}: this checkpoint was written by {written_by} trainer rank(s) and the stage "
-            f"now runs {world_size()} (ppo.resources); resume with the rank count that wrote "
-            "it, or start a fresh run (another output)"
-        )
-    actor.load_checkpoint(str(folder / "actor"), tag="state")
-    if critic is not None:
-        critic.load_checkpoint(str(folder / "critic"), tag="state")
+    if is_main():
+        moved = (f", written by {written_by} trainer rank(s), on {world_size()}: every rank gets its share "
+                 "of the saved state" if written_by != world_size() else "")
+        print(f"ppo: resuming from {uri} after iteration {saved['iteration']}{moved}", file=sys.stderr,
+              flush=True)
+    try:
+        _load_trainer(actor, folder / "actor" if folder else None, f"{uri}/actor")
+        if critic is not None:
+            _load_trainer(critic, folder / "critic" if folder else None, f"{uri}/critic")
+    except TrainerStateError as exc:
+        raise StageInputError(str(exc)) from exc
     seed = int((ctx.spec.config.get("ppo") or {}).get("seed", 0))  # ppo.seed
-    load_rng(folder, uri, reseed=seed * 1_000_003 + int(saved["iteration"]))
+    rng = from_main(_read_rng(folder, uri) if folder is not None else None)
+    load_rng(rng, uri, reseed=seed * 1_000_003 + int(saved["iteration"]))
     state.load_json(saved)
+
+
+def _save_trainer(trainer, folder: Path) -> None:
+    if isinstance(trainer, CriticWorker):  # its trainer lives in its own process (one rank)
+        trainer.save_state(folder)
+    else:
+        save_trainer_state(trainer, folder)
+
+
+def _load_trainer(trainer, folder: Path | None, where: str) -> None:
+    if isinstance(trainer, CriticWorker):
+        trainer.load_state(folder, where)
+    else:
+        load_trainer_state(trainer, folder, where)
 
 
 def rng_state() -> dict[str, Any]:
@@ -151,24 +170,31 @@ def set_rng_state(saved: dict[str, Any]) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def load_rng(folder: Path, uri: str, reseed: int) -> None:
-    """Restore the RNGs from a checkpoint's rng.json; a checkpoint of the old format (rng.pt) is re-seeded.
+def _read_rng(folder: Path, uri: str) -> dict[str, Any] | str:
+    """A checkpoint's rng.json, checked; else why it has none, in words."""
+    if (folder / RNG_FILE).is_file():
+        saved = json.loads((folder / RNG_FILE).read_text())
+        if saved.get("format") != RNG_FORMAT:
+            raise StageInputError(f"{uri}/{RNG_FILE}: unknown format {saved.get('format')!r}, "
+                                  f"expected {RNG_FORMAT!r}; start a fresh run (another output)")
+        return saved
+    return (f"keeps its RNG state in {OLD_RNG_FILE}, a pickle, which is not loaded (unpickling runs any code "
+            "in the file)" if (folder / OLD_RNG_FILE).is_file() else f"has no {RNG_FILE}")
+
+
+def load_rng(saved: dict[str, Any] | str, uri: str, reseed: int) -> None:
+    """Restore the RNGs from a checkpoint's rng.json (`saved`, rank 0's RNGs, on every rank); a checkpoint of
+    the old format (rng.pt, `saved` says why in words) is re-seeded.
 
     rng.pt is a pickle of Python objects (random.getstate() is a tuple), which only an unsafe
     torch.load(weights_only=False) reads, and unpickling runs any code the file carries. Re-seeding (from
     ppo.seed and the iteration, with a warning) rather than refusing: the RNGs only pick which samples and
     tokens come next, while refusing would throw away the trained actor and critic the checkpoint holds.
     """
-    if (folder / RNG_FILE).is_file():
-        saved = json.loads((folder / RNG_FILE).read_text())
-        if saved.get("format") != RNG_FORMAT:
-            raise StageInputError(f"{uri}/{RNG_FILE}: unknown format {saved.get('format')!r}, "
-                                  f"expected {RNG_FORMAT!r}; start a fresh run (another output)")
+    if isinstance(saved, dict):
         set_rng_state(saved)
         return
-    why = (f"keeps its RNG state in {OLD_RNG_FILE}, a pickle, which is not loaded (unpickling runs any code "
-           "in the file)" if (folder / OLD_RNG_FILE).is_file() else f"has no {RNG_FILE}")
-    print(f"warning: ppo: {uri} {why}; the RNGs are re-seeded ({reseed}), so the samples drawn after this "
+    print(f"warning: ppo: {uri} {saved}; the RNGs are re-seeded ({reseed}), so the samples drawn after this "
           "resume differ from those of an uninterrupted run", file=sys.stderr, flush=True)
     torch.manual_seed(reseed)
     random.seed(reseed)
@@ -185,9 +211,9 @@ def working_dir(ctx: StageContext) -> Path:
     local = open_store(ctx.spec.output_uri, ctx.spec.storage).local_path(ctx.spec.output_uri)
     if local is None:
         local = ctx.workdir / ".alignflow" / "scratch" / ("ppo-" + ctx.spec.output_uri.rsplit("/", 1)[-1])
-    local.mkdir(parents=True, exist_ok=True)
-    if not is_main():  # rank 0 clears what a killed run left; the others only write their checkpoint shards
+    if not is_main():  # rank 0 clears what a killed run left, and is the only one that writes here
         return local
+    local.mkdir(parents=True, exist_ok=True)
     leftovers = [str(p.relative_to(local)) for p in remove_unfinished_writes(local)]
     checkpoints = local / "checkpoints"
     for folder in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
@@ -241,12 +267,13 @@ def publish_last_good(
 def write_final(out: Path, state: RLState, actor, critic, tokenizer, cfg: PPOConfig) -> None:
     """The finished run's outputs in `out`: policy/ (HF format, with the tokenizer), critic/ (PPO),
     metrics.jsonl and alignflow_run.json."""
-    policy_dir = out / "policy"
-    policy_dir.mkdir(parents=True, exist_ok=True)
+    policy_dir, critic_dir = out / "policy", out / "critic"
+    if is_main():  # the only rank that writes: the others may run on nodes without this folder
+        policy_dir.mkdir(parents=True, exist_ok=True)
+        if critic is not None:
+            critic_dir.mkdir(parents=True, exist_ok=True)
     save_trained(actor, policy_dir)  # merged, plus the adapter files, with LoRA (every rank; rank 0 writes)
     if critic is not None:
-        critic_dir = out / "critic"
-        critic_dir.mkdir(parents=True, exist_ok=True)
         if isinstance(critic, CriticWorker):
             critic.save_trained(critic_dir)
         else:

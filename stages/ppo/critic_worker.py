@@ -12,8 +12,8 @@ per ppo.lora), and a proxy the PPO stage holds where it held the critic: `values
 pass), `train_async` (every minibatch's update of an iteration, queued at once, as the critic's thread takes
 them), `proceed` (the gate of the actor's check of the old log-probs: the first update waits for it before
 stepping, and a False drops its gradients and ends the iteration's updates, so a stale check leaves the critic
-untouched), `save_checkpoint`, `load_checkpoint`, `save_trained`, `close`. The same updates in the same order
-as on the thread, one torch thread each way: the tests compare weights and metrics bit for bit.
+untouched), `save_state` and `load_state` (checkpoints), `save_trained`, `close`. The same updates in the same
+order as on the thread, one torch thread each way: the tests compare weights and metrics bit for bit.
 
 Start-up: the stage starts the process before anything else (interpreter, torch, then transformers' model
 classes: imports the trainer has already paid for itself, then the model load); its first request waits for
@@ -50,6 +50,7 @@ from alignflow.stages.common.training.lora import apply_lora, save_trained, unwr
 from alignflow.stages.common.training.packing import PackedRows
 from alignflow.stages.common.training.plain_trainer import initialize_trainer
 from alignflow.stages.common.training.precision import Precision
+from alignflow.stages.common.training.trainer_state import load_trainer_state, save_trainer_state
 from alignflow.stages.ppo.experience import Experience, token_values
 from alignflow.stages.ppo.rollout_workers import describe_exit
 
@@ -166,11 +167,11 @@ def _serve(conn, spec: CriticSpec) -> None:
                 result: Any = critic_values(critic, *args, cfg, precision)
             elif kind == "train":
                 result = _train(conn, critic, *args, cfg, precision)
-            elif kind == "save_checkpoint":
-                critic.save_checkpoint(*args)
+            elif kind == "save_state":
+                save_trainer_state(critic, Path(args[0]))
                 result = None
-            elif kind == "load_checkpoint":
-                critic.load_checkpoint(*args)
+            elif kind == "load_state":
+                load_trainer_state(critic, Path(args[0]), args[1])
                 result = None
             elif kind == "save_trained":
                 save_trained(critic, Path(args[0]))
@@ -287,11 +288,13 @@ class CriticWorker:
         gradients."""
         self._post(("proceed", go))
 
-    def save_checkpoint(self, save_dir: str, tag: str) -> None:
-        self._request("saving the critic's checkpoint", "save_checkpoint", save_dir, tag).result()
+    def save_state(self, folder: Path) -> None:
+        """The critic trainer's state into `folder` (stages/common/training/trainer_state.py)."""
+        self._request("saving the critic's checkpoint", "save_state", str(folder)).result()
 
-    def load_checkpoint(self, load_dir: str, tag: str) -> None:
-        self._request("loading the critic's checkpoint", "load_checkpoint", load_dir, tag).result()
+    def load_state(self, folder: Path, where: str) -> None:
+        """Resume the critic trainer from the state in `folder` (`where` names it in errors)."""
+        self._request("loading the critic's checkpoint", "load_state", str(folder), where).result()
 
     def save_trained(self, out: Path) -> None:
         self._request("saving the trained critic", "save_trained", str(out)).result()

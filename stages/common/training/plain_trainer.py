@@ -10,19 +10,15 @@ multi-rank or offloading trainer; `resolve_train_backend` sends those to DeepSpe
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from alignflow import start_checks
 from alignflow.stages.common.training.deepspeed_setup import OptimSettings
 
-STATE_FILE = "torch_train_state.pt"
-
 
 class PlainTorchTrainer:
-    """`module`, `backward`, `step`, `train`/`eval`, `save_checkpoint`/`load_checkpoint`,
-    as DeepSpeed's engine."""
+    """`module`, `optimizer`, `backward`, `step`, `train`/`eval`, as DeepSpeed's engine (checkpoints:
+    stages/common/training/trainer_state.py, for both)."""
 
     def __init__(self, model: torch.nn.Module, settings: OptimSettings):
         if settings.grad_accum != 1:
@@ -84,24 +80,6 @@ class PlainTorchTrainer:
         """Drop the gradients of a backward whose step must not happen (train_on's critic when the actor's
         check of the old log-probs fails)."""
         self.optimizer.zero_grad(set_to_none=True)
-
-    def save_checkpoint(self, save_dir: str, tag: str) -> None:
-        folder = Path(save_dir) / tag
-        folder.mkdir(parents=True, exist_ok=True)
-        torch.save(
-            {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, folder / STATE_FILE
-        )
-
-    def load_checkpoint(self, load_dir: str, tag: str) -> None:
-        path = Path(load_dir) / tag / STATE_FILE
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path.parent}: no {STATE_FILE}; this checkpoint was written by the deepspeed "
-                "backend: resume it with ppo.train_backend: deepspeed"
-            )
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
 
 
 def resolve_train_backend(setting: str, zero_stage: int) -> str:

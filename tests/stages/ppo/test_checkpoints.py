@@ -15,6 +15,8 @@ import torch
 from alignflow.config import PPOConfig
 from alignflow.contract import StageSpec
 from alignflow.manifest import publish
+from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
+from alignflow.stages.common.training.trainer_state import save_trainer_state
 from alignflow.stages.ppo.checkpoints import (
     OLD_RNG_FILE,
     RNG_FILE,
@@ -25,20 +27,16 @@ from alignflow.stages.ppo.checkpoints import (
     set_rng_state,
 )
 from tests.malicious_pickle import unpickling_runs_it, write_malicious_pickle
+from tests.stages.common.training.test_plain_trainer import SETTINGS
 
 
-class FakeTrainer:
-    """What the checkpoint code asks of the actor: save/load its state under a folder."""
-
-    def __init__(self):
-        self.loaded_from: list[str] = []
-
-    def save_checkpoint(self, path: str, tag: str) -> None:
-        Path(path, tag).mkdir(parents=True, exist_ok=True)
-        Path(path, tag, "weights.safetensors").write_bytes(b"not read here")
-
-    def load_checkpoint(self, path: str, tag: str) -> None:
-        self.loaded_from.append(f"{path}/{tag}")
+def small_trainer(seed: int) -> PlainTorchTrainer:
+    """A real trainer of a 3 -> 2 linear layer, stepped once so its optimizer holds moments."""
+    torch.manual_seed(seed)
+    trainer = PlainTorchTrainer(torch.nn.Linear(3, 2), SETTINGS)
+    trainer.backward(trainer(torch.ones(1, 3)).sum())
+    trainer.step()
+    return trainer
 
 
 def context(tmp_path: Path, seed: int = 3) -> SimpleNamespace:
@@ -65,17 +63,19 @@ def test_a_checkpoint_holds_no_pickle_and_resumes_the_exact_rngs(tmp_path):
     ctx, state = context(tmp_path), RLState(PPOConfig())
     state.iteration = 2
     out = tmp_path / "out"
+    saved, actor = small_trainer(seed=1), small_trainer(seed=2)
     torch.manual_seed(5), random.seed(5), np.random.seed(5)
-    uri = save_checkpoint(ctx, out, state, FakeTrainer(), None)
+    uri = save_checkpoint(ctx, out, state, saved, None)
     expected = draws()
     folder = out / "checkpoints/iter_00002"
     assert (folder / RNG_FILE).is_file() and not (folder / OLD_RNG_FILE).exists()
     assert not [p for p in folder.rglob("*") if p.suffix in (".pt", ".pkl", ".bin", ".pth", ".ckpt")]
     draws()
-    actor, resumed = FakeTrainer(), RLState(PPOConfig())
+    resumed = RLState(PPOConfig())
     load_checkpoint(ctx, uri, resumed, actor, None)
     assert draws() == expected
-    assert resumed.iteration == 2 and actor.loaded_from == [f"{folder}/actor/state"]
+    assert resumed.iteration == 2
+    assert torch.equal(actor.module.weight, saved.module.weight)
 
 
 def test_an_old_rng_pickle_is_never_unpickled_and_the_rngs_are_reseeded(tmp_path, capsys):
@@ -83,7 +83,7 @@ def test_an_old_rng_pickle_is_never_unpickled_and_the_rngs_are_reseeded(tmp_path
     with its sha256, as an attacker who can publish would): resuming leaves the payload inert."""
     sentinel = tmp_path / "pwned"
     folder = tmp_path / "old/checkpoints/iter_00004"
-    FakeTrainer().save_checkpoint(str(folder / "actor"), "state")
+    save_trainer_state(small_trainer(seed=1), folder / "actor")
     state = RLState(PPOConfig())
     state.iteration = 4
     (folder / "state.json").write_text(json.dumps(state.to_json()))
@@ -94,8 +94,8 @@ def test_an_old_rng_pickle_is_never_unpickled_and_the_rngs_are_reseeded(tmp_path
 
     ctx, after = context(tmp_path, seed=3), []
     for _ in range(2):
-        resumed = RLState(PPOConfig())
-        load_checkpoint(ctx, uri, resumed, FakeTrainer(), None)
+        resumed, actor = RLState(PPOConfig()), small_trainer(seed=2)
+        load_checkpoint(ctx, uri, resumed, actor, None)
         after.append(draws())
     assert not sentinel.exists()
     assert resumed.iteration == 4

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from alignflow.stages.common.models.loading import load_causal_lm, load_sequence_classifier
-from alignflow.stages.common.training.plain_trainer import STATE_FILE, PlainTorchTrainer
+from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
+from alignflow.stages.common.training.trainer_state import INDEX_FILE, TrainerStateError
 from alignflow.stages.ppo.critic_schedule import critic_in_process, overlaps_critic
 from alignflow.stages.ppo.critic_worker import CriticSpec, CriticWorker, CriticWorkerError
 from alignflow.stages.ppo.experience import packing_for, token_values
@@ -64,8 +65,14 @@ def remote_critic(folder: Path, cfg, **spec) -> CriticWorker:
 
 
 def remote_weights(worker: CriticWorker, tmp_path: Path) -> dict[str, torch.Tensor]:
-    worker.save_checkpoint(str(tmp_path / "critic"), tag="state")
-    return torch.load(tmp_path / "critic" / "state" / STATE_FILE, weights_only=True)["model"]
+    """The critic's weights, as the worker's trainer state holds them."""
+    from safetensors.torch import load_file
+
+    worker.save_state(tmp_path / "critic")
+    tensors = {}
+    for shard in (tmp_path / "critic").glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    return {key.removeprefix("weight."): t for key, t in tensors.items() if key.startswith("weight.")}
 
 
 def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(
@@ -99,7 +106,8 @@ def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(
         actor.module.named_parameters(), remote_actor.module.named_parameters(), strict=True
     ):
         assert torch.equal(x, y), name
-    for name, param in critic.module.state_dict().items():
+    assert weights.keys() == dict(critic.module.named_parameters()).keys()
+    for name, param in critic.module.named_parameters():
         assert torch.equal(param, weights[name]), name
 
 
@@ -129,12 +137,12 @@ def test_a_stale_check_leaves_the_critics_process_untouched(critic_folder, check
 
 def test_an_error_inside_the_worker_is_raised_here_with_its_traceback(critic_folder, tmp_path):
     with closing(remote_critic(critic_folder, ppo_with_critic())) as worker:
-        with pytest.raises(FileNotFoundError) as raised:
-            worker.load_checkpoint(str(tmp_path / "nowhere"), tag="state")
+        with pytest.raises(TrainerStateError, match=f"the checkpoint: no {INDEX_FILE}") as raised:
+            worker.load_state(tmp_path / "nowhere", "the checkpoint")
         assert any(f"critic worker (pid {worker.pid})" in note for note in raised.value.__notes__)
         # the worker goes on answering after an error
-        worker.save_checkpoint(str(tmp_path / "critic"), tag="state")
-        assert (tmp_path / "critic" / "state" / STATE_FILE).exists()
+        worker.save_state(tmp_path / "critic")
+        assert (tmp_path / "critic" / INDEX_FILE).exists()
 
 
 def test_a_critic_that_cannot_load_names_why(tmp_path):
@@ -142,7 +150,7 @@ def test_a_critic_that_cannot_load_names_why(tmp_path):
         with pytest.raises(CriticWorkerError, match="could not start"):
             worker.wait_ready()
         with pytest.raises(CriticWorkerError, match="could not start"):  # and stays broken
-            worker.save_checkpoint(str(tmp_path / "critic"), tag="state")
+            worker.save_state(tmp_path / "critic")
 
 
 def test_a_dead_worker_is_named_with_its_signal_and_close_is_safe(critic_folder, rollout):

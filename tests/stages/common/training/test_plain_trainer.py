@@ -1,4 +1,5 @@
-"""The plain-torch trainer makes DeepSpeed's update (one rank, ZeRO 0, CPU), resumes from its own."""
+"""The plain-torch trainer makes DeepSpeed's update (one rank, ZeRO 0, CPU); its checkpoints:
+tests/stages/common/training/test_trainer_state.py."""
 
 from __future__ import annotations
 
@@ -60,34 +61,6 @@ def test_same_weights_as_deepspeed_after_clipped_steps():
     ):
         # Same AdamW and clipping (fused here, DeepSpeed's torch AdamW there): another summation order, ~1e-8.
         assert torch.allclose(a, b, atol=1e-6, rtol=0), name
-
-
-def test_checkpoint_resumes_to_the_same_weights(tmp_path):
-    straight = PlainTorchTrainer(tiny_model(), SETTINGS)
-    train(straight, steps=6)
-    first = PlainTorchTrainer(tiny_model(), SETTINGS)
-    train(first, steps=3)
-    first.save_checkpoint(str(tmp_path), tag="state")
-    # other weights: everything comes from the checkpoint
-    resumed = PlainTorchTrainer(tiny_model(seed=7), SETTINGS)
-    resumed.load_checkpoint(str(tmp_path), tag="state")
-    gen_state = torch.Generator().manual_seed(1)
-    for _ in range(3):  # the batches the straight run saw in steps 1-3
-        torch.randint(0, 64, (4, 12), generator=gen_state)
-    for _ in range(3):
-        ids = torch.randint(0, 64, (4, 12), generator=gen_state)
-        resumed.backward(resumed(input_ids=ids, labels=ids).loss * 10)
-        resumed.step()
-    for (name, a), (_, b) in zip(
-        straight.module.named_parameters(), resumed.module.named_parameters(), strict=True
-    ):
-        assert torch.equal(a, b), name
-
-
-def test_a_deepspeed_checkpoint_is_named_as_such(tmp_path):
-    (tmp_path / "state").mkdir()
-    with pytest.raises(FileNotFoundError, match="written by the deepspeed backend"):
-        PlainTorchTrainer(tiny_model(), SETTINGS).load_checkpoint(str(tmp_path), tag="state")
 
 
 @pytest.mark.parametrize(
