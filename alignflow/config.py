@@ -587,11 +587,6 @@ class PPOConfig(Section):
         world = self.resources.world_size
         if world > 1:
             rows = self.prompts_per_iteration * self.group_size
-            if self.resources.nnodes > 1:
-                raise ValueError(
-                    "ppo.resources.nnodes must be 1: the RL trainer's ranks share one node (its checkpoint "
-                    "folder is written by every rank); use nproc_per_node"
-                )
             if self.minibatch_size % world or rows % self.minibatch_size:
                 raise ValueError(
                     f"ppo.minibatch_size={self.minibatch_size} must be a multiple of the {world} trainer "

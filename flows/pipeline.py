@@ -151,7 +151,7 @@ def build_spec(
         config=call.config,
         inputs=inputs,
         input_digests=digests,
-        output_uri=output_uri(root, call.stage, call.config, identity, version),
+        output_uri=output_uri(root, call.stage, call.identity(), identity, version),
         storage=config.storage,
         tracking=tracking_spec,
         code_version=version,

@@ -23,6 +23,21 @@ class StageCall:
     inputs: dict[str, str] = field(default_factory=dict)  # input name -> key of the upstream StageCall
     key_metric: str = ""
 
+    def identity(self) -> dict[str, Any]:
+        """The part of the config the output's key is made of: all of it, except where the RL stage runs (its
+        trainer ranks, `ppo.resources`, and its rollout replicas, RL_ONLY_ENGINE_KEYS and
+        `engine.tensor_parallel_size`). Its checkpoints hold nothing cut for a rank count and its rollouts'
+        tokens do not depend on the replica that drew them, so a run retried on other machines (a node lost,
+        or added) resumes the same output instead of starting another."""
+        if self.stage != "ppo":
+            return self.config
+        placement = (*RL_ONLY_ENGINE_KEYS, "tensor_parallel_size")
+        return {
+            **self.config,
+            "ppo": {k: v for k, v in self.config["ppo"].items() if k != "resources"},
+            "engine": {k: v for k, v in self.config["engine"].items() if k not in placement},
+        }
+
 
 def plan(config: PipelineConfig) -> list[StageCall]:
     """The ordered stage calls of `config.stages` (a reward stage per entry of `reward.models`)."""

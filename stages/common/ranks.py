@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -126,6 +128,73 @@ def write_rank_result(code: int, line: str) -> None:
         path.write_text(json.dumps({"code": code, "line": line}))
 
 
+# Each rank's place (node, host, address, pid) in the launcher's store, so a rank that loses a peer in a
+# collective can say which node and rank it lost: the peer's launcher may have died with it, and nothing else
+# will.
+PLACE_KEY = "alignflow/rank-place/"
+# gloo names the far end of a broken pair: "Connection closed by peer [10.0.0.2]:41234"
+PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
+
+
+def _launcher_store(timeout_s: float):
+    """A client of the store the elastic launcher's rendezvous hosts (MASTER_ADDR:MASTER_PORT), or None."""
+    if not launched() or "MASTER_ADDR" not in os.environ:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def _address_towards(host: str) -> str:
+    """The local IP address this process reaches `host` from (the one its peers see)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def record_place() -> None:
+    """Write this rank's node, host, address and pid to the launcher's store (no-op outside a launch)."""
+    if world_size() == 1 or not launched():
+        return
+    store = _launcher_store(30.0)
+    place = {"node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(),
+             "address": _address_towards(os.environ["MASTER_ADDR"]), "pid": os.getpid()}
+    store.set(f"{PLACE_KEY}{rank()}", json.dumps(place))
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """One line naming the node, ranks and pids behind the broken connection that `exc` reports (gloo names
+    the peer's address), or None when it names none or the places cannot be read (the store's node is
+    gone)."""
+    addresses = set(PEER_ADDRESS.findall(str(exc)))
+    if not addresses or not launched():
+        return None
+    try:
+        store = _launcher_store(3.0)
+        places = {r: json.loads(store.get(f"{PLACE_KEY}{r}")) for r in range(world_size())}
+    except Exception:  # noqa: BLE001 - the store's node may be the one that died: say nothing more
+        return None
+    if places[rank()]["address"] in addresses:
+        return None  # a rank of this node: its launcher names it, with its signal
+    lost = {r: p for r, p in places.items() if p["address"] in addresses}
+    if not lost:
+        return None
+    nodes = sorted({(p["node"], p["host"], p["address"]) for p in lost.values()})
+    who = "; ".join(
+        f"node {node} ({host}, {address}): "
+        + ", ".join(f"rank {r} (pid {p['pid']})" for r, p in sorted(lost.items()) if p["node"] == node)
+        for node, host, address in nodes)
+    reason = str(exc).splitlines()[0][-160:]
+    return (f"lost {who}, seen by rank {rank()} of {world_size()} in a collective ({reason}): its processes "
+            "died or its network went; that node's own log has its signal, if its launcher lived")
+
+
 def failed_rank_of(failures: dict, reports: dict) -> int:
     """The rank whose failure caused the others' (failures: torchelastic's per-rank records with `exitcode`
     and `timestamp`; reports: the ranks that wrote a result).
@@ -206,6 +275,11 @@ def launch(
     if not failures:
         if 0 in reports:
             return reports[0]["code"], None
+        if resources.nnodes > 1 and reports:  # rank 0 runs on another node, and reports for the stage there
+            mine = ", ".join(str(r) for r in sorted(reports))
+            print(f"{spec.stage}: this node's ranks ({mine}) finished; rank 0's node publishes the output",
+                  file=sys.stderr, flush=True)
+            return 0, None
         return 1, f"the {resources.world_size} ranks finished but rank 0 wrote no result"
     failed_rank = failed_rank_of(failures, reports)
     report = reports.get(failed_rank)

@@ -337,6 +337,11 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
             print(f"error: {stage}: {message}", file=sys.stderr, flush=True)
             _print_failure(stage, message, started, 1)
             return 1
+        lost = ranks.lost_peer(exc)  # a peer node or rank died mid-collective: name it, not gloo's socket
+        if lost is not None:
+            print(f"error: {stage}: {lost}", file=sys.stderr, flush=True)
+            _print_failure(stage, lost, started, 1)
+            return 1
         traceback.print_exc()
         _print_failure(stage, f"{type(exc).__name__}: {exc}", started, 1)
         return 1

@@ -112,6 +112,10 @@ def test_grpo_on_reward_functions_alone_needs_no_reward_stage():
     assert plan(config)[-1].inputs == {"ppo": "ppo", "sft": "sft", "data": "data"}
 
 
+def before_ppo_identity(config) -> dict:
+    return next(c for c in plan(config) if c.key == "ppo").identity()
+
+
 def test_how_the_rl_stage_runs_the_engine_does_not_rebuild_it():
     """engine.rollout_workers and its kin reach the RL stage only:
     the engine and evaluate calls are unchanged."""
@@ -130,6 +134,13 @@ def test_how_the_rl_stage_runs_the_engine_does_not_rebuild_it():
     }
     assert tp["engine"] == before["engine"] and tp["evaluate"] == before["evaluate"]
     assert tp["ppo"]["engine"]["tensor_parallel_size"] == 2
+    # Where the RL stage runs is not part of its output's key: its checkpoints resume on other machines.
+    placed = validate_config({"ppo": {"minibatch_size": 8, "resources": {"nproc_per_node": 2}},
+                              "engine": {"rollout_workers": 2, "tensor_parallel_size": 2, "queue_chunk": 4}})
+    assert next(c for c in plan(placed) if c.key == "ppo").identity() == next(
+        c for c in plan(validate_config({"ppo": {"minibatch_size": 8}})) if c.key == "ppo").identity()
+    seeded = validate_config({"ppo": {"seed": 5}})
+    assert next(c for c in plan(seeded) if c.key == "ppo").identity() != before_ppo_identity(base)
     assert validate_config({"engine": {"max_seq_len": 512}}).engine.max_seq_len == 512
     assert {call.key: call.config for call in plan(validate_config({"engine": {"max_seq_len": 512}}))}[
         "engine"
@@ -181,15 +192,17 @@ def test_resources_of_a_training_stage():
         validate_config({"sft": {"resources": {"nnodes": 2, "rdzv_endpoint": "no port"}}})
 
 
-def test_rl_trainer_ranks_need_equal_shares_on_one_node():
+def test_rl_trainer_ranks_need_equal_shares_on_any_number_of_nodes():
     two = {"nproc_per_node": 2}
     assert validate_config({"ppo": {"minibatch_size": 8, "resources": two}}).ppo.resources.world_size == 2
     with pytest.raises(ConfigError, match=r"ppo.minibatch_size=9 must be a multiple of the 2 trainer ranks"):
         validate_config({"ppo": {"minibatch_size": 9, "prompts_per_iteration": 18, "resources": two}})
     with pytest.raises(ConfigError, match=r"divide the 12 rollouts of an iteration"):
         validate_config({"ppo": {"minibatch_size": 8, "prompts_per_iteration": 12, "resources": two}})
-    with pytest.raises(ConfigError, match=r"ppo.resources.nnodes must be 1"):
-        validate_config({"ppo": {"resources": {"nnodes": 2, "rdzv_endpoint": "h:1"}}})
+    nodes = {"nnodes": 2, "nproc_per_node": 2, "rdzv_endpoint": "trainer-0.alignflow:29400"}
+    assert validate_config({"ppo": {"minibatch_size": 8, "resources": nodes}}).ppo.resources.world_size == 4
+    with pytest.raises(ConfigError, match=r"ppo.minibatch_size=6 must be a multiple of the 4 trainer ranks"):
+        validate_config({"ppo": {"minibatch_size": 6, "prompts_per_iteration": 12, "resources": nodes}})
 
 
 def test_unquoted_yaml_off_means_autocast_off():

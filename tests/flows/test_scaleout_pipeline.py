@@ -4,7 +4,8 @@ run's.
 
 The two runs share one workdir, so the scaled-out run reuses the single-process run's data, base, SFT, reward
 and engine outputs (the flow keys them by their config sections, which the scale-out keys do not touch) and
-re-runs only PPO, evaluate and the registry.
+re-runs only PPO (its first output moved aside: where it runs is not part of its key), evaluate and the
+registry.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def test_tiny_config_on_two_ranks_and_a_tp_replica_gains_like_one_process(
     one = run_pipeline(load_config(TINY, [f"workdir={tmp_path}", "tracking.experiment=scaleout", *TRIM]))
     assert {row["status"] for key, row in one.items() if key != "registry"} == {"ok"}
 
+    # Where the RL stage runs is not part of its output's key (a retry on other machines resumes it): move the
+    # single-process run's output aside, so the scaled-out run trains its own.
+    ppo_dir = Path(one["ppo"]["output_uri"].removeprefix("file://"))
+    ppo_dir.rename(ppo_dir.with_name(ppo_dir.name + "-one-process"))
     scaled = run_pipeline(
         load_config(TINY, [f"workdir={tmp_path}", "tracking.experiment=scaleout", *TRIM, *SCALE_OUT])
     )
@@ -82,11 +87,12 @@ def test_tiny_config_on_two_ranks_and_a_tp_replica_gains_like_one_process(
     }, "earlier stages reused"
     assert scaled["engine"]["output_uri"] == one["engine"]["output_uri"]
     assert scaled["ppo"]["status"] == "ok" and scaled["evaluate"]["status"] == "ok"
-    assert scaled["ppo"]["output_uri"] != one["ppo"]["output_uri"]
+    assert scaled["ppo"]["output_uri"] == one["ppo"]["output_uri"]
     assert [m["iteration"] for m in history] == list(range(1, 13))
-    # the full stream reached both TP ranks each iteration; each kept its shard (tests/stages/ppo)
+    # each TP rank received its slice: the stream once, plus a second copy of the replicated tensors (norms)
     for m in history:
-        assert m["refit/bytes_sent"] == 2 * m["refit/bytes"] > 0 and m["refit/seconds"] > 0, m
+        assert m["refit/bytes"] < m["refit/bytes_sent"] < 1.1 * m["refit/bytes"], m
+        assert m["refit/seconds"] > 0, m
         assert m["perf/rollout_tensor_parallel"] == 2 and m["perf/rollout_workers"] == 1
     assert single > 0, "the single-process run improves the gold score (+0.17 measured)"
     assert scaled_gain == pytest.approx(single, abs=GOLD_GAIN_TOL)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from alignflow import console
+from alignflow.stages.common import ranks
 
 
 def init_distributed(on_cuda: bool | None = None) -> None:
@@ -46,6 +47,7 @@ def init_distributed(on_cuda: bool | None = None) -> None:
                                              world_size=1)
     else:
         torch.distributed.init_process_group(group_backend, init_method="env://")
+        ranks.record_place()
     with console.library_stdout():  # DeepSpeed prints "deepspeed_shm_comm_op built successfully" here
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 

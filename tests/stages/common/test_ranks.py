@@ -355,15 +355,50 @@ def test_ppo_on_two_trainer_ranks_with_two_rollout_workers(upstream):
         assert two_it["rollout/score_mean"] == pytest.approx(one_it["rollout/score_mean"], abs=1e-6)
         assert two_it["losses/policy_loss"] == pytest.approx(one_it["losses/policy_loss"], rel=1e-4, abs=1e-7)
 
-    # Resuming its checkpoints on another rank count (a hand-edited spec: the flow keys outputs by
-    # ppo.resources) is refused before anything loads into the optimizer. Without its manifest the output
-    # looks like a run killed after its last checkpoint.
-    (local(result.output_uri) / "manifest.json").unlink()
-    section = {**spec.config["ppo"], "resources": {"nproc_per_node": 1}}
-    one_rank_spec = spec.model_copy(update={"config": {**spec.config, "ppo": section}})
-    code, result, stderr = finish(start_stage(one_rank_spec, upstream[0]))
-    assert code == 2, stderr[-3000:]
-    assert "written by 2 trainer rank(s) and the stage now runs 1 (ppo.resources)" in result.message
+    # Killed after its first checkpoint, it resumes on 1 rank and continues the same curve (the flow does not
+    # key outputs by ppo.resources: a retry on fewer or more machines resumes). Without its manifest and its
+    # last checkpoint the output is what a run killed in iteration 2 leaves.
+    resume_on_other_ranks(spec, upstream, result, nproc_per_node=1, compared_with=two)
+
+
+def resume_on_other_ranks(
+    spec, upstream, killed: StageResult, nproc_per_node: int, compared_with: list
+) -> None:
+    """Rerun `spec` on `nproc_per_node` trainer ranks over `killed`'s output, less its manifest and its
+    iteration-2 checkpoint: it must resume from iteration 1 and reproduce iteration 2 of `compared_with`."""
+    import json
+    import shutil
+
+    folder = local(killed.output_uri)
+    (folder / "manifest.json").unlink()
+    shutil.rmtree(folder / "checkpoints" / "iter_00002")
+    section = {**spec.config["ppo"], "resources": {"nproc_per_node": nproc_per_node}}
+    resumed_spec = spec.model_copy(update={"config": {**spec.config, "ppo": section}})
+    code, result, stderr = finish(start_stage(resumed_spec, upstream[0]))
+    assert code == 0, stderr[-4000:]
+    moved = f"written by {3 - nproc_per_node} trainer rank(s), on {nproc_per_node}: every rank gets its share"
+    assert f"after iteration 1, {moved} of the saved state" in stderr
+    resumed = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in resumed] == [1.0, 2.0]
+    first, second = compared_with[1], resumed[1]
+    assert second["rollout/score_mean"] == pytest.approx(first["rollout/score_mean"], abs=1e-6)
+    for key in ("losses/policy_loss", "losses/value_loss", "losses/approx_kl", "kl/mean"):
+        assert second[key] == pytest.approx(first[key], rel=1e-4, abs=1e-7), key
+
+
+def test_ppo_resumes_a_one_rank_checkpoint_on_two_ranks(upstream):
+    """1 -> 2: the plain torch trainer's checkpoint (1 rank, ZeRO 0) resumes under DeepSpeed on 2 ranks."""
+    import json
+
+    from tests.stages.ppo.test_ppo import ppo_spec
+
+    spec = ppo_spec(upstream, "ppo-resume-one-to-two", iterations=2, minibatch_size=4, ppo_epochs=2,
+                    checkpoint_every=1, train_backend="auto", zero_stage=0)
+    code, result, stderr = finish(start_stage(spec, upstream[0]))
+    assert code == 0, stderr[-4000:]
+    assert "torch trainer" in stderr
+    one = [json.loads(line) for line in (local(result.output_uri) / "metrics.jsonl").read_text().splitlines()]
+    resume_on_other_ranks(spec, upstream, result, nproc_per_node=2, compared_with=one)
 
 
 def test_the_cause_is_a_silent_death_then_a_reported_error_never_the_launchers_sigterm():
