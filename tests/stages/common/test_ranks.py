@@ -267,7 +267,7 @@ def run_ppo(upstream, name: str, **ppo) -> StageResult:
     )
     code, result, stderr = finish(start_stage(spec, upstream[0]))
     assert code == 0, stderr[-4000:]
-    assert result.status == "ok"
+    assert result.status in ("ok", "skipped")  # skipped: another module ran this same spec first
     return result
 
 
