@@ -1,6 +1,6 @@
 """The RL stage's trainer on one node against two namespaced nodes: iteration time, refit bytes and seconds.
 
-    .venv/bin/python benchmarks/rl_nodes.py [--repeats 2] [--iterations 4] [--workdir DIR] [--json]
+    .venv/bin/python benchmarks/rl_nodes.py [--repeats 2] [--iterations 4] [--set K=V] [--json]
 
 Runs configs/tiny.yaml (its SFT and reward model trimmed as tests/flows/test_scaleout_pipeline.py trims them)
 through data, base, SFT, the reward model and the engine once, then the PPO stage in each variant,
@@ -75,12 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs of every variant")
     parser.add_argument("--iterations", type=int, default=4, help="RL iterations per run")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args(argv)
     set_offline_defaults()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rl-nodes-bench-"))
     base = [f"workdir={workdir}", "tracking.enabled=false", *TRIM, f"ppo.iterations={args.iterations}",
-            "ppo.checkpoint_every=1000", "engine.rollout_workers=1"]
+            "ppo.checkpoint_every=1000", "engine.rollout_workers=1", *args.set]
     upstream = load_config(REPO / "configs/tiny.yaml", [*base, "stages=[data, base, sft, reward, engine]"])
     rows = {row["key"]: row for row in alignflow_pipeline(upstream)}
     why_not = netns.why_not()

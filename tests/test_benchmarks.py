@@ -373,6 +373,24 @@ def test_training_ranks_reports_every_variant_with_agreeing_losses(tmp_path):
     assert result["cores"] == os.cpu_count()
 
 
+def test_rl_nodes_reports_one_node_and_two_namespaced_nodes(tmp_path):
+    """The demo config at a tenth of its data, 2 iterations: both rows, the same refit (the same model), or
+    the two-node row left out with the reason where namespaces cannot be made."""
+    from tests.stages.common import netns
+
+    small = ["data.demo.n_sft=200", "data.demo.n_preferences=200", "data.demo.n_prompts=64",
+             "data.demo.n_eval_prompts=8"]
+    result = json.loads(_run("rl_nodes.py", "--repeats", "1", "--iterations", "2", "--workdir", str(tmp_path),
+                             "--json", *(arg for override in small for arg in ("--set", override))))
+    rows = {r["variant"]: r for r in result["rows"]}
+    expected = {"1 node x 2 ranks"} | ({"2 nodes x 1 rank"} if netns.why_not() is None else set())
+    assert set(rows) == expected and result["two_nodes_left_out"] == netns.why_not()
+    one = rows["1 node x 2 ranks"]
+    for row in rows.values():
+        assert row["timing/iteration"] > 0 and row["refit/seconds"] > 0
+        assert row["refit/bytes_sent"] == one["refit/bytes_sent"] > 0
+
+
 def test_training_forward_times_both_forwards_and_they_agree():
     result = json.loads(_run("training_forward.py", "--rounds", "1", "--models", "demo", "--json"))
     rows = {r["what"]: r for r in result["rows"]}
