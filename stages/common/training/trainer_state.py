@@ -67,14 +67,17 @@ def _link_sharded_moments(trainer) -> None:
     DeepSpeed maps each parameter's fragment of it only after a step): zero moments, step 0, which is what
     the first step would create, and then the mapping DeepSpeed makes after its first step."""
     wrapper = _optimizer(trainer)
-    if getattr(wrapper, "_hp_optimizer_states_linked", True):
-        return
     base = wrapper.optimizer
-    for group in base.param_groups:
-        for flat in group["params"]:
-            base.state.setdefault(flat, {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
-                                         "exp_avg_sq": torch.zeros_like(flat)})
-    wrapper._lazy_init_hp_params_optimizer_state()
+    zero3 = hasattr(wrapper, "fp32_partitioned_groups_flat")  # ZeRO-3 reads its flat groups' state directly
+    if not zero3 and getattr(wrapper, "_hp_optimizer_states_linked", True):
+        return
+    flats = wrapper.fp32_partitioned_groups_flat if zero3 else [
+        flat for group in base.param_groups for flat in group["params"]]
+    for flat in flats:
+        base.state.setdefault(flat, {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
+                                     "exp_avg_sq": torch.zeros_like(flat)})
+    if not zero3:
+        wrapper._lazy_init_hp_params_optimizer_state()
 
 
 def _steps(trainer) -> int:

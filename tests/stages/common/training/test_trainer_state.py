@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from alignflow.stages.common.training.deepspeed_setup import OptimSettings, initialize
+from alignflow.stages.common.training.deepspeed_setup import OptimSettings, full_state_dict, initialize
 from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
 from alignflow.stages.common.training.trainer_state import (
     INDEX_FILE,
@@ -55,12 +55,14 @@ def train(trainer, ids_list, rank: int = 0, world: int = 1) -> None:
 
 
 def weights(trainer) -> dict[str, torch.Tensor]:
+    if trainer.zero_optimization_stage() == 3:  # the module holds partitions: gather them
+        return full_state_dict(trainer)
     return {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
 
 
 @pytest.mark.parametrize(("saver", "loader"), [
-    ("torch", "torch"), ("zero0", "zero0"), ("zero1", "zero1"), ("zero2", "zero2"),
-    ("zero2", "torch"), ("torch", "zero1"), ("zero1", "zero0"),
+    ("torch", "torch"), ("zero0", "zero0"), ("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "zero3"),
+    ("zero2", "torch"), ("torch", "zero1"), ("zero1", "zero0"), ("zero3", "torch"), ("torch", "zero3"),
 ])
 def test_resumed_trainer_continues_the_uninterrupted_one(tmp_path, saver, loader):
     straight = make_trainer(loader)
@@ -71,12 +73,12 @@ def test_resumed_trainer_continues_the_uninterrupted_one(tmp_path, saver, loader
     resumed = make_trainer(loader, seed=7)  # other weights: everything must come from the state
     load_trainer_state(resumed, tmp_path, "test state")
     train(resumed, batches(3, skip=3))
+    # torch's fused AdamW against DeepSpeed's torch AdamW: another summation order, ~1e-7 after 6 steps;
+    # ZeRO-3's own steps differ from torch's by up to 9.4e-6 after 6 (measured without any resume): 3e-5
+    tolerance = 0.0 if saver == loader else 3e-5 if "zero3" in (saver, loader) else 1e-6
+    resumed_weights = weights(resumed)
     for name, expected in weights(straight).items():
-        got = weights(resumed)[name]
-        if saver == loader:
-            assert torch.equal(got, expected), name
-        else:  # torch's fused AdamW against DeepSpeed's torch AdamW: another summation order, ~1e-8
-            assert torch.allclose(got, expected, atol=1e-6, rtol=0), name
+        assert torch.allclose(resumed_weights[name], expected, atol=tolerance, rtol=0), name
 
 
 def test_state_holds_the_trained_parameters_in_safetensors_and_a_json_index(tmp_path):
