@@ -1,9 +1,11 @@
-"""The `alignflow` command line: run a pipeline config, validate it, print its plan.
+"""The `alignflow` command line: run a pipeline config, validate it, print its plan or a stage's k8s Job.
 
     alignflow run configs/tiny.yaml --set sft.lr=1e-4 --set storage.root=s3://bucket/prefix
     alignflow validate configs/tiny.yaml
     alignflow plan configs/tiny.yaml
     alignflow deploy configs/tiny.yaml        # register the deployment with PREFECT_API_URL's server
+    alignflow k8s-job configs/llama3-8b-gpu.yaml --stage ppo --set ppo.resources.nnodes=2 \
+        --set ppo.resources.rdzv_endpoint=alignflow-rl-0.alignflow-rl-rdzv:29400 | kubectl create -f -
     alignflow ui                              # local Prefect server + MLflow UI on 127.0.0.1
 """
 
@@ -160,6 +162,23 @@ def _cmd_deploy(args) -> int:
     return 0
 
 
+def _cmd_k8s_job(args) -> int:
+    from alignflow.flows.k8s_jobs import TEMPLATE, render_multinode_job, to_yaml
+
+    config = _load(args)
+    objects = render_multinode_job(
+        config,
+        args.stage,
+        spec_uri=args.spec_uri,
+        image=args.image,
+        host_network=args.host_network,
+        socket_ifname=args.socket_ifname,
+        template=args.template or TEMPLATE,
+    )
+    sys.stdout.write(to_yaml(objects))
+    return 0
+
+
 def _cmd_ui(args) -> int:
     from alignflow.ui import serve
 
@@ -176,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("validate", _cmd_validate, "validate a config and print it resolved"),
         ("plan", _cmd_plan, "print the stage calls a config makes"),
         ("deploy", _cmd_deploy, "register the pipeline deployment with a Prefect server"),
+        ("k8s-job", _cmd_k8s_job, "print a training stage's multi-node Kubernetes Job (Indexed Job + "
+         "headless Service) as YAML"),
     ):
         cmd = sub.add_parser(name, help=helptext)
         cmd.add_argument("config", type=Path, help="pipeline YAML, e.g. configs/tiny.yaml")
@@ -199,6 +220,37 @@ def build_parser() -> argparse.ArgumentParser:
                 help="the stages run on this machine (as `alignflow run` runs them): what they need of "
                 "it (a GPU for model.device cuda, the engine backend's package, in "
                 "engine.worker_python too: started to look) are problems, not notes",
+            )
+        if name == "k8s-job":
+            cmd.add_argument(
+                "--stage",
+                required=True,
+                choices=("sft", "reward", "dpo", "ppo"),
+                help="the stage; its resources.nnodes (>= 2) and rdzv_endpoint (pod 0: "
+                "<Job name>-0.<Service name>:<port>) shape the Job",
+            )
+            cmd.add_argument(
+                "--spec-uri",
+                help="the stage spec the pods read (default: <storage.root>/specs/<stage>.json on S3)",
+            )
+            cmd.add_argument("--image", help="container image (default: the stage's, flows/k8s_jobs.py)")
+            cmd.add_argument(
+                "--host-network",
+                action="store_true",
+                help="pods on their node's network, for a fast fabric the pod network does not reach "
+                "(needs a namespace that allows it: docs/production.md)",
+            )
+            cmd.add_argument(
+                "--socket-ifname",
+                default="eth0",
+                help="interface NCCL and gloo use (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME; default eth0, the "
+                "pod's)",
+            )
+            cmd.add_argument(
+                "--template",
+                type=Path,
+                help="the pod spec's template (default: infra/k8s/job-stage-training-multinode.yaml of this "
+                "checkout)",
             )
         cmd.set_defaults(fn=fn)
     ui = sub.add_parser(
