@@ -752,15 +752,39 @@ def test_kubernetes_pool_requests_gpus_on_gpu_nodes():
     }
 
 
-def test_kubernetes_pool_job_is_schema_valid():
+def test_kubernetes_pool_gives_nccl_what_it_needs():
+    """The memory-backed /dev/shm, the interface NCCL and gloo use, NCCL's warnings in the log; the node's
+    network only when a deployment asks (the namespace's restricted Pod Security Standard refuses it)."""
+    base = template("kubernetes")
+    job = render(base, {})
+    pod = job["job_manifest"]["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in pod["volumes"]
+    assert job["env"]["NCCL_SOCKET_IFNAME"] == job["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert job["env"]["NCCL_DEBUG"] == "WARN"
+    assert pod["hostNetwork"] is False
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"  # cluster DNS either way (ClusterFirst without it)
+    namespace = next(d for _, d in k8s_objects() if d["kind"] == "Namespace")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    # A deployment on a fast fabric: the node's network and its interface; the other defaults stay.
+    fabric = {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
+    job = render(base, {"host_network": True, "env": fabric})
+    assert job["job_manifest"]["spec"]["template"]["spec"]["hostNetwork"] is True
+    assert job["env"]["NCCL_SOCKET_IFNAME"] == "ib0" and job["env"]["NCCL_DEBUG"] == "WARN"
+    assert job["env"]["PREFECT_API_AUTH_STRING"] is None
+
+
+@pytest.mark.parametrize("host_network", [False, True])
+def test_kubernetes_pool_job_is_schema_valid(host_network):
     k8s_validate()
-    manifest = render(template("kubernetes"), {"gpu_count": 8, "name": "clever-otter"})["job_manifest"]
+    values = {"gpu_count": 8, "name": "clever-otter", "host_network": host_network}
+    manifest = render(template("kubernetes"), values)["job_manifest"]
     container = manifest["spec"]["template"]["spec"]["containers"][0]
     # What the prefect-kubernetes worker does before submitting: env dict -> list (null values dropped),
     # command -> args.
     container["env"] = [{"name": k, "value": v} for k, v in container["env"].items() if v is not None]
     container["args"] = ["prefect", "flow-run", "execute"]
     validate_k8s(manifest)
+    validate_k8s(manifest, "1.37.0")
 
 
 @pytest.mark.parametrize("impl", ["worker", "base"])
