@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from alignflow.stages.common.ranks import is_main, world_size
+from alignflow.stages.common.ranks import from_main, is_main, world_size
 
 FORMAT = "alignflow-trainer-state-1"
 INDEX_FILE = "trainer_state.json"
@@ -160,7 +160,7 @@ def read_index(folder: Path, where: str) -> dict[str, Any]:
 def load_trainer_state(trainer, folder: Path | None, where: str) -> None:
     """Resume `trainer` from the state rank 0 reads in `folder` (the other ranks pass None: rank 0 broadcasts
     every tensor). `where` names the state in errors. Every rank must call it."""
-    index = _from_main(read_index(folder, where) if is_main() else None)
+    index = from_main(read_index(folder, where) if is_main() else None)
     trainable = _trainable(trainer)
     saved = {key.split(".", 1)[1] for key in index["tensors"] if key.startswith("weight.")}
     names = {name for name, _ in trainable}
@@ -237,8 +237,3 @@ def _broadcast(tensor: torch.Tensor | None, like: torch.nn.Parameter) -> torch.T
     torch.distributed.broadcast(box, src=0)
     return box.view(full_shape)
 
-
-def _from_main(value: Any) -> Any:
-    from alignflow.stages.common.ranks import from_main
-
-    return from_main(value)
