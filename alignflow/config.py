@@ -376,6 +376,20 @@ class EngineConfig(Section):
         "perf/engine_freed_bytes and perf/engine_reloaded_bytes, timing/engine_unload and "
         "timing/engine_reload.",
     )
+    rollout_nodes: int = Field(
+        0,
+        ge=0,
+        description="RL stage: nodes that run only rollout replicas (each node runs the stage's command with "
+        "--rollout-node I, I in [0, rollout_nodes)); the rollout_workers replicas are spread evenly over "
+        "them and none runs beside the trainer. 0 = every replica on rank 0's node (docs/scale-out.md).",
+    )
+    rollout_endpoint: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.\-]+:[0-9]+$",
+        description="host:port where the trainer's rank 0 waits for the rollout nodes (its own address or "
+        "service name, and a free port); needed with rollout_nodes >= 1. Both sides take the shared secret "
+        "from the ALIGNFLOW_ROLLOUT_SECRET environment variable.",
+    )
     worker_python: str | None = Field(
         None,
         description="Python interpreter of the processes that hold the engine (the engine stage's build and "
@@ -386,6 +400,23 @@ class EngineConfig(Section):
     )
 
 
+    @model_validator(mode="after")
+    def _rollout_nodes_layout(self) -> EngineConfig:
+        if self.rollout_nodes == 0:
+            return self
+        if self.rollout_workers < self.rollout_nodes or self.rollout_workers % self.rollout_nodes:
+            raise ValueError(
+                f"engine.rollout_nodes={self.rollout_nodes} spreads the engine.rollout_workers replicas "
+                f"evenly over the rollout nodes, but rollout_workers={self.rollout_workers}; set "
+                f"rollout_workers to a multiple of {self.rollout_nodes}"
+            )
+        if self.rollout_endpoint is None:
+            raise ValueError(
+                f"engine.rollout_nodes={self.rollout_nodes} needs engine.rollout_endpoint (host:port of the "
+                "trainer's rank 0, which the rollout nodes connect to)"
+            )
+        return self
+
 # Engine keys only the RL stage reads (how it runs the built engine): they stay out of the engine and evaluate
 # stages' config sections, so changing them does not rebuild the engine or re-run the evaluation.
 RL_ONLY_ENGINE_KEYS = (
@@ -394,6 +425,8 @@ RL_ONLY_ENGINE_KEYS = (
     "rollout_worker_threads",
     "rollout_timeout_s",
     "unload_during_training",
+    "rollout_nodes",
+    "rollout_endpoint",
 )
 
 
