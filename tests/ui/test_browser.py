@@ -27,6 +27,9 @@ from tests.flows.test_production import MLFLOW_VIEWER, PREFECT_AUTH_STRING, _dep
 playwright_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed: `.venv/bin/pip install -e '.[dev]'`")
 expect = playwright_api.expect
+# The UIs load their lists by API calls after the page: on a 2-core box that has just run the pipeline, the
+# MLflow runs table has taken over playwright's 5 s default to appear.
+expect.set_options(timeout=30_000)
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
