@@ -9,7 +9,8 @@ from alignflow.contract import STAGE_PROGRAMS, stage_program
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in STAGE_PROGRAMS:
         print(
-            "usage: python -m alignflow.stages <stage> --spec SPEC [--force]; stages: "
+            "usage: python -m alignflow.stages <stage> --spec SPEC [--force] [--rollout-node I (ppo)]; "
+            "stages: "
             f"{', '.join(STAGE_PROGRAMS)}",
             file=sys.stderr,
         )

@@ -279,8 +279,12 @@ def already_published(spec: StageSpec) -> StageResult | None:
     return StageResult.from_manifest(manifest, "skipped", message=REUSED_MESSAGE)
 
 
-def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[str] | None = None) -> int:
-    """Parse `--spec`, call `run`, print the StageResult JSON last; exit 2 on bad input, 1 on a crash."""
+def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[str] | None = None,
+               rollout_node: Callable[[StageSpec, int], int] | None = None) -> int:
+    """Parse `--spec`, call `run`, print the StageResult JSON last; exit 2 on bad input, 1 on a crash.
+
+    `rollout_node` (the RL stage): what `--rollout-node I` runs instead of the stage, on a node that holds
+    only rollout replicas; it returns the exit code and prints no result line (rank 0's node reports)."""
     set_offline_defaults()
     console.quiet()  # other libraries' noise off unless ALIGNFLOW_VERBOSE (alignflow run --verbose)
     parser = argparse.ArgumentParser(
@@ -290,7 +294,15 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
     parser.add_argument(
         "--force", action="store_true", help="Re-run even if the output is already published."
     )
+    if rollout_node is not None:
+        parser.add_argument(
+            "--rollout-node", type=int, metavar="I",
+            help="Run this node's share of the rollout replicas (node I of engine.rollout_nodes) for the "
+            "trainer at engine.rollout_endpoint, instead of the stage.",
+        )
     args = parser.parse_args(argv)
+    if getattr(args, "rollout_node", None) is not None:
+        return _serve_rollout_node(stage, args.spec, args.rollout_node, rollout_node)
     started = time.perf_counter()
     if ranks.launched():
         ranks.die_with_launcher()
@@ -348,6 +360,22 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
     sys.stdout.flush()
     _report(result.to_line(), 0)
     return 0
+
+
+def _serve_rollout_node(stage: str, spec_path: str, node: int,
+                        serve: Callable[[StageSpec, int], int]) -> int:
+    """A rollout node's command: its errors as one line on stderr (exit 2: bad input; 1: anything else)."""
+    try:
+        spec = load_spec(spec_path)
+        return serve(spec, node)
+    except BAD_INPUT_ERRORS as exc:
+        print(f"error: {stage}: rollout node {node}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - the traceback for the logs, one line to read first
+        traceback.print_exc()
+        print(f"error: {stage}: rollout node {node}: {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)
+        return 1
 
 
 def _disk_full(exc: BaseException) -> bool:

@@ -46,10 +46,15 @@ they generate).
   trainer stays in its own (prefect, mlflow, deepspeed); the two meet only in the queues and the gloo group
   (same Python and torch versions, checked first).
 
-What it is not (yet): workers on other hosts (the store and gloo bind to 127.0.0.1 here) or pinned to
-their own GPUs (each loads on the default device), or NCCL refits (gloo sends host tensors; a GPU trainer
-copies each one, or each TP rank's slice of it, to the host). The k refit groups of a TP refit take their
-turns on the trainer's one thread: slice j+1 leaves once slice j is sent, not in parallel.
+- Rollout nodes (engine.rollout_nodes >= 1): every replica runs on nodes of its own, and rank 0 starts no
+  worker process. The store listens on engine.rollout_endpoint, the queues are served over TCP with a shared
+  secret, and a node's silence stands for its processes' exit codes (stages/ppo/rollout_nodes.py); the
+  calls above, the refit groups and the error messages are the same, a worker named with its node.
+
+What it is not (yet): workers pinned to their own GPUs (each loads on the default device), or NCCL refits
+(gloo sends host tensors; a GPU trainer copies each one, or each TP rank's slice of it, to the host). The
+k refit groups of a TP refit take their turns on the trainer's one thread: slice j+1 leaves once slice j is
+sent, not in parallel.
 """
 
 from __future__ import annotations
@@ -83,6 +88,14 @@ from alignflow.stages.common.generation.interface import (
 from alignflow.stages.common.generation.native.tensor_parallel import shard_of, sharding_rule
 from alignflow.stages.common.generation.worker_python import resolve, spawning_under
 from alignflow.stages.ppo.rollout_client import Rollout, RolloutRequest, timed_memory_change
+from alignflow.stages.ppo.rollout_nodes import (
+    HEARTBEAT_S,
+    QUEUES_KEY,
+    SILENT_AFTER_S,
+    QueueServer,
+    address_towards,
+    split_endpoint,
+)
 
 # Header of one refit tensor: its JSON (name, shape, dtype) zero-padded to a fixed size, so every
 # rank knows how many bytes the header broadcast carries. Llama parameter names are < 80 characters.
@@ -127,6 +140,8 @@ class WorkerSettings:
     replica: int = 0         # which data-parallel replica this process belongs to
     tp_rank: int = 0         # its rank inside the replica's tensor-parallel group (0: the replica's leader)
     tp_size: int = 1         # k, the replica's tensor-parallel ranks
+    bind_host: str | None = None  # the address gloo binds (None: store_host; a rollout node: its own)
+    node: int | None = None  # the rollout node it runs on (None: rank 0's node)
 
 
 @dataclass
@@ -419,15 +434,17 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
                 "threads": torch.get_num_threads(),
                 "backend": engine.backend,
                 "weight_bytes": engine.weights.nbytes() if hasattr(engine, "weights") else None,
+                "node": settings.node,
             },
         )
     )
-    group = _join_group(store, index + 1, settings.world_size, settings.timeout_s, settings.store_host)
+    bind = settings.bind_host or settings.store_host
+    group = _join_group(store, index + 1, settings.world_size, settings.timeout_s, bind)
     refit_group = group
     if settings.tp_size > 1:  # the trainer sends this rank's slices over the group of its TP rank index
         replicas = (settings.world_size - 1) // settings.tp_size
         refit_group = _join_group(
-            store, settings.replica + 1, replicas + 1, settings.timeout_s, settings.store_host,
+            store, settings.replica + 1, replicas + 1, settings.timeout_s, bind,
             _refit_group_name(settings.tp_rank),
         )
     parent = mp.parent_process()
@@ -438,6 +455,8 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
             if parent is not None and not parent.is_alive():
                 return  # the trainer is gone (SIGKILL): nobody will ever send "stop"
             continue
+        except (EOFError, ConnectionError):  # a rollout node's queue server (rank 0) is gone
+            return
         for follower in followers:
             follower.put(task)  # the replica's other ranks make the same call
         kind = task[0]
@@ -517,6 +536,15 @@ def check_replica_split(engine_dir: str | os.PathLike, tensor_parallel_size: int
 
 
 @dataclass
+class _RemoteProcess:
+    """What rank 0 knows of a worker process on a rollout node: its exit code once its node reported it, or
+    how long its node has been silent once that passed SILENT_AFTER_S."""
+
+    exitcode: int | None = None
+    silent_s: float | None = None
+
+
+@dataclass
 class _Worker:
     index: int
     process: Any
@@ -524,6 +552,18 @@ class _Worker:
     info: dict[str, Any] = field(default_factory=dict)
     replica: int = 0
     tp_rank: int = 0
+    node: int | None = None  # its rollout node (None: rank 0's node)
+
+    @property
+    def gone(self) -> bool:
+        return self.process.exitcode is not None or getattr(self.process, "silent_s", None) is not None
+
+    def how_gone(self) -> str:
+        silent = getattr(self.process, "silent_s", None)
+        if self.process.exitcode is None and silent is not None:
+            return (f"went silent: no heartbeat from rollout node {self.node} for {silent:.0f} s (its "
+                    "processes were killed or its network went)")
+        return describe_exit(self.process.exitcode)
 
 
 class RolloutWorkers:
@@ -546,6 +586,9 @@ class RolloutWorkers:
         bucket_bytes: int = BUCKET_BYTES,
         tensor_parallel_size: int = 1,
         worker_python: str | None = None,
+        rollout_nodes: int = 0,
+        endpoint: str | None = None,
+        secret: bytes | None = None,
     ):
         if workers < 1:
             raise ValueError(
@@ -566,6 +609,7 @@ class RolloutWorkers:
         self.weights_version = weights_version
         self.unload_during_training = unload_during_training  # the loop calls unload() / reload() when set
         self.threads = threads or default_threads(processes)
+        self._start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")
         self._tasks = self._ctx.Queue()
         self._results = self._ctx.Queue()
@@ -581,6 +625,18 @@ class RolloutWorkers:
         self._group = None
         self._refit_groups: list[Any] = []
         self.workers: list[_Worker] = []
+        self.rollout_nodes, self.endpoint = rollout_nodes, endpoint
+        self._queue_server: QueueServer | None = None
+        self._nodes: dict[int, dict[str, Any]] = {}  # rollout node -> its place (host, address, pid)
+        self._beats: dict[int, float] = {}  # rollout node -> when its last heartbeat was read
+        self._follower_queues: dict[int, Any] = {}
+        if rollout_nodes:
+            try:
+                self._open_for_nodes(endpoint, secret, processes)
+            except BaseException:
+                self.close()
+                raise
+            return
         host = "127.0.0.1"
         # Port 0: the OS picks a free port as the store binds it, and the workers are told which one.
         self._store = dist.TCPStore(
@@ -620,24 +676,56 @@ class RolloutWorkers:
                 with spawning_under(self.interpreter):
                     process.start()
                 self.workers.append(_Worker(i, process, process.pid, replica=replica, tp_rank=tp_rank))
-            deadline = time.monotonic() + start_timeout_s
-            while any(not w.info for w in self.workers):
-                if time.monotonic() > deadline:
-                    slow = [w.index for w in self.workers if not w.info]
-                    raise RolloutWorkerError(
-                        f"rollout worker(s) {slow} did not load the engine within {start_timeout_s:.0f} s"
-                    )
-                self._pump("loading the engine")
-            self._group = _join_group(self._store, 0, processes + 1, timeout_s, host)
-            # Refit group j: the trainer and TP rank j of every replica (k = 1: the whole group). Each
-            # worker joins its own; the trainer joins them in order, so none waits on another.
-            self._refit_groups = [self._group] if tensor_parallel_size == 1 else [
-                _join_group(self._store, 0, workers + 1, timeout_s, host, _refit_group_name(j))
-                for j in range(tensor_parallel_size)
-            ]
+            self._await_ready(start_timeout_s)
+            self._join_groups(host)
         except BaseException:
             self.close()
             raise
+
+    def _open_for_nodes(self, endpoint: str, secret: bytes, processes: int) -> None:
+        """Rollout nodes run every replica: the refit store listens on the endpoint's port, the queue server's
+        port goes into it, and rank 0 waits until every node has connected and every worker is ready."""
+        host, port = split_endpoint(endpoint)
+        # The store listens on every interface; `host` is only where this process itself connects.
+        self._store = dist.TCPStore(
+            host, port, processes + 1, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
+        )
+        self._queue_server = QueueServer(secret, self._ctx)
+        self._tasks, self._results = self._queue_server.tasks, self._queue_server.results
+        self._store.set(QUEUES_KEY, json.dumps({"port": self._queue_server.port}))
+        self.workers = [
+            _Worker(i, _RemoteProcess(), replica=i // self.tp_size, tp_rank=i % self.tp_size)
+            for i in range(processes)
+        ]
+        self._await_ready(self._start_timeout_s)
+        self._join_groups(address_towards(host))
+
+    def _await_ready(self, start_timeout_s: float) -> None:
+        deadline = time.monotonic() + start_timeout_s
+        while any(not w.info for w in self.workers):
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.rollout_nodes)) - set(self._nodes))
+                if missing:
+                    raise RolloutWorkerError(
+                        f"rollout node(s) {missing} did not connect to engine.rollout_endpoint="
+                        f"{self.endpoint} within {start_timeout_s:.0f} s: run the stage's command with "
+                        "--rollout-node I on each (I in [0, engine.rollout_nodes))"
+                    )
+                slow = [w.index for w in self.workers if not w.info]
+                raise RolloutWorkerError(
+                    f"rollout worker(s) {slow} did not load the engine within {start_timeout_s:.0f} s"
+                )
+            self._pump("loading the engine")
+
+    def _join_groups(self, host: str) -> None:
+        processes = len(self.workers)
+        self._group = _join_group(self._store, 0, processes + 1, self.timeout_s, host)
+        # Refit group j: the trainer and TP rank j of every replica (k = 1: the whole group). Each
+        # worker joins its own; the trainer joins them in order, so none waits on another.
+        self._refit_groups = [self._group] if self.tp_size == 1 else [
+            _join_group(self._store, 0, self.replicas + 1, self.timeout_s, host, _refit_group_name(j))
+            for j in range(self.tp_size)
+        ]
 
     # -- the three calls of RolloutClient ---------------------------------------------------------
     def submit(self, request: RolloutRequest) -> RolloutTicket:
@@ -765,8 +853,11 @@ class RolloutWorkers:
         # Idle and healthy: a polite stop (each exits its loop). After a failure, or with chunks still queued
         # or being generated, a worker may be blocked in a collective or busy for seconds: terminate at once.
         polite = self._broken is None and all(p.done for p in self._requests.values())
-        for _ in range(self.replicas) if polite and alive else ():
+        for _ in range(self.replicas) if polite and alive and self._tasks is not None else ():
             self._tasks.put(("stop",))  # a leader forwards it to its followers
+        if self.rollout_nodes:
+            self._close_nodes(5.0 if polite else 0.0)
+            return
         deadline = time.monotonic() + (5.0 if polite else 0.0)
         for w in alive:
             w.process.join(max(0.0, deadline - time.monotonic()))
@@ -780,6 +871,26 @@ class RolloutWorkers:
         for q in (self._tasks, self._results, *self._follower_queues.values()):
             q.cancel_join_thread()  # nothing left to read what is still buffered: do not wait at exit
             q.close()
+        self._group = None
+        self._refit_groups = []
+        self._store = None
+
+    def _close_nodes(self, wait_s: float) -> None:
+        """Wait up to `wait_s` for the rollout nodes to report their workers' exits, then stop the queue
+        server: a node whose workers did not stop sees it go and stops them itself."""
+        deadline = time.monotonic() + wait_s
+        while self._queue_server is not None and time.monotonic() < deadline:
+            if all(w.process.exitcode is not None for w in self.workers):
+                break
+            try:
+                self._handle(self._results.get(timeout=POLL_S))
+            except queue.Empty:
+                continue
+            except (RolloutWorkerError, EOFError, ConnectionError):
+                break
+        if self._queue_server is not None:
+            self._queue_server.close()
+            self._queue_server = None
         self._group = None
         self._refit_groups = []
         self._store = None
@@ -801,18 +912,38 @@ class RolloutWorkers:
 
     def _worker_name(self, index: int) -> str:
         w = self.workers[index]
+        where = ""
+        if w.node is not None:
+            place = self._nodes[w.node]
+            where = f"rollout node {w.node} ({place['host']}, {place['address']}), "
         if self.tp_size == 1:
-            return f"rollout worker {index} (pid {w.pid})"
-        return (f"rollout worker {index} (replica {w.replica}, tensor-parallel rank {w.tp_rank} of "
+            return f"rollout worker {index} ({where}pid {w.pid})"
+        return (f"rollout worker {index} ({where}replica {w.replica}, tensor-parallel rank {w.tp_rank} of "
                 f"{self.tp_size}, pid {w.pid})")
 
     def _dead(self) -> list[_Worker]:
-        return [w for w in self.workers if w.process.exitcode is not None]
+        if self.rollout_nodes and not self._closed:
+            self._hear_nodes()
+        return [w for w in self.workers if w.gone]
+
+    def _hear_nodes(self) -> None:
+        """Read every message the nodes sent (their beats among them), then mark the workers of a node silent
+        for SILENT_AFTER_S. Reading first: while the trainer trains nobody reads, and old beats are news."""
+        while True:
+            try:
+                message = self._results.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(message)
+        now = time.monotonic()
+        for node, heard in self._beats.items():
+            if now - heard > SILENT_AFTER_S:
+                for w in self.workers:
+                    if w.node == node and w.process.exitcode is None:
+                        w.process.silent_s = now - heard
 
     def _death_error(self, dead: list[_Worker], doing: str) -> RolloutWorkerError:
-        names = "; ".join(
-            f"{self._worker_name(w.index)} died ({describe_exit(w.process.exitcode)})" for w in dead
-        )
+        names = "; ".join(f"{self._worker_name(w.index)} died ({w.how_gone()})" for w in dead)
         lost = sorted(
             {
                 (p.request.iteration, c)
@@ -832,7 +963,9 @@ class RolloutWorkers:
 
     def _lost(self, doing: str, exc: BaseException) -> RolloutWorkerError:
         """A collective failed: name the worker whose death broke it (waiting briefly for it to be reaped)."""
-        deadline = time.monotonic() + REAP_WAIT_S
+        # A rollout node's death is known only once its beats stop.
+        wait_s = SILENT_AFTER_S + 2 * HEARTBEAT_S if self.rollout_nodes else REAP_WAIT_S
+        deadline = time.monotonic() + wait_s
         while not self._dead() and time.monotonic() < deadline:
             time.sleep(POLL_S)
         if self._dead():
@@ -856,7 +989,15 @@ class RolloutWorkers:
 
     def _handle(self, message: tuple) -> None:
         kind, index = message[0], message[1]
-        if kind == "ready":
+        if kind == "beat":
+            self._beats[index] = time.monotonic()
+        elif kind == "node":  # a rollout node connected: its place, and the workers it starts
+            self._nodes[index], self._beats[index] = message[2], time.monotonic()
+            for worker in message[3]:
+                self.workers[worker].node = index
+        elif kind == "exited":
+            self.workers[index].process.exitcode = message[2]
+        elif kind == "ready":
             self.workers[index].pid, self.workers[index].info = message[2], message[3]
         elif kind == "failed":
             error = RolloutWorkerError(

@@ -84,6 +84,7 @@ from alignflow.stages.ppo.experience_passes import (
 from alignflow.stages.ppo.nan_guard import NonFiniteError, check_finite
 from alignflow.stages.ppo.reward_functions import dataset_columns, load_reward_function
 from alignflow.stages.ppo.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
+from alignflow.stages.ppo.rollout_nodes import RolloutNodeError, read_secret, serve_node
 from alignflow.stages.ppo.rollout_workers import RolloutWorkers
 from alignflow.stages.ppo.rollout_writer import RolloutWriter, rollout_rows
 from alignflow.stages.ppo.scoring import (
@@ -541,14 +542,17 @@ def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, d
     if engine_cfg.rollout_workers >= 1:
         tp = engine_cfg.tensor_parallel_size
         try:
+            secret = read_secret("the trainer") if engine_cfg.rollout_nodes else None
             workers = RolloutWorkers(ctx.input("engine"), engine_cfg.rollout_workers,
                                      chunk_size=engine_cfg.queue_chunk,
                                      threads=engine_cfg.rollout_worker_threads,
                                      timeout_s=engine_cfg.rollout_timeout_s,
                                      unload_during_training=engine_cfg.unload_during_training,
                                      device=None if device.type == "cuda" else str(device),
-                                     tensor_parallel_size=tp, worker_python=engine_cfg.worker_python)
-        except (EngineError, UnsupportedArchitectureError) as exc:
+                                     tensor_parallel_size=tp, worker_python=engine_cfg.worker_python,
+                                     rollout_nodes=engine_cfg.rollout_nodes,
+                                     endpoint=engine_cfg.rollout_endpoint, secret=secret)
+        except (EngineError, UnsupportedArchitectureError, RolloutNodeError) as exc:
             raise StageInputError(str(exc)) from None
         layout = (f"{engine_cfg.rollout_workers} rollout replica(s) x {tp} tensor-parallel ranks: "
                   if tp > 1 else "")
@@ -593,8 +597,26 @@ def startup_metrics(ctx: StageContext) -> dict[str, float]:
         out["startup/since_run"] = since_run
     return out
 
+def serve_rollout_node(spec: StageSpec, node: int) -> int:
+    """`--rollout-node I`: this node runs its share of the rollout replicas for the trainer's rank 0 at
+    engine.rollout_endpoint, until rank 0 stops them (stages/ppo/rollout_nodes.py)."""
+    engine_cfg: EngineConfig = section(spec, EngineConfig, "engine")
+    if engine_cfg.rollout_nodes == 0:
+        raise StageInputError(
+            f"--rollout-node {node}: the spec's engine.rollout_nodes is 0, so the trainer runs its replicas "
+            "itself; set engine.rollout_nodes (and engine.rollout_endpoint) to give them nodes of their own"
+        )
+    ctx = StageContext(spec)
+    device = ctx.compute_device()
+    try:
+        return serve_node(str(ctx.input("engine")), node, engine_cfg,
+                          None if device.type == "cuda" else str(device))
+    except RolloutNodeError as exc:
+        raise StageInputError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    return stage_main("ppo", run, argv)
+    return stage_main("ppo", run, argv, rollout_node=serve_rollout_node)
 
 
 if __name__ == "__main__":
