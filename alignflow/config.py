@@ -390,6 +390,13 @@ class EngineConfig(Section):
         "service name, and a free port); needed with rollout_nodes >= 1. Both sides take the shared secret "
         "from the ALIGNFLOW_ROLLOUT_SECRET environment variable.",
     )
+    refit_backend: Literal["gloo", "nccl"] = Field(
+        "gloo",
+        description="RL stage: the collective that sends the trainer's weights to the rollout replicas. gloo "
+        "moves host memory (a GPU trainer copies each tensor to the host); nccl sends GPU to GPU, and needs "
+        "a CUDA trainer with every replica on a rollout node (engine.rollout_nodes), each process on a GPU "
+        "of its own.",
+    )
     worker_python: str | None = Field(
         None,
         description="Python interpreter of the processes that hold the engine (the engine stage's build and "
@@ -402,6 +409,12 @@ class EngineConfig(Section):
 
     @model_validator(mode="after")
     def _rollout_nodes_layout(self) -> EngineConfig:
+        if self.refit_backend == "nccl" and self.rollout_nodes == 0:
+            raise ValueError(
+                "engine.refit_backend=nccl needs every rollout replica on a rollout node of its own "
+                "(engine.rollout_nodes >= 1): NCCL refuses the trainer and a replica on one GPU; set "
+                "engine.refit_backend: gloo"
+            )
         if self.rollout_nodes == 0:
             return self
         if self.rollout_workers < self.rollout_nodes or self.rollout_workers % self.rollout_nodes:
@@ -427,6 +440,7 @@ RL_ONLY_ENGINE_KEYS = (
     "unload_during_training",
     "rollout_nodes",
     "rollout_endpoint",
+    "refit_backend",
 )
 
 

@@ -170,6 +170,23 @@ def replicas_of_node(node: int, nodes: int, replicas: int) -> range:
     return range(node * per_node, (node + 1) * per_node)
 
 
+def gpus_of_node(node: int, processes: int, device: str | None) -> list[int | None]:
+    """The CUDA device each of a rollout node's processes takes: GPU i for its i-th (None each off CUDA,
+    where `device` names the device); refuses a node with fewer GPUs than processes."""
+    if device is not None:
+        return [None] * processes
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < processes:
+        raise RolloutNodeError(
+            f"rollout node {node} runs {processes} engine processes (its replicas x "
+            f"engine.tensor_parallel_size) but sees {count} GPU(s); give it {processes} GPUs, or lower "
+            "engine.rollout_workers per engine.rollout_nodes"
+        )
+    return list(range(processes))
+
+
 def serve_node(engine_dir: str, node: int, engine_cfg: Any, device: str | None) -> int:
     """Rollout node `node`'s whole life: meet rank 0, start this node's replicas (k processes each), beat, and
     report their exits; returns the exit code (0 once rank 0 stopped the replicas)."""
@@ -194,26 +211,27 @@ def serve_node(engine_dir: str, node: int, engine_cfg: Any, device: str | None) 
     tasks, results = connect_queues(host, queue_port, secret)
     mine = replicas_of_node(node, nodes, replicas)
     local = len(mine) * tp
+    gpus = gpus_of_node(node, local, device)
     threads = engine_cfg.rollout_worker_threads or default_threads(local)
     place = {"node": node, "host": socket.gethostname(), "address": address_towards(host), "pid": os.getpid()}
     results.put(("node", node, place, [r * tp + j for r in mine for j in range(tp)]))
     ctx = mp.get_context("spawn")
     children: dict[int, Any] = {}
     follower_queues = {r * tp + j: ctx.Queue() for r in mine for j in range(1, tp)}
-    for replica in mine:
-        for tp_rank in range(tp):
-            index = replica * tp + tp_rank
-            settings = WorkerSettings(index, engine_dir, threads, host, port, processes + 1,
-                                      engine_cfg.rollout_timeout_s, device, replica, tp_rank, tp,
-                                      bind_host=place["address"], node=node)
-            if tp_rank == 0:
-                args = (settings, tasks, results, tuple(follower_queues[index + j] for j in range(1, tp)))
-            else:
-                args = (settings, follower_queues[index], results)
-            children[index] = ctx.Process(target=worker_main, args=args, name=f"rollout-worker-{index}",
-                                          daemon=True)
-            with spawning_under(interpreter):
-                children[index].start()
+    for position, (replica, tp_rank) in enumerate((r, j) for r in mine for j in range(tp)):
+        index = replica * tp + tp_rank
+        settings = WorkerSettings(index, engine_dir, threads, host, port, processes + 1,
+                                  engine_cfg.rollout_timeout_s, device, replica, tp_rank, tp,
+                                  bind_host=place["address"], node=node, gpu=gpus[position],
+                                  refit_backend=engine_cfg.refit_backend)
+        if tp_rank == 0:
+            args = (settings, tasks, results, tuple(follower_queues[index + j] for j in range(1, tp)))
+        else:
+            args = (settings, follower_queues[index], results)
+        children[index] = ctx.Process(target=worker_main, args=args, name=f"rollout-worker-{index}",
+                                      daemon=True)
+        with spawning_under(interpreter):
+            children[index].start()
     print(f"ppo: rollout node {node} ({place['host']}, {place['address']}): replicas {list(mine)} x {tp} "
           f"process(es), pids {[c.pid for c in children.values()]}, {threads} torch thread(s) each "
           f"(torch {torch.__version__})", file=sys.stderr, flush=True)

@@ -142,6 +142,8 @@ class WorkerSettings:
     tp_size: int = 1         # k, the replica's tensor-parallel ranks
     bind_host: str | None = None  # the address gloo binds (None: store_host; a rollout node: its own)
     node: int | None = None  # the rollout node it runs on (None: rank 0's node)
+    gpu: int | None = None   # the CUDA device it takes (a rollout node's i-th process: GPU i)
+    refit_backend: str = "gloo"  # the refit groups' backend (engine.refit_backend)
 
 
 @dataclass
@@ -232,10 +234,16 @@ def merge_generations(parts: list[Generation], wall_seconds: float, busy: dict[i
 
 
 def _join_group(
-    store: dist.Store, rank: int, size: int, timeout_s: float, host: str, name: str = "alignflow-rollout"
+    store: dist.Store, rank: int, size: int, timeout_s: float, host: str, name: str = "alignflow-rollout",
+    backend: str = "gloo",
 ) -> dist.ProcessGroup:
-    """A standalone gloo group of the trainer and the workers: it never becomes (or touches) the default
-    group. `name` keeps groups on the one store apart (the refit group of TP rank j: its own name)."""
+    """A standalone gloo (or NCCL) group of the trainer and the workers: it never becomes (or touches) the
+    default group. `name` keeps groups on the one store apart (the refit group of TP rank j: its own name).
+    NCCL: every member on its own GPU, this process's current device."""
+    if backend == "nccl":
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, size, nccl)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout_s)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -281,18 +289,21 @@ def _encode_header(header: dict[str, Any]) -> torch.Tensor:
     return buf
 
 
-def _send_header(group: dist.ProcessGroup, header: dict[str, Any], timeout_s: float) -> None:
-    _broadcast(group, _encode_header(header), timeout_s)
+def _send_header(group: dist.ProcessGroup, header: dict[str, Any], device: torch.device | str,
+                 timeout_s: float) -> None:
+    _broadcast(group, _encode_header(header).to(device), timeout_s)
 
 
-def _receive_stream(group: dist.ProcessGroup, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+def _receive_stream(group: dist.ProcessGroup, timeout_s: float,
+                    device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs as rank 0 broadcasts them, until its end marker. A tensor sent alone gets a fresh
     buffer; a bucket's tensors are views of the bucket, freed with the last of them: the engine copies each
-    one before asking for the next, so at most one bucket or one large tensor is alive."""
-    header_buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    one before asking for the next, so at most one bucket or one large tensor is alive. `device`: where the
+    group moves bytes (the host for gloo, this process's GPU for NCCL)."""
+    header_buf = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
     while True:
         _broadcast(group, header_buf, timeout_s)
-        header = json.loads(bytes(header_buf.tolist()).rstrip(b"\0"))
+        header = json.loads(bytes(header_buf.cpu().tolist()).rstrip(b"\0"))
         if "end" in header:
             return
         if "abort" in header:
@@ -301,14 +312,14 @@ def _receive_stream(group: dist.ProcessGroup, timeout_s: float) -> Iterator[tupl
                 "mix of old and new weights until the next full refit"
             )
         if "bucket" in header:
-            meta_buf = torch.empty(header["meta"], dtype=torch.uint8)
+            meta_buf = torch.empty(header["meta"], dtype=torch.uint8, device=device)
             _broadcast(group, meta_buf, timeout_s)
-            entries = json.loads(bytes(meta_buf.tolist()))
-            bucket = torch.empty(header["bucket"], dtype=torch.uint8)
+            entries = json.loads(bytes(meta_buf.cpu().tolist()))
+            bucket = torch.empty(header["bucket"], dtype=torch.uint8, device=device)
             _broadcast(group, bucket, timeout_s)
         else:
             entries = [{**header, "offset": 0}]
-            bucket = torch.empty(_nbytes(header), dtype=torch.uint8)
+            bucket = torch.empty(_nbytes(header), dtype=torch.uint8, device=device)
             _broadcast(group, bucket, timeout_s)
         for entry in entries:
             size = _nbytes(entry)
@@ -327,9 +338,9 @@ class _Bucket:
     stream yields it, so the stream may free its tensor right away (ZeRO-3 releases each gathered
     parameter)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, device: torch.device | str = "cpu"):
         self.capacity = capacity
-        self.buffer = torch.empty(capacity, dtype=torch.uint8)
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
         self.entries: list[dict[str, Any]] = []
         self.used = 0
 
@@ -348,17 +359,21 @@ class _Bucket:
     def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(header, metadata, payload) to broadcast, and the bucket emptied for reuse."""
         meta = json.dumps(self.entries).encode()
-        header = _encode_header({"bucket": self.used, "meta": len(meta)})
+        device = self.buffer.device
+        header = _encode_header({"bucket": self.used, "meta": len(meta)}).to(device)
         payload = self.buffer[: self.used]
         self.entries, self.used = [], 0
-        return header, torch.frombuffer(bytearray(meta), dtype=torch.uint8), payload
+        return header, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device), payload
 
 
-def _alone(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, host copy) of a tensor sent alone: gloo moves host memory, so a GPU trainer's tensor is
-    copied to the host (a contiguous CPU one is not copied; a row-parallel slice is, the slice only)."""
-    flat = tensor.to("cpu").contiguous()
-    return _encode_header({"name": name, "shape": list(flat.shape), "dtype": _dtype_name(flat)}), flat
+def _alone(name: str, tensor: torch.Tensor, device: torch.device | str = "cpu"
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, copy on `device`) of a tensor sent alone: gloo moves host memory, so a GPU trainer's tensor
+    is copied to the host (a contiguous CPU one is not copied; a row-parallel slice is, the slice only);
+    NCCL moves GPU memory, where the trainer's tensor already is."""
+    flat = tensor.to(device).contiguous()
+    header = _encode_header({"name": name, "shape": list(flat.shape), "dtype": _dtype_name(flat)})
+    return header.to(device), flat
 
 
 def _aligned(offset: int) -> int:
@@ -411,6 +426,8 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
     leader = settings.tp_rank == 0
     torch.set_num_threads(settings.threads)
     try:
+        if settings.gpu is not None:
+            torch.cuda.set_device(settings.gpu)
         store = dist.TCPStore(
             settings.store_host,
             settings.store_port,
@@ -440,13 +457,17 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
     )
     bind = settings.bind_host or settings.store_host
     group = _join_group(store, index + 1, settings.world_size, settings.timeout_s, bind)
-    refit_group = group
-    if settings.tp_size > 1:  # the trainer sends this rank's slices over the group of its TP rank index
+    refit_group, refit_device = group, "cpu"
+    # The trainer sends this rank's slices over the group of its TP rank index (NCCL: always a group of its
+    # own, as the control group's barriers stay on gloo).
+    if settings.tp_size > 1 or settings.refit_backend == "nccl":
         replicas = (settings.world_size - 1) // settings.tp_size
         refit_group = _join_group(
             store, settings.replica + 1, replicas + 1, settings.timeout_s, bind,
-            _refit_group_name(settings.tp_rank),
+            _refit_group_name(settings.tp_rank), settings.refit_backend,
         )
+        if settings.refit_backend == "nccl":
+            refit_device = torch.device("cuda", torch.cuda.current_device())
     parent = mp.parent_process()
     while True:
         try:
@@ -473,7 +494,7 @@ def worker_main(settings: WorkerSettings, tasks: Any, results: Any, followers: t
                 if leader:  # every rank of a replica holds the same tokens; one copy goes back
                     results.put(("chunk", index, request_id, chunk, generation, time.perf_counter() - began))
             elif kind == "refit":
-                stream = _receive_stream(refit_group, settings.timeout_s)
+                stream = _receive_stream(refit_group, settings.timeout_s, refit_device)
                 try:
                     stats = engine.refit(stream, partial=task[1])
                 finally:
@@ -589,6 +610,7 @@ class RolloutWorkers:
         rollout_nodes: int = 0,
         endpoint: str | None = None,
         secret: bytes | None = None,
+        refit_backend: str = "gloo",
     ):
         if workers < 1:
             raise ValueError(
@@ -626,6 +648,13 @@ class RolloutWorkers:
         self._refit_groups: list[Any] = []
         self.workers: list[_Worker] = []
         self.rollout_nodes, self.endpoint = rollout_nodes, endpoint
+        if refit_backend == "nccl" and not rollout_nodes:
+            raise ValueError("an NCCL refit needs every replica on a rollout node (engine.rollout_nodes "
+                             ">= 1): NCCL refuses two members of one group on the same GPU")
+        self.refit_backend = refit_backend
+        # Where the refit's bytes go out from: the host for gloo, the trainer's GPU for NCCL.
+        self._refit_device = torch.device("cuda", torch.cuda.current_device()) if refit_backend == "nccl" \
+            else torch.device("cpu")
         self._queue_server: QueueServer | None = None
         self._nodes: dict[int, dict[str, Any]] = {}  # rollout node -> its place (host, address, pid)
         self._beats: dict[int, float] = {}  # rollout node -> when its last heartbeat was read
@@ -722,8 +751,9 @@ class RolloutWorkers:
         self._group = _join_group(self._store, 0, processes + 1, self.timeout_s, host)
         # Refit group j: the trainer and TP rank j of every replica (k = 1: the whole group). Each
         # worker joins its own; the trainer joins them in order, so none waits on another.
-        self._refit_groups = [self._group] if self.tp_size == 1 else [
-            _join_group(self._store, 0, self.replicas + 1, self.timeout_s, host, _refit_group_name(j))
+        self._refit_groups = [self._group] if self.tp_size == 1 and self.refit_backend == "gloo" else [
+            _join_group(self._store, 0, self.replicas + 1, self.timeout_s, host, _refit_group_name(j),
+                        self.refit_backend)
             for j in range(self.tp_size)
         ]
 
@@ -790,7 +820,7 @@ class RolloutWorkers:
         for _ in range(self.replicas):
             self._tasks.put(("refit", partial))  # each leader forwards it to its replica's other ranks
         count = nbytes = sent = 0
-        buckets = [_Bucket(self.bucket_bytes // self.tp_size) for _ in self._refit_groups]
+        buckets = [_Bucket(self.bucket_bytes // self.tp_size, self._refit_device) for _ in self._refit_groups]
         stream, end = iter(named_tensors), object()
         while (item := self._guard_stream(next, stream, end)) is not end:
             name, tensor = item
@@ -803,7 +833,7 @@ class RolloutWorkers:
                     del tensor  # the stream may free it while the last slice travels
                 size = part.numel() * part.element_size()
                 if size > bucket.capacity // 2:  # alone
-                    header, flat = self._guard_stream(_alone, name, part)
+                    header, flat = self._guard_stream(_alone, name, part, self._refit_device)
                     del part
                     if bucket.entries:
                         self._send_bucket(group, bucket)  # keep the stream's order
@@ -819,7 +849,7 @@ class RolloutWorkers:
         for group, bucket in zip(self._refit_groups, buckets, strict=True):
             if bucket.entries:
                 self._send_bucket(group, bucket)
-            self._collective("refitting", _send_header, {"end": True}, group=group)
+            self._collective("refitting", _send_header, {"end": True}, self._refit_device, group=group)
         reports = self._collect("refit")
         self.weights_version += 1
         return GroupRefitStats(
@@ -1102,7 +1132,8 @@ class RolloutWorkers:
         try:
             for group in self._refit_groups:
                 self._collective(
-                    "refitting", _send_header, {"abort": f"{type(exc).__name__}: {exc}"[:800]}, group=group
+                    "refitting", _send_header, {"abort": f"{type(exc).__name__}: {exc}"[:800]},
+                    self._refit_device, group=group,
                 )
             self._collect("refit")
         except RolloutWorkerError:

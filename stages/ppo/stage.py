@@ -541,6 +541,9 @@ def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, d
     its default one)."""
     if engine_cfg.rollout_workers >= 1:
         tp = engine_cfg.tensor_parallel_size
+        if engine_cfg.refit_backend == "nccl" and device.type != "cuda":
+            raise StageInputError(f"engine.refit_backend=nccl sends GPU memory, but the trainer runs on "
+                                  f"{device.type}; set engine.refit_backend: gloo")
         try:
             secret = read_secret("the trainer") if engine_cfg.rollout_nodes else None
             workers = RolloutWorkers(ctx.input("engine"), engine_cfg.rollout_workers,
@@ -551,7 +554,8 @@ def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, d
                                      device=None if device.type == "cuda" else str(device),
                                      tensor_parallel_size=tp, worker_python=engine_cfg.worker_python,
                                      rollout_nodes=engine_cfg.rollout_nodes,
-                                     endpoint=engine_cfg.rollout_endpoint, secret=secret)
+                                     endpoint=engine_cfg.rollout_endpoint, secret=secret,
+                                     refit_backend=engine_cfg.refit_backend)
         except (EngineError, UnsupportedArchitectureError, RolloutNodeError) as exc:
             raise StageInputError(str(exc)) from None
         layout = (f"{engine_cfg.rollout_workers} rollout replica(s) x {tp} tensor-parallel ranks: "

@@ -17,10 +17,17 @@ import sys
 import time
 
 import pytest
+import torch
 
 from alignflow.config import EngineConfig
 from alignflow.stages.common.generation.native.weights import checkpoint_tensors
-from alignflow.stages.ppo.rollout_nodes import SECRET_VAR, RolloutNodeError, read_secret, replicas_of_node
+from alignflow.stages.ppo.rollout_nodes import (
+    SECRET_VAR,
+    RolloutNodeError,
+    gpus_of_node,
+    read_secret,
+    replicas_of_node,
+)
 from alignflow.stages.ppo.rollout_workers import RolloutWorkerError, RolloutWorkers
 from tests.stages.ppo.test_rollout_workers import (
     GREEDY,
@@ -45,8 +52,9 @@ import json, sys
 from alignflow.config import EngineConfig
 from alignflow.stages.ppo.rollout_nodes import RolloutNodeError, serve_node
 engine_dir, node, cfg = sys.argv[1], int(sys.argv[2]), EngineConfig.model_validate(json.loads(sys.argv[3]))
+device = sys.argv[4] or None
 try:
-    raise SystemExit(serve_node(engine_dir, node, cfg, "cpu"))
+    raise SystemExit(serve_node(engine_dir, node, cfg, device))
 except RolloutNodeError as exc:
     print(f"error: {exc}", file=sys.stderr)
     raise SystemExit(2)
@@ -65,19 +73,21 @@ def engine_cfg(port: int, **overrides) -> EngineConfig:
                            "rollout_timeout_s": 30, **overrides})
 
 
-def start_node(engine_dir, cfg: EngineConfig, secret: str = SECRET) -> subprocess.Popen:
-    """Rollout node 0 in its own session (so the test can kill its whole process tree)."""
-    env = {**os.environ, SECRET_VAR: secret}
+def start_node(engine_dir, cfg: EngineConfig, secret: str = SECRET, device: str | None = "cpu",
+               env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Rollout node 0 in its own session (so the test can kill its whole process tree); `device` None: CUDA,
+    each process on a GPU of its own."""
+    env = {**os.environ, SECRET_VAR: secret, **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-c", NODE_SCRIPT, str(engine_dir), "0", cfg.model_dump_json()],
+        [sys.executable, "-c", NODE_SCRIPT, str(engine_dir), "0", cfg.model_dump_json(), device or ""],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 
 
 def open_workers(engine_dir, cfg: EngineConfig, **kwargs) -> RolloutWorkers:
-    return RolloutWorkers(engine_dir, cfg.rollout_workers, chunk_size=3, threads=1, timeout_s=30,
-                          device="cpu", rollout_nodes=1, endpoint=cfg.rollout_endpoint,
-                          secret=SECRET.encode(), **kwargs)
+    return RolloutWorkers(engine_dir, cfg.rollout_workers, **{
+        "chunk_size": 3, "threads": 1, "timeout_s": 30, "device": "cpu", "rollout_nodes": 1,
+        "endpoint": cfg.rollout_endpoint, "secret": SECRET.encode(), **kwargs})
 
 
 def test_replicas_on_a_rollout_node_generate_and_refit_like_an_engine_in_process(checkpoints):  # noqa: F811
@@ -185,6 +195,21 @@ def test_a_missing_or_short_secret_is_refused_naming_the_variable(monkeypatch):
 def test_replicas_are_spread_evenly_and_contiguously_over_the_nodes():
     assert [list(replicas_of_node(n, 2, 4)) for n in range(2)] == [[0, 1], [2, 3]]
     assert list(replicas_of_node(0, 1, 3)) == [0, 1, 2]
+
+
+def test_each_process_of_a_gpu_node_takes_a_gpu_of_its_own_and_too_few_are_refused(monkeypatch):
+    assert gpus_of_node(0, 3, "cpu") == [None, None, None]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert gpus_of_node(0, 4, None) == [0, 1, 2, 3]
+    with pytest.raises(RolloutNodeError, match=r"rollout node 1 runs 6 engine processes .* sees 4 GPU\(s\)"):
+        gpus_of_node(1, 6, None)
+
+
+def test_an_nccl_refit_is_refused_without_rollout_nodes(checkpoints):  # noqa: F811
+    with pytest.raises(ValueError, match=r"engine.refit_backend=nccl needs every rollout replica on a "):
+        EngineConfig(rollout_workers=2, refit_backend="nccl")
+    with pytest.raises(ValueError, match="NCCL refuses two members of one group on the same GPU"):
+        RolloutWorkers(checkpoints[2], 1, device="cpu", refit_backend="nccl")
 
 
 def test_the_layout_is_refused_naming_the_keys():
