@@ -1,4 +1,4 @@
-"""The RL stage's trainer on one node against two namespaced nodes: iteration time, refit bytes and seconds.
+"""The RL stage on one node against two namespaced nodes: iteration time, refit bytes and seconds.
 
     .venv/bin/python benchmarks/rl_nodes.py [--repeats 2] [--iterations 4] [--set K=V] [--json]
 
@@ -8,11 +8,15 @@ interleaved `--repeats` times, each run its own set of processes:
 
 - "1 node x 2 ranks": `ppo.resources.nproc_per_node=2`, the elastic launcher on this machine (127.0.0.1);
 - "2 nodes x 1 rank": `nnodes=2`, each node a network namespace with its own address, hostname and launcher
-  (tests/stages/common/netns.py), the two meeting at node A's address over a veth pair.
+  (tests/stages/common/netns.py), the two meeting at node A's address over a veth pair;
+- "1 rank + replica, 1 node": one trainer rank and its rollout replica beside it;
+- "1 rank + replica on node B": the same, the replica on a rollout node of its own (`engine.rollout_nodes=1`,
+  node B runs `--rollout-node 0`), the refit and the work queue crossing the veth.
 
-Both refit one rollout worker (`engine.rollout_workers=1`) on rank 0's node every iteration. The figures are
+Each refits one rollout replica (`engine.rollout_workers=1`) every iteration. The figures are
 the medians over the runs of each run's per-iteration median (its first iteration, which loads and warms
-up, left out). Each namespaced node's ranks get half the cores (OMP_NUM_THREADS), as one node's two ranks do.
+up, left out). Each namespaced node's trainer ranks get half the cores (OMP_NUM_THREADS), as one node's two
+ranks do; a trainer and its rollout node, which take turns, keep every core, as on one node.
 On one box the nodes share the cores and the wire is a veth: this measures what going through addresses and
 two launchers costs, not a speed-up. The two-node row needs root and `ip`; without them it is
 left out, saying why.
@@ -45,16 +49,24 @@ from tests.stages.common import netns  # noqa: E402
 TRIM = ["data.demo.n_sft=1000", "data.demo.n_preferences=1500", "sft.epochs=1", "reward.epochs=1"]
 PPO_INPUTS = {"engine": "engine", "sft": "sft", "data": "data", "reward_rm": "reward-rm"}
 RDZV_PORT = 29400
+ROLLOUT_PORT = 29500
+# The rollout queues' shared secret, for this benchmark's own nodes only.
+SECRET = {"ALIGNFLOW_ROLLOUT_SECRET": "rl-nodes-benchmark-secret-0123456789"}
 
 
-def run_on_two_nodes(spec, nodes, workdir: Path) -> StageResult:
-    """The stage's command on both nodes at once; node A's (rank 0's) result."""
+def run_on_two_nodes(spec, nodes, workdir: Path, rollout_node: bool = False) -> StageResult:
+    """The stage's command on both nodes at once (node B as a rollout node with `rollout_node`); node A's
+    (rank 0's) result."""
     path = spec.dump(workdir / f"spec-{spec.output_uri.rsplit('/', 1)[-1]}.json")
-    # Each node gets half the cores, as two machines of half this one would: its launcher would otherwise size
-    # its rank's thread pool to every core, and the two nodes would oversubscribe them.
-    threads = str(max(1, (os.cpu_count() or 2) // 2))
-    procs = [node.start(["-m", "alignflow.stages", "ppo", "--spec", str(path)], cwd=workdir,
-                        env={"ALIGNFLOW_WARM_STAGES": "0", "OMP_NUM_THREADS": threads}) for node in nodes]
+    # Trainer ranks on both nodes compute at once: each node gets half the cores, as two machines of half this
+    # one would (its launcher would otherwise size its rank's thread pool to every core, and the two nodes
+    # would oversubscribe them). A trainer and its rollout node take turns (the trainer waits while the
+    # replica generates), as they do on one node: each keeps every core.
+    threads = {} if rollout_node else {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
+    env = {"ALIGNFLOW_WARM_STAGES": "0", **threads, **SECRET}
+    roles = [[], ["--rollout-node", "0"] if rollout_node else []]
+    procs = [node.start(["-m", "alignflow.stages", "ppo", "--spec", str(path), *role], cwd=workdir, env=env)
+             for node, role in zip(nodes, roles, strict=True)]
     outputs = [proc.communicate(timeout=3600) for proc in procs]
     for proc, (_, err) in zip(procs, outputs, strict=True):
         if proc.returncode:
@@ -77,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--only", action="append", default=[], metavar="VARIANT",
+                        help="run only this variant (repeatable; the names of the table's rows)")
     args = parser.parse_args(argv)
     set_offline_defaults()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rl-nodes-bench-"))
@@ -90,14 +104,25 @@ def main(argv: list[str] | None = None) -> int:
     if nodes is not None:
         variants["2 nodes x 1 rank"] = ["ppo.resources.nnodes=2", "ppo.resources.nproc_per_node=1",
                                         f"ppo.resources.rdzv_endpoint={nodes[0].address}:{RDZV_PORT}"]
+    variants["1 rank + replica, 1 node"] = []
+    if nodes is not None:
+        variants["1 rank + replica on node B"] = [
+            "engine.rollout_nodes=1", f"engine.rollout_endpoint={nodes[0].address}:{ROLLOUT_PORT}"]
+    if args.only:
+        unknown = sorted(set(args.only) - set(variants))
+        if unknown:
+            raise SystemExit(f"--only {unknown}: no such variant here; variants: {sorted(variants)}")
+        variants = {name: overrides for name, overrides in variants.items() if name in args.only}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     try:
         for repeat in range(args.repeats):
             for name, overrides in variants.items():
                 cfg = load_config(REPO / "configs/tiny.yaml", [*base, *overrides])
                 spec = stage_spec("ppo", cfg, rows, PPO_INPUTS, f"{name} #{repeat}", workdir)
-                result = run_stage(spec, workdir)[0] if "2 nodes" not in name else run_on_two_nodes(
-                    spec, nodes, workdir)
+                if "2 nodes" in name or "node B" in name:
+                    result = run_on_two_nodes(spec, nodes, workdir, rollout_node="node B" in name)
+                else:
+                    result = run_stage(spec, workdir)[0]
                 runs[name].append(per_iteration(result))
     finally:
         if nodes is not None:
@@ -119,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{mib / r['refit/seconds']:.0f}")
     Console(file=sys.stdout, width=200).print(table)
     if why_not:
-        print(f"2 nodes x 1 rank: left out, {why_not}")
+        print(f"the two-node rows: left out, {why_not}")
     return 0
 
 

@@ -374,8 +374,8 @@ def test_training_ranks_reports_every_variant_with_agreeing_losses(tmp_path):
 
 
 def test_rl_nodes_reports_one_node_and_two_namespaced_nodes(tmp_path):
-    """The demo config at a tenth of its data, 2 iterations: both rows, the same refit (the same model), or
-    the two-node row left out with the reason where namespaces cannot be made."""
+    """The demo config at a tenth of its data, 2 iterations: every row, the same refit (the same model), or
+    the two-node rows left out with the reason where namespaces cannot be made."""
     from tests.stages.common import netns
 
     small = ["data.demo.n_sft=200", "data.demo.n_preferences=200", "data.demo.n_prompts=64",
@@ -383,7 +383,8 @@ def test_rl_nodes_reports_one_node_and_two_namespaced_nodes(tmp_path):
     result = json.loads(_run("rl_nodes.py", "--repeats", "1", "--iterations", "2", "--workdir", str(tmp_path),
                              "--json", *(arg for override in small for arg in ("--set", override))))
     rows = {r["variant"]: r for r in result["rows"]}
-    expected = {"1 node x 2 ranks"} | ({"2 nodes x 1 rank"} if netns.why_not() is None else set())
+    two_nodes = {"2 nodes x 1 rank", "1 rank + replica on node B"} if netns.why_not() is None else set()
+    expected = {"1 node x 2 ranks", "1 rank + replica, 1 node"} | two_nodes
     assert set(rows) == expected and result["two_nodes_left_out"] == netns.why_not()
     one = rows["1 node x 2 ranks"]
     for row in rows.values():
