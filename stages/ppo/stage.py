@@ -562,8 +562,10 @@ def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, d
                   if tp > 1 else "")
         ctx.record_device("generate", "cuda" if device.type == "cuda" else device)
         pids = ", ".join(str(w.pid) for w in workers.workers)
-        print(f"{cfg.algorithm}: {layout}{len(workers.workers)} rollout worker processes (pids {pids}; "
-              f"{workers.threads} torch thread(s) each), chunks of {engine_cfg.queue_chunk} sequences",
+        where = f" on {engine_cfg.rollout_nodes} rollout node(s)" if engine_cfg.rollout_nodes else ""
+        threads = "/".join(str(t) for t in sorted({w.info["threads"] for w in workers.workers}))
+        print(f"{cfg.algorithm}: {layout}{len(workers.workers)} rollout worker processes{where} "
+              f"(pids {pids}; {threads} torch thread(s) each), chunks of {engine_cfg.queue_chunk} sequences",
               file=sys.stderr, flush=True)
         return workers
     # With ppo.async_rollouts the next iteration is generated while this one trains (one-step off-policy).

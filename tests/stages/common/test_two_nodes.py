@@ -88,6 +88,7 @@ def test_a_trainer_on_node_a_and_its_replica_on_node_b_gain_like_one_process(ups
     assert node_a.returncode == 0, err_a[-4000:]
     assert node_b.returncode == 0, err_b[-4000:]
     assert re.search(rf"rollout node 0 \(af-rl-b, {re.escape(b.address)}\): replicas \[0\]", err_b), err_b
+    assert "1 rollout worker processes on 1 rollout node(s)" in err_a, err_a[-3000:]
     remote = StageResult.from_output(out_a)
     history = [[json.loads(line) for line in (local(r.output_uri) / "metrics.jsonl").read_text().splitlines()]
                for r in (single_result, remote)]
