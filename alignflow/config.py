@@ -430,6 +430,11 @@ class EngineConfig(Section):
             )
         return self
 
+# The variable holding the rollout queues' shared secret (engine.rollout_nodes), on the trainer
+# and every rollout node; shorter secrets are refused: the HMAC challenge is only as strong as it.
+ROLLOUT_SECRET_VAR = "ALIGNFLOW_ROLLOUT_SECRET"
+ROLLOUT_SECRET_MIN_CHARS = 16
+
 # Engine keys only the RL stage reads (how it runs the built engine): they stay out of the engine and evaluate
 # stages' config sections, so changing them does not rebuild the engine or re-run the evaluation.
 RL_ONLY_ENGINE_KEYS = (

@@ -32,6 +32,8 @@ from typing import Any
 
 from alignflow.config import (
     POLICY_STAGES,
+    ROLLOUT_SECRET_MIN_CHARS,
+    ROLLOUT_SECRET_VAR,
     DPOConfig,
     EngineConfig,
     EvaluateConfig,
@@ -398,6 +400,19 @@ def machine_checks(
                     find_package(package, engine.worker_python, probe),
                     f"run the stage in {BACKEND_IMAGES[engine.backend]}, or set engine.worker_python to a "
                     "venv with it",
+                )
+            )
+        if stage == "ppo" and engine.rollout_nodes:
+            has_secret = len(os.environ.get(ROLLOUT_SECRET_VAR, "")) >= ROLLOUT_SECRET_MIN_CHARS
+            checks.append(
+                MachineCheck(
+                    "engine.rollout_nodes",
+                    f"engine.rollout_nodes={engine.rollout_nodes} needs the rollout queues' shared secret in "
+                    f"{ROLLOUT_SECRET_VAR} ({ROLLOUT_SECRET_MIN_CHARS}+ characters), on the trainer and "
+                    "every rollout node",
+                    None if has_secret else "this machine's environment has none",
+                    f"set it, and start each rollout node with `python -m alignflow.stages ppo --spec SPEC "
+                    f"--rollout-node I` (I < {engine.rollout_nodes}): the stage waits for them",
                 )
             )
         if engine.backend == "tensorrt-llm":

@@ -31,9 +31,9 @@ from datetime import timedelta
 from multiprocessing.managers import BaseManager
 from typing import Any
 
-SECRET_VAR = "ALIGNFLOW_ROLLOUT_SECRET"
-# Shorter secrets are refused: the HMAC challenge is only as strong as the secret.
-MIN_SECRET_CHARS = 16
+from alignflow.config import ROLLOUT_SECRET_MIN_CHARS, ROLLOUT_SECRET_VAR
+
+SECRET_VAR, MIN_SECRET_CHARS = ROLLOUT_SECRET_VAR, ROLLOUT_SECRET_MIN_CHARS
 QUEUES_KEY = "alignflow/rollout/queues"
 # How often a node's host process says it is alive, and the silence after which rank 0 names it lost: long
 # enough for a busy 2-core box to schedule the beat, short enough to name a dead node within seconds.

@@ -419,3 +419,21 @@ def test_gpus_hidden_by_cuda_visible_devices(monkeypatch):
     assert start_checks.visible_gpus() == 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     assert start_checks.visible_gpus() == 0
+
+
+def test_rollout_nodes_need_the_queues_secret_on_the_trainers_machine(tmp_path, main, capsys, monkeypatch):
+    monkeypatch.delenv("ALIGNFLOW_ROLLOUT_SECRET", raising=False)
+    engine = {"rollout_workers": 2, "rollout_nodes": 1, "rollout_endpoint": "trainer-0:29500"}
+    config = validate_config({"engine": engine})
+    ppo = next(call for call in plan(config) if call.stage == "ppo")
+    need = "engine.rollout_nodes=1 needs the rollout queues' shared secret in ALIGNFLOW_ROLLOUT_SECRET"
+    found = [c for c in start_checks.machine_checks("ppo", ppo.config, gpus=0) if c.need.startswith(need)]
+    assert [c.unmet for c in found] == ["this machine's environment has none"]
+    assert "--rollout-node I` (I < 1): the stage waits for them" in found[0].fix
+    path = config_with(tmp_path, engine=engine)
+    assert main(["validate", "--here", str(path)]) == 2
+    assert "this machine's environment has none" in capsys.readouterr().err
+    monkeypatch.setenv("ALIGNFLOW_ROLLOUT_SECRET", "s" * 16)
+    assert [c.unmet for c in start_checks.machine_checks("ppo", ppo.config, gpus=0)
+            if c.need.startswith(need)] == [None]
+    assert main(["validate", "--here", str(path)]) == 0
