@@ -148,8 +148,8 @@ def _launcher_store(timeout_s: float):
                          timeout=timedelta(seconds=timeout_s))
 
 
-def _address_towards(host: str) -> str:
-    """The local IP address this process reaches `host` from (the one its peers see)."""
+def address_towards(host: str) -> str:
+    """The local IP address this process reaches `host` (a name or an address) from: the one its peers see."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
@@ -164,7 +164,7 @@ def record_place() -> None:
         return
     store = _launcher_store(30.0)
     place = {"node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(),
-             "address": _address_towards(os.environ["MASTER_ADDR"]), "pid": os.getpid()}
+             "address": address_towards(os.environ["MASTER_ADDR"]), "pid": os.getpid()}
     store.set(f"{PLACE_KEY}{rank()}", json.dumps(place))
 
 

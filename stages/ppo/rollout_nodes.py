@@ -32,6 +32,7 @@ from multiprocessing.managers import BaseManager
 from typing import Any
 
 from alignflow.config import ROLLOUT_SECRET_MIN_CHARS, ROLLOUT_SECRET_VAR
+from alignflow.stages.common.ranks import address_towards
 
 SECRET_VAR, MIN_SECRET_CHARS = ROLLOUT_SECRET_VAR, ROLLOUT_SECRET_MIN_CHARS
 QUEUES_KEY = "alignflow/rollout/queues"
@@ -64,16 +65,6 @@ def read_secret(role: str) -> bytes:
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     return host, int(port)
-
-
-def address_towards(host: str) -> str:
-    """The local IP address this process reaches `host` from (the one its peers see)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((socket.gethostbyname(host), 9))  # UDP: nothing is sent, the kernel picks the route
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 # The queues live in the manager's own process (rank 0's node).

@@ -87,13 +87,13 @@ from alignflow.stages.common.generation.interface import (
 )
 from alignflow.stages.common.generation.native.tensor_parallel import shard_of, sharding_rule
 from alignflow.stages.common.generation.worker_python import resolve, spawning_under
+from alignflow.stages.common.ranks import address_towards
 from alignflow.stages.ppo.rollout_client import Rollout, RolloutRequest, timed_memory_change
 from alignflow.stages.ppo.rollout_nodes import (
     HEARTBEAT_S,
     QUEUES_KEY,
     SILENT_AFTER_S,
     QueueServer,
-    address_towards,
     split_endpoint,
 )
 
