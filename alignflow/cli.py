@@ -163,7 +163,13 @@ def _cmd_deploy(args) -> int:
 
 
 def _cmd_k8s_job(args) -> int:
-    from alignflow.flows.k8s_jobs import TEMPLATE, render_multinode_job, to_yaml
+    from alignflow.flows.k8s_jobs import (
+        ROLLOUT_TEMPLATE,
+        TEMPLATE,
+        render_multinode_job,
+        to_yaml,
+        write_manifests,
+    )
 
     config = _load(args)
     objects = render_multinode_job(
@@ -174,8 +180,16 @@ def _cmd_k8s_job(args) -> int:
         host_network=args.host_network,
         socket_ifname=args.socket_ifname,
         template=args.template or TEMPLATE,
+        rollout_template=args.rollout_template or ROLLOUT_TEMPLATE,
     )
-    sys.stdout.write(to_yaml(objects))
+    if args.output is None:
+        sys.stdout.write(to_yaml(objects))
+        return 0
+    paths = write_manifests(objects, args.output)
+    for path in paths:
+        print(f"wrote {path}")
+    print("create them with (the trainer's first):")
+    print("kubectl create " + " ".join(f"-f {path}" for path in paths))
     return 0
 
 
@@ -196,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("plan", _cmd_plan, "print the stage calls a config makes"),
         ("deploy", _cmd_deploy, "register the pipeline deployment with a Prefect server"),
         ("k8s-job", _cmd_k8s_job, "print a training stage's multi-node Kubernetes Job (Indexed Job + "
-         "headless Service) as YAML"),
+         "headless Service; the RL stage's rollout nodes' Job too) as YAML"),
     ):
         cmd = sub.add_parser(name, help=helptext)
         cmd.add_argument("config", type=Path, help="pipeline YAML, e.g. configs/tiny.yaml")
@@ -226,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "--stage",
                 required=True,
                 choices=("sft", "reward", "dpo", "ppo"),
-                help="the stage; its resources.nnodes (>= 2) and rdzv_endpoint (pod 0: "
-                "<Job name>-0.<Service name>:<port>) shape the Job",
+                help="the stage; its resources.nnodes (>= 2, or 1 for ppo with engine.rollout_nodes) "
+                "and rdzv_endpoint (pod 0: <Job name>-0.<Service name>:<port>) shape the Job",
             )
             cmd.add_argument(
                 "--spec-uri",
@@ -251,6 +265,19 @@ def build_parser() -> argparse.ArgumentParser:
                 type=Path,
                 help="the pod spec's template (default: infra/k8s/job-stage-training-multinode.yaml of this "
                 "checkout)",
+            )
+            cmd.add_argument(
+                "--rollout-template",
+                type=Path,
+                help="the rollout pods' template, for ppo with engine.rollout_nodes (default: "
+                "infra/k8s/job-stage-rollout-nodes.yaml of this checkout)",
+            )
+            cmd.add_argument(
+                "--output",
+                type=Path,
+                metavar="DIR",
+                help="write one file per Job (<Job name>.yaml, its Service with it) to DIR and print "
+                "the kubectl command that creates them, instead of printing the YAML",
             )
         cmd.set_defaults(fn=fn)
     ui = sub.add_parser(

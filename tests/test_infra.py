@@ -979,9 +979,12 @@ def test_stage_jobs_follow_the_stage_contract():
             expand_k8s_vars(part, container["env"]) for part in container["command"] + container["args"]
         ]
         assert command[:2] == ["python", "-m"], path
-        dispatcher, stage, flag, spec_uri = command[2:]
+        dispatcher, stage, flag, spec_uri, *rest = command[2:]
         assert dispatcher == "alignflow.stages" and stage in STAGE_ORDER, f"{path}: {command}"
         assert flag == "--spec" and spec_uri.startswith("s3://"), path
+        # Only the rollout nodes' Job adds an argument: its node's index, which Kubernetes sets.
+        role = job["metadata"]["labels"].get("alignflow.dev/role")
+        assert rest == (["--rollout-node", "$(JOB_COMPLETION_INDEX)"] if role == "rollout" else []), path
         assert container["image"].split(":")[0] in ALIGNFLOW_IMAGES, path
         assert pod["restartPolicy"] == "Never"
         assert pod["serviceAccountName"] == "alignflow-stage"
@@ -999,9 +1002,9 @@ def test_stage_jobs_follow_the_stage_contract():
         rule = job["spec"]["podFailurePolicy"]["rules"][0]
         assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2]
         kinds[job["metadata"]["labels"]["alignflow.dev/stage-kind"]] = (stage, container, pod)
-    assert set(kinds) == {"training", "training-multinode", "engine", "data"}
+    assert set(kinds) == {"training", "training-multinode", "rollout-nodes", "engine", "data"}
 
-    for kind in ("training", "engine"):
+    for kind in ("training", "rollout-nodes", "engine"):
         _, container, pod = kinds[kind]
         gpus = container["resources"]["limits"]["nvidia.com/gpu"]
         assert gpus >= 1 and container["resources"]["requests"]["nvidia.com/gpu"] == gpus, kind
@@ -1039,6 +1042,66 @@ def test_multinode_training_job_meets_at_the_rendezvous_its_config_names():
     assert resources.nproc_per_node == pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
 
 
+def test_rollout_nodes_job_is_the_trainers_pod_spec_with_the_rollout_role():
+    """The RL stage's rollout nodes: an Indexed Job of one pod per node, the stage's command with the
+    pod's index, the shared secret from a Secret both roles name, and otherwise the trainer's pod spec
+    (so an edit to one template that the other misses shows here)."""
+    from alignflow.config import ROLLOUT_SECRET_VAR, load_config
+
+    path = K8S / "job-stage-rollout-nodes.yaml"
+    (job,) = load_yaml_docs(path)
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] >= 1
+    assert job["metadata"]["labels"]["alignflow.dev/role"] == "rollout"
+    assert spec["template"]["metadata"]["labels"] == job["metadata"]["labels"]
+    assert container["args"][-2:] == ["--rollout-node", "$(JOB_COMPLETION_INDEX)"]
+    # The secret: from a Secret's key, never a literal; the recipes in the header and the docs create
+    # that Secret with that key.
+    (secret,) = [e for e in container["env"] if e["name"] == ROLLOUT_SECRET_VAR]
+    assert secret == {
+        "name": ROLLOUT_SECRET_VAR,
+        "valueFrom": {"secretKeyRef": {"name": "alignflow-rollout-secret", "key": "secret"}},
+    }
+    for doc in (path, REPO / "docs" / "production.md"):
+        text = doc.read_text()
+        assert "kubectl -n alignflow create secret generic alignflow-rollout-secret" in text, doc.name
+        recipe = shell_command_at(text, "create secret generic alignflow-rollout-secret")
+        assert "--from-literal=secret=" in recipe, f"{doc.name}: {recipe}"
+    # The header's example: rollout_workers / rollout_nodes x tensor_parallel_size GPUs per pod, one pod
+    # per rollout node, connecting to the trainer's pod 0 (the multi-node template rendered for ppo).
+    overrides = re.findall(r"--set (\S+)", path.read_text())
+    config = load_config(REPO / "configs" / "llama3-8b-gpu.yaml", overrides)
+    engine = config.engine
+    assert spec["completions"] == engine.rollout_nodes == 2
+    gpus = engine.rollout_workers // engine.rollout_nodes * engine.tensor_parallel_size
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus == 8
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus
+    assert engine.rollout_endpoint.rsplit(":", 1)[0] == "alignflow-rl-0.alignflow-rl-rdzv"
+
+    docs = {d["kind"]: d for d in load_yaml_docs(K8S / "job-stage-training-multinode.yaml")}
+    trainer = copy.deepcopy(docs["Job"])
+    assert trainer["metadata"]["labels"]["alignflow.dev/role"] == "trainer"
+    rollout = copy.deepcopy(job)
+    for one in (trainer, rollout):  # what differs by role, or is the config's
+        one.pop("metadata")
+        one["spec"].pop("completions"), one["spec"].pop("parallelism")
+        one["spec"]["template"].pop("metadata")
+        one_pod = one["spec"]["template"]["spec"]
+        one_pod.pop("subdomain", None)  # the trainer's pods are named through the Service
+        one_pod["nodeSelector"].pop("alignflow.dev/pool", None)
+        (one_container,) = one_pod["containers"]
+        for key in ("image", "args", "ports"):
+            one_container.pop(key, None)
+        one_container["env"] = [
+            e for e in one_container["env"]
+            if e["name"] not in ("ALIGNFLOW_STAGE", "ALIGNFLOW_SPEC_URI", ROLLOUT_SECRET_VAR)
+        ]
+        for limits in one_container["resources"].values():
+            limits.pop("nvidia.com/gpu")
+    assert rollout == trainer
+
+
 def test_worker_deployment_serves_the_k8s_pool_with_least_privilege():
     objects = {(d["kind"], d["metadata"].get("name")): d for _, d in k8s_objects()}
     deployment = objects[("Deployment", "alignflow-worker")]
@@ -1069,7 +1132,7 @@ def test_every_k8s_client_requires_the_client_credentials():
     ]
     manifest = render(template("kubernetes"), {})["job_manifest"]
     pods.append(("work-pools/kubernetes.json", manifest["spec"]["template"]["spec"]))
-    assert len(pods) == 6  # the worker, four stage Jobs, the flow-run Job
+    assert len(pods) == 7  # the worker, five stage Jobs, the flow-run Job
     for where, pod in pods:
         for container in pod["containers"] + pod.get("initContainers", []):
             refs = [s["secretRef"] for s in container.get("envFrom", []) if "secretRef" in s]
