@@ -34,7 +34,6 @@ from typing import Any
 from alignflow.config import ROLLOUT_SECRET_MIN_CHARS, ROLLOUT_SECRET_VAR
 from alignflow.stages.common.ranks import address_towards
 
-SECRET_VAR, MIN_SECRET_CHARS = ROLLOUT_SECRET_VAR, ROLLOUT_SECRET_MIN_CHARS
 QUEUES_KEY = "alignflow/rollout/queues"
 # How often a node's host process says it is alive, and the silence after which rank 0 names it lost: long
 # enough for a busy 2-core box to schedule the beat, short enough to name a dead node within seconds.
@@ -50,13 +49,13 @@ class RolloutNodeError(RuntimeError):
 
 def read_secret(role: str) -> bytes:
     """The shared secret both sides authenticate the queues with; refuses a missing or short one."""
-    secret = os.environ.get(SECRET_VAR, "")
-    if len(secret) < MIN_SECRET_CHARS:
+    secret = os.environ.get(ROLLOUT_SECRET_VAR, "")
+    if len(secret) < ROLLOUT_SECRET_MIN_CHARS:
         state = "is not set" if not secret else f"has {len(secret)} characters"
         raise RolloutNodeError(
-            f"{role} needs the shared secret of the rollout queues in {SECRET_VAR} (at least "
-            f"{MIN_SECRET_CHARS} characters, the same on the trainer and every rollout node), but it "
-            f"{state}; "
+            f"{role} needs the shared secret of the rollout queues in {ROLLOUT_SECRET_VAR} (at least "
+            f"{ROLLOUT_SECRET_MIN_CHARS} characters, the same on the trainer and every rollout node), "
+            f"but it {state}; "
             "e.g. `export ALIGNFLOW_ROLLOUT_SECRET=$(openssl rand -hex 32)`, on Kubernetes from a Secret"
         )
     return secret.encode()
@@ -127,8 +126,8 @@ def connect_queues(host: str, port: int, secret: bytes) -> tuple[PickledQueue, P
         manager.connect()
     except AuthenticationError:
         raise RolloutNodeError(
-            f"the trainer's queue server at {host}:{port} refused this node's secret: {SECRET_VAR} must hold "
-            "the same value on the trainer and on every rollout node"
+            f"the trainer's queue server at {host}:{port} refused this node's secret: {ROLLOUT_SECRET_VAR} "
+            "must hold the same value on the trainer and on every rollout node"
         ) from None
     return PickledQueue(manager.tasks()), PickledQueue(manager.results())
 

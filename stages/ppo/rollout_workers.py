@@ -51,10 +51,13 @@ they generate).
   secret, and a node's silence stands for its processes' exit codes (stages/ppo/rollout_nodes.py); the
   calls above, the refit groups and the error messages are the same, a worker named with its node.
 
-What it is not (yet): workers pinned to their own GPUs (each loads on the default device), or NCCL refits
-(gloo sends host tensors; a GPU trainer copies each one, or each TP rank's slice of it, to the host). The
-k refit groups of a TP refit take their turns on the trainer's one thread: slice j+1 leaves once slice j is
-sent, not in parallel.
+  On GPU nodes each process takes a GPU of its own, and engine.refit_backend=nccl sends the refit GPU to
+  GPU; elsewhere gloo sends host tensors (a GPU trainer copies each one, or each TP rank's slice of it, to
+  the host).
+
+What it is not (yet): workers beside the trainer pinned to GPUs of their own (each loads on the default
+device). The k refit groups of a TP refit take their turns on the trainer's one thread: slice j+1 leaves
+once slice j is sent, not in parallel.
 """
 
 from __future__ import annotations
@@ -633,8 +636,10 @@ class RolloutWorkers:
         self.threads = threads or default_threads(processes)
         self._start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")
-        self._tasks = self._ctx.Queue()
-        self._results = self._ctx.Queue()
+        # The work and result queues: multiprocessing queues beside the trainer, a queue server's proxies for
+        # rollout nodes (set below).
+        self._tasks: Any = None
+        self._results: Any = None
         self._requests: dict[int, _Pending] = {}
         self._next_request = 0
         self._acks: list[tuple[int, str, Any]] = []
@@ -666,6 +671,7 @@ class RolloutWorkers:
                 self.close()
                 raise
             return
+        self._tasks, self._results = self._ctx.Queue(), self._ctx.Queue()
         host = "127.0.0.1"
         # Port 0: the OS picks a free port as the store binds it, and the workers are told which one.
         self._store = dist.TCPStore(
@@ -887,8 +893,15 @@ class RolloutWorkers:
             self._tasks.put(("stop",))  # a leader forwards it to its followers
         if self.rollout_nodes:
             self._close_nodes(5.0 if polite else 0.0)
-            return
-        deadline = time.monotonic() + (5.0 if polite else 0.0)
+        else:
+            self._close_local(alive, 5.0 if polite else 0.0)
+        self._group = None
+        self._refit_groups = []
+        self._store = None
+
+    def _close_local(self, alive: list[_Worker], wait_s: float) -> None:
+        """Join the worker processes for up to `wait_s`, then terminate, then kill; close the queues."""
+        deadline = time.monotonic() + wait_s
         for w in alive:
             w.process.join(max(0.0, deadline - time.monotonic()))
         for w in self.workers:
@@ -899,11 +912,9 @@ class RolloutWorkers:
                 w.process.kill()
                 w.process.join(2.0)
         for q in (self._tasks, self._results, *self._follower_queues.values()):
-            q.cancel_join_thread()  # nothing left to read what is still buffered: do not wait at exit
-            q.close()
-        self._group = None
-        self._refit_groups = []
-        self._store = None
+            if q is not None:
+                q.cancel_join_thread()  # nothing left to read what is still buffered: do not wait at exit
+                q.close()
 
     def _close_nodes(self, wait_s: float) -> None:
         """Wait up to `wait_s` for the rollout nodes to report their workers' exits, then stop the queue
@@ -921,9 +932,6 @@ class RolloutWorkers:
         if self._queue_server is not None:
             self._queue_server.close()
             self._queue_server = None
-        self._group = None
-        self._refit_groups = []
-        self._store = None
 
     def __enter__(self) -> RolloutWorkers:
         return self
@@ -937,8 +945,9 @@ class RolloutWorkers:
             raise self._broken
         if self._closed:
             raise RolloutWorkerError("the rollout workers are closed")
-        if self._dead():
-            raise self._death_error(self._dead(), doing)
+        dead = self._dead()  # with rollout nodes, each look reads their messages first
+        if dead:
+            raise self._death_error(dead, doing)
 
     def _worker_name(self, index: int) -> str:
         w = self.workers[index]

@@ -16,9 +16,9 @@ import time
 import pytest
 from mlflow import MlflowClient
 
+from alignflow.config import ROLLOUT_SECRET_VAR as SECRET_VAR
 from alignflow.contract import StageResult, StageSpec
 from alignflow.stages import evaluate
-from alignflow.stages.ppo.rollout_nodes import SECRET_VAR
 from tests.stages.common import netns
 from tests.stages.common.test_ranks import WEIGHT_ATOL, one_rank_ppo
 from tests.stages.ppo.test_ppo import attempt_runs, finish, local, ppo_spec, start_stage

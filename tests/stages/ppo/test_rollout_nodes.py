@@ -19,10 +19,10 @@ import time
 import pytest
 import torch
 
+from alignflow.config import ROLLOUT_SECRET_VAR as SECRET_VAR
 from alignflow.config import EngineConfig
 from alignflow.stages.common.generation.native.weights import checkpoint_tensors
 from alignflow.stages.ppo.rollout_nodes import (
-    SECRET_VAR,
     RolloutNodeError,
     gpus_of_node,
     read_secret,
