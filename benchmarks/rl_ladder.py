@@ -1,13 +1,15 @@
 """The RL optimisation ladder: GRPO and PPO iteration time from the baseline to every optimisation, vs TRL.
 
-    .venv/bin/python benchmarks/rl_ladder.py [--rounds 3] [--iterations 10] [--shapes grpo,ppo]
-        [--levels baseline,...] [--trl-python PY] [--trl-ppo-python PY] [--workdir DIR] [--json]
+    .venv/bin/python benchmarks/rl_ladder.py [--rounds 3] [--iterations 10] [--shapes grpo,grpo_rm,ppo]
+        [--levels baseline,...] [--model llama-4.7m|llama-115m] [--trl-python PY] [--trl-ppo-python PY]
+        [--workdir DIR] [--json]
 
-Model: the 4.72M-parameter benchmark Llama of benchmarks/rl_setup.py (`model.base` points at the
-checkpoint it builds; SFT, reward model and engines come from the pipeline's own stages, cached).
-Shapes (the RL-speed issue's): GRPO 4 prompts x 4 completions, 32 new tokens, 1 epoch, KL 0, scored
-by a reward function (`letter_share`); PPO 16 prompts x 1, 32 new tokens, 4 epochs, one minibatch of
-16, critic and reward model. fp32 weights, learning rate 1e-5, temperature 1.
+Model: a benchmark Llama of benchmarks/rl_setup.py, 4.72M parameters by default or the production-shaped
+114.8M one (`model.base` points at the checkpoint it builds; SFT, reward model and engines come from the
+pipeline's own stages, cached). Shapes (the RL-speed issues'): GRPO 4 prompts x 4 completions, 32 new
+tokens, 1 epoch, KL 0, scored by a reward function (`letter_share`); GRPO-RM the same scored by the
+pipeline's reward model (TRL's side scores with the same checkpoint); PPO 16 prompts x 1, 32 new tokens,
+4 epochs, one minibatch of 16, critic and reward model. fp32 weights, learning rate 1e-5, temperature 1.
 
 Each level adds to the one before:
   baseline        hf engine, old and reference log-probs recomputed, plain training step on DeepSpeed, fp32
@@ -52,7 +54,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "ppo": dict(algorithm="ppo", prompts_per_iteration=16, group_size=1, max_new_tokens=32, ppo_epochs=4,
                 minibatch_size=16, actor_lr=1e-5, temperature=1.0),
 }
-WITH_REWARD_MODEL = {"grpo": False, "ppo": True}
+SHAPES["grpo_rm"] = {**SHAPES["grpo"], "reward_functions": []}
+WITH_REWARD_MODEL = {"grpo": False, "grpo_rm": True, "ppo": True}
 
 # level -> (engine variant, PPO-section overrides); each level keeps the ones before it.
 LEVELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -143,6 +146,7 @@ def run_trl(
     (with the reason on stderr) when that interpreter has no usable TRL."""
     prompts = Path(up.data[0].removeprefix("file://")) / "prompts.jsonl"
     sft_dir = Path(up.sft[0].removeprefix("file://"))
+    reward_model = ["--reward-model-dir", up.reward[0].removeprefix("file://")] if shape == "grpo_rm" else []
     command = [
         python,
         str(Path(__file__).with_name("trl_baseline.py")),
@@ -156,6 +160,7 @@ def run_trl(
         str(threads),
         "--prompts-file",
         str(prompts),
+        *reward_model,
         "--json",
     ]
     done = subprocess.run(
@@ -222,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=10, help="per run; the first is left out (warm-up)")
-    parser.add_argument("--shapes", default="grpo,ppo")
+    parser.add_argument("--shapes", default="grpo,grpo_rm,ppo")
+    parser.add_argument("--model", default=rl_setup.DEFAULT_MODEL, choices=list(rl_setup.MODELS))
     parser.add_argument("--levels", default=",".join(LEVELS))
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every run (OMP_NUM_THREADS)")
     parser.add_argument(
@@ -257,10 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     # What the upstream stages and DeepSpeed's import print goes to stderr: with --json, stdout is the JSON
     # alone.
     with contextlib.redirect_stdout(sys.stderr):
-        up = rl_setup.prepare(workdir)
+        up = rl_setup.prepare(workdir, args.model, sorted({level_config(level)[0] for level in levels}))
     scratch = workdir / "ladder"
     scratch.mkdir(exist_ok=True)
-    trl_python = {"grpo": args.trl_python, "ppo": args.trl_ppo_python or args.trl_python}
+    trl_python = {"grpo": args.trl_python, "grpo_rm": args.trl_python,
+                  "ppo": args.trl_ppo_python or args.trl_python}
     rounds = []
     for index in range(args.rounds):
         record: dict[str, Any] = {"levels": {}, "trl": {}}
@@ -287,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         rounds.append(record)
     rows = summarise(rounds, shapes, levels)
-    machine = {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": args.threads}
+    machine = {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": args.threads, "model": args.model}
     if args.json:
         print(
             json.dumps(
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     table = Table(
-        title=f"RL ladder: median of {args.rounds} rounds, iterations 2-{args.iterations}, "
+        title=f"RL ladder, {args.model}: median of {args.rounds} rounds, iterations 2-{args.iterations}, "
         f"{args.threads} threads, {machine['cpu']}"
     )
     for column in ("shape", "level", "s/iteration", "completions/s", "x baseline", "x TRL", "bottleneck"):

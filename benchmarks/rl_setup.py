@@ -4,7 +4,9 @@
 
 `prepare(workdir)` builds the benchmark checkpoint (random-init Llama, hidden 256, 4 layers, 4 heads,
 FFN 1024, byte-level BPE vocab 2048, tied embeddings, 256 positions: 4.72M parameters, the model of
-the TRL comparison in the RL-speed issue) into `<workdir>/bench-model`, then runs the pipeline's
+the TRL comparison in the RL-speed issue) into `<workdir>/bench-model`; `prepare(workdir, "llama-115m")`
+builds the production-shaped one (hidden 768, 12 layers, 12 heads, FFN 3072: 114.8M parameters, the
+GPU check's) into `<workdir>/bench-model-llama-115m`. It then runs the pipeline's
 data, base (`model.base` pointing at that folder), SFT, reward and engine stages once per engine
 variant (hf, native eager, native compiled, native with the C++ decode loop). Everything is cached by the
 manifests, so a second call costs seconds. `ppo_spec` then writes a PPO-stage spec for any RL config over
@@ -21,7 +23,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
-BENCH_MODEL = {
+BENCH_MODEL = {  # llama-4.7m
     "hidden_size": 256,
     "intermediate_size": 1024,
     "num_hidden_layers": 4,
@@ -31,6 +33,18 @@ BENCH_MODEL = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-4.7m": BENCH_MODEL,
+    "llama-115m": {
+        **BENCH_MODEL,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+    },
+}
+DEFAULT_MODEL = "llama-4.7m"
 
 # Engine variants of the ladder: name -> engine config overrides.
 ENGINES: dict[str, dict[str, Any]] = {
@@ -67,28 +81,32 @@ class Upstream:
     code_version: str
 
 
-def build_model(model_dir: Path, seed: int = 0) -> Path:
-    """The benchmark checkpoint: a BPE tokenizer trained on the demo task's texts and a random-init Llama."""
+def build_model(model_dir: Path, seed: int = 0, model: str = DEFAULT_MODEL) -> Path:
+    """The benchmark checkpoint: a BPE tokenizer trained on the demo task's texts and a random-init Llama of
+    the `model` shape (MODELS)."""
     from alignflow.config import DemoTaskConfig, TinyModelConfig
     from alignflow.stages.common.models.tiny import make_tiny_model, save_base_model, train_tokenizer
     from alignflow.stages.data.demo_task import demo_corpus
 
     if (model_dir / "config.json").is_file():
         return model_dir
-    tokenizer = train_tokenizer(demo_corpus(DemoTaskConfig(seed=seed)), BENCH_MODEL["vocab_size"])
-    model = make_tiny_model(TinyModelConfig(**BENCH_MODEL), tokenizer, seed=seed)
-    save_base_model(model, tokenizer, model_dir)
+    shape = MODELS[model]
+    tokenizer = train_tokenizer(demo_corpus(DemoTaskConfig(seed=seed)), shape["vocab_size"])
+    save_base_model(make_tiny_model(TinyModelConfig(**shape), tokenizer, seed=seed), tokenizer, model_dir)
     return model_dir
 
 
-def prepare(workdir: Path) -> Upstream:
-    """Build the checkpoint and run data -> base -> sft -> reward -> engine
-    (x3) through the pipeline, cached."""
+def prepare(workdir: Path, model: str = DEFAULT_MODEL, engines: list[str] | None = None) -> Upstream:
+    """Build the `model` checkpoint and run data -> base -> sft -> reward -> engine (once per variant of
+    `engines`, default every one of ENGINES) through the pipeline, cached."""
     from alignflow.config import load_config
     from alignflow.flows.pipeline import alignflow_pipeline
 
+    if model not in MODELS:
+        raise ValueError(f"unknown model '{model}'; models: {', '.join(MODELS)}")
     workdir = workdir.resolve()
-    model_dir = build_model(workdir / "bench-model")
+    folder = "bench-model" if model == DEFAULT_MODEL else f"bench-model-{model}"
+    model_dir = build_model(workdir / folder, model=model)
     overrides = [
         f"workdir={workdir}",
         "stages=[data,base,sft,reward,engine]",
@@ -101,15 +119,16 @@ def prepare(workdir: Path) -> Upstream:
         "engine.max_batch_size=16",
         "engine.max_seq_len=128",
     ]
-    engines: dict[str, tuple[str, str]] = {}
+    built: dict[str, tuple[str, str]] = {}
     rows: dict[str, dict[str, Any]] = {}
     config = None
-    for name, engine in ENGINES.items():
+    for name in engines or ENGINES:
+        engine = ENGINES[name]
         config = load_config(
             REPO / "configs/tiny.yaml", overrides + [f"engine.{k}={v}" for k, v in engine.items()]
         )
         rows = {row["key"]: row for row in alignflow_pipeline(config)}
-        engines[name] = (rows["engine"]["output_uri"], rows["engine"]["manifest_digest"])
+        built[name] = (rows["engine"]["output_uri"], rows["engine"]["manifest_digest"])
     assert config is not None
     from alignflow.manifest import code_version
 
@@ -119,7 +138,7 @@ def prepare(workdir: Path) -> Upstream:
         sft=(rows["sft"]["output_uri"], rows["sft"]["manifest_digest"]),
         data=(rows["data"]["output_uri"], rows["data"]["manifest_digest"]),
         reward=(rows["reward-rm"]["output_uri"], rows["reward-rm"]["manifest_digest"]),
-        engines=engines,
+        engines=built,
         config=config.model_dump(mode="json"),
         code_version=code_version(),
     )

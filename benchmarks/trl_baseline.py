@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/trl_baseline.py --model-dir DIR --shape grpo \\
         [--iterations 10] [--threads 2] [--prompts-file FILE] [--device cpu|cuda] [--json]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/trl_baseline.py --model-dir DIR --shape grpo_rm \\
+        --reward-model-dir RM [--iterations 10] ...
     OMP_NUM_THREADS=2 /opt/trl112/bin/python benchmarks/trl_baseline.py --model-dir DIR --shape ppo \\
         [--iterations 10] [--threads 2] [--prompts-file FILE] [--json]
 
@@ -16,6 +18,8 @@ Shapes (16 completions of at most 32 new tokens per iteration in both):
   grpo  trl>=1.16 GRPOTrainer: 4 prompts x 4 completions, one update per generation
         (num_iterations=1, gradient_accumulation_steps=1), beta=0 (no reference model),
         lr 1e-5, temperature 1.0, reward = share of the letter "e" in the completion text.
+  grpo_rm the same, the reward from the sequence-classification model in --reward-model-dir (a
+        reward stage's output: GRPOTrainer scores prompt + completion with it and its tokenizer).
   ppo   trl 1.12 PPOTrainer (trl.experimental.ppo; trl 1.16 dropped it): 16 prompts x 1
         completion, 4 PPO epochs over one minibatch of 16, value and reward models are
         AutoModelForSequenceClassification(num_labels=1) from DIR (random score head),
@@ -61,7 +65,11 @@ GRPO_GENERATIONS = 4
 PPO_EPOCHS = 4
 LEARNING_RATE = 1e-5
 SEED = 0
-MIN_TRL = {"grpo": "trl>=1.16", "ppo": "trl==1.12 (trl.experimental.ppo.PPOTrainer; trl 1.16 dropped it)"}
+MIN_TRL = {
+    "grpo": "trl>=1.16",
+    "grpo_rm": "trl>=1.16",
+    "ppo": "trl==1.12 (trl.experimental.ppo.PPOTrainer; trl 1.16 dropped it)",
+}
 
 
 class MissingTrainer(RuntimeError):
@@ -71,7 +79,10 @@ class MissingTrainer(RuntimeError):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, required=True, help="local Hugging Face model folder")
-    parser.add_argument("--shape", choices=("grpo", "ppo"), required=True)
+    parser.add_argument("--shape", choices=("grpo", "grpo_rm", "ppo"), required=True)
+    parser.add_argument(
+        "--reward-model-dir", type=Path, default=None, help="grpo_rm: the local reward model folder"
+    )
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -87,6 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.iterations < 1:
         parser.error("--iterations must be at least 1")
+    if (args.shape == "grpo_rm") != (args.reward_model_dir is not None):
+        parser.error("--reward-model-dir goes with --shape grpo_rm, and only with it")
     return args
 
 
@@ -254,11 +267,17 @@ def e_share(completions, **kwargs) -> list[float]:
 
 
 def build_grpo(
-    trl, model_dir: Path, prompts: list[str], iterations: int, output_dir: str, device: str = "cpu"
+    trl,
+    model_dir: Path,
+    prompts: list[str],
+    iterations: int,
+    output_dir: str,
+    device: str = "cpu",
+    reward_model_dir: Path | None = None,
 ):
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     GRPOConfig, GRPOTrainer = grpo_classes(trl)
     config = GRPOConfig(
@@ -275,9 +294,17 @@ def build_grpo(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     timer = iteration_timer()
+    reward: dict = {"reward_funcs": e_share}
+    if reward_model_dir is not None:
+        reward = {
+            "reward_funcs": AutoModelForSequenceClassification.from_pretrained(
+                reward_model_dir, num_labels=1, dtype=torch.float32
+            ),
+            "reward_processing_classes": AutoTokenizer.from_pretrained(reward_model_dir),
+        }
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=e_share,
+        **reward,
         args=config,
         processing_class=tokenizer,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
@@ -335,11 +362,14 @@ def run(args: argparse.Namespace) -> dict:
     transformers.logging.set_verbosity_warning()
     transformers.set_seed(SEED)
     prompts = load_prompts(args.prompts_file, COMPLETIONS_PER_ITERATION)
-    build = build_grpo if args.shape == "grpo" else build_ppo
     with tempfile.TemporaryDirectory(prefix="trl-baseline-") as output_dir:
         # TRL and accelerate print progress and metric dicts to stdout; keep stdout for our result.
         with contextlib.redirect_stdout(sys.stderr):
-            trainer, timer = build(trl, args.model_dir, prompts, args.iterations, output_dir, args.device)
+            common = (trl, args.model_dir, prompts, args.iterations, output_dir, args.device)
+            if args.shape == "ppo":
+                trainer, timer = build_ppo(*common)
+            else:
+                trainer, timer = build_grpo(*common, args.reward_model_dir)
             trainer.train()
     seconds = timer.seconds
     if len(seconds) != args.iterations:

@@ -492,8 +492,9 @@ def test_rl_ladder_takes_the_median_of_per_round_ratios_and_names_the_bounding_p
 
 def test_rl_ladder_refuses_unknown_shapes_and_levels_before_running_anything():
     for args, message in (
-        (["--shapes", "dpo"], "unknown shape 'dpo'; shapes: grpo, ppo"),
+        (["--shapes", "dpo"], "unknown shape 'dpo'; shapes: grpo, ppo, grpo_rm"),
         (["--levels", "turbo"], "unknown level 'turbo'"),
+        (["--model", "llama-1b"], "invalid choice: 'llama-1b'"),
         (["--iterations", "1"], "--iterations must be >= 2"),
     ):
         done = subprocess.run(
@@ -504,3 +505,34 @@ def test_rl_ladder_refuses_unknown_shapes_and_levels_before_running_anything():
             cwd=REPO,
         )
         assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_rl_ladder_models_are_the_issues_shapes_and_grpo_rm_scores_with_the_reward_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ladder = rl_ladder()
+    setup = sys.modules["rl_setup"]
+    sizes = {}
+    for name, shape in setup.MODELS.items():
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**shape))
+        sizes[name] = round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
+    assert sizes == {"llama-4.7m": 4.7, "llama-115m": 114.8}
+    # GRPO-RM: GRPO's shape with no reward function, so the reward model alone scores; PPO's reward model too.
+    assert ladder.SHAPES["grpo_rm"] == {**ladder.SHAPES["grpo"], "reward_functions": []}
+    assert ladder.WITH_REWARD_MODEL == {"grpo": False, "grpo_rm": True, "ppo": True}
+
+
+def test_trl_baseline_takes_a_reward_model_for_grpo_rm_only():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import trl_baseline
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    args = trl_baseline.parse_args(["--model-dir", "m", "--shape", "grpo_rm", "--reward-model-dir", "rm"])
+    assert args.reward_model_dir == Path("rm")
+    for argv in (["--shape", "grpo_rm"], ["--shape", "grpo", "--reward-model-dir", "rm"]):
+        with pytest.raises(SystemExit) as stopped:
+            trl_baseline.parse_args(["--model-dir", "m", *argv])
+        assert stopped.value.code == 2
