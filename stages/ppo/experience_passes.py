@@ -21,18 +21,22 @@ from alignflow.stages.ppo.checkpoints import RLState
 from alignflow.stages.ppo.critic_schedule import critic_thread, half_threads, overlaps_passes
 from alignflow.stages.ppo.critic_worker import CriticWorker
 from alignflow.stages.ppo.experience import Experience, packing_for, policy_logprobs, token_values
-from alignflow.stages.ppo.scoring import needs_reference
+from alignflow.stages.ppo.scoring import kl_shapes_advantages, needs_reference
 
 T = TypeVar("T")
 
 
-def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, rows: int) -> str:
+def old_logprob_source(
+    cfg: PPOConfig, precision: Precision, state: RLState, rows: int, values_first: bool = False
+) -> str:
     """Where this iteration's old log-probs come from (see ppo.old_logprobs):
 
     'engine': the rollout log-probs; 'recompute': a no-grad actor forward before training; 'first_forward':
     the first minibatch's own forward, taken before any optimizer step. That last one is the recomputation
     for free, and exact, when one minibatch holds every row and nothing needs the old log-probs before
-    training (no reference: the KL is what would use them).
+    training. The KL to the reference is what would: it waits for that forward (stage: kl_later) unless it
+    shapes the advantages (PPO's KL in the reward) and these are known before training; with
+    `values_first` (values_from_first_forward) they wait for the first forwards too.
     """
     if cfg.old_logprobs == "engine":
         return "engine"
@@ -41,7 +45,8 @@ def old_logprob_source(cfg: PPOConfig, precision: Precision, state: RLState, row
     )  # autocast != the engine's dtype
     if cfg.old_logprobs == "auto" and not stale:
         return "engine"
-    if cfg.minibatch_size >= rows and not needs_reference(cfg) and world_size() == 1:
+    kl_waits = not needs_reference(cfg) or not kl_shapes_advantages(cfg) or values_first
+    if cfg.minibatch_size >= rows and kl_waits and world_size() == 1:
         return "first_forward"  # (with N ranks each holds only its share of that minibatch)
     return "recompute"
 

@@ -78,6 +78,12 @@ def needs_reference(cfg: PPOConfig) -> bool:
     return cfg.kl_coef > 0 or cfg.adaptive_kl or cfg.kl_metric
 
 
+def kl_shapes_advantages(cfg: PPOConfig) -> bool:
+    """Whether the advantages depend on the KL to the reference: PPO's KL in the reward. GRPO's KL and PPO's
+    kl_in_reward: false are terms of the loss, which reads the reference's log-probs itself."""
+    return cfg.algorithm == "ppo" and cfg.kl_in_reward
+
+
 def kl_and_advantages(
     exp: Experience,
     cfg: PPOConfig,

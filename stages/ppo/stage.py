@@ -88,7 +88,6 @@ from alignflow.stages.ppo.rollout_nodes import RolloutNodeError, read_secret, se
 from alignflow.stages.ppo.rollout_workers import RolloutWorkers
 from alignflow.stages.ppo.rollout_writer import RolloutWriter, rollout_rows
 from alignflow.stages.ppo.scoring import (
-    checked_advantages,
     compute_scores,
     kl_and_advantages,
     needs_reference,
@@ -247,7 +246,13 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     mask = exp.response_mask
     # Off-policy (async): the old log-probs are the proximal policy's (the actor now, before this update),
     # and the engine's, the behaviour policy's, weight each token (the decoupled objective).
-    source = "recompute" if off_policy else old_logprob_source(cfg, models.precision, state, len(rows))
+    values_first = not off_policy and values_from_first_forward(models.actor, models.critic, cfg, len(rows))
+    source = ("recompute" if off_policy
+              else old_logprob_source(cfg, models.precision, state, len(rows), values_first))
+    with_reference = needs_reference(cfg)
+    # The old log-probs from the first training forward: the KL to the reference (which reads them) waits for
+    # it, computed in train_on beside the values (values_first) or after training.
+    kl_later = with_reference and source == "first_forward"
 
     def score() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
         """(raw score, its components, the gold score): rank 0 scores (the others hold no reward model) and
@@ -257,32 +262,34 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
             responses = generation.response_token_ids
             sequences = [p + r for p, r in zip(rollout.request.prompt_ids, responses, strict=True)]
             columns = dataset_columns(prompts.records, rows) if models.reward_fns else None
-            raw, components = compute_scores(models.reward_models, models.reward_fns, texts, completions,
-                                             sequences, responses, list(generation.finish_reasons),
-                                             prompts.pad_id, cfg, columns)
+            with models.precision.forward():  # the reward models' forwards as the actor's: ppo.autocast
+                raw, components = compute_scores(models.reward_models, models.reward_fns, texts, completions,
+                                                 sequences, responses, list(generation.finish_reasons),
+                                                 prompts.pad_id, cfg, columns)
             gold = (torch.tensor([prompts.evaluator(t, c) for t, c in zip(texts, completions, strict=True)])
                     if prompts.evaluator is not None else None)
             scored = (raw, components, gold)
         return from_main(scored)
 
     # score, reference, old_logprobs, values: one phase each.
-    values_first = not off_policy and values_from_first_forward(models.actor, models.critic, cfg, len(rows))
     raw, components, gold = experience_passes(exp, cfg, models.actor, models.critic, models.reference,
                                               models.precision, source, profiler, score,
                                               with_values=not values_first)
     check_finite("the reward", raw, iteration)
     finished = torch.tensor([r == "eos" for r in generation.finish_reasons])
     exp.scores = shape_scores(raw, finished, state, cfg).to(mask.device)
-    with_reference = needs_reference(cfg)
     if off_policy:
         exp.behaviour_weights = rl.behaviour_weights(exp.old_logprobs, exp.rollout_logprobs, mask,
                                                      cfg.async_weight_cap)
     kl_coef = state.kl_controller.value
     with profiler.phase("advantages"):
-        kl_and_advantages(exp, cfg, kl_coef, with_reference, iteration, values_known=not values_first)
+        kl_and_advantages(exp, cfg, kl_coef, with_reference and not kl_later, iteration,
+                          values_known=not values_first)
     with profiler.phase("train"):
         loss_metrics, source = _update_models(iteration, cfg, state, exp, models, kl_coef, source,
-                                              values_first)
+                                              values_first, kl_later)
+    if kl_later and not values_first:  # the advantages did not need it: the KL alone, from the first forward
+        kl_and_advantages(exp, cfg, kl_coef, True, iteration, values_known=False)
     # After training: the values (and so the advantages) may come from the critic's first training forward,
     # and the stale-log-prob fallback recomputes the KL.
     seq_kl = rl.sequence_kl(exp.kl, mask)
@@ -340,14 +347,16 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
 
 
 def _update_models(iteration: int, cfg: PPOConfig, state: RLState, exp: Experience, models: Models,
-                   kl_coef: float, source: str, values_first: bool) -> tuple[dict[str, float], str]:
+                   kl_coef: float, source: str, values_first: bool, kl_later: bool = False
+                   ) -> tuple[dict[str, float], str]:
     """The PPO epochs (train_on) on exp; returns their metrics and where the old log-probs came from in the
     end.
 
     Under ppo.old_logprobs: auto the engine's old log-probs (source 'engine', on-policy only) are checked
     against the first minibatch's forward before any step; stale, they are recomputed, the KL and advantages
     with them, and the epochs run again from the same weights (and every later iteration recomputes).
-    values_first: the critic's first training forward gives the values (values_from_first_forward)."""
+    values_first: the critic's first training forward gives the values (values_from_first_forward); kl_later:
+    the KL to the reference is computed then too, from the old log-probs of the actor's first forward."""
     actor, critic, precision = models.actor, models.critic, models.precision
     actor.train()
     if critic is not None and not isinstance(critic, CriticWorker):  # the process: with each train request
@@ -357,8 +366,8 @@ def _update_models(iteration: int, cfg: PPOConfig, state: RLState, exp: Experien
         return train_on(
             exp, actor, critic, cfg, kl_coef, iteration, precision, check,
             old_from_first_forward=source == "first_forward",
-            advantages_after_values=(lambda e: checked_advantages(e, cfg, kl_coef, iteration)) if values_first
-            else None), source
+            advantages_after_values=(lambda e: kl_and_advantages(e, cfg, kl_coef, kl_later, iteration))
+            if values_first else None), source
     except StaleOldLogprobs as stale:
         # No optimizer step ran: recompute at the same weights and train again; later iterations recompute.
         print(f"{cfg.algorithm}: iteration {iteration}: {stale} (more than ppo.old_logprobs_tolerance = "

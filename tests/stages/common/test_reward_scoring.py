@@ -79,6 +79,22 @@ def test_packed_llama_forward_scores_equal_transformers_padded_forward():
     assert not runs_packed(model, PAD + 1)
 
 
+def test_scores_under_bf16_autocast_stay_within_bf16_rounding_of_fp32():
+    # The RL stage scores under its training precision (ppo.autocast): on bf16 CPUs and GPUs the reward
+    # model's matmuls run in bf16. The scores stay fp32 tensors, close to the fp32 path's, and really differ
+    # from them (the autocast reached the matmuls: a check of equal values would hold without it too).
+    model = _classifier(5)
+    sequences = [*SEQUENCES, [0, 6, 9, 1, 3, 4, 7, 8, 10, 12, 13, 14]]
+    fp32 = raw_scores(model, sequences, PAD)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = raw_scores(model, sequences, PAD)
+    assert bf16.dtype == torch.float32
+    assert not torch.equal(bf16, fp32)
+    # bf16 keeps 8 bits of mantissa: 1/256 relative per rounding, a few roundings deep in a 1-layer model.
+    torch.testing.assert_close(bf16, fp32, rtol=0, atol=0.05 * float(fp32.abs().max()))
+    assert fp32.std() > 1e-3
+
+
 def test_total_is_the_weighted_sum_of_z_scores():
     models = [
         RewardModel("a", 1.0, 0.2, 0.5, _classifier(1)),

@@ -279,27 +279,36 @@ def test_engine_logprobs_off_by_more_than_the_tolerance_stop_before_any_step(che
     assert metrics["rollout/logprob_engine_vs_actor_max"] <= 1e-4
 
 
+PPO_KL = {"algorithm": "ppo", "group_size": 1, "prompts_per_iteration": 6, "kl_coef": 0.1}
+
+
 @pytest.mark.parametrize(
-    ("overrides", "autocast", "fallback", "expected"),
+    ("overrides", "autocast", "fallback", "values_first", "expected"),
     [
-        ({"old_logprobs": "auto"}, False, False, "engine"),
+        ({"old_logprobs": "auto"}, False, False, False, "engine"),
         # fell back once: recompute, here for free
-        ({"old_logprobs": "auto"}, False, True, "first_forward"),
-        # the KL needs them before training
-        ({"old_logprobs": "auto", "kl_coef": 0.1}, False, True, "recompute"),
+        ({"old_logprobs": "auto"}, False, True, False, "first_forward"),
+        # GRPO's KL is a term of the loss: it can wait for the first forward
+        ({"old_logprobs": "auto", "kl_coef": 0.1}, False, True, False, "first_forward"),
+        # PPO's KL in the reward shapes the advantages, needed before training unless they wait for the
+        # critic's first forward (values_first) anyway
+        ({"old_logprobs": "auto", **PPO_KL}, False, True, False, "recompute"),
+        ({"old_logprobs": "auto", **PPO_KL}, False, True, True, "first_forward"),
+        ({"old_logprobs": "auto", **PPO_KL, "kl_in_reward": False}, False, True, False, "first_forward"),
         # autocast is not the engine's dtype
-        ({"old_logprobs": "auto"}, True, False, "first_forward"),
-        ({"old_logprobs": "auto", "minibatch_size": 2}, True, False, "recompute"),
-        ({"old_logprobs": "engine"}, True, True, "engine"),
-        ({"old_logprobs": "recompute"}, False, False, "first_forward"),
+        ({"old_logprobs": "auto"}, True, False, False, "first_forward"),
+        ({"old_logprobs": "auto", "minibatch_size": 2}, True, False, False, "recompute"),
+        ({"old_logprobs": "auto", **PPO_KL, "minibatch_size": 2}, True, False, True, "recompute"),
+        ({"old_logprobs": "engine"}, True, True, False, "engine"),
+        ({"old_logprobs": "recompute"}, False, False, False, "first_forward"),
     ],
 )
-def test_old_logprob_source(overrides, autocast, fallback, expected):
+def test_old_logprob_source(overrides, autocast, fallback, values_first, expected):
     cfg = ppo_config(**overrides)
     state = RLState(cfg)
     state.old_logprobs_fallback = fallback
     precision = resolve_precision("bf16" if autocast else "off", "float32", torch.device("cpu"))
-    assert old_logprob_source(cfg, precision, state, rows=6) == expected
+    assert old_logprob_source(cfg, precision, state, rows=6, values_first=values_first) == expected
 
 
 @pytest.mark.slow
@@ -441,6 +450,60 @@ def test_values_from_the_critics_first_forward_train_like_the_values_pass(checkp
         assert torch.allclose(getattr(exp_a, name), getattr(exp_b, name), atol=1e-6, rtol=0), name
     assert float(exp_b.values.abs().sum()) > 0
     for key in ("losses/value_loss", "losses/policy_loss"):
+        assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-5, abs=1e-7), key
+    for a, b in ((actor_a, actor_b), (critic_a, critic_b)):
+        for (name, x), (_, y) in zip(a.module.named_parameters(), b.module.named_parameters(), strict=True):
+            assert torch.allclose(x, y, atol=1e-6, rtol=0), name
+
+
+@pytest.mark.cpu_only("the critic's own thread (ppo.overlap_critic) is for models on the CPU")
+@pytest.mark.slow
+def test_ppo_kl_in_the_reward_from_the_first_forwards_trains_like_the_recomputation(checkpoint, rollout):
+    """PPO, KL in the reward, one minibatch of every row, the critic on its own thread: the stage takes the
+    old log-probs from the actor's first forward and the values from the critic's, then the KL (which reads
+    the old log-probs), the token rewards and the advantages (stage.kl_later). The same as the no-grad
+    old-log-prob and values passes before training: KL, advantages, returns, losses and both models' weights
+    (2 epochs; fp32, 1e-6: float order)."""
+    from alignflow.stages.common.models.loading import load_sequence_classifier
+    from alignflow.stages.common.training.plain_trainer import PlainTorchTrainer
+    from alignflow.stages.ppo.experience import token_values
+    from alignflow.stages.ppo.scoring import kl_and_advantages
+
+    kl_coef = 0.2
+    settings = trainer_settings(micro_batch_size=6)
+    cfg = ppo_config(
+        algorithm="ppo", group_size=1, prompts_per_iteration=6, minibatch_size=6, kl_coef=kl_coef
+    )
+    torch.manual_seed(0)
+    critic_init = load_sequence_classifier(checkpoint, pad_token_id=PAD)
+    # A reference other than the actor, so that the KL is not zero: the engine's log-probs shifted per token.
+    shift = torch.linspace(-0.3, 0.5, rollout.response_mask.numel()).view_as(rollout.response_mask)
+    reference_logprobs = (rollout.rollout_logprobs + shift) * rollout.response_mask
+    torch.set_num_threads(2)  # one thread each (the autouse fixture restores 1 after the test)
+    runs = {}
+    for first in (False, True):
+        actor = PlainTorchTrainer(load_causal_lm(checkpoint), settings)
+        critic = PlainTorchTrainer(copy.deepcopy(critic_init), settings)
+        exp = copy.copy(rollout)
+        exp.scores = torch.linspace(-1.0, 2.0, 6)
+        exp.ref_logprobs = reference_logprobs
+        if first:
+            exp.old_logprobs = torch.full_like(rollout.old_logprobs, float("nan"))  # must be overwritten
+            metrics = train_on(exp, actor, critic, cfg, kl_coef, 1, FP32, old_from_first_forward=True,
+                               advantages_after_values=lambda e: kl_and_advantages(e, cfg, kl_coef, True, 1))
+        else:
+            packed = packing_for(exp, cfg, actor)
+            with torch.no_grad():
+                exp.old_logprobs = policy_logprobs(actor.module, exp, 1.0, lean=True, packed=packed)[0]
+                exp.values = token_values(critic.module, exp, lean=True, packed=packed)
+            kl_and_advantages(exp, cfg, kl_coef, True, 1)
+            metrics = train_on(exp, actor, critic, cfg, kl_coef, 1, FP32)
+        runs[first] = (exp, metrics, actor, critic)
+    (exp_a, metrics_a, actor_a, critic_a), (exp_b, metrics_b, actor_b, critic_b) = runs[False], runs[True]
+    assert float((exp_a.kl * exp_a.response_mask).abs().sum()) > 0.1  # a KL there is, shaping the rewards
+    for name in ("old_logprobs", "kl", "values", "token_rewards", "advantages", "returns"):
+        assert torch.allclose(getattr(exp_a, name), getattr(exp_b, name), atol=1e-6, rtol=0), name
+    for key in ("losses/value_loss", "losses/policy_loss", "losses/approx_kl"):
         assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-5, abs=1e-7), key
     for a, b in ((actor_a, actor_b), (critic_a, critic_b)):
         for (name, x), (_, y) in zip(a.module.named_parameters(), b.module.named_parameters(), strict=True):
