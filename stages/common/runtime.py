@@ -36,6 +36,7 @@ from alignflow.offline import set_offline_defaults
 from alignflow.stages.common import ranks
 from alignflow.stages.common.devices import DeviceUnavailableError, compute_device, device_name, device_of
 from alignflow.stages.common.generation.interface import BackendUnavailableError
+from alignflow.stages.common.host_memory import keep_freed_memory
 from alignflow.stages.common.models.loading import ModelDirError
 from alignflow.stages.common.profiler import Profiler
 from alignflow.stages.data.formats import DataError
@@ -286,6 +287,7 @@ def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[s
     `rollout_node` (the RL stage): what `--rollout-node I` runs instead of the stage, on a node that holds
     only rollout replicas; it returns the exit code and prints no result line (rank 0's node reports)."""
     set_offline_defaults()
+    keep_freed_memory()  # before the stage allocates: its steps reuse warm pages (host_memory.py)
     console.quiet()  # other libraries' noise off unless ALIGNFLOW_VERBOSE (alignflow run --verbose)
     parser = argparse.ArgumentParser(
         prog=f"python -m {stage_program(stage)}", description=f"alignflow '{stage}' stage"
