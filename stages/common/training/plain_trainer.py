@@ -72,7 +72,7 @@ class PlainTorchTrainer:
     def step(self) -> None:
         """Clip by global norm, update, clear the gradients."""
         if self.grad_clip and self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip, foreach=True)
+            clip_grad_norm(self._params, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -80,6 +80,20 @@ class PlainTorchTrainer:
         """Drop the gradients of a backward whose step must not happen (train_on's critic when the actor's
         check of the old log-probs fails)."""
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ (foreach), bit for bit, without its scaling pass when nothing is clipped on a
+    CPU. torch multiplies every gradient by the clamped coefficient whatever it is, so that CUDA never waits
+    for the norm; on a CPU there is no wait, and multiplying by 1.0 reads and writes every gradient for
+    nothing (29 ms of a 114.8M model's step). Returns the total norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or any(g.device.type != "cpu" for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if float(max_norm / (total + 1e-6)) < 1.0:  # torch's coefficient, before its clamp to 1
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
 
 
 def resolve_train_backend(setting: str, zero_stage: int) -> str:

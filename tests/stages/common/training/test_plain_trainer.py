@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from alignflow.stages.common.training.deepspeed_setup import OptimSettings, initialize
 from alignflow.stages.common.training.plain_trainer import (
     PlainTorchTrainer,
+    clip_grad_norm,
     initialize_trainer,
     resolve_train_backend,
 )
@@ -61,6 +62,26 @@ def test_same_weights_as_deepspeed_after_clipped_steps():
     ):
         # Same AdamW and clipping (fused here, DeepSpeed's torch AdamW there): another summation order, ~1e-8.
         assert torch.allclose(a, b, atol=1e-6, rtol=0), name
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e6], ids=["clipped", "unclipped"])
+def test_clip_grad_norm_gives_torchs_gradients_bit_for_bit(max_norm):
+    model = tiny_model()
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    params = list(model.parameters())
+    grads = [p.grad.clone() for p in params]
+    want_total = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    want = [p.grad.clone() for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    total = clip_grad_norm(params, max_norm)
+    assert torch.equal(total, want_total)
+    for p, w, before in zip(params, want, grads, strict=True):
+        assert torch.equal(p.grad, w)
+        # clipped: every gradient scaled; unclipped: left as they were
+        assert torch.equal(p.grad, before) == (max_norm == 1e6) or not before.any()
+
 
 
 @pytest.mark.parametrize(
