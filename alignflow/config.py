@@ -522,7 +522,8 @@ class PPOConfig(Section):
     )
     autocast: Literal["auto", "bf16", "off"] = Field(
         "auto",
-        description="Training forwards in bfloat16 autocast (fp32 weights and optimizer). auto: on CUDA with "
+        description="The stage's forwards (training, old log-probs, reference, values, reward models) in "
+        "bfloat16 autocast (fp32 weights and optimizer). auto: on CUDA with "
         "bf16 and on CPUs with bf16 arithmetic (AVX512-BF16 or AMX), when model.dtype is float32 and the "
         "model is at least 256 wide (smaller ones gain nothing and learned less in bf16 on the demo task); "
         "off elsewhere. The choice is printed and logged as perf/autocast_bf16.",
