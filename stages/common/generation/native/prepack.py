@@ -127,6 +127,16 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def current_blocked(weight: torch.Tensor) -> torch.Tensor | None:
+    """The current "blocked" copy of `weight` (a view a Prepacked object packed), or None: not packed, stale,
+    or oneDNN's layout. The C++ decode loop reads these rather than keeping copies of its own."""
+    entry = _TABLE.get(_key(weight))
+    if entry is None or entry[0] is None or entry[3] is None:
+        return None
+    buffer = entry[1]()
+    return entry[0] if buffer is not None and buffer._version == entry[2] else None
+
+
 # Registered through torch.library.Library rather than the @custom_op decorator: the decorator's
 # Python wrapper costs several times more per call, paid by each of a decode step's 49 linear calls
 # (a sizeable share of a small model's step). The op is inference-only (no

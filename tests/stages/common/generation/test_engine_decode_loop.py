@@ -17,6 +17,7 @@ from alignflow.kernels import decode_loop as kernel
 from alignflow.stages.common.generation import SamplingParams
 from alignflow.stages.common.generation.native import NativeEngine
 from alignflow.stages.common.generation.native import decode_loop as engine_loop
+from alignflow.stages.common.generation.native.prepack import current_blocked
 from alignflow.stages.common.generation.native.weights import checkpoint_tensors
 
 pytestmark = pytest.mark.cpu_only("the C++ decode loop is the CPU engine's")
@@ -142,9 +143,17 @@ def test_the_result_does_not_depend_on_the_thread_count(tiny_checkpoints):
     assert two.logprobs == one.logprobs
 
 
-def test_a_refit_reaches_the_loops_blocked_weights(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("prepack", [True, False], ids=["prepack's copies", "its own copies"])
+def test_a_refit_reaches_the_loops_blocked_weights(tiny_checkpoints, tmp_path, prepack):
     path = tiny_checkpoints["llama_mha_untied"]
-    fast, _ = _engines(path)
+    fast, _ = _engines(path, cpu_prepack=prepack)
+    # With prepack on, the loop reads prepack's blocked copies (one copy of each weight, one rewrite per
+    # refit); with it off, copies of its own.
+    assert (fast._prepacked is not None) == prepack
+    loop = fast._decode_loop
+    shared = [current_blocked(fast.weights[name][layer]) is loop._blocked[name, layer]
+              for name, layer in loop._blocked]
+    assert shared and all(shared) == prepack and any(shared) == prepack
     prompts = random_prompts(4, seed=7)
     before = fast.generate(prompts, STOPPING)
     perturbed = perturbed_checkpoint(path, tmp_path / "p")
@@ -158,6 +167,7 @@ def test_a_refit_reaches_the_loops_blocked_weights(tiny_checkpoints, tmp_path):
     fast.reload()
     fast.refit(checkpoint_tensors(perturbed))
     _assert_same_generation(fast.generate(prompts, STOPPING), want)
+    assert (current_blocked(fast.weights["lm_head"]) is fast._decode_loop._lm_head) == prepack
 
 
 def test_top_k_and_top_p_sampling_take_the_torch_step(tiny_checkpoints, monkeypatch):
