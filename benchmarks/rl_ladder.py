@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     # alone.
     with contextlib.redirect_stdout(sys.stderr):
         up = rl_setup.prepare(workdir, args.model, sorted({level_config(level)[0] for level in levels}))
-    scratch = workdir / "ladder"
-    scratch.mkdir(exist_ok=True)
+    scratch = workdir / "ladder" / args.model  # one model's specs never overwrite another's
+    scratch.mkdir(parents=True, exist_ok=True)
     trl_python = {"grpo": args.trl_python, "grpo_rm": args.trl_python,
                   "ppo": args.trl_ppo_python or args.trl_python}
     rounds = []
