@@ -14,6 +14,11 @@ size up to 256 rows (a prefill of 16 prompts is ~190), so the AVX2 build's limit
 Numerics: each output is one float32 fused multiply-add chain over k in order in both builds (the same
 bits), another summation order than MKL's; tests bound both against float64.
 
+bfloat16 weights: block_weight(W, dtype=torch.bfloat16) keeps the blocks in bf16 (W rounded to nearest even),
+and the kernel widens each to float32 as it reads it, exactly, so it computes what it computes on the fp32
+blocks of the rounded weight, bit for bit, while streaming half the bytes (engine.cpu_linear_weights;
+a decode step of a model whose weights do not fit in cache runs at the speed they stream).
+
 Timings of both builds per row count: docs/performance.md#cpu-kernels
 (`python benchmarks/cpu_kernels_bench.py`, with `--model rl-4.7m --rows 4,16,40,64,128,256` for AVX2).
 
@@ -58,24 +63,33 @@ def max_rows() -> int:
     return MAX_ROWS_AVX2 if isa() == "AVX2" else MAX_ROWS
 
 
-def block_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """W [N, K] float32 -> [ceil(N / 16), K, 16]: block b, row k holds W[16b : 16b + 16, k] (zero-padded).
+BLOCKED_DTYPES = (torch.float32, torch.bfloat16)
 
-    out: a [ceil(N / 16), K, 16] float32 tensor to write into (an engine's refit repacks into the copies it
-    has): one strided copy instead of a zeroed, padded copy and a transposing one into fresh memory, which
+
+def block_weight(
+    weight: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """W [N, K] float32 -> [ceil(N / 16), K, 16] of `dtype`: block b, row k holds W[16b : 16b + 16, k]
+    (zero-padded; rounded to nearest even for bfloat16).
+
+    out: a [ceil(N / 16), K, 16] tensor of `dtype` to write into (an engine's refit repacks into the copies
+    it has): one strided copy instead of a zeroed, padded copy and a transposing one into fresh memory, which
     makes a refit's repack several times cheaper.
     """
     if weight.dim() != 2 or weight.dtype != torch.float32:
         raise ValueError(
             f"block_weight: expected a float32 [N, K] weight, got {tuple(weight.shape)} {weight.dtype}"
         )
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype not in BLOCKED_DTYPES:
+        raise ValueError(f"block_weight: blocks are float32 or bfloat16, not {dtype_name}")
     n, k = weight.shape
     blocks, full = -(-n // BLOCK), n // BLOCK
     if out is None:
-        out = weight.new_empty(blocks, k, BLOCK)
-    elif out.shape != (blocks, k, BLOCK) or out.dtype != torch.float32 or not out.is_contiguous():
+        out = weight.new_empty(blocks, k, BLOCK, dtype=dtype)
+    elif out.shape != (blocks, k, BLOCK) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(
-            f"block_weight: out must be a contiguous float32 {(blocks, k, BLOCK)} tensor for a "
+            f"block_weight: out must be a contiguous {dtype_name} {(blocks, k, BLOCK)} tensor for a "
             f"{(n, k)} weight, got {tuple(out.shape)} {out.dtype}"
         )
     if full:
@@ -88,7 +102,7 @@ def block_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch
 
 def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., out_features] float32,
-    W given as block_weight(W). Raises if not available()."""
+    W given as block_weight(W) (float32 or bfloat16 blocks). Raises if not available()."""
     module = _cpu_extension.linear_kernels()
     if module is None:
         raise RuntimeError(f"skinny_linear is not available: {unavailable_reason()}; use F.linear")
@@ -99,6 +113,6 @@ def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> 
     return module.skinny_linear(rows.contiguous(), blocked, out_features).view(*x.shape[:-1], out_features)
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What skinny_linear computes, from the plain [N, K] weight."""
-    return F.linear(x, weight)
+def reference(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What skinny_linear computes, from the plain [N, K] weight and the blocks' dtype."""
+    return F.linear(x, weight.to(dtype).float())

@@ -41,8 +41,10 @@ constexpr int64_t kLanes = 16;  // of the blocked weight layout (both builds)
 // gate_up (blocked), down (blocked). kernels/decode_loop.py builds the list.
 constexpr int64_t kPerLayer = 7;
 
+// A blocked linear weight: float32 (w), or bfloat16 (h, engine.cpu_linear_weights: half the bytes a step reads).
 struct Blocked {
   const float* w;
+  const uint16_t* h;
   int64_t blocks, K, N;
 };
 
@@ -58,11 +60,15 @@ void check_float(const torch::Tensor& t, const char* what, int64_t layer) {
 }
 
 Blocked blocked(const torch::Tensor& t, int64_t K, int64_t N, const char* what, int64_t layer) {
-  check_float(t, what, layer);
+  const bool bf16 = t.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || t.scalar_type() == torch::kFloat32) && t.is_contiguous() && t.device().is_cpu(),
+              "decode_loop: ", named(what, layer), " must be a contiguous float32 or bfloat16 CPU tensor, got dtype ",
+              t.scalar_type(), " sizes ", t.sizes());
   TORCH_CHECK(t.dim() == 3 && t.size(0) == (N + kLanes - 1) / kLanes && t.size(1) == K && t.size(2) == kLanes,
               "decode_loop: ", named(what, layer), " must be blocked as [", (N + kLanes - 1) / kLanes, ", ", K,
               ", 16] (kernels.skinny_linear.block_weight of a [", N, ", ", K, "] weight), got ", t.sizes());
-  return {t.data_ptr<float>(), t.size(0), K, N};
+  if (bf16) return {nullptr, reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.size(0), K, N};
+  return {t.data_ptr<float>(), nullptr, t.size(0), K, N};
 }
 
 const float* vector_of(const torch::Tensor& t, int64_t n, const char* what, int64_t layer) {
@@ -79,8 +85,13 @@ void linear(const float* x, int64_t M, const Blocked& l, float* y) {
 #pragma omp for schedule(static)
   for (int64_t piece = 0; piece < tiles * row_pieces; ++piece) {
     const int64_t tile = piece / row_pieces, row = piece % row_pieces * rows;
-    skinny_linear_tiles(x + row * l.K, std::min(rows, M - row), l.K, l.w, l.blocks, y + row * l.N, l.N, tile,
-                        tile + 1);
+    if (l.h != nullptr) {
+      skinny_linear_tiles(x + row * l.K, std::min(rows, M - row), l.K, l.h, l.blocks, y + row * l.N, l.N, tile,
+                          tile + 1);
+    } else {
+      skinny_linear_tiles(x + row * l.K, std::min(rows, M - row), l.K, l.w, l.blocks, y + row * l.N, l.N, tile,
+                          tile + 1);
+    }
   }
 }
 
@@ -150,7 +161,8 @@ void rope_row(float* x, int64_t heads, int64_t D, const float* cos, const float*
 }  // namespace
 
 // first_logits [B, V]: the prefill's last-position logits (decode step 0 samples from them).
-// layers: kPerLayer tensors per layer (above). embed [V, H]; norm [H]; lm_head blocked [ceil(V / 16), H, 16].
+// layers: kPerLayer tensors per layer (above). embed [V, H]; norm [H]; lm_head blocked [ceil(V / 16), H, 16]. The
+// blocked weights are float32 or bfloat16 (each its own); everything else is float32.
 // k_cache, v_cache: per layer [B_max, KV, S_max, D], rows 0..B-1 holding the prefill. cos, sin_signed [S_max', D]
 // (model.signed_sin). mask [B, S_max] additive: 0 where a slot holds a real token of the row, -inf in its left
 // padding (DecodeMasks.bias). positions [B]: the position of each row's first new token (its prompt length);

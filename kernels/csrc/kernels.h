@@ -32,10 +32,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 
 // The raw-pointer pieces decode_loop chains without a tensor or a dispatch in between (each build has its own).
 // skinny_linear over tiles [first_tile, last_tile) of column blocks (3 per tile in the AVX-512 build, 1 in the
-// AVX2 one): y [M, N] (row stride N) = x [M, K] @ W^T; tile_rows is the rows a tile takes at a time.
+// AVX2 one): y [M, N] (row stride N) = x [M, K] @ W^T; tile_rows is the rows a tile takes at a time. The
+// weight blocked in float32, or in bfloat16 (its raw 16-bit images), widened to float32 as it is read.
 int64_t skinny_linear_tile_count(int64_t blocks);
 int64_t skinny_linear_tile_rows();
 void skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float* blocked, int64_t blocks, float* y,
+                         int64_t N, int64_t first_tile, int64_t last_tile);
+void skinny_linear_tiles(const float* x, int64_t M, int64_t K, const uint16_t* blocked, int64_t blocks, float* y,
                          int64_t N, int64_t first_tile, int64_t last_tile);
 // decode_attention for one (row, KV head): q [G, D], keys/values rows `stride` apart, mask [L] additive,
 // scores a scratch of G * round_up(L, 16) floats, out [G, D]. D a multiple of 16, at most 256. The AVX2 build's
@@ -62,17 +65,20 @@ inline RowSampling row_sampling(float temperature, int64_t threshold) {
 void sample_token_row(const float* logits, int64_t V, float temperature, int64_t seed, int64_t step, int64_t threshold,
                       int64_t* token, float* logprob);
 
-// skinny_linear's inputs: x a contiguous float32 CPU [M, K]; the weight blocked as [ceil(N/16), K, 16] by
-// kernels.skinny_linear.block_weight; out_features within its last block. Both builds read this layout.
+// skinny_linear's inputs: x a contiguous float32 CPU [M, K]; the weight blocked as [ceil(N/16), K, 16] (float32
+// or bfloat16) by kernels.skinny_linear.block_weight; out_features within its last block. Both builds read
+// this layout.
 inline void check_skinny_linear_args(const torch::Tensor& x, const torch::Tensor& blocked, int64_t out_features) {
   constexpr int64_t block = 16;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
               "skinny_linear: x must be a contiguous float32 CPU matrix [M, K], got sizes ", x.sizes(),
               " dtype ", x.scalar_type());
   TORCH_CHECK(blocked.dim() == 3 && blocked.size(2) == block && blocked.size(1) == x.size(1) &&
-                  blocked.scalar_type() == torch::kFloat32 && blocked.is_contiguous() && blocked.device().is_cpu(),
-              "skinny_linear: the weight must be blocked as [ceil(N/16), K, 16] float32 with K = ", x.size(1),
-              " (kernels.skinny_linear.block_weight), got sizes ", blocked.sizes());
+                  (blocked.scalar_type() == torch::kFloat32 || blocked.scalar_type() == torch::kBFloat16) &&
+                  blocked.is_contiguous() && blocked.device().is_cpu(),
+              "skinny_linear: the weight must be blocked as [ceil(N/16), K, 16] float32 or bfloat16 with K = ",
+              x.size(1), " (kernels.skinny_linear.block_weight), got sizes ", blocked.sizes(), " dtype ",
+              blocked.scalar_type());
   TORCH_CHECK(out_features > (blocked.size(0) - 1) * block && out_features <= blocked.size(0) * block,
               "skinny_linear: out_features ", out_features, " does not fit ", blocked.size(0), " blocks of 16");
 }

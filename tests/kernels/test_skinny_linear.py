@@ -66,6 +66,48 @@ def test_matches_f_linear_and_float64(rows, out_features, in_features):
     assert ((mkl.double() - exact).abs() <= bound + 1e-30).all()
 
 
+def _builds_here():
+    """(name, module) of each build that runs on this CPU: the AVX-512 one where it does, and the AVX2 one."""
+    from alignflow.kernels import _cpu_extension
+
+    builds = [("avx512", _cpu_extension.extension()), ("avx2", _cpu_extension.logprob_kernels())]
+    return [(name, module) for name, module in builds if module is not None]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 130])
+@pytest.mark.parametrize("out_features, in_features", [(5, 1), (50, 31), (2304, 768), (3000, 64)])
+def test_bfloat16_blocks_compute_the_float32_kernel_on_the_rounded_weight_bit_for_bit(
+    rows, out_features, in_features
+):
+    gen = torch.Generator().manual_seed(rows * 31 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    half = skinny.block_weight(weight, dtype=torch.bfloat16)
+    rounded = skinny.block_weight(weight.bfloat16().float())
+    assert half.dtype == torch.bfloat16 and torch.equal(half.float(), rounded)
+    for name, module in _builds_here():
+        got = module.skinny_linear(x, half, out_features)
+        assert torch.equal(got, module.skinny_linear(x, rounded, out_features)), name
+        # ...which is F.linear on the rounded weight up to summation order, and not the unrounded product.
+        torch.testing.assert_close(got, skinny.reference(x, weight, torch.bfloat16), rtol=1e-5, atol=1e-5)
+        if in_features > 1:
+            assert not torch.allclose(got, F.linear(x, weight), rtol=1e-6, atol=1e-6), name
+
+
+def test_block_weight_in_bfloat16_rounds_and_checks_its_out():
+    weight = torch.randn(20, 3)
+    half = skinny.block_weight(weight, dtype=torch.bfloat16)
+    rounded = skinny.block_weight(weight.bfloat16().float())
+    assert half.dtype == torch.bfloat16 and torch.equal(half.float(), rounded)
+    out = torch.full((2, 3, 16), float("nan"), dtype=torch.bfloat16)
+    assert skinny.block_weight(weight, out, torch.bfloat16) is out and torch.equal(out, half)
+    with pytest.raises(ValueError, match="out must be a contiguous bfloat16 \\(2, 3, 16\\)"):
+        skinny.block_weight(weight, torch.empty(2, 3, 16), torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 or bfloat16, not float16"):
+        skinny.block_weight(weight, dtype=torch.float16)
+
+
 @needs_kernel
 def test_leading_dims_and_a_non_contiguous_input():
     x = torch.randn(4, 3, 40)[:, :, ::2]  # [4, 3, 20], not contiguous
@@ -85,6 +127,8 @@ def test_bad_inputs_name_what_is_wrong():
         skinny.skinny_linear(torch.randn(2, 9), blocked, 32)
     with pytest.raises(RuntimeError, match="out_features 40 does not fit 2 blocks"):
         skinny.skinny_linear(torch.randn(2, 8), blocked, 40)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 with K = 8"):
+        skinny.skinny_linear(torch.randn(2, 8), blocked.half(), 32)
 
 
 @needs_kernel
