@@ -337,6 +337,15 @@ class EngineConfig(Section):
         "o_proj bias, head_dim a multiple of 16) and sampling without top-k/top-p, else the torch step "
         "(execution_paths says which and why).",
     )
+    cpu_linear_weights: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="CPU, float32 engine with cpu_kernels and cpu_prepack: the dtype of the blocked copies "
+        "every linear of the engine reads (prefill, decode, LM head). bfloat16 rounds them to bf16 and "
+        "halves the bytes a memory-bound decode step streams; activations, accumulation, norms and "
+        "embeddings stay float32, and the float32 weights stay the source of refit and save. The engine "
+        "then samples from the bf16-rounded model, as a bf16 engine or vLLM would; the actor recomputes "
+        "log-probs for the PPO ratio (docs/performance.md#generation-engine-throughput).",
+    )
     parity_prompts: int = Field(
         8, ge=1, description="Prompts of the build-time greedy parity check against hf."
     )
@@ -406,6 +415,15 @@ class EngineConfig(Section):
         "stage's own (stages/common/generation/worker_python.py).",
     )
 
+
+    @model_validator(mode="after")
+    def _bf16_linear_weights_need_the_blocks(self) -> EngineConfig:
+        if self.cpu_linear_weights == "bfloat16" and not (self.cpu_kernels and self.cpu_prepack):
+            raise ValueError(
+                "engine.cpu_linear_weights=bfloat16 rounds the blocked copies that engine.cpu_prepack keeps "
+                "for the kernels of engine.cpu_kernels; set both true, or cpu_linear_weights: float32"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rollout_nodes_layout(self) -> EngineConfig:

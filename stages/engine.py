@@ -73,6 +73,17 @@ def logit_error(engine, model, prompt_ids: list[list[int]], new_tokens: int) -> 
     return worst
 
 
+@torch.no_grad()
+def round_linear_weights(model: torch.nn.Module) -> None:
+    """Round every linear weight of an hf causal LM to bfloat16 and back, in place: the model a native
+    engine with engine.cpu_linear_weights=bfloat16 computes (float32 activations, embeddings and norms).
+    A head tied to the embedding gets a rounded copy of its own; the embedding stays as the engine
+    reads it."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.bfloat16().to(module.weight.dtype), False)
+
+
 def build_and_check(
     sft_dir: Path,
     cfg: EngineConfig,
@@ -107,8 +118,12 @@ def build_and_check(
         reference = build_engine(
             sft_dir, EngineConfig(**{**cfg.model_dump(), "backend": "hf"}), dtype=dtype, device=device
         )
-        parity = check_greedy_parity(engine, reference, prompt_ids, cfg.parity_new_tokens)
         model = load_causal_lm(sft_dir, dtype=dtype).to(reference.device).eval()
+        if getattr(engine, "linear_weights_dtype", None) == torch.bfloat16:
+            # engine.cpu_linear_weights: the engine runs the bf16-rounded model, so the reference does too
+            round_linear_weights(reference.model)
+            round_linear_weights(model)
+        parity = check_greedy_parity(engine, reference, prompt_ids, cfg.parity_new_tokens)
         error = logit_error(engine, model, prompt_ids, cfg.parity_new_tokens)
         tolerance = LOGIT_TOLERANCE[dtype]
         report["parity"] = {

@@ -10,7 +10,8 @@ It reads the linear weights as skinny_linear's [ceil(N/16), K, 16] blocks (qkv, 
 and the LM head): prepack's blocked copies where the engine prepacks (engine.cpu_prepack, the default), else
 copies of its own, rewritten in place after every write to the plain buffers (`refresh`, from the engine's
 _weights_written, after prepack's). Sharing prepack's copies spares a second copy of every linear weight and
-its rewrite in every refit (a refit of the 114.8M benchmark model blocked 460 MB twice).
+its rewrite in every refit (a refit of the 114.8M benchmark model blocked 460 MB twice). The copies are
+float32, or bfloat16 with engine.cpu_linear_weights (the loop widens them as it reads, at half the bytes).
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ def unsupported_reason(
 class CppDecodeLoop:
     """Blocked copies of one engine's linear weights and the call of the C++ loop over them."""
 
-    def __init__(self, spec: LlamaFamilySpec, weights: InferenceWeights):
+    def __init__(
+        self, spec: LlamaFamilySpec, weights: InferenceWeights, blocked_dtype: torch.dtype = torch.float32
+    ):
         self.spec = spec
         self.weights = weights
+        self.blocked_dtype = blocked_dtype  # of its own copies, as prepack's (engine.cpu_linear_weights)
         self._blocked: dict[tuple[str, int], torch.Tensor] = {}
         self._layers: list[torch.Tensor] = []
         self._lm_head: torch.Tensor | None = None
@@ -70,7 +74,7 @@ class CppDecodeLoop:
 
         def blocked(view: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
             shared = current_blocked(view)
-            return shared if shared is not None else block_weight(view, previous)
+            return shared if shared is not None else block_weight(view, previous, self.blocked_dtype)
 
         for name in LINEAR_BUFFERS:
             for layer in range(self.spec.num_layers):

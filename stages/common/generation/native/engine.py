@@ -149,8 +149,18 @@ class NativeEngine(Engine):
         layout = None
         if engine_config.cpu_prepack:
             layout = prepack.layout_for(device, dtype, engine_config.cpu_kernels)
+        # engine.cpu_linear_weights: bf16 blocked copies, where the engine keeps blocked copies at all
+        self.linear_weights_dtype = (
+            torch.bfloat16
+            if layout == "blocked" and engine_config.cpu_linear_weights == "bfloat16"
+            else torch.float32
+        )
         self._prepacked = (
-            prepack.Prepacked(self.weights, engine_config.max_batch_size, layout) if layout else None
+            prepack.Prepacked(
+                self.weights, engine_config.max_batch_size, layout, blocked_dtype=self.linear_weights_dtype
+            )
+            if layout
+            else None
         )
         # Every weight under the layout's prepack.min_packed_bytes (the demo model): plain F.linear, without
         # even the custom op's dispatch. execution_paths says so.
@@ -174,7 +184,7 @@ class NativeEngine(Engine):
             self.local_spec, dtype, device, engine_config, self.tp is not None
         )
         self._decode_loop = (
-            decode_loop.CppDecodeLoop(self.local_spec, self.weights)
+            decode_loop.CppDecodeLoop(self.local_spec, self.weights, self.linear_weights_dtype)
             if self._decode_loop_reason is None
             else None
         )
@@ -244,6 +254,8 @@ class NativeEngine(Engine):
             "blocked": (
                 f"skinny_linear ({skinny_linear.isa()} C++) up to {skinny_linear.max_rows()} rows, "
                 "F.linear above"
+                if self.linear_weights_dtype == torch.float32
+                else f"skinny_linear ({skinny_linear.isa()} C++) on bfloat16 blocks, every row count"
             ),
             "onednn": "oneDNN prepacked",
             None: "F.linear",
@@ -296,6 +308,11 @@ class NativeEngine(Engine):
                 paths["cpu_kernels"] = f"unavailable: {reason}"
             if not config.cpu_prepack:
                 paths["cpu_prepack"] = "off (engine.cpu_prepack: false)"
+        if config.cpu_linear_weights == "bfloat16" and self.linear_weights_dtype != torch.bfloat16:
+            paths["cpu_linear_weights"] = (
+                "bfloat16 not applied: it rounds the blocked copies of a float32 CPU engine with the C++ "
+                f"kernels, and this one ({self.dtype} on {self.device.type}) keeps none"
+            )
         return paths
 
     def _new_cache(self) -> KVCache:

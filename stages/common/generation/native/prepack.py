@@ -8,6 +8,11 @@ plain [out, in] layout F.linear reads streams slowly at small M. Two packed layo
   that F.linear on the plain weight.
 - "onednn" (bfloat16, or float32 where the kernel cannot be built): oneDNN's blocked copies.
 
+The blocked copies of a float32 engine may be kept in bfloat16 (engine.cpu_linear_weights): the kernel widens
+them as it reads, at half the bytes, and then takes every row count, so that prefill and decode read the
+same rounded weights (the engine is then exactly the float32 engine of the bf16-rounded model, up to
+summation order).
+
 Both are faster than F.linear on the plain weight in a decode step (docs/performance.md#cpu-kernels;
 `python benchmarks/cpu_kernels_bench.py`).
 
@@ -57,9 +62,11 @@ LAYOUTS = ("blocked", "onednn")
 MIN_PACKED_BYTES = {"onednn": 256 << 10, "blocked": 0, "blocked-avx2": 256 << 10}
 
 
-def min_packed_bytes(layout: str) -> int:
+def min_packed_bytes(layout: str, blocked_dtype: torch.dtype = torch.float32) -> int:
     """The smallest weight this layout packs here (MIN_PACKED_BYTES;
-    the blocked layout's floor is its build's)."""
+    the blocked layout's floor is its build's; none for bfloat16 blocks, which every linear must read)."""
+    if layout == "blocked" and blocked_dtype == torch.bfloat16:
+        return 0
     if layout == "blocked" and skinny.isa() == "AVX2":
         return MIN_PACKED_BYTES["blocked-avx2"]
     return MIN_PACKED_BYTES[layout]
@@ -113,7 +120,8 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     packed, out_features = entry[0], entry[3]
     if out_features is not None:  # blocked
-        if x.numel() > _MAX_ROWS() * x.shape[-1]:
+        # bf16 blocks at any row count: a prefill reads the same rounded weights as the decode steps
+        if x.numel() > _MAX_ROWS() * x.shape[-1] and packed.dtype == torch.float32:
             calls["plain"] += 1
             return F.linear(x, weight)
         calls["packed"] += 1
@@ -157,11 +165,20 @@ linear = torch.ops.alignflow.linear
 class Prepacked:
     """The packed copies of one engine's linear weights; entries leave the table with this object."""
 
-    def __init__(self, weights: InferenceWeights, batch_hint: int, layout: str):
+    def __init__(
+        self,
+        weights: InferenceWeights,
+        batch_hint: int,
+        layout: str,
+        blocked_dtype: torch.dtype = torch.float32,
+    ):
         if layout not in LAYOUTS:
             raise ValueError(f"prepack layout {layout!r}: valid are {', '.join(LAYOUTS)}")
+        if blocked_dtype not in skinny.BLOCKED_DTYPES:
+            raise ValueError(f"blocked copies are float32 or bfloat16, not {blocked_dtype}")
         self.weights = weights
         self.layout = layout
+        self.blocked_dtype = blocked_dtype  # of "blocked" copies (engine.cpu_linear_weights)
         self.batch_hint = batch_hint  # oneDNN picks its blocking for this M (the engine's max batch)
         self.keys: list[_Key] = []
         # Drop the table entries when the engine goes away, even without an explicit clear().
@@ -179,7 +196,8 @@ class Prepacked:
     def packs_any(self) -> bool:
         """Whether any weight is large enough for this layout (min_packed_bytes);
         else the engine keeps F.linear."""
-        return any(view.nbytes >= min_packed_bytes(self.layout) for view, _ in self._views())
+        floor = min_packed_bytes(self.layout, self.blocked_dtype)
+        return any(view.nbytes >= floor for view, _ in self._views())
 
     def refresh(self) -> None:
         """(Re)pack every linear weight from the plain buffers; call after any write to them.
@@ -188,11 +206,14 @@ class Prepacked:
         after the first): skinny.block_weight(view, out)."""
         previous = {key: _TABLE[key][0] for key in self.keys if key in _TABLE}
         self.clear()
+        floor = min_packed_bytes(self.layout, self.blocked_dtype)
         for view, buffer in self._views():
-            if view.nbytes < min_packed_bytes(self.layout):
+            if view.nbytes < floor:
                 packed, out_features = None, None
             elif self.layout == "blocked":
-                packed, out_features = skinny.block_weight(view, previous.get(_key(view))), view.shape[0]
+                reuse = previous.get(_key(view))
+                packed = skinny.block_weight(view, reuse, self.blocked_dtype)
+                out_features = view.shape[0]
             else:
                 packed, out_features = torch.ops.mkldnn._reorder_linear_weight(view, self.batch_hint), None
             key = _key(view)
