@@ -20,6 +20,8 @@ Each level adds to the one before:
   fast_step       trimmed minibatches, LM head on response columns, entropy not differentiated, eager
                   attention, plain torch AdamW instead of DeepSpeed (one rank), bf16 autocast where
                   the CPU has bf16 arithmetic
+  bf16_weights    the engine's linear weights read as bf16 (engine.cpu_linear_weights): the bf16-rounded model
+                  generates, as autocast's bf16 weights train; half the bytes a decode step streams
   async           generation of iteration k+1 overlapped with training on k (one-step off-policy)
 
 A round runs every level of every shape, each as the PPO stage's own process, and TRL's trainer on
@@ -66,7 +68,8 @@ LEVELS: dict[str, tuple[str, dict[str, Any]]] = {
     "decode_loop": ("native_loop", {}),
     "no_redundant": ("native_loop", dict(old_logprobs="auto", kl_metric=False)),
     "fast_step": ("native_loop", dict(fast_train_step=True, autocast="auto", train_backend="auto")),
-    "async": ("native_loop", dict(async_rollouts=True)),
+    "bf16_weights": ("native_loop_bf16", {}),
+    "async": ("native_loop_bf16", dict(async_rollouts=True)),
 }
 
 

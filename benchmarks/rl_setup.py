@@ -8,9 +8,9 @@ the TRL comparison in the RL-speed issue) into `<workdir>/bench-model`; `prepare
 builds the production-shaped one (hidden 768, 12 layers, 12 heads, FFN 3072: 114.8M parameters, the
 GPU check's) into `<workdir>/bench-model-llama-115m`. It then runs the pipeline's
 data, base (`model.base` pointing at that folder), SFT, reward and engine stages once per engine
-variant (hf, native eager, native compiled, native with the C++ decode loop). Everything is cached by the
-manifests, so a second call costs seconds. `ppo_spec` then writes a PPO-stage spec for any RL config over
-those outputs.
+variant (hf, native eager, native compiled, native with the C++ decode loop, and that on bf16 weights).
+Everything is cached by the manifests, so a second call costs seconds. `ppo_spec` then writes a PPO-stage
+spec for any RL config over those outputs.
 """
 
 from __future__ import annotations
@@ -63,6 +63,14 @@ ENGINES: dict[str, dict[str, Any]] = {
         "cpu_kernels": True,
         "cpu_prepack": True,
         "cpu_decode_loop": True,
+    },
+    "native_loop_bf16": {
+        "backend": "native",
+        "compile": False,
+        "cpu_kernels": True,
+        "cpu_prepack": True,
+        "cpu_decode_loop": True,
+        "cpu_linear_weights": "bfloat16",
     },
 }
 

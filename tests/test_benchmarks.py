@@ -445,7 +445,10 @@ def test_rl_ladder_levels_add_to_the_ones_before():
         "train_backend": "auto",
         "async_rollouts": False,
     }
-    assert ladder.level_config("async")[1]["async_rollouts"] is True
+    engine, bf16_overrides = ladder.level_config("bf16_weights")
+    engines = sys.modules["rl_setup"].ENGINES  # loaded with the ladder
+    assert bf16_overrides == overrides and engines[engine]["cpu_linear_weights"] == "bfloat16"
+    assert ladder.level_config("async") == (engine, {**overrides, "async_rollouts": True})
     with pytest.raises(ValueError, match="unknown level 'fastest'; levels: baseline, native"):
         ladder.level_config("fastest")
 

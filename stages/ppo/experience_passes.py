@@ -27,7 +27,12 @@ T = TypeVar("T")
 
 
 def old_logprob_source(
-    cfg: PPOConfig, precision: Precision, state: RLState, rows: int, values_first: bool = False
+    cfg: PPOConfig,
+    precision: Precision,
+    state: RLState,
+    rows: int,
+    values_first: bool = False,
+    engine_exact: bool = True,
 ) -> str:
     """Where this iteration's old log-probs come from (see ppo.old_logprobs):
 
@@ -36,13 +41,14 @@ def old_logprob_source(
     for free, and exact, when one minibatch holds every row and nothing needs the old log-probs before
     training. The KL to the reference is what would: it waits for that forward (stage: kl_later) unless it
     shapes the advantages (PPO's KL in the reward) and these are known before training; with
-    `values_first` (values_from_first_forward) they wait for the first forwards too.
+    `values_first` (values_from_first_forward) they wait for the first forwards too. engine_exact: False
+    where the engine samples from a rounded copy of the actor (engine.cpu_linear_weights: bfloat16), whose
+    log-probs `auto` then does not take.
     """
     if cfg.old_logprobs == "engine":
         return "engine"
-    stale = (
-        state.old_logprobs_fallback or precision.autocast_dtype is not None
-    )  # autocast != the engine's dtype
+    # autocast != the engine's dtype; or the engine's weights are not the actor's
+    stale = state.old_logprobs_fallback or precision.autocast_dtype is not None or not engine_exact
     if cfg.old_logprobs == "auto" and not stale:
         return "engine"
     kl_waits = not needs_reference(cfg) or not kl_shapes_advantages(cfg) or values_first

@@ -108,6 +108,9 @@ class Models:
     reward_models: list[Any]         # the frozen reward models, on rank 0 only (it scores for every rank)
     reward_fns: list[tuple[str, Callable]]  # (name, function): ppo.reward_functions
     precision: Precision             # the training forwards' dtype and autocast (ppo.autocast)
+    # False where the engine samples from bf16-rounded weights (engine.cpu_linear_weights): its log-probs
+    # are then not the actor's, and ppo.old_logprobs=auto does not take them
+    engine_exact: bool = True
 
 
 @dataclass
@@ -248,7 +251,8 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     # and the engine's, the behaviour policy's, weight each token (the decoupled objective).
     values_first = not off_policy and values_from_first_forward(models.actor, models.critic, cfg, len(rows))
     source = ("recompute" if off_policy
-              else old_logprob_source(cfg, models.precision, state, len(rows), values_first))
+              else old_logprob_source(cfg, models.precision, state, len(rows), values_first,
+                                      models.engine_exact))
     with_reference = needs_reference(cfg)
     # The old log-probs from the first training forward: the KL to the reference (which reads them) waits for
     # it, computed in train_on beside the values (values_first) or after training.
@@ -539,7 +543,9 @@ def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, eng
                                      "perf/overlap_critic": float(overlapped),
                                      "perf/critic_process": float(isinstance(critic, CriticWorker)),
                                      "perf/trainable_share": trainable / total})
-    return Models(actor, critic, reference, reward_models, reward_fns, precision), trainable, total
+    models = Models(actor, critic, reference, reward_models, reward_fns, precision,
+                    engine_exact=engine_cfg.cpu_linear_weights == "float32")
+    return models, trainable, total
 
 
 def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, device: torch.device

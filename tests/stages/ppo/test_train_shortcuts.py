@@ -300,15 +300,21 @@ PPO_KL = {"algorithm": "ppo", "group_size": 1, "prompts_per_iteration": 6, "kl_c
         ({"old_logprobs": "auto", "minibatch_size": 2}, True, False, False, "recompute"),
         ({"old_logprobs": "auto", **PPO_KL, "minibatch_size": 2}, True, False, True, "recompute"),
         ({"old_logprobs": "engine"}, True, True, False, "engine"),
+        # the engine samples from bf16-rounded weights (engine.cpu_linear_weights)
+        ({"old_logprobs": "auto"}, None, False, False, "first_forward"),
+        ({"old_logprobs": "auto", "minibatch_size": 2}, None, False, False, "recompute"),
         ({"old_logprobs": "recompute"}, False, False, False, "first_forward"),
     ],
 )
 def test_old_logprob_source(overrides, autocast, fallback, values_first, expected):
+    """autocast None: no autocast, and an engine that rounds the weights."""
     cfg = ppo_config(**overrides)
     state = RLState(cfg)
     state.old_logprobs_fallback = fallback
     precision = resolve_precision("bf16" if autocast else "off", "float32", torch.device("cpu"))
-    assert old_logprob_source(cfg, precision, state, rows=6, values_first=values_first) == expected
+    source = old_logprob_source(cfg, precision, state, rows=6, values_first=values_first,
+                                engine_exact=autocast is not None)
+    assert source == expected
 
 
 @pytest.mark.slow
