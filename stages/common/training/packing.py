@@ -15,7 +15,8 @@ copy of it, each response attending to the prompt and to itself at the positions
 share_prompts). Causal attention makes a prompt's hidden states independent of what follows, so the
 result is the same; the gradient through the prompt's positions sums the group's, as the padded layout's
 copies do. benchmarks/packing_layouts.py's GRPO minibatch (4 prompts of 24-36 tokens x 4 completions of 32)
-holds 635 tokens instead of 1,004.
+holds 635 tokens instead of 1,004. The reward models score a group in the same layout
+(stages/common/reward_scoring.py), reading each sequence's last token where `slots_of` finds it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class PackedRows:
     predicts: Tensor       # (N,) long: flat (rows * W) index of the position predicting each response token
     targets: Tensor        # (N,) long: flat index into (B * R) of that response token
     shape: tuple[int, int]  # (B, R)
+    # (B,) long: flat slot of each row's first prompt token (its unit's copy, where rows share one)
+    # and of its first response token (where it would be, for an empty response): a position of the
+    # row's sequence is then at `slots_of` (a classifier's read-out)
+    prompt_starts: Tensor
+    response_starts: Tensor
     # (rows, W) long, where rows share a prompt (pack's share_prompts): the segment each position may also
     # attend to, its shared prompt's (a shared prompt's own segment is 1 + B + its unit); None: none shared
     prefix_ids: Tensor | None = None
@@ -44,6 +50,16 @@ class PackedRows:
         """(N,) values in `predicts` order -> (B, R), zero on response padding (differentiable)."""
         out = per_token.new_zeros(self.shape[0] * self.shape[1])
         return out.index_put((self.targets,), per_token).view(self.shape)
+
+    def slots_of(self, positions: Tensor, prompt_lengths: Tensor) -> Tensor:
+        """(B,) flat slot of position positions[b] of each row's sequence (its prompt's tokens, then
+        its response's, no padding), given the rows' (B,) prompt lengths: in the prompt's copy for a
+        position in the prompt, in the row's own response for a later one."""
+        return torch.where(
+            positions < prompt_lengths,
+            self.prompt_starts + positions,
+            self.response_starts + positions - prompt_lengths,
+        )
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
@@ -252,8 +268,10 @@ def pack(
     # source flat index, first slot, length, first position, segment, prefix segment, row (-1: the prompt),
     # and the slot predicting the piece's first token (its prompt's last position).
     pieces = []
+    prompt_starts, response_starts = [0] * batch, [0] * batch
     for index, unit in enumerate(units):
         head, offset = unit[0], int(start[index])
+        unit_start = offset
         prompt_segment = 1 + head if len(unit) == 1 else 1 + batch + index
         last_prompt_slot = offset + plens[head] - 1
         pieces.append(
@@ -270,6 +288,7 @@ def pack(
         )
         offset += plens[head]
         for row in unit:
+            prompt_starts[row], response_starts[row] = unit_start, offset
             pieces.append(
                 (
                     row * width + prompt_width,
@@ -301,6 +320,8 @@ def pack(
         predicts=predicts.to(device),
         targets=(speaker * response_width + t).to(device),
         shape=(batch, response_width),
+        prompt_starts=torch.tensor(prompt_starts, dtype=torch.long).to(device),
+        response_starts=torch.tensor(response_starts, dtype=torch.long).to(device),
     )
 
 

@@ -212,3 +212,22 @@ def test_a_whole_group_shares_one_prompt_copy_when_the_models_attention_width_pr
     assert torch.equal(packed.scatter(torch.ones(len(packed.targets))), exp.response_mask)
     narrow = exp.packing(width_of_attention=attention_width(64))
     assert narrow.input_ids.shape[1] < packed.input_ids.shape[1]
+
+
+def test_slots_of_finds_every_position_of_every_sequence_shared_or_not():
+    exp = grouped_batch(seed=2)  # with an empty response, whose positions all lie in its prompt
+    prompt_lengths = exp.attention_mask[:, : exp.prompt_width].sum(-1)
+    sequences = [real_sequence(exp, row) for row in range(len(exp.input_ids))]
+    for packed in (exp.packed, exp.packing(share_prompts=False)):
+        flat_ids, flat_positions = packed.input_ids.reshape(-1), packed.position_ids.reshape(-1)
+        flat_segments = packed.segment_ids.reshape(-1)
+        for row, sequence in enumerate(sequences):
+            for position in range(len(sequence)):
+                positions = torch.zeros(len(sequences), dtype=torch.long)
+                positions[row] = position
+                at = int(packed.slots_of(positions, prompt_lengths)[row])
+                assert int(flat_ids[at]) == int(sequence[position])
+                assert int(flat_positions[at]) == position
+                if packed.prefix_ids is None:  # not shared: every token in the row's own segment
+                    assert int(flat_segments[at]) == row + 1
+    assert exp.packed.prefix_ids is not None  # the first layout did share
