@@ -10,6 +10,10 @@ prompt + response, the same read-out as in training); its sidecar holds the mean
 scores on held-out responses, so z_ki = (s_ki - m_k) / d_k puts every model on the same scale, and
 
     total_i = sum_k  weight_k * z_ki.
+
+Where the caller gives each sequence's prompt length, sequences with the same prompt (GRPO's group
+of completions) are scored with one copy of it (packing.pack's shared prompts): the prompt's tokens
+go through each reward model once per group, not once per completion.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from alignflow.stages.common.runtime import StageContext, StageInputError
 from alignflow.stages.common.tokenization import pad_right
 from alignflow.stages.common.training import llama_forward
-from alignflow.stages.common.training.packing import pack_sequences
+from alignflow.stages.common.training.packing import attention_width, pack, pack_sequences
 
 REWARD_INPUT_PREFIX = "reward_"
 SIDECAR = "alignflow_checkpoint.json"
@@ -134,20 +138,82 @@ def _read_out_positions(sequences: list[list[int]], pad_id: int) -> list[int]:
     return [next((i for i in range(len(s) - 1, -1, -1) if s[i] != pad_id), 0) for s in sequences]
 
 
-def _packed_scores(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+def _prompt_response_rows(
+    sequences: list[list[int]], prompt_lengths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(input_ids, attention_mask, response_mask, prompt_width): the sequences split at their prompt
+    lengths into packing.pack's `[left-padded prompt | right-padded response]` layout."""
+    width_p = max(prompt_lengths)
+    width_r = max(1, max(len(s) - p for s, p in zip(sequences, prompt_lengths, strict=True)))
+    input_ids = torch.zeros((len(sequences), width_p + width_r), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (sequence, prompt) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+        first = width_p - prompt
+        input_ids[row, first : first + len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        attention_mask[row, first : first + len(sequence)] = 1
+    return input_ids, attention_mask, attention_mask[:, width_p:], width_p
+
+
+def _packed_scores(
+    model: Any,
+    sequences: list[list[int]],
+    pad_id: int,
+    device: torch.device,
+    prompt_lengths: list[int] | None = None,
+) -> torch.Tensor:
     """[N] scores through llama_forward on packed rows (stages/common/training/packing.py), the score head on
     the read-out positions only: transformers' forward pads every sequence to the longest and runs the head on
-    every position."""
-    packed = pack_sequences(sequences)
-    at = packed.starts + torch.tensor(_read_out_positions(sequences, pad_id), dtype=torch.long)
+    every position.
+
+    prompt_lengths: sequences with the same prompt share one copy of it (packing.pack); a read-out
+    that falls in the prompt (an empty or all-pad response) is read from that copy, whose hidden
+    states are every sharing sequence's, attention being causal.
+    """
+    read = torch.tensor(_read_out_positions(sequences, pad_id), dtype=torch.long)
+    if prompt_lengths is None:
+        packed = pack_sequences(sequences)
+        at, prefix_ids = packed.starts + read, None
+    else:
+        packed = pack(
+            *_prompt_response_rows(sequences, prompt_lengths),
+            share_prompts=True,
+            width_of_attention=attention_width(model.config.hidden_size),
+        )
+        at = packed.slots_of(read, torch.tensor(prompt_lengths, dtype=torch.long))
+        prefix_ids = None if packed.prefix_ids is None else packed.prefix_ids.to(device)
     hidden = llama_forward.llama_hidden_states(
         model.model,
         packed.input_ids.to(device),
         packed.segment_ids.to(device),
         packed.position_ids.to(device),
         keep=at.to(device),
+        prefix_ids=prefix_ids,
     )
     return model.score(hidden).squeeze(-1).float().cpu()
+
+
+def _group_chunks(
+    sequences: list[list[int]], prompt_lengths: list[int], batch_size: int
+) -> list[list[int]]:
+    """Indices of the sequences in chunks of at most `batch_size`, each group of sequences with the
+    same prompt whole in one chunk (a group larger than batch_size in as few chunks as it needs): a
+    group split across chunks needs a prompt copy in each. Groups in order of first appearance, a
+    chunk taking groups while they fit."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, (sequence, prompt) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+        groups.setdefault(tuple(sequence[:prompt]), []).append(index)
+    chunks: list[list[int]] = []
+    chunk: list[int] = []
+    for members in groups.values():
+        for first in range(0, len(members), batch_size):
+            part = members[first : first + batch_size]
+            if chunk and len(chunk) + len(part) > batch_size:
+                chunks.append(chunk)
+                chunk = []
+            chunk.extend(part)
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 def runs_packed(model: Any, pad_id: int) -> bool:
@@ -165,7 +231,12 @@ def runs_packed(model: Any, pad_id: int) -> bool:
 
 @torch.no_grad()
 def raw_scores(
-    model: Any, sequences: list[list[int]], pad_id: int, batch_size: int = 64, packed: bool | None = None
+    model: Any,
+    sequences: list[list[int]],
+    pad_id: int,
+    batch_size: int = 64,
+    packed: bool | None = None,
+    prompt_lengths: list[int] | None = None,
 ) -> torch.Tensor:
     """[N] float32 scalar scores of token sequences, read out as in reward training (stages/reward.score: the
     last non-pad token of right-padded rows).
@@ -173,12 +244,35 @@ def raw_scores(
     packed: None runs llama_forward on packed rows where `runs_packed` says it reads out what transformers'
     forward would (faster: fewer operator calls, no padding); False forces transformers' forward
     on the padded rows (the reference). Equal up to float summation order. Every sequence must be non-empty.
+    prompt_lengths: [N] how many of each sequence's first tokens are its prompt (at least 1); on the
+    packed path, sequences with the same prompt then share one copy of it (_packed_scores), in
+    chunks of _group_chunks. The padded path reads no prompt lengths.
+    batch_size: the most sequences in one forward, which bounds its activations' memory.
     """
     if any(len(s) == 0 for s in sequences):
         raise ValueError("cannot score an empty sequence; every sequence needs at least the prompt's tokens")
+    if prompt_lengths is not None:
+        if len(prompt_lengths) != len(sequences):
+            raise ValueError(
+                f"{len(prompt_lengths)} prompt lengths for {len(sequences)} sequences; "
+                "give one per sequence"
+            )
+        pairs = zip(sequences, prompt_lengths, strict=True)
+        wrong = next((i for i, (s, p) in enumerate(pairs) if not 1 <= p <= len(s)), None)
+        if wrong is not None:
+            raise ValueError(
+                f"sequence {wrong} ({len(sequences[wrong])} tokens) has prompt length "
+                f"{prompt_lengths[wrong]}; a prompt length is between 1 and the sequence's length"
+            )
     if packed is None:
         packed = runs_packed(model, pad_id)
     device = next(model.parameters()).device
+    if packed and prompt_lengths is not None:
+        scores = torch.zeros(len(sequences))
+        for chunk in _group_chunks(sequences, prompt_lengths, batch_size):
+            part, lengths = [sequences[i] for i in chunk], [prompt_lengths[i] for i in chunk]
+            scores[chunk] = _packed_scores(model, part, pad_id, device, lengths)
+        return scores
     out = []
     for start in range(0, len(sequences), batch_size):
         part = sequences[start : start + batch_size]
@@ -201,14 +295,22 @@ def combine(models: list[RewardModel], raw: dict[str, torch.Tensor]) -> RewardSc
 
 
 def score_with_reward_models(
-    models: list[RewardModel], sequences: list[list[int]], pad_id: int, batch_size: int = 64
+    models: list[RewardModel],
+    sequences: list[list[int]],
+    pad_id: int,
+    batch_size: int = 64,
+    prompt_lengths: list[int] | None = None,
 ) -> RewardScores:
     """Score prompt+response token sequences ([N] lists) with every model: (per-model z-scores, weighted
-    total).
+    total). prompt_lengths: [N] each sequence's prompt length, so that sequences with one prompt
+    share it (raw_scores).
 
     Returns float32 CPU tensors of shape [N]; the dict is a fresh one the caller may extend.
     """
     if not models:
         raise ValueError("score_with_reward_models needs at least one reward model")
-    raw = {m.name: raw_scores(m.model, sequences, pad_id, batch_size) for m in models}
+    raw = {
+        m.name: raw_scores(m.model, sequences, pad_id, batch_size, prompt_lengths=prompt_lengths)
+        for m in models
+    }
     return combine(models, raw)

@@ -31,9 +31,15 @@ def compute_scores(
     columns: dict[str, list] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(B,) combined raw score and each component (B,): weighted, z-scored reward models plus reward functions
-    (called as TRL calls them, with the prompts' dataset `columns`: name -> one value per row)."""
+    (called as TRL calls them, with the prompts' dataset `columns`: name -> one value per row).
+
+    sequences[b] is the prompt's tokens followed by response_ids[b]."""
     if reward_models:
-        components, total = score_with_reward_models(reward_models, sequences, pad_id)
+        # with the prompt lengths, a GRPO group's sequences share one copy of their prompt
+        prompt_lengths = [len(s) - len(r) for s, r in zip(sequences, response_ids, strict=True)]
+        components, total = score_with_reward_models(
+            reward_models, sequences, pad_id, prompt_lengths=prompt_lengths
+        )
     else:  # GRPO on reward functions alone
         components, total = {}, torch.zeros(len(sequences))
     weights = cfg.reward_function_weights or [1.0] * len(reward_fns)

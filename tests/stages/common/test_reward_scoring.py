@@ -203,3 +203,148 @@ def test_load_reward_models_refuses_bad_inputs(tmp_path, tokenizers):
     one = _reward_input(tmp_path, "reward_one", good, tok)
     with pytest.raises(StageInputError, match="both named 'rm'"):
         load_reward_models(_ctx(tmp_path, {"reward_one": one, "reward_twin": twin}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequences sharing a prompt (GRPO's group of completions)
+# ----------------------------------------------------------------------------------------------
+
+
+def _grouped(prompt_lengths: list[int], owners: list[int], responses: list[list[int]], seed: int = 0):
+    """(sequences, prompt lengths): prompt owners[i] followed by responses[i], random non-pad tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in prompt_lengths]
+    sequences = [prompts[o] + r for o, r in zip(owners, responses, strict=True)]
+    return sequences, [prompt_lengths[o] for o in owners]
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Three groups interleaved (prompts of 5, 2 and 7 tokens) and a prompt no other row has (4 tokens). Among
+# the responses: empty ones (read out at the prompt's last token, in the shared copy), ones ending in
+# pad-id tokens (an EOS doubling as pad: read out before them), an all-pad one (read out in the prompt).
+GROUP_OWNERS = [0, 2, 1, 0, 2, 3, 2, 0, 1, 2, 0]
+GROUP_RESPONSES = [
+    _tokens(6, 1),
+    _tokens(4, 2),
+    [],
+    _tokens(3, 3) + [PAD, PAD],
+    [PAD, PAD, PAD],
+    _tokens(5, 4),
+    [],
+    _tokens(1, 5),
+    _tokens(7, 6) + [PAD],
+    _tokens(2, 7),
+    [],
+]
+
+
+class _Spy:
+    """Records the packed inputs llama_hidden_states gets: real tokens and prefix_ids per call."""
+
+    def __init__(self, monkeypatch):
+        from alignflow.stages.common.training import llama_forward
+
+        self.tokens: list[int] = []
+        self.prefixed: list[bool] = []
+        real = llama_forward.llama_hidden_states
+
+        def spy(backbone, input_ids, segment_ids, position_ids, **kwargs):
+            self.tokens.append(int((segment_ids != 0).sum()))
+            self.prefixed.append(kwargs.get("prefix_ids") is not None)
+            return real(backbone, input_ids, segment_ids, position_ids, **kwargs)
+
+        monkeypatch.setattr(llama_forward, "llama_hidden_states", spy)
+
+
+def test_groups_sharing_a_prompt_score_as_the_unshared_and_padded_paths(monkeypatch):
+    model = _classifier(7)
+    assert runs_packed(model, PAD)
+    sequences, prompt_lengths = _grouped([5, 2, 7, 4], GROUP_OWNERS, GROUP_RESPONSES)
+    padded = raw_scores(model, sequences, PAD, packed=False)
+    unshared = raw_scores(model, sequences, PAD)
+    alone = raw_scores(model, [sequences[2]], PAD)  # an empty response: its prompt alone
+    spy = _Spy(monkeypatch)
+    shared = raw_scores(model, sequences, PAD, prompt_lengths=prompt_lengths)
+    # The same arithmetic in another layout and summation order (fp32): measured within 5e-7.
+    torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared, unshared, rtol=0, atol=1e-5)
+    assert shared.dtype == torch.float32
+    assert padded.std() > 1e-3  # scores differ: the checks above compare something
+    torch.testing.assert_close(shared[2], alone[0], rtol=0, atol=1e-5)
+    # The all-pad and the empty response of prompt 2 are both read at its last token: the same slot.
+    assert float(shared[4]) == float(shared[6])
+    # One forward (11 sequences <= batch_size) on each prompt's tokens once: 5 x 4, 2 x 2, 7 x 4 rows.
+    assert spy.prefixed == [True]
+    assert spy.tokens == [sum(map(len, sequences)) - 3 * 5 - 1 * 2 - 3 * 7]
+    # No prompt lengths: no sharing.
+    raw_scores(model, sequences, PAD)
+    assert spy.tokens[-1] == sum(map(len, sequences)) and spy.prefixed[-1] is False
+
+
+def test_chunks_keep_each_group_whole(monkeypatch):
+    from alignflow.stages.common.reward_scoring import _group_chunks
+
+    model = _classifier(8)
+    sequences, prompt_lengths = _grouped([5, 2, 7, 4], GROUP_OWNERS, GROUP_RESPONSES, seed=1)
+    # Groups of 4, 4, 2 and 1 rows in order of first appearance (prompts 0, 2, 1, 3), 4 rows a chunk.
+    assert _group_chunks(sequences, prompt_lengths, 4) == [[0, 3, 7, 10], [1, 4, 6, 9], [2, 8, 5]]
+    # A group larger than a chunk takes as few as it needs; then the next groups fill them.
+    assert _group_chunks(sequences, prompt_lengths, 3) == [[0, 3, 7], [10], [1, 4, 6], [9, 2, 8], [5]]
+    padded = raw_scores(model, sequences, PAD, packed=False)
+    spy = _Spy(monkeypatch)
+    shared = raw_scores(model, sequences, PAD, batch_size=4, prompt_lengths=prompt_lengths)
+    torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)  # scattered back in input order
+    assert len(spy.tokens) == 3 and all(spy.prefixed)
+    # Shared within chunks; pack's cost model may still copy a prompt twice where that packs narrower
+    # rows (here group 0's 17 tokens: one row alone and three sharing, in two 16-wide rows rather than
+    # one 32-wide), so: fewer tokens, not the fewest.
+    assert sum(spy.tokens) < sum(map(len, sequences)) - 3 * 7
+
+
+def test_rows_with_distinct_prompts_score_as_the_unshared_path(monkeypatch):
+    model = _classifier(9)
+    responses = [_tokens(3, 1), [], _tokens(6, 2) + [PAD], [PAD]]
+    sequences, prompt_lengths = _grouped([3, 6, 1, 4], [0, 1, 2, 3], responses, seed=2)
+    padded = raw_scores(model, sequences, PAD, packed=False)
+    spy = _Spy(monkeypatch)
+    shared = raw_scores(model, sequences, PAD, prompt_lengths=prompt_lengths)
+    torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
+    assert padded.std() > 1e-3
+    assert spy.prefixed == [False] and spy.tokens == [sum(map(len, sequences))]
+
+
+def test_shared_prompts_under_bf16_autocast_give_float32_scores_near_fp32():
+    # The stage scores inside models.precision.forward() (bf16 CPU autocast where the CPU has bf16).
+    model = _classifier(10)
+    sequences, prompt_lengths = _grouped([5, 2, 7, 4], GROUP_OWNERS, GROUP_RESPONSES, seed=3)
+    fp32 = raw_scores(model, sequences, PAD, packed=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unshared = raw_scores(model, sequences, PAD)
+        shared = raw_scores(model, sequences, PAD, prompt_lengths=prompt_lengths)
+    assert shared.dtype == torch.float32
+    assert not torch.equal(shared, fp32)  # the autocast reached the matmuls
+    # bf16 keeps 8 bits of mantissa: 1/256 relative per rounding, a few roundings deep in a 1-layer model.
+    scale = float(fp32.abs().max())
+    torch.testing.assert_close(shared, fp32, rtol=0, atol=0.05 * scale)
+    torch.testing.assert_close(shared, unshared, rtol=0, atol=0.05 * scale)
+    assert fp32.std() > 1e-3
+
+
+def test_prompt_lengths_are_checked_and_reach_every_reward_model(monkeypatch):
+    model = _classifier(11)
+    with pytest.raises(ValueError, match="2 prompt lengths for 3 sequences"):
+        raw_scores(model, [[0, 1], [0], [0, 5]], PAD, prompt_lengths=[1, 1])
+    with pytest.raises(ValueError, match="sequence 1 .* has prompt length 0"):
+        raw_scores(model, [[0, 1], [0, 5]], PAD, prompt_lengths=[1, 0])
+    with pytest.raises(ValueError, match="sequence 0 .* has prompt length 3"):
+        raw_scores(model, [[0, 1], [0, 5]], PAD, prompt_lengths=[3, 1])
+    models = [RewardModel("a", 1.0, 0.0, 1.0, model), RewardModel("b", 0.5, 0.0, 2.0, _classifier(12))]
+    sequences, prompt_lengths = _grouped([5, 2, 7, 4], GROUP_OWNERS, GROUP_RESPONSES, seed=4)
+    spy = _Spy(monkeypatch)
+    got = score_with_reward_models(models, sequences, PAD, prompt_lengths=prompt_lengths)
+    assert spy.prefixed == [True, True]  # both models read each prompt once
+    want = score_with_reward_models(models, sequences, PAD)
+    torch.testing.assert_close(got.total, want.total, rtol=0, atol=1e-5)
