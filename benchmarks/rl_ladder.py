@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -126,6 +127,8 @@ def run_level(up: rl_setup.Upstream, shape: str, level: str, iterations: int, th
     if done.returncode != 0:
         raise RuntimeError(f"{shape}/{level} failed:\n{done.stderr[-3000:]}")
     metrics = rl_setup.read_metrics(spec)[1:]  # iteration 1 is warm-up (first compiled calls, allocator)
+    # Each run publishes the trained policy (and critic): 0.9 GB a run at 114.8M, which filled the disk
+    shutil.rmtree(rl_setup.run_output(spec), ignore_errors=True)
     seconds = statistics.median(m["timing/iteration"] for m in metrics)
     completions = SHAPES[shape]["prompts_per_iteration"] * SHAPES[shape]["group_size"]
     phases = sorted({k for m in metrics for k in m if k.startswith("timing/") and k != "timing/iteration"})

@@ -175,8 +175,12 @@ def ppo_spec(up: Upstream, engine: str, ppo: dict[str, Any], with_reward_model: 
     return path
 
 
+def run_output(spec_path: Path) -> Path:
+    """The output folder of the run `spec_path` describes."""
+    return Path(json.loads(spec_path.read_text())["output_uri"].removeprefix("file://"))
+
+
 def read_metrics(spec_path: Path) -> list[dict[str, float]]:
     """The per-iteration metrics of the run `spec_path` described."""
-    spec = json.loads(spec_path.read_text())
-    out = Path(spec["output_uri"].removeprefix("file://"))
+    out = run_output(spec_path)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
