@@ -255,7 +255,8 @@ class NativeEngine(Engine):
                 f"skinny_linear ({skinny_linear.isa()} C++) up to {skinny_linear.max_rows()} rows, "
                 "F.linear above"
                 if self.linear_weights_dtype == torch.float32
-                else f"skinny_linear ({skinny_linear.isa()} C++) on bfloat16 blocks, every row count"
+                else f"skinny_linear ({skinny_linear.isa()} C++) on bfloat16 blocks up to "
+                f"{skinny_linear.max_rows()} rows, F.linear on the bf16-rounded weight above"
             ),
             "onednn": "oneDNN prepacked",
             None: "F.linear",

@@ -9,9 +9,9 @@ plain [out, in] layout F.linear reads streams slowly at small M. Two packed layo
 - "onednn" (bfloat16, or float32 where the kernel cannot be built): oneDNN's blocked copies.
 
 The blocked copies of a float32 engine may be kept in bfloat16 (engine.cpu_linear_weights): the kernel widens
-them as it reads, at half the bytes, and then takes every row count, so that prefill and decode read the
-same rounded weights (the engine is then exactly the float32 engine of the bf16-rounded model, up to
-summation order).
+them as it reads, at half the bytes, and above its row limit F.linear runs on the weight rounded the same
+way, so that prefill and decode read the same rounded weights (the engine is then exactly the float32
+engine of the bf16-rounded model, up to summation order).
 
 Both are faster than F.linear on the plain weight in a decode step (docs/performance.md#cpu-kernels;
 `python benchmarks/cpu_kernels_bench.py`).
@@ -64,7 +64,7 @@ MIN_PACKED_BYTES = {"onednn": 256 << 10, "blocked": 0, "blocked-avx2": 256 << 10
 
 def min_packed_bytes(layout: str, blocked_dtype: torch.dtype = torch.float32) -> int:
     """The smallest weight this layout packs here (MIN_PACKED_BYTES;
-    the blocked layout's floor is its build's; none for bfloat16 blocks, which every linear must read)."""
+    the blocked layout's floor is its build's; none for bfloat16 blocks: every weight is rounded)."""
     if layout == "blocked" and blocked_dtype == torch.bfloat16:
         return 0
     if layout == "blocked" and skinny.isa() == "AVX2":
@@ -120,9 +120,12 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     packed, out_features = entry[0], entry[3]
     if out_features is not None:  # blocked
-        # bf16 blocks at any row count: a prefill reads the same rounded weights as the decode steps
-        if x.numel() > _MAX_ROWS() * x.shape[-1] and packed.dtype == torch.float32:
+        if x.numel() > _MAX_ROWS() * x.shape[-1]:
             calls["plain"] += 1
+            if packed.dtype == torch.bfloat16:
+                # A large prefill: F.linear's GEMM on the rounded weight, the same model as the decode steps'
+                # (rounding costs a pass over the weight, small beside a GEMM of this many rows)
+                return F.linear(x, weight.to(torch.bfloat16).to(weight.dtype))
             return F.linear(x, weight)
         calls["packed"] += 1
         return skinny.skinny_linear(x, packed, out_features)

@@ -90,12 +90,17 @@ def test_every_blocked_copy_is_bfloat16_shared_with_the_loop_and_follows_a_refit
     for (name, layer), blocked in loop._blocked.items():
         assert blocked.dtype == torch.bfloat16 and current_blocked(half.weights[name][layer]) is blocked
     assert loop._lm_head.dtype == torch.bfloat16
-    # Every row count reads the bf16 blocks (no float32 F.linear for large prefills): a prefill of 8 x 17-39
-    # rows, above the float32 limit, makes no "plain" call.
+    # A prefill of more rows than the kernel takes (8 prompts of 17-39 tokens) runs F.linear, on the rounded
+    # weights: the first decode step's logits are the rounded model's (the prefill's keys and values too).
     prepack.calls.update(packed=0, fallback=0, plain=0)
+    prompts = random_prompts(8, seed=3, lengths=(16, 40))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
-    half.generate(random_prompts(8, seed=3, lengths=(16, 40)), greedy)
-    assert prepack.calls["plain"] == 0 and prepack.calls["fallback"] == 0 and prepack.calls["packed"] > 0
+    got = half.generate(prompts, greedy, return_logits=True)
+    assert prepack.calls["plain"] > 0 and prepack.calls["fallback"] == 0 and prepack.calls["packed"] > 0
+    rounded = NativeEngine.build(_rounded_checkpoint(path, tmp_path / "r"), engine_config(), device="cpu")
+    want = rounded.generate(prompts, greedy, return_logits=True)
+    worst = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True))
+    assert worst <= TOLERANCES["logits_fp32"]
     prompts = random_prompts(4, seed=7)
     before = half.generate(prompts, STOPPING)
     perturbed = perturbed_checkpoint(path, tmp_path / "p")
@@ -135,4 +140,4 @@ def test_where_bfloat16_blocks_do_not_apply(tiny_checkpoints):
     assert bf16.execution_paths()["cpu_linear_weights"].startswith("bfloat16 not applied")
     half = NativeEngine.build(path, config, device="cpu")
     assert "cpu_linear_weights" not in half.execution_paths()
-    assert "bfloat16 blocks, every row count" in half.execution_paths()["linear"]
+    assert "bfloat16 blocks up to" in half.execution_paths()["linear"]
