@@ -10,6 +10,8 @@ default; EOS ignored so every sequence generates exactly --new-tokens tokens) fo
     native eager      CUDA only: the same engine with engine.cuda_graphs off (one kernel launch per op)
     native step       CPU only, where the C++ loop applies: the eager torch decode step
                       (engine.cpu_decode_loop off)
+    native bf16w      CPU float32, where the C++ loop applies: `native` on bf16 copies of the linear weights
+                      (engine.cpu_linear_weights: bfloat16; its roofline counts the bytes in bf16)
     native+compile    the torch step with engine.compile (torch.compile of the decode step; no CUDA graphs)
     hf                alignflow hf backend: transformers generate + alignflow's sampler
     transformers      plain transformers generate(do_sample=True, top_k=0), its own multinomial sampling
@@ -59,7 +61,7 @@ MODELS: dict[str, dict[str, Any]] = {
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
 }
 DEFAULT_MODELS = ("tiny", "llama-100m")  # llama-1b on request: minutes per batch size on a CPU
-ENGINES = ("native", "native eager", "native step", "native+compile", "hf", "transformers")
+ENGINES = ("native", "native bf16w", "native eager", "native step", "native+compile", "hf", "transformers")
 
 
 def machine() -> dict[str, Any]:
@@ -246,6 +248,8 @@ def bench_model_dtype(
         engines["native eager"] = NativeEngine.build(path, torch_step, dtype=dtype, device=device)
     if engines["native"]._decode_loop is not None:
         engines["native step"] = NativeEngine.build(path, torch_step, dtype=dtype, device=device)
+        bf16w = config.model_copy(update={"cpu_linear_weights": "bfloat16"})
+        engines["native bf16w"] = NativeEngine.build(path, bf16w, dtype=dtype, device=device)
     compile_build_s = None
     if not args.no_compile:
         started = time.perf_counter()
@@ -286,11 +290,17 @@ def bench_model_dtype(
         # The fastest of the interleaved runs is the least disturbed by other processes on a shared
         # machine (runs of the same engine vary several-fold under load); the median is kept too.
         best = {e: min(times[(e, batch)]) for e in timed}
-        floor_s = roofline_s(
-            name, [len(p) for p in prompts[:batch]], args.new_tokens, dtype, args.bandwidth_gbs
-        )
+        lens = [len(p) for p in prompts[:batch]]
+        floors = {
+            engine_name: roofline_s(
+                # bf16 weights stream half the bytes (the fp32 KV cache is counted in bf16 too)
+                name, lens, args.new_tokens, "bfloat16" if engine_name == "native bf16w" else dtype,
+                args.bandwidth_gbs,
+            )
+            for engine_name in timed
+        }
         for engine_name in timed:
-            seconds = best[engine_name]
+            seconds, floor_s = best[engine_name], floors[engine_name]
             paths = (
                 engines[engine_name].execution_paths()
                 if hasattr(engines[engine_name], "execution_paths")
