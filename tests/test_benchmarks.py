@@ -63,9 +63,10 @@ def test_engine_throughput_reports_every_engine_and_refit():
     engines = {row["engine"] for row in result["throughput"]}
     from alignflow.kernels import decode_loop
 
-    # "native step" (the torch step) beside "native" where the engine's default is the C++ decode loop
+    # "native step" (the torch step) and "native bf16w" (bf16 linear weights) beside "native" where the
+    # engine's default is the C++ decode loop
     assert engines == {"native", "hf", "transformers"} | (
-        {"native step"} if decode_loop.available() else set()
+        {"native step", "native bf16w"} if decode_loop.available() else set()
     )
     assert all(
         row["tokens_per_s"] > 0 and row["speedup_vs_hf_fp32"] is not None for row in result["throughput"]
