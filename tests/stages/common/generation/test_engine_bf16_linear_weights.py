@@ -69,8 +69,8 @@ def test_the_engine_generates_what_the_float32_engine_of_the_rounded_model_does(
     rounded_path = _rounded_checkpoint(path, tmp_path / "rounded")
     rounded = NativeEngine.build(rounded_path, engine_config(cpu_decode_loop=loop), device="cpu")
     exact = NativeEngine.build(path, engine_config(cpu_decode_loop=loop), device="cpu")
-    # 8 prompts of 17-39 tokens: a prefill of more rows than skinny_linear's float32 row limit too
-    prompts = random_prompts(8, seed=3, lengths=(16, 40))
+    # 8 prompts: a prefill of more rows than skinny_linear's row limit too
+    prompts = _past_the_row_limit()
     got = half.generate(prompts, STOPPING, return_logits=True)
     want = rounded.generate(prompts, STOPPING, return_logits=True)
     _assert_same_generation(got, want)
@@ -83,6 +83,12 @@ def test_the_engine_generates_what_the_float32_engine_of_the_rounded_model_does(
     assert gap > 10 * TOLERANCES["logits_fp32"]
 
 
+def _past_the_row_limit() -> list[list[int]]:
+    """8 prompts of more tokens in all than the skinny kernel's row limit on this CPU (128 rows on AVX-512,
+    256 on AVX2), none over 44 tokens: room for STOPPING's 20 new ones in the test engines' 64-slot cache."""
+    return random_prompts(8, seed=3, lengths=(skinny_linear.max_rows() // 8 + 1, 45))
+
+
 def test_every_blocked_copy_is_bfloat16_shared_with_the_loop_and_follows_a_refit(tiny_checkpoints, tmp_path):
     path = tiny_checkpoints["llama_mha_untied"]
     half = _half(path)
@@ -90,10 +96,10 @@ def test_every_blocked_copy_is_bfloat16_shared_with_the_loop_and_follows_a_refit
     for (name, layer), blocked in loop._blocked.items():
         assert blocked.dtype == torch.bfloat16 and current_blocked(half.weights[name][layer]) is blocked
     assert loop._lm_head.dtype == torch.bfloat16
-    # A prefill of more rows than the kernel takes (8 prompts of 17-39 tokens) runs F.linear, on the rounded
-    # weights: the first decode step's logits are the rounded model's (the prefill's keys and values too).
+    # A prefill of more rows than the kernel takes runs F.linear, on the rounded weights: the first decode
+    # step's logits are the rounded model's (the prefill's keys and values too).
     prepack.calls.update(packed=0, fallback=0, plain=0)
-    prompts = random_prompts(8, seed=3, lengths=(16, 40))
+    prompts = _past_the_row_limit()
     greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
     got = half.generate(prompts, greedy, return_logits=True)
     assert prepack.calls["plain"] > 0 and prepack.calls["fallback"] == 0 and prepack.calls["packed"] > 0
