@@ -76,6 +76,11 @@ def pytest_configure(config):
     # small_config's model.device: the pipelines and stages these tests run compute there too (a GPU machine's
     # default run stays on the CPU instead of model.device auto picking its GPU).
     os.environ[TEST_DEVICE_VAR] = config.option.device
+    if config.option.device == "cpu":
+        # Triton kernels on CPU tensors run in Triton's interpreter, which triton reads when it is first
+        # imported (its own @jit helpers, tl.sum among them, are decorated then): set before any test module
+        # imports it. tests/kernels/conftest.py refuses it under --device cuda.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _marker_reason(item, mark) -> str:

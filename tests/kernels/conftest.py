@@ -1,8 +1,8 @@
-"""Kernel-test setup: Triton's CPU interpreter under --device cpu; the tolerance table of every kernel test.
+"""Kernel-test setup: no Triton interpreter under --device cuda; the tolerance table of every kernel test.
 
-TRITON_INTERPRET must be set before the ``alignflow.kernels._triton_*`` modules are imported
-(``@triton.jit`` reads it when decorating), so it is set in this conftest's pytest_configure, which runs
-before any kernel test module is imported. Under --device cuda the kernels run compiled, as in the engine:
+TRITON_INTERPRET must be set before triton and the ``alignflow.kernels._triton_*`` modules are imported
+(``@triton.jit`` reads it when decorating), so tests/conftest.py's pytest_configure sets it under --device
+cpu, before any test module is imported. Under --device cuda the kernels run compiled, as in the engine:
 the interpreter stays off, and a TRITON_INTERPRET=1 left in the environment is an error rather than a
 run that would check the interpreter instead of the compiled kernels.
 """
@@ -14,9 +14,8 @@ import pytest
 
 def pytest_configure(config):
     # config.option.device is resolved ("cpu" or "cuda") by tests/conftest.py's pytest_configure, which runs
-    # first.
+    # first and, under cpu, sets TRITON_INTERPRET=1.
     if config.option.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         return
     from alignflow.kernels._triton_dispatch import interpreter_requested
 
