@@ -316,6 +316,14 @@ class EngineConfig(Section):
     )
     compile: bool = Field(False, description="torch.compile the decode step (compiled during the build).")
     cuda_graphs: bool = Field(True, description="Capture the decode step in CUDA graphs (GPU only).")
+    gpu_decode_kernels: Literal["torch", "triton"] = Field(
+        "torch",
+        description="GPU, native engine, CUDA graphs: the ops of the captured decode step. triton: "
+        "alignflow's fused kernels (RoPE with the cache write, attention over the live length split over "
+        "the keys, the residual add with the next RMSNorm, SiLU x up: kernels/decode_step.py), ~15 fewer "
+        "kernels per layer and no read of the unwritten cache; torch: the eager ops. Same arithmetic to "
+        "float rounding; triton is tested against torch, its speed not yet measured on a GPU.",
+    )
     cpu_prepack: bool = Field(
         True,
         description="CPU: keep a packed copy of each linear weight (oneDNN's layout, or 16-column blocks for "

@@ -8,6 +8,8 @@ default; EOS ignored so every sequence generates exactly --new-tokens tokens) fo
                       CUDA graphs (engine.cuda_graphs); on AVX-512/AVX2 CPUs in float32 its C++ decode loop
                       (engine.cpu_decode_loop); elsewhere the eager decode step
     native eager      CUDA only: the same engine with engine.cuda_graphs off (one kernel launch per op)
+    native fused      CUDA only: `native` with engine.gpu_decode_kernels: triton (the graph's step on the
+                      fused Triton ops of kernels/decode_step.py, attention over the live length)
     native step       CPU only, where the C++ loop applies: the eager torch decode step
                       (engine.cpu_decode_loop off)
     native bf16w      CPU float32, where the C++ loop applies: `native` on bf16 copies of the linear weights
@@ -61,7 +63,8 @@ MODELS: dict[str, dict[str, Any]] = {
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
 }
 DEFAULT_MODELS = ("tiny", "llama-100m")  # llama-1b on request: minutes per batch size on a CPU
-ENGINES = ("native", "native bf16w", "native eager", "native step", "native+compile", "hf", "transformers")
+ENGINES = ("native", "native fused", "native bf16w", "native eager", "native step", "native+compile", "hf",
+           "transformers")
 
 
 def machine() -> dict[str, Any]:
@@ -246,6 +249,8 @@ def bench_model_dtype(
     torch_step = config.model_copy(update={"cpu_decode_loop": False, "cuda_graphs": False})
     if engines["native"]._use_graphs:
         engines["native eager"] = NativeEngine.build(path, torch_step, dtype=dtype, device=device)
+        fused = config.model_copy(update={"gpu_decode_kernels": "triton"})
+        engines["native fused"] = NativeEngine.build(path, fused, dtype=dtype, device=device)
     if engines["native"]._decode_loop is not None:
         engines["native step"] = NativeEngine.build(path, torch_step, dtype=dtype, device=device)
         bf16w = config.model_copy(update={"cpu_linear_weights": "bfloat16"})

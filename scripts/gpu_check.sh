@@ -5,8 +5,9 @@
 #             them (never torch); alignflow importable from this checkout (scripts/gpu_check_setup.py)
 #   tests     pytest --device cuda over the device tests (the Makefile's DEVICE_TESTS)
 #   engine    benchmarks/engine_throughput.py, bf16, batch 1/8/64, the ~110M model and the Llama-3.2-1B shape:
-#             native (CUDA graphs, the engine's default), native eager and hf, each as a share of the HBM
-#             roofline at the bandwidth a device-to-device copy reaches in the same run
+#             native (CUDA graphs, the engine's default), native fused (its fused Triton step), native eager
+#             and hf, each as a share of the HBM roofline at the bandwidth a device-to-device copy reaches in
+#             the same run
 #   pipeline  configs/gpu-small.yaml: SFT -> reward -> engine -> PPO -> evaluate, then GRPO, every stage on the GPU
 #             (scripts/gpu_check_pipeline.py): the stage table, the held-out gold gain, each stage's devices
 #   rl        a GRPO iteration of alignflow beside TRL's GRPOTrainer on the same GPU and model, and their ratio
@@ -97,7 +98,7 @@ FIGURES=$OUT_DIR/figures.jsonl
 # A step past its budget gets SIGINT (pytest still writes its report), then SIGKILL 15 s later. cpu: the tiny sizes
 # on a shared 2-core box, with room for a loaded one.
 # The engine rows: the engine's default path, the eager torch step (CUDA: no graphs; CPU: no C++ loop), and hf.
-ENGINES="native,native eager,native step,hf"
+ENGINES="native,native fused,native eager,native step,hf"
 if [ "$DEVICE" = cuda ]; then
     declare -A BUDGET=([setup]=30 [tests]=120 [engine]=90 [pipeline]=170 [rl]=70)
     # shellcheck disable=SC2054  # the commas are the benchmark's list syntax

@@ -178,6 +178,7 @@ class NativeEngine(Engine):
             cpu_attention=engine_config.cpu_kernels
             and cpu_decode_attention.supports(device, dtype, self.spec.head_dim),
             tp=self.tp,
+            decode_kernels=engine_config.gpu_decode_kernels,
         )
         # The whole decode loop in one C++ call where it applies (decode_loop.py); None: the torch step below.
         self._decode_loop_reason = decode_loop.unsupported_reason(
@@ -247,6 +248,9 @@ class NativeEngine(Engine):
         config, cpu = self.engine_config, self.device.type == "cpu"
         if self._use_graphs:
             step = "CUDA graph per batch bucket"
+            if config.gpu_decode_kernels == "triton":
+                step += (", fused Triton ops (RoPE + cache write, attention over the live length, "
+                         "add + RMSNorm, SiLU x up: kernels/decode_step.py)")
         else:
             step = "torch.compile" if self._compile else "eager"
         layout = self._prepacked.layout if self._prepacked is not None else None

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from alignflow.kernels import decode_attention as cpu_decode_attention
+from alignflow.kernels import decode_step
 from alignflow.kernels.rms_norm import rms_norm as kernel_rms_norm
 from alignflow.stages.common.generation.native.spec import LlamaFamilySpec
 from alignflow.stages.common.generation.native.weights import InferenceWeights
@@ -177,9 +178,13 @@ class LlamaFamilyModel:
         linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
         cpu_attention: bool = False,
         tp: TensorParallel | None = None,
+        decode_kernels: str = "torch",
     ):
         self.spec = spec
         self.tp = tp
+        # The static (CUDA-graph) decode step's ops: "torch" (the eager ops below) or "triton", the fused
+        # kernels of kernels/decode_step.py (engine.gpu_decode_kernels).
+        self.decode_kernels = decode_kernels
         # x @ w.T without bias: F.linear, or prepack.linear (packed weight copies on CPU).
         self.linear = linear
         # Decode attention through alignflow::decode_attention (kernels/decode_attention.py: fp32, AVX-512).
@@ -224,6 +229,8 @@ class LlamaFamilyModel:
         B, T = tokens.shape
         q_size, kv_size, D = spec.q_size, spec.kv_size, spec.head_dim
         static = isinstance(slot, torch.Tensor)
+        if static and T == 1 and self.decode_kernels == "triton":
+            return self._fused_decode_step(cache, tokens, positions, slot, masks)
         if slot is None:
             slot = next(iter(masks.values())).shape[-1] - T
         kv_len = cache.max_seq_len if static else slot + T
@@ -317,6 +324,58 @@ class LlamaFamilyModel:
         x = rms_norm(x, w["norm"], eps)
         logits = linear(x, w["lm_head"])
         if tp is not None:  # this rank's vocab rows -> the full vocabulary on every rank
+            logits = tp.gather_logits(logits)
+        return logits.float()
+
+    def _fused_decode_step(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slot: torch.Tensor,
+        masks: dict[int | None, torch.Tensor],
+    ) -> torch.Tensor:
+        """forward's static decode step (T = 1, slot a [1] tensor) on kernels/decode_step.py's fused ops.
+
+        The same arithmetic as the eager step, layer for layer: RoPE and the cache write in one kernel,
+        attention over slots 0..slot only (the eager step reads all S_max behind the mask), the residual add
+        fused with the norm that follows it (the last layer's with the final norm), SiLU(gate) * up in one.
+        The linears stay `self.linear` (cuBLAS on a GPU) and the collectives the tensor-parallel ones."""
+        spec, w, tp = self.spec, self.weights, self.tp
+        B = tokens.shape[0]
+        heads, kv_heads, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        eps, linear = spec.rms_norm_eps, self.linear
+        qkv_b, o_b = w.get("qkv_b"), w.get("o_b")
+        cos, sin = self.cos[positions[:, 0]], self.sin[positions[:, 0]]  # [B, D]
+        x = self._embed(tokens[:, 0])  # [B, H]
+        h = rms_norm(x, w["ln_attn"][0], eps)
+        for layer in range(spec.num_layers):
+            qkv = linear(h, w["qkv_w"][layer])
+            if qkv_b is not None:
+                qkv = qkv + qkv_b[layer]
+            k_cache, v_cache = cache.k[layer][:B], cache.v[layer][:B]
+            q = decode_step.rope_cache_write(
+                qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, impl="triton"
+            )
+            mask = masks[spec.sliding_windows[layer]].view(B, -1)
+            attn = decode_step.live_attention(
+                q.view(B, kv_heads, heads // kv_heads, D), k_cache, v_cache, mask, slot, self.scale,
+                impl="triton",
+            )
+            out = linear(attn.view(B, heads * D), w["o_w"][layer])
+            if tp is not None:
+                out = tp.all_reduce(out)
+            if o_b is not None:
+                out = out + o_b[layer]
+            x, h = decode_step.add_rms_norm(x, out, w["ln_mlp"][layer], eps, impl="triton")
+            gate_up = linear(h, w["gate_up_w"][layer])
+            down = linear(decode_step.silu_mul(gate_up, impl="triton"), w["down_w"][layer])
+            if tp is not None:
+                down = tp.all_reduce(down)
+            following = w["ln_attn"][layer + 1] if layer + 1 < spec.num_layers else w["norm"]
+            x, h = decode_step.add_rms_norm(x, down, following, eps, impl="triton")
+        logits = linear(h, w["lm_head"])
+        if tp is not None:
             logits = tp.gather_logits(logits)
         return logits.float()
 
