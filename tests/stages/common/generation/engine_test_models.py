@@ -179,6 +179,17 @@ def engine_config(**overrides):
     return EngineConfig(**values)
 
 
+def assert_generates_alike(engine, reference, prompts, sampling):
+    """`engine` samples `reference`'s tokens with logits within TOLERANCES["logits_fp32"]; returns the
+    reference's generation."""
+    got = engine.generate(prompts, sampling, return_logits=True)
+    want = reference.generate(prompts, sampling, return_logits=True)
+    assert got.response_token_ids == want.response_token_ids
+    worst = max((x - y).abs().max().item() for x, y in zip(got.logits, want.logits, strict=True))
+    assert worst <= TOLERANCES["logits_fp32"]
+    return want
+
+
 def perturbed_checkpoint(source: Path, dest: Path, scale: float = 0.05, seed: int = 1) -> Path:
     """A copy of `source` with every weight moved by noise (what a PPO step does), saved as safetensors."""
     from transformers import AutoModelForCausalLM

@@ -5,7 +5,7 @@ same static step runs eagerly with the kernels in Triton's interpreter."""
 from __future__ import annotations
 
 import pytest
-from engine_test_models import ARCHITECTURES, TOLERANCES, engine_config, random_prompts
+from engine_test_models import ARCHITECTURES, assert_generates_alike, engine_config, random_prompts
 
 from alignflow.stages.common.generation import SamplingParams
 from alignflow.stages.common.generation.native import NativeEngine
@@ -35,10 +35,6 @@ def test_fused_static_decode_step_generates_what_the_eager_step_does(tiny_checkp
         assert "fused Triton ops" in fused.execution_paths()["decode_step"]
     for batch, seed in ((3, 1), (1, 2)):
         prompts = random_prompts(batch, seed=seed)
-        a = fused.generate(prompts, SAMPLED, return_logits=True)
-        b = eager.generate(prompts, SAMPLED, return_logits=True)
-        assert a.response_token_ids == b.response_token_ids
-        worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
-        assert worst <= TOLERANCES["logits_fp32"]
+        b = assert_generates_alike(fused, eager, prompts, SAMPLED)
     fused.refit(checkpoint_tensors(path))  # the weights are read through the same buffers after a refit
     assert fused.generate(prompts, SAMPLED).response_token_ids == b.response_token_ids

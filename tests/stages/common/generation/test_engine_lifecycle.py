@@ -6,7 +6,13 @@ import json
 
 import pytest
 import torch
-from engine_test_models import TOLERANCES, engine_config, perturbed_checkpoint, random_prompts
+from engine_test_models import (
+    TOLERANCES,
+    assert_generates_alike,
+    engine_config,
+    perturbed_checkpoint,
+    random_prompts,
+)
 
 from alignflow.stages.common.generation import (
     EngineError,
@@ -180,11 +186,7 @@ def test_static_shape_decode_path_matches_eager(tiny_checkpoints, arch, device):
     eager = NativeEngine.build(path, engine_config(), device=device)
     for batch, seed in ((3, 1), (5, 2), (1, 3), (3, 4)):  # buckets 4, 8, 1, then 4 again (reused)
         prompts = random_prompts(batch, seed=seed)
-        a = static.generate(prompts, SAMPLED, return_logits=True)
-        b = eager.generate(prompts, SAMPLED, return_logits=True)
-        assert a.response_token_ids == b.response_token_ids
-        worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
-        assert worst <= TOLERANCES["logits_fp32"]
+        b = assert_generates_alike(static, eager, prompts, SAMPLED)
     assert sorted(static._graphs) == [1, 4, 8]
     static.refit(checkpoint_tensors(path))  # in place: the static buffers and steps stay valid
     assert static.generate(prompts, SAMPLED).response_token_ids == b.response_token_ids
