@@ -40,6 +40,13 @@ def _triton_module(op: str, device: torch.device, impl: str):
     return _triton_decode
 
 
+def _check_head_dim(op: str, D: int) -> None:
+    """The Triton kernels hold a head in one block, whose size must be a power of two."""
+    if D & (D - 1):
+        raise ValueError(f"{op}: head_dim {D} is not a power of two, which the Triton kernels' blocks need; "
+                         "use engine.gpu_decode_kernels: torch for this model")
+
+
 def rope_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot: torch.Tensor, heads: int, kv_heads: int,
                      impl: str = "auto") -> torch.Tensor:
@@ -55,10 +62,9 @@ def rope_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Ten
     if width != (heads + 2 * kv_heads) * D or qkv.stride(1) != 1:
         raise ValueError(f"rope_cache_write: qkv {tuple(qkv.shape)} is not [B, (heads + 2 kv_heads) x D] = "
                          f"[{B}, {(heads + 2 * kv_heads) * D}] with contiguous rows")
-    if D % 2 or D & (D - 1):
-        raise ValueError(f"rope_cache_write: head_dim {D} must be a power of two (Triton's block)")
     kernels = _triton_module("rope_cache_write", qkv.device, impl)
     if kernels is not None:
+        _check_head_dim("rope_cache_write", D)
         return kernels.rope_cache_write(qkv, cos, sin_signed, k_cache, v_cache, slot, heads, kv_heads)
     from alignflow.stages.common.generation.native.model import apply_rope
 
@@ -100,6 +106,7 @@ def live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     kernels = _triton_module("live_attention", q.device, impl)
     if kernels is None:
         return decode_attention(q, k_cache, v_cache, _through(mask, slot)[:, None, None], scale)
+    _check_head_dim("live_attention", D)
     if q.stride(3) != 1 or q.stride(2) != D or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("live_attention: q's (G, D) and the caches' D must be contiguous")
     splits = splits or default_splits(B * kv_heads, k_cache.shape[2], q.device)

@@ -143,3 +143,12 @@ def test_silu_mul_matches_the_eager_ops(dtype, F, device):
 def test_bad_shapes_are_named(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_a_head_size_the_kernels_cannot_block_is_refused_with_the_fix(device):
+    """head_dim 80 (a power of two is needed for the kernels' blocks): the Triton path says which setting to
+    change; the torch reference takes it."""
+    q, k_cache, v_cache, mask, slot_t = _attention_case(1, 1, 2, 80, 8, 3, torch.float32, device)
+    with pytest.raises(ValueError, match=r"head_dim 80 is not a power of two.*gpu_decode_kernels: torch"):
+        decode_step.live_attention(q, k_cache, v_cache, mask, slot_t, 0.1, impl="triton")
+    assert decode_step.live_attention(q, k_cache, v_cache, mask, slot_t, 0.1, impl="torch").shape == q.shape
