@@ -281,8 +281,8 @@ def linear_kernels_unavailable_reason() -> str | None:
 
 
 def logprob_kernels():
-    """The AVX2 extension (logprobs_entropy, rms_norm) on any CPU with AVX2 and FMA, AVX-512 ones included;
-    else None.
+    """The AVX2 extension (logprobs_entropy, rms_norm, silu_mul, rope) on any CPU with AVX2 and FMA,
+    AVX-512 ones included; else None.
 
     Only the AVX2 build has these kernels; AVX-512 CPUs run it too. An AVX-512 build was not written: the
     ones with bf16 arithmetic train in autocast, and bf16 logits keep the torch reference

@@ -29,6 +29,12 @@ std::tuple<torch::Tensor, torch::Tensor> logprobs_entropy(torch::Tensor logits, 
                                                           bool want_entropy);
 // AVX2 build only (csrc/avx2/rms_norm_avx2.cpp): kernels/rms_norm.py's "cpp" path, one C++ autograd node.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// AVX2 build only (csrc/avx2/swiglu_avx2.cpp): kernels/swiglu.py's "cpp" path, silu(gate) * up as one C++
+// autograd node.
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+// AVX2 build only (csrc/avx2/rope_avx2.cpp): kernels/rope.py's "cpp" path, rotate-half RoPE of x [tokens, heads, D]
+// with tables [tokens, D] as one C++ autograd node.
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed);
 
 // The raw-pointer pieces decode_loop chains without a tensor or a dispatch in between (each build has its own).
 // skinny_linear over tiles [first_tile, last_tile) of column blocks (3 per tile in the AVX-512 build, 1 in the

@@ -11,6 +11,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "in C++ (AVX2)", py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight over the last dim, differentiable, its backward in C++ (AVX2)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of float32 tensors, differentiable, its backward in C++ (AVX2)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &rope, "rotate-half RoPE of float32 [tokens, heads, D], differentiable, its backward in C++ (AVX2)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_loop", &decode_loop, "a Llama-family float32 model's whole decode loop (kernels/decode_loop.py; AVX2)");
   m.attr("isa") = "AVX2";
 }
