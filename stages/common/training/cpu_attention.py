@@ -1,7 +1,8 @@
-"""Training attention under CPU autocast: fp32 matmul, softmax, matmul, with a thread-invariant backward.
+"""Training attention on CPU (fp32, or under autocast): fp32 matmul, softmax and matmul, thread-invariant.
 
 Why: under bf16 autocast torch's CPU flash attention (SDPA) has a slow backward, several times the cost of
-fp32 matmuls at the RL benchmark's shapes and a large share of the actor's step
+fp32 matmuls at the RL benchmark's shapes and a large share of the actor's step; in fp32 it is ~20% slower
+than these matmuls at those shapes (a packed GRPO minibatch's [8, 4, 80, 64], 2-core AVX2 EPYC)
 (docs/performance.md#the-training-step). fp32 rather than bf16 matmuls: oneDNN compiles a bf16 kernel per
 shape and the attention width changes every minibatch (llama_forward.pads_rows), and fp32 scores are the more
 exact of the two.

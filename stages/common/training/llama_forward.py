@@ -5,10 +5,11 @@ hundred tiny operator calls and Python, not arithmetic, sets the time. transform
 spends much of them outside the math: the mask factory, the rotary module (cos/sin recomputed per
 call), per-layer attention dispatch, repeat_kv copies for GQA, output records. This forward does the
 same arithmetic in fewer calls: cos/sin gathered from a cached table, one additive mask shared by
-every layer, one-node RMSNorm (kernels/rms_norm.py), SDPA with native GQA (timed by
-benchmarks/training_forward.py: docs/performance.md#the-training-step). Under CPU autocast
-(bf16 on CPUs with bf16 arithmetic) two more things pay: fp32 attention for rows up to EAGER_ATTENTION_MAX_LEN
-(cpu_attention: SDPA's bf16 backward is slow), and row counts bucketed for oneDNN (pads_rows).
+every layer, one-node RMSNorm, RoPE and SwiGLU (kernels/rms_norm.py, rope.py, swiglu.py), SDPA with native GQA
+(timed by benchmarks/training_forward.py: docs/performance.md#the-training-step). Under CPU autocast
+(bf16 on CPUs with bf16 arithmetic) row counts bucketed for oneDNN pay (pads_rows); on CPU, in fp32 or
+under autocast, attention runs as fp32 matmuls for rows up to EAGER_ATTENTION_MAX_LEN (cpu_attention: SDPA's
+backward is slow there).
 
 Same parameters, same module calls for every linear and the embedding, so LoRA adapters (peft wraps
 those modules), DeepSpeed ZeRO-1/2 and checkpoints see nothing different; it returns what
@@ -28,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from alignflow.kernels.rope import apply_rope
+from alignflow.kernels.swiglu import silu_mul
 from alignflow.stages.common.generation.interface import UnsupportedArchitectureError
-from alignflow.stages.common.generation.native.model import apply_rope, rms_norm, signed_sin
+from alignflow.stages.common.generation.native.model import rms_norm, signed_sin
 from alignflow.stages.common.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
 from alignflow.stages.common.training import cpu_attention
 from alignflow.stages.common.training.precision import EAGER_ATTENTION_MAX_LEN
@@ -204,28 +207,32 @@ def llama_hidden_states(
     sin = sin_table[position_ids].to(dtype)[:, :, None]
     heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     eps = spec.rms_norm_eps
-    # Under CPU autocast SDPA's bf16 backward is slow: fp32 matmuls up to the eager-attention length
-    # (cpu_attention), whose masks are built in fp32 once rather than cast in every layer.
+    # On CPU, SDPA's flash-attention backward is slow at RL lengths (several times fp32 matmuls under bf16
+    # autocast, ~20% slower in fp32): fp32 matmuls up to the eager-attention length (cpu_attention), whose
+    # masks are built in fp32 once rather than cast in every layer. Not for bf16 weights outside autocast:
+    # cpu_attention returns fp32, which o_proj would not take.
     explicit_attention = (
-        under_cpu_autocast(x.device)
+        (under_cpu_autocast(x.device) or (x.device.type == "cpu" and x.dtype == torch.float32))
         and width <= EAGER_ATTENTION_MAX_LEN
         and cpu_attention.fits(batch, heads, width)
     )
     biases = attention_biases(
         spec, attention_mask, torch.float32 if explicit_attention else dtype, prefix_ids, position_ids
     )
+
+    def real(rows: Tensor) -> Tensor:
+        # The first `positions` rows, a view, so the padding rows never reach attention; no slice when there
+        # are none, since a slice's backward writes a zero gradient of the whole block and copies into it.
+        return rows[:positions] if padding else rows
+
     last = len(backbone.layers) - 1
     for index, layer in enumerate(backbone.layers):
         attention = layer.self_attn
         h = rms_norm(x, layer.input_layernorm.weight, eps)
-        # [:positions] of a contiguous [rows, C] output is a view: the padding rows never reach attention.
-        q = apply_rope(
-            attention.q_proj(h)[:positions].view(batch, width, heads, head_dim), cos, sin
-        ).transpose(1, 2)
-        k = apply_rope(
-            attention.k_proj(h)[:positions].view(batch, width, kv_heads, head_dim), cos, sin
-        ).transpose(1, 2)
-        v = attention.v_proj(h)[:positions].view(batch, width, kv_heads, head_dim).transpose(1, 2)
+        q = apply_rope(real(attention.q_proj(h)).view(batch, width, heads, head_dim), cos, sin)
+        k = apply_rope(real(attention.k_proj(h)).view(batch, width, kv_heads, head_dim), cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = real(attention.v_proj(h)).view(batch, width, kv_heads, head_dim).transpose(1, 2)
         if explicit_attention:
             o = cpu_attention.attention(q, k, v, biases[spec.sliding_windows[index]], attention.scaling)
         else:
@@ -245,10 +252,10 @@ def llama_hidden_states(
         x = x + attention.o_proj(o)
         h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp
-        x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        x = x + mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
     hidden = rms_norm(x, backbone.norm.weight, eps)
     if keep is None:
-        return hidden[:positions].view(batch, width, -1)
+        return real(hidden).view(batch, width, -1)
     if not backbone.layers:  # no layer to select in
         hidden = hidden[keep]
     return hidden

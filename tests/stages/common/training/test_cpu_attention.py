@@ -93,7 +93,9 @@ def test_gives_the_same_bits_on_one_and_two_threads():
         assert torch.equal(a, b)
 
 
-def test_llama_forward_takes_it_under_cpu_autocast_within_the_eager_length_and_the_memory_bound(monkeypatch):
+def test_llama_forward_takes_it_in_fp32_and_under_cpu_autocast_within_the_eager_length_and_the_memory_bound(
+    monkeypatch,
+):
     from tests.stages.common.training.test_llama_forward import causal_lm, rl_batch
 
     real = cpu_attention.attention
@@ -101,17 +103,19 @@ def test_llama_forward_takes_it_under_cpu_autocast_within_the_eager_length_and_t
     packed = rl_batch(seed=1).packed
     batch, width = packed.input_ids.shape
 
-    def layers_through_it(autocast: bool = True) -> int:
+    def layers_through_it(autocast: bool = True, on=model) -> int:
         calls = []
         monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or real(*a))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             llama_forward.llama_hidden_states(
-                model.model, packed.input_ids, packed.segment_ids, packed.position_ids
+                on.model, packed.input_ids, packed.segment_ids, packed.position_ids
             )
         return len(calls)
 
-    assert layers_through_it(autocast=False) == 0  # fp32: SDPA
+    assert layers_through_it(autocast=False) == model.config.num_hidden_layers  # fp32
     assert layers_through_it() == model.config.num_hidden_layers
+    # bf16 weights outside autocast keep SDPA: cpu_attention's fp32 output would not go into a bf16 o_proj
+    assert layers_through_it(autocast=False, on=causal_lm("llama_gqa_tied_llama3").to(torch.bfloat16)) == 0
     with monkeypatch.context() as patch:
         patch.setattr(llama_forward, "EAGER_ATTENTION_MAX_LEN", width - 1)
         assert layers_through_it() == 0  # longer rows keep SDPA (scores are width^2)
