@@ -59,3 +59,17 @@ def tol():
 @pytest.fixture(autouse=True)
 def _few_threads(one_torch_thread):
     yield
+
+
+@pytest.fixture
+def avx2_kernels():
+    """The AVX2 extension (rms_norm, silu_mul, rope, logprobs_entropy), or a skip naming why it is
+    unavailable. A fixture, not a skipif at import: a --device cuda run (which skips those modules) never
+    builds the kernels."""
+    from alignflow.kernels import _cpu_extension
+
+    kernels = _cpu_extension.logprob_kernels()
+    if kernels is None:
+        why = _cpu_extension.logprob_kernels_unavailable_reason()
+        pytest.skip(f"the AVX2 CPU kernels are unavailable here: {why}")
+    return kernels

@@ -5,20 +5,13 @@ gradient with the reference's bits, for head sizes with and without a full 8-lan
 import pytest
 import torch
 
-from alignflow.kernels import _cpu_extension
 from alignflow.kernels.rope import apply_rope
 from alignflow.stages.common.generation.native import model as native_model
 
-pytestmark = pytest.mark.cpu_only("apply_rope's C++ kernel takes CPU tensors")
-
-
-@pytest.fixture(autouse=True)
-def _kernel_builds_here():
-    if _cpu_extension.logprob_kernels() is None:
-        pytest.skip(
-            "the AVX2 CPU kernels are unavailable here: "
-            f"{_cpu_extension.logprob_kernels_unavailable_reason()}"
-        )
+pytestmark = [
+    pytest.mark.cpu_only("apply_rope's C++ kernel takes CPU tensors"),
+    pytest.mark.usefixtures("avx2_kernels"),  # tests/kernels/conftest.py
+]
 
 
 def _inputs(batch, width, heads, head_dim, seed=0):

@@ -6,19 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from alignflow.kernels import _cpu_extension
 from alignflow.kernels.swiglu import silu_mul
 
-pytestmark = pytest.mark.cpu_only("silu_mul's C++ kernel takes CPU tensors")
-
-
-@pytest.fixture(autouse=True)
-def _kernel_builds_here():
-    if _cpu_extension.logprob_kernels() is None:
-        pytest.skip(
-            "the AVX2 CPU kernels are unavailable here: "
-            f"{_cpu_extension.logprob_kernels_unavailable_reason()}"
-        )
+pytestmark = [
+    pytest.mark.cpu_only("silu_mul's C++ kernel takes CPU tensors"),
+    pytest.mark.usefixtures("avx2_kernels"),  # tests/kernels/conftest.py
+]
 
 
 def _inputs(shape, seed=0):
