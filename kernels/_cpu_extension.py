@@ -290,6 +290,26 @@ def logprob_kernels():
     return _load_avx2()[0]
 
 
+def node_kernels(op: str, impl: str, *tensors: torch.Tensor):
+    """The AVX2 extension for one of its float32 CPU autograd nodes (rms_norm, silu_mul, rope), or None for
+    the caller's torch reference. impl "auto": the extension where every tensor is float32 on CPU, it
+    builds, and torch.compile is not tracing (a pybind call would break its graph); "cpp": the extension,
+    or an error saying why not; "torch": None."""
+    if impl not in ("auto", "cpp", "torch"):
+        raise ValueError(f"{op}: impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+    fits = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    if impl == "torch" or (impl == "auto" and (not fits or torch.compiler.is_compiling())):
+        return None
+    kernels = logprob_kernels()
+    if impl == "cpp":
+        if kernels is None:
+            raise RuntimeError(f"{op} impl='cpp': {logprob_kernels_unavailable_reason()}")
+        if not fits:
+            got = ", ".join(f"{t.dtype} on {t.device}" for t in tensors)
+            raise ValueError(f"{op} impl='cpp' takes float32 CPU tensors, got {got}; use impl='auto'")
+    return kernels
+
+
 def logprob_kernels_unavailable_reason() -> str | None:
     """Why logprob_kernels() is None, else None."""
     return _load_avx2()[1]

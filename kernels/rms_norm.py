@@ -29,30 +29,8 @@ from alignflow.kernels import _cpu_extension
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight over the last dim; x [..., H],
     weight [H]. impl: auto, cpp, torch."""
-    if impl == "auto":
-        kernels = _kernels_for(x, weight)
-    elif impl == "cpp":
-        kernels = _cpu_extension.logprob_kernels()
-        if kernels is None:
-            raise RuntimeError(f"rms_norm impl='cpp': {_cpu_extension.logprob_kernels_unavailable_reason()}")
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(
-                f"rms_norm impl='cpp' takes float32 CPU tensors, got x {x.dtype} on {x.device} and "
-                f"weight {weight.dtype}; use impl='auto'"
-            )
-    elif impl == "torch":
-        kernels = None
-    else:
-        raise ValueError(f"rms_norm: impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+    kernels = _cpu_extension.node_kernels("rms_norm", impl, x, weight)
     if kernels is None:
         return F.rms_norm(x, weight.shape, weight, eps)
     return kernels.rms_norm(x, weight, float(eps))
 
-
-def _kernels_for(x: torch.Tensor, weight: torch.Tensor):
-    """The AVX2 extension where "auto" takes it for these tensors, else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return None
-    if torch.compiler.is_compiling():
-        return None
-    return _cpu_extension.logprob_kernels()

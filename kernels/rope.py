@@ -28,22 +28,7 @@ def apply_rope(
             f"apply_rope: cos {tuple(cos.shape)} and sin {tuple(sin_signed.shape)} must be "
             f"[{batch}, {width}, 1, {head_dim}] for x {tuple(x.shape)}"
         )
-    if impl == "auto":
-        kernels = _kernels_for(x, cos, sin_signed)
-    elif impl == "cpp":
-        kernels = _cpu_extension.logprob_kernels()
-        if kernels is None:
-            why = _cpu_extension.logprob_kernels_unavailable_reason()
-            raise RuntimeError(f"apply_rope impl='cpp': {why}")
-        if not _float32_cpu(x, cos, sin_signed):
-            raise ValueError(
-                f"apply_rope impl='cpp' takes float32 CPU tensors, got x {x.dtype} on {x.device} and tables "
-                f"{cos.dtype}; use impl='auto'"
-            )
-    elif impl == "torch":
-        kernels = None
-    else:
-        raise ValueError(f"apply_rope: impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+    kernels = _cpu_extension.node_kernels("apply_rope", impl, x, cos, sin_signed)
     if kernels is None:
         return x * cos + x.roll(head_dim // 2, dims=-1) * sin_signed
     tokens = batch * width
@@ -54,13 +39,3 @@ def apply_rope(
     )
     return rotated.view(batch, width, heads, head_dim)
 
-
-def _float32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
-def _kernels_for(*tensors: torch.Tensor):
-    """The AVX2 extension where "auto" takes it for these tensors, else None."""
-    if not _float32_cpu(*tensors) or torch.compiler.is_compiling():
-        return None
-    return _cpu_extension.logprob_kernels()

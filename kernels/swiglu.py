@@ -24,32 +24,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, impl: str = "auto") -> torch.
     """F.silu(gate) * up for tensors of one shape. impl: auto, cpp, torch."""
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
-    if impl == "auto":
-        kernels = _kernels_for(gate, up)
-    elif impl == "cpp":
-        kernels = _cpu_extension.logprob_kernels()
-        if kernels is None:
-            raise RuntimeError(f"silu_mul impl='cpp': {_cpu_extension.logprob_kernels_unavailable_reason()}")
-        if not _float32_cpu(gate, up):
-            raise ValueError(
-                f"silu_mul impl='cpp' takes float32 CPU tensors, got gate {gate.dtype} on {gate.device} and "
-                f"up {up.dtype} on {up.device}; use impl='auto'"
-            )
-    elif impl == "torch":
-        kernels = None
-    else:
-        raise ValueError(f"silu_mul: impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+    kernels = _cpu_extension.node_kernels("silu_mul", impl, gate, up)
     if kernels is None:
         return F.silu(gate) * up
     return kernels.silu_mul(gate, up)
 
-
-def _float32_cpu(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (gate, up))
-
-
-def _kernels_for(gate: torch.Tensor, up: torch.Tensor):
-    """The AVX2 extension where "auto" takes it for these tensors, else None."""
-    if not _float32_cpu(gate, up) or torch.compiler.is_compiling():
-        return None
-    return _cpu_extension.logprob_kernels()
