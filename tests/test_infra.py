@@ -1190,3 +1190,27 @@ def test_production_walkthrough_names_files_that_exist():
     assert not missing, f"the production docs name files that do not exist: {missing}"
     for pool in ("alignflow-process", "alignflow-docker-gpu", "alignflow-k8s-gpu"):
         assert pool in doc
+
+
+def image_user(image: str) -> tuple[int, int]:
+    """The numeric `USER uid:gid` of an alignflow image's Dockerfile (containers/<name>.Dockerfile)."""
+    dockerfile = REPO / "containers" / f"{image.split(':')[0].split('/')[-1]}.Dockerfile"
+    uid, gid = re.findall(r"^USER (\d+):(\d+)$", dockerfile.read_text(), re.M)[-1]
+    return int(uid), int(gid)
+
+
+def test_pods_run_as_the_user_their_image_owns_its_files_for():
+    # A pod that runs as another uid than its image's USER cannot write its HOME (caches), the prebuilt
+    # C++ extensions' lock files or read the chmod 600 credential files the image's user owns.
+    pods = [(path, doc["spec"]["template"]["spec"]) for path, doc in k8s_objects()
+            if doc["kind"] in ("Job", "Deployment")]
+    pool = render(template("kubernetes"), {})["job_manifest"]["spec"]["template"]["spec"]
+    pods.append((POOLS / "kubernetes.json", pool))
+    assert len(pods) >= 7
+    for path, pod in pods:
+        image = pod["containers"][0]["image"]
+        assert image.split(":")[0] in ALIGNFLOW_IMAGES, (path, image)
+        uid, gid = image_user(image)
+        context = pod["securityContext"]
+        # fsGroup only where the pod mounts volumes (the worker mounts none).
+        assert (context["runAsUser"], context["runAsGroup"], context.get("fsGroup", gid)) == (uid, gid, gid), path
