@@ -134,6 +134,22 @@ def write_rank_result(code: int, line: str) -> None:
 PLACE_KEY = "alignflow/rank-place/"
 # gloo names the far end of a broken pair: "Connection closed by peer [10.0.0.2]:41234"
 PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
+# NCCL's "Last error" line in torch's DistBackendError names the peer as host<port>, by name or address:
+# "socketProgress: Connection closed by remote peer node-b<42830>", "NET/IB : Got completion from peer
+# 10.0.35.1<49189> with error 12".
+NCCL_PEER = re.compile(r"\bpeer ([A-Za-z0-9_.:-]+)<\d+>")
+
+
+def peer_names(text: str) -> set[str]:
+    """The addresses and host names a collective's error names as the broken connection's other end."""
+    return set(PEER_ADDRESS.findall(text)) | set(NCCL_PEER.findall(text))
+
+
+def _is_named(place: dict, names: set[str]) -> bool:
+    """Whether a rank's recorded place (address, host) is one of `names`; a host name matches by its first
+    label too, as NCCL may print the short name of a host whose gethostname() is fully qualified."""
+    short = {name.split(".")[0] for name in names if not name.replace(".", "").isdigit() and ":" not in name}
+    return place["address"] in names or place["host"] in names or place["host"].split(".")[0] in short
 
 
 def _launcher_store(timeout_s: float):
@@ -170,19 +186,19 @@ def record_place() -> None:
 
 def lost_peer(exc: BaseException) -> str | None:
     """One line naming the node, ranks and pids behind the broken connection that `exc` reports (gloo names
-    the peer's address), or None when it names none or the places cannot be read (the store's node is
-    gone)."""
-    addresses = set(PEER_ADDRESS.findall(str(exc)))
-    if not addresses or not launched():
+    the peer's address, NCCL its host or address: peer_names), or None when it names none or the places
+    cannot be read (the store's node is gone)."""
+    names = peer_names(str(exc))
+    if not names or not launched():
         return None
     try:
         store = _launcher_store(3.0)
         places = {r: json.loads(store.get(f"{PLACE_KEY}{r}")) for r in range(world_size())}
     except Exception:  # noqa: BLE001 - the store's node may be the one that died: say nothing more
         return None
-    if places[rank()]["address"] in addresses:
+    if _is_named(places[rank()], names):
         return None  # a rank of this node: its launcher names it, with its signal
-    lost = {r: p for r, p in places.items() if p["address"] in addresses}
+    lost = {r: p for r, p in places.items() if _is_named(p, names)}
     if not lost:
         return None
     nodes = sorted({(p["node"], p["host"], p["address"]) for p in lost.values()})
@@ -190,7 +206,9 @@ def lost_peer(exc: BaseException) -> str | None:
         f"node {node} ({host}, {address}): "
         + ", ".join(f"rank {r} (pid {p['pid']})" for r, p in sorted(lost.items()) if p["node"] == node)
         for node, host, address in nodes)
-    reason = str(exc).splitlines()[0][-160:]
+    # gloo's first line says what broke; NCCL's first is "NCCL error in: <file>:<line>", its last the socket.
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    reason = (lines[-1] if NCCL_PEER.search(lines[-1]) else lines[0])[-160:]
     return (f"lost {who}, seen by rank {rank()} of {world_size()} in a collective ({reason}): its processes "
             "died or its network went; that node's own log has its signal, if its launcher lived")
 

@@ -416,3 +416,55 @@ def test_the_cause_is_a_silent_death_then_a_reported_error_never_the_launchers_s
     assert failed_rank_of({0: failure(1), 1: failure(-signal.SIGKILL)}, {0: {"code": 1}}) == 1
     assert failed_rank_of({0: failure(-signal.SIGTERM), 1: failure(-signal.SIGTERM, 99.0)}, {}) == 1
     assert failed_rank_of({0: failure(1, 101.0), 1: failure(1, 100.0)}, {0: {}, 1: {}}) == 1
+
+
+NODE_A = {"node": 0, "host": "node-a.cluster.local", "address": "10.0.0.1"}
+NODE_B = {"node": 1, "host": "node-b.cluster.local", "address": "10.0.0.2"}
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        # gloo: the address in brackets
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:41235",
+        # NCCL over sockets: torch's DistBackendError, the peer's short host name in the last line
+        "NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, remote process exited or "
+        "there was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a "
+        "network error or a remote process exiting prematurely.\nLast error:\nsocketProgress: Connection "
+        "closed by remote peer node-b<42830>",
+        # NCCL over InfiniBand: the peer's address
+        "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error\n"
+        "Last error:\nNET/IB : Got completion from peer 10.0.0.2<49189> with error 12, opcode 0, len 0",
+    ],
+)
+def test_a_lost_peer_is_named_from_gloo_and_nccl_errors(monkeypatch, error):
+    """The line a rank prints when a collective breaks names the other node, its ranks and pids, whichever
+    backend reported it; a message naming this node's own address (its launcher reports that) or no peer
+    at all names nothing."""
+    import json as json_module
+
+    from alignflow.stages.common import ranks
+
+    places = {0: {**NODE_A, "pid": 100}, 1: {**NODE_A, "pid": 101}, 2: {**NODE_B, "pid": 200},
+              3: {**NODE_B, "pid": 201}}
+
+    class Store:
+        def get(self, key: str) -> bytes:
+            return json_module.dumps(places[int(key.removeprefix(ranks.PLACE_KEY))]).encode()
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(ranks, "_launcher_store", lambda timeout_s: Store())
+    line = ranks.lost_peer(RuntimeError(error))
+    assert line is not None and line.startswith(
+        "lost node 1 (node-b.cluster.local, 10.0.0.2): rank 2 (pid 200), rank 3 (pid 201), "
+        "seen by rank 1 of 4"
+    ), line
+    assert "\n" not in line
+    reason = line.split("in a collective (", 1)[1]
+    assert ("Connection closed" in reason or "Got completion" in reason) and "ProcessGroupNCCL" not in reason
+
+    own = error.replace("10.0.0.2", "10.0.0.1").replace("node-b<", "node-a<")
+    assert ranks.lost_peer(RuntimeError(own)) is None  # this node's own ranks: their launcher names them
+    assert ranks.lost_peer(RuntimeError("Watchdog caught collective operation timeout")) is None
