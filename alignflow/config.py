@@ -324,6 +324,14 @@ class EngineConfig(Section):
         "kernels per layer and no read of the unwritten cache; torch: the eager ops. Same arithmetic to "
         "float rounding; triton is tested against torch, its speed not yet measured on a GPU.",
     )
+    cuda_graph_loop: bool = Field(
+        False,
+        description="GPU, native engine, CUDA graphs: capture the sampler and the decode loop's bookkeeping "
+        "(outputs, finished rows, the next step's token, position, slot and masks) with the decode step, so "
+        "each token is one graph replay instead of the replay and ~20 launches around it "
+        "(stages/common/generation/native/graphed_loop.py). Same tokens as the per-step loop (tested); its "
+        "speed not yet measured on a GPU. Not with compile or return_logits (they decode per step).",
+    )
     cpu_prepack: bool = Field(
         True,
         description="CPU: keep a packed copy of each linear weight (oneDNN's layout, or 16-column blocks for "

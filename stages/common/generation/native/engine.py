@@ -48,7 +48,7 @@ from alignflow.kernels import decode_loop as cpp_decode_loop
 from alignflow.kernels import rng, sample_tokens, skinny_linear
 from alignflow.kernels._chunked_sampling import gumbel_noise_steps
 from alignflow.kernels._triton_dispatch import cpp_available, resolve_impl
-from alignflow.kernels.sampling import kept_set_thresholds, uniform_flags
+from alignflow.kernels.sampling import BatchFlags, kept_set_thresholds, uniform_flags
 from alignflow.stages.common.generation.interface import (
     ENGINE_CONFIG_FILE,
     ENGINE_FORMAT,
@@ -73,6 +73,8 @@ from alignflow.stages.common.generation.interface import (
     warn_if_cpu_emulates,
 )
 from alignflow.stages.common.generation.native import decode_loop, prepack
+from alignflow.stages.common.generation.native.graphed_loop import GraphedLoop
+from alignflow.stages.common.generation.native.graphed_loop import capture as capture_loop
 from alignflow.stages.common.generation.native.model import (
     DecodeMasks,
     KVCache,
@@ -195,6 +197,9 @@ class NativeEngine(Engine):
         # Prefill rows with the same prompt once (_prefill); False: every row's own, the reference.
         self.share_prompt_prefill = True
         self._graphs: dict[int, _GraphedStep] = {}
+        # engine.cuda_graph_loop: (bucket, sampling flags) -> the in-graph decode loop (graphed_loop.py)
+        self._loops: dict[tuple[int, BatchFlags], GraphedLoop] = {}
+        self._graph_loop_failed = False  # a capture failed: decode per step from then on
         self._graph_pool = None
         # Bumped whenever the weight buffers or the KV cache are allocated anew (reload): a captured step
         # replays against the addresses of its capture, so a step of an older epoch is captured again, never
@@ -573,6 +578,16 @@ class NativeEngine(Engine):
             if self._sample_impl == "chunked" and not flags.all_greedy
             else None
         )
+        if (
+            self._use_graphs
+            and self.engine_config.cuda_graph_loop
+            and not (return_logits or self._compile or self._graph_loop_failed)
+        ):
+            looped = self._decode_in_graph(
+                logits, lens, S, masks, (temperature, top_k, top_p, seed_t), ends, new, flags
+            )
+            if looped is not None:
+                return self._generation(started, prefill_s, sampling, *looped, None)
         for t in range(new):
             # Values were checked once by SamplingParams: skip the per-call check (a host sync on GPU).
             # The step as a [B] tensor, not an int: see _mark_dynamic.
@@ -766,6 +781,78 @@ class NativeEngine(Engine):
         assert step.logits is not None
         return step.logits[:B]
 
+    def _decode_in_graph(
+        self,
+        logits: torch.Tensor,
+        lens: torch.Tensor,
+        width: int,
+        masks: DecodeMasks,
+        sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        ends: torch.Tensor,
+        new: int,
+        flags: BatchFlags,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """The decode loop of _generate_batch as one replay per token (graphed_loop.py): (tokens [B, new],
+        log-probs [B, new], lengths [B], steps), views of the loop's buffers; None where the loop cannot be
+        captured (the caller decodes per step)."""
+        batch = logits.shape[0]
+        key = (self._bucket(batch), flags)
+        loop = self._loops.get(key)
+        if loop is not None and loop.epoch != self._storage_epoch:
+            self._loops.clear()  # captured against buffers reload() replaced (as _decode_graphed)
+            loop = None
+        if loop is None:
+            try:
+                loop = self._capture_loop(key[0], flags)
+            except Exception as exc:  # noqa: BLE001 - capture problems must not stop generation
+                warnings.warn(
+                    f"CUDA graph capture of the decode loop failed ({exc!r}); decoding per step from now on",
+                    stacklevel=3,
+                )
+                self._graph_loop_failed = True
+                return None
+            self._loops[key] = loop
+        temperature, top_k, top_p, seeds = sampling
+        steps_t = torch.zeros(batch, dtype=torch.long, device=self.device)
+        first = self._sample(
+            logits, temperature, top_k, top_p, seeds, steps_t, self._sample_impl, validate=False, flags=flags
+        )
+        loop.start(first, lens, width, masks.at(width, self.max_seq_len), sampling, ends, new)
+        check_every = GPU_STOP_CHECK_EVERY if self.device.type == "cuda" else 1
+        steps = 1
+        while steps < new and not (steps % check_every == 0 and bool(loop.finished.all())):
+            loop.replay()
+            steps += 1
+        return loop.out_tokens[:batch, :new], loop.out_logprobs[:batch, :new], loop.lengths[:batch], steps
+
+    def _capture_loop(self, bucket: int, flags: BatchFlags) -> GraphedLoop:
+        loop = GraphedLoop.empty(
+            bucket, self.max_seq_len, self.vocab_size, set(self.spec.sliding_windows), self.dtype,
+            self.device, self._storage_epoch,
+        )
+        cache = self.cache
+
+        def run() -> None:
+            loop.body(self._step, self._sample, cache, flags, self._sample_impl)
+
+        if self.device.type != "cuda":
+            # As a graph does: replay against the cache and weight buffers of the capture (as _capture).
+            buffers = dict(self.weights.buffers)
+
+            def eager_replay() -> None:
+                current, self.weights.buffers = self.weights.buffers, buffers
+                try:
+                    run()
+                finally:
+                    self.weights.buffers = current
+
+            loop.replay = eager_replay
+            return loop
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        capture_loop(loop, run, self._graph_pool)
+        return loop
+
     def _capture(self, bucket: int) -> _GraphedStep:
         dev, S = self.device, self.max_seq_len
         step = _GraphedStep(
@@ -875,6 +962,7 @@ class NativeEngine(Engine):
         kv_bytes = self.cache.nbytes() if self.cache is not None else 0
         self.cache = None
         self._graphs.clear()  # their graph pool goes with them (empty_cache below gives it back)
+        self._loops.clear()
         self._graph_pool = None
         discarded = self.weights.buffers["embed"].numel() == 0
         on_device = not (discarded or self._offloaded)
