@@ -10,6 +10,9 @@ default; EOS ignored so every sequence generates exactly --new-tokens tokens) fo
     native eager      CUDA only: the same engine with engine.cuda_graphs off (one kernel launch per op)
     native fused      CUDA only: `native` with engine.gpu_decode_kernels: triton (the graph's step on the
                       fused Triton ops of kernels/decode_step.py, attention over the live length)
+    native loop       CUDA only: `native` with engine.cuda_graph_loop (the sampler and the loop's bookkeeping
+                      in the graph: one replay per token, native/graphed_loop.py)
+    native fused loop CUDA only: both of the above
     native step       CPU only, where the C++ loop applies: the eager torch decode step
                       (engine.cpu_decode_loop off)
     native bf16w      CPU float32, where the C++ loop applies: `native` on bf16 copies of the linear weights
@@ -63,8 +66,8 @@ MODELS: dict[str, dict[str, Any]] = {
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
 }
 DEFAULT_MODELS = ("tiny", "llama-100m")  # llama-1b on request: minutes per batch size on a CPU
-ENGINES = ("native", "native fused", "native bf16w", "native eager", "native step", "native+compile", "hf",
-           "transformers")
+ENGINES = ("native", "native fused", "native loop", "native fused loop", "native bf16w", "native eager",
+           "native step", "native+compile", "hf", "transformers")
 
 
 def machine() -> dict[str, Any]:
@@ -251,6 +254,9 @@ def bench_model_dtype(
         engines["native eager"] = NativeEngine.build(path, torch_step, dtype=dtype, device=device)
         fused = config.model_copy(update={"gpu_decode_kernels": "triton"})
         engines["native fused"] = NativeEngine.build(path, fused, dtype=dtype, device=device)
+        for label, base in (("native loop", config), ("native fused loop", fused)):
+            looped = base.model_copy(update={"cuda_graph_loop": True})
+            engines[label] = NativeEngine.build(path, looped, dtype=dtype, device=device)
     if engines["native"]._decode_loop is not None:
         engines["native step"] = NativeEngine.build(path, torch_step, dtype=dtype, device=device)
         bf16w = config.model_copy(update={"cpu_linear_weights": "bfloat16"})

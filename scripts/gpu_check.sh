@@ -5,9 +5,9 @@
 #             them (never torch); alignflow importable from this checkout (scripts/gpu_check_setup.py)
 #   tests     pytest --device cuda over the device tests (the Makefile's DEVICE_TESTS)
 #   engine    benchmarks/engine_throughput.py, bf16, batch 1/8/64, the ~110M model and the Llama-3.2-1B shape:
-#             native (CUDA graphs, the engine's default), native fused (its fused Triton step), native eager
-#             and hf, each as a share of the HBM roofline at the bandwidth a device-to-device copy reaches in
-#             the same run
+#             native (CUDA graphs, the engine's default), native fused (its fused Triton step), native loop (the
+#             sampler and bookkeeping in the graph), native fused loop (both) and hf, each as a share of the HBM
+#             roofline at the bandwidth a device-to-device copy reaches in the same run
 #   pipeline  configs/gpu-small.yaml: SFT -> reward -> engine -> PPO -> evaluate, then GRPO, every stage on the GPU
 #             (scripts/gpu_check_pipeline.py): the stage table, the held-out gold gain, each stage's devices
 #   rl        a GRPO iteration of alignflow beside TRL's GRPOTrainer on the same GPU and model, and their ratio
@@ -92,15 +92,16 @@ WORK=$(cd "$WORK" && pwd)
 FIGURES=$OUT_DIR/figures.jsonl
 : > "$FIGURES"
 
-# Budgets in seconds. cuda: 30 + 120 + 90 + 170 + 70 = 480 s = 8 min on one H100/H200, the start-up of every
+# Budgets in seconds. cuda: 30 + 120 + 110 + 150 + 70 = 480 s = 8 min on one H100/H200, the start-up of every
 # process, Triton's compiles, the 1B checkpoint and DeepSpeed's first fused-Adam build included (estimates until a
 # GPU run times them).
 # A step past its budget gets SIGINT (pytest still writes its report), then SIGKILL 15 s later. cpu: the tiny sizes
 # on a shared 2-core box, with room for a loaded one.
-# The engine rows: the engine's default path, the eager torch step (CUDA: no graphs; CPU: no C++ loop), and hf.
-ENGINES="native,native fused,native eager,native step,hf"
+# The engine rows: the engine's default path, the CUDA graph's variants (fused step, in-graph loop, both), the eager
+# torch step on CPU (no C++ loop), and hf. `native eager` (no graphs) was measured on the first GPU run: 7-10x hf.
+ENGINES="native,native fused,native loop,native fused loop,native step,hf"
 if [ "$DEVICE" = cuda ]; then
-    declare -A BUDGET=([setup]=30 [tests]=120 [engine]=90 [pipeline]=170 [rl]=70)
+    declare -A BUDGET=([setup]=30 [tests]=120 [engine]=110 [pipeline]=150 [rl]=70)
     # shellcheck disable=SC2054  # the commas are the benchmark's list syntax
     ENGINE_ARGS=(--models llama-100m,llama-1b --dtypes bfloat16 --batch-sizes 1,8,64 --new-tokens 64 --repeats 2
                  --threads 4)
