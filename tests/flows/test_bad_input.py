@@ -171,9 +171,12 @@ def test_run_checks_the_data_before_prefect_starts(tmp_path):
 
 
 @pytest.mark.slow
-def test_unreachable_s3_endpoint_fails_the_pipeline(tmp_path, prefect_harness):
+def test_unreachable_s3_endpoint_fails_the_pipeline(tmp_path, prefect_harness, monkeypatch):
     from alignflow.flows.pipeline import alignflow_pipeline
 
+    # Credentials present, so the failure is the endpoint's (run alone, no s3_server fixture has set any).
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret-key")
     port = free_port()
     # A refused connection is transient (the store may be restarting): the flow retries the stage, here 1 s
     # apart.
