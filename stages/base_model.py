@@ -30,6 +30,7 @@ from alignflow.stages.common.runtime import (
     StageContext,
     StageInputError,
     dump_json,
+    run_program,
     section,
     stage_main,
     tracked,
@@ -151,4 +152,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(main)

@@ -21,7 +21,7 @@ from alignflow.contract import StageResult, StageSpec
 from alignflow.stages.common.devices import device_of
 from alignflow.stages.common.models.loading import load_sequence_classifier, load_tokenizer
 from alignflow.stages.common.ranks import is_main, local_share, sum_over_ranks
-from alignflow.stages.common.runtime import StageContext, section, stage_main, tracked
+from alignflow.stages.common.runtime import StageContext, run_program, section, stage_main, tracked
 from alignflow.stages.common.tokenization import encode_completion, encode_prompt, pad_right, pad_token_id
 from alignflow.stages.common.training.loop import (
     batch_indices,
@@ -160,4 +160,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(main)

@@ -18,7 +18,7 @@ from alignflow.kernels import selective_log_softmax
 from alignflow.stages.common.devices import device_of
 from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
 from alignflow.stages.common.ranks import is_main, local_share, sum_over_ranks, world_size
-from alignflow.stages.common.runtime import StageContext, section, stage_main, tracked
+from alignflow.stages.common.runtime import StageContext, run_program, section, stage_main, tracked
 from alignflow.stages.common.tokenization import (
     IGNORE_INDEX,
     Encoded,
@@ -152,4 +152,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(main)

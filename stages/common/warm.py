@@ -14,6 +14,7 @@ flow launches with, the flow starts a cold process instead (flows/launch.py).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -76,6 +77,7 @@ def run_request(line: str) -> int:
 def main() -> int:
     console.quiet()  # before the imports: some libraries read their switches then
     warm_up()
+    gc.freeze()  # the imports' objects out of every later collection, as runtime.run_program does
     line = sys.stdin.readline()
     if not line.strip():  # the flow ended without using this process
         return 0
@@ -83,4 +85,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_code = main()
+    # Imported here, not above: main quiets the libraries before their first import.
+    from alignflow.stages.common.runtime import end_process
+
+    end_process(exit_code)

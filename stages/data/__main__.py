@@ -1,8 +1,7 @@
 """`python -m alignflow.stages.data --spec SPEC`: the data stage's entry point."""
 
-import sys
-
+from alignflow.stages.common.runtime import run_program
 from alignflow.stages.data.stage import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main)

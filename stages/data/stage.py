@@ -18,6 +18,7 @@ from alignflow.stages.common.runtime import (
     StageContext,
     StageInputError,
     dump_json,
+    run_program,
     section,
     stage_main,
     tracked,
@@ -106,4 +107,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(main)

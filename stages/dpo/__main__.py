@@ -1,8 +1,7 @@
 """`python -m alignflow.stages.dpo --spec SPEC`: the DPO stage's entry point."""
 
-import sys
-
+from alignflow.stages.common.runtime import run_program
 from alignflow.stages.dpo.stage import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main)

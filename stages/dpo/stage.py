@@ -27,6 +27,7 @@ from alignflow.stages.common.ranks import is_main, local_share, sum_over_ranks
 from alignflow.stages.common.runtime import (
     StageContext,
     StageInputError,
+    run_program,
     section,
     stage_main,
     tracked,
@@ -244,4 +245,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(main)

@@ -43,6 +43,7 @@ from alignflow.stages.common.reward_scoring import load_reward_models
 from alignflow.stages.common.runtime import (
     StageContext,
     StageInputError,
+    run_program,
     seconds_since,
     section,
     stage_main,
@@ -641,4 +642,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(main)

@@ -44,3 +44,35 @@ def test_an_output_waits_for_its_queued_metrics_and_is_not_published_without_the
             ctx.tracker.log_metrics_async({"rollout/score_mean": 1.0}, 1)
             ctx.publish_output(folder)
     assert find_published(spec.output_uri) is None, "published while its run lacked a step"
+
+
+def test_a_stage_program_freezes_the_imports_objects_and_exits_with_mains_code():
+    """run_program: the objects alive before main (the imports') are frozen, out of every collection main's
+    allocations trigger; the process exits with main's code after its output is flushed."""
+    import subprocess
+    import sys
+
+    script = (
+        "import gc\n"
+        "from alignflow.stages.common.runtime import run_program\n"
+        "def main():\n"
+        "    print(gc.get_freeze_count() > 1000, end='')\n"
+        "    return 3\n"
+        "run_program(main)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (3, "True"), out.stderr[-2000:]
+
+
+def test_every_stage_program_runs_through_run_program():
+    """A stage program's `__main__` block goes through run_program (and so skips the exit's collections)."""
+    import importlib.util
+    import re
+
+    from alignflow.contract import STAGE_PROGRAMS
+
+    for stage, program in STAGE_PROGRAMS.items():
+        with open(importlib.util.find_spec(program).origin) as file:
+            source = file.read()
+        block = source.split('if __name__ == "__main__":', 1)[-1]
+        assert re.fullmatch(r"\s*run_program\(main\)\s*", block), f"{stage}: {program}: {block!r}"
