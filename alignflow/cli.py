@@ -23,11 +23,13 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import NoReturn  # noqa: E402
 
 from alignflow import console  # noqa: E402
 from alignflow.config import ConfigError, PipelineConfig, load_config  # noqa: E402
 from alignflow.contract import RUN_STARTED_AT_VAR  # noqa: E402
 from alignflow.offline import set_offline_defaults  # noqa: E402
+from alignflow.process_exit import end_process  # noqa: E402
 
 
 def _load(args) -> PipelineConfig:
@@ -122,23 +124,29 @@ def _cmd_run(args) -> int:
     data_ok = _check_data(config)
     if not (_check_start(config, args.config, "warning") and data_ok):
         return 2
-    from alignflow.flows.launch import WARM, PrefectServerStart
+    from alignflow.flows.launch import WARM
+    from alignflow.flows.prefect_server import PrefectServer
 
-    # Start-up in parallel: a stage process imports torch, a thread starts Prefect's server, and this thread
-    # imports the flow; one after the other their times would add up (docs/performance.md#start-up).
+    # Start-up in parallel: a stage process imports torch, Prefect's server starts in its own process, and
+    # this thread imports the flow; one after the other their times would add up
+    # (docs/performance.md#start-up).
     workdir = Path(config.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     WARM.start(workdir)
-    server = PrefectServerStart()
+    server = PrefectServer()
     server.start()
+    from alignflow import tracking
     from alignflow.flows.pipeline import alignflow_pipeline
     from alignflow.flows.report import print_summary
 
+    if not tracking.resolve_tracking_uri(config.tracking, workdir).startswith(("http:", "https:", "file:")):
+        tracking.preload()  # the parent run's SQL store, while the server starts: this thread would only wait
     server.wait()
 
     started = time.perf_counter()
     try:
-        rows = alignflow_pipeline(config)
+        with server.api_settings():
+            rows = alignflow_pipeline(config)
     except Exception as exc:  # the flow already logged the stage's output; say it in one line
         print(f"error: pipeline failed: {exc}", file=sys.stderr)
         return 1
@@ -303,5 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> NoReturn:
+    """The `alignflow` command (pyproject's script): main(), then the exit without the interpreter's
+    collections (alignflow/process_exit.py)."""
+    end_process(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

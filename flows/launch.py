@@ -87,42 +87,6 @@ def _dismiss(proc: subprocess.Popen) -> None:
 WARM = WarmStages()
 
 
-class PrefectServerStart:
-    """Starts Prefect's ephemeral API server on a background thread, so that its start (seconds, most of
-    them in its own process) runs while the CLI imports the flow, instead of after it
-    (docs/performance.md#start-up).
-
-    Only when no API is configured (PREFECT_API_URL unset) and the ephemeral server is allowed, as Prefect
-    itself would start it; `wait()` must return before the flow runs (Prefect's client takes the running
-    server, and one still starting would be handed out before it answers). A failure here is dropped: the
-    flow then starts the server the usual way and reports its error.
-    """
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="prefect-server-start", daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _run() -> None:
-        try:
-            from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-            if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-                return
-            from prefect.server.api.server import SubprocessASGIServer
-
-            SubprocessASGIServer().start()
-        except Exception:  # the flow's own start reports it
-            return
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-
-
 def stage_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 

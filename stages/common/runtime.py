@@ -34,6 +34,7 @@ from alignflow.contract import (
 )
 from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
 from alignflow.offline import set_offline_defaults
+from alignflow.process_exit import end_process
 from alignflow.stages.common import ranks
 from alignflow.stages.common.devices import DeviceUnavailableError, compute_device, device_name, device_of
 from alignflow.stages.common.generation.interface import BackendUnavailableError
@@ -283,26 +284,15 @@ def already_published(spec: StageSpec) -> StageResult | None:
 
 def run_program(main: Callable[[], int | None]) -> NoReturn:
     """A stage program's `if __name__ == "__main__":` block: main(), its exit code the process's, with the
-    interpreter's garbage collector kept off the objects the imports made and off everything at exit.
+    garbage collector kept off the objects the imports made and off everything at exit.
 
     Why: torch, transformers and MLflow leave ~400K tracked objects behind their imports, and every full
-    collection walks them all again: ~0.25 s of the RL stage's setup, and tearing the interpreter down
-    collects them several times over, ~0.9 s of a ~1.1 s exit (benchmark GRPO stage, 2-core EPYC): every
-    stage process of a run pays both. So they are frozen (gc.freeze: no later collection looks at them)
-    once the imports are done, and everything is at exit (end_process). For program entry points only: a
+    collection walks them all again: ~0.25 s of the RL stage's setup on a 2-core EPYC. So they are frozen
+    (gc.freeze: no later collection looks at them) once the imports are done, and everything is at exit
+    (alignflow/process_exit.py: ~0.9 s of the stage process's ~1.1 s exit). For program entry points only: a
     process that goes on running (a test calling main) keeps collecting as usual."""
     gc.freeze()
     end_process(main())
-
-
-def end_process(code: int | None) -> NoReturn:
-    """Exit with `code` after freezing every object (run_program): the result line is printed and every
-    output published and closed by now; atexit handlers (MLflow, temporary folders) still run, and every
-    object is still freed by its reference count, but the exit's collections have nothing to walk."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    gc.freeze()
-    raise SystemExit(code)
 
 
 def stage_main(stage: str, run: Callable[[StageSpec], StageResult], argv: list[str] | None = None,

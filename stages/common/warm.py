@@ -87,6 +87,6 @@ def main() -> int:
 if __name__ == "__main__":
     exit_code = main()
     # Imported here, not above: main quiets the libraries before their first import.
-    from alignflow.stages.common.runtime import end_process
+    from alignflow.process_exit import end_process
 
     end_process(exit_code)
