@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> NoReturn:
     """The `alignflow` command (pyproject's script): main(), then the exit without the interpreter's
-    collections (alignflow/process_exit.py)."""
+    tear-down (alignflow/process_exit.py)."""
     end_process(main())
 
 

@@ -1,25 +1,36 @@
-"""Ending an alignflow program's process without the interpreter's garbage collections at exit.
+"""Ending an alignflow program's process without the interpreter's tear-down.
 
-Why: torch, transformers, MLflow and Prefect leave hundreds of thousands of tracked objects, and tearing the
-interpreter down collects them several times over: ~0.9 s of a stage process's ~1.1 s exit and ~1.2 s of
-the `alignflow` command's ~1.45 s on a 2-core EPYC, paid by every process of a run. By the time a program
-ends its output is printed and its files are closed, so every object is frozen (gc.freeze: no collection
-looks at it again) before the exit: atexit handlers still run and every object is still freed by its
-reference count; the exit's collections just have nothing to walk.
+Why: torch, transformers, MLflow and Prefect leave hundreds of thousands of objects behind, and tearing the
+interpreter down (clearing every module, collecting garbage several times over) took ~0.9 s of a stage
+process's ~1.1 s exit and ~1.2 s of the `alignflow` command's ~1.45 s on a 2-core EPYC, paid by every process
+of a run. Freezing the objects instead (gc.freeze) skips the collections but leaves the cycles of Triton's
+nanobind objects alive, and nanobind then prints ~30 lines of "leaked instances" at its tear-down. So the
+process does what an exit does that matters, in the interpreter's order, and then ends at once (os._exit):
+non-daemon threads are joined, atexit handlers run (MLflow's and Prefect's flushes, logging's, temporary
+folders'), stdout and stderr are flushed. By then its output is printed and its files are closed.
 
-For a program's entry point only: a process that goes on running (a test calling main) must keep collecting.
+For a program's entry point only: a process that goes on running (a test calling main) must not end here.
 """
 
 from __future__ import annotations
 
-import gc
+import atexit
+import os
 import sys
+import threading
 from typing import NoReturn
 
 
 def end_process(code: int | None) -> NoReturn:
-    """Flush stdout and stderr, freeze every object, exit with `code`."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    gc.freeze()
-    raise SystemExit(code)
+    """Join the non-daemon threads, run the atexit handlers, flush stdout and stderr, and exit with `code`
+    (None: 0) without tearing the interpreter down."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the interpreter's own exit calls the same, then tears everything down
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(0 if code is None else int(code))

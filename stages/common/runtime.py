@@ -284,11 +284,11 @@ def already_published(spec: StageSpec) -> StageResult | None:
 
 def run_program(main: Callable[[], int | None]) -> NoReturn:
     """A stage program's `if __name__ == "__main__":` block: main(), its exit code the process's, with the
-    garbage collector kept off the objects the imports made and off everything at exit.
+    garbage collector kept off the objects the imports made, and no interpreter tear-down at exit.
 
     Why: torch, transformers and MLflow leave ~400K tracked objects behind their imports, and every full
     collection walks them all again: ~0.25 s of the RL stage's setup on a 2-core EPYC. So they are frozen
-    (gc.freeze: no later collection looks at them) once the imports are done, and everything is at exit
+    (gc.freeze: no later collection looks at them) once the imports are done; the exit skips the tear-down
     (alignflow/process_exit.py: ~0.9 s of the stage process's ~1.1 s exit). For program entry points only: a
     process that goes on running (a test calling main) keeps collecting as usual."""
     gc.freeze()
