@@ -1213,4 +1213,5 @@ def test_pods_run_as_the_user_their_image_owns_its_files_for():
         uid, gid = image_user(image)
         context = pod["securityContext"]
         # fsGroup only where the pod mounts volumes (the worker mounts none).
-        assert (context["runAsUser"], context["runAsGroup"], context.get("fsGroup", gid)) == (uid, gid, gid), path
+        ids = (context["runAsUser"], context["runAsGroup"], context.get("fsGroup", gid))
+        assert ids == (uid, gid, gid), path

@@ -61,7 +61,8 @@ def test_rows_that_end_stop_and_an_all_finished_batch_stops_early(tiny_checkpoin
     free = per_step.generate(prompts, SAMPLED)
     # Stop at tokens the free run drew: row 0's 3rd and row 2's 7th token end those rows there (or earlier).
     stops = [free.response_token_ids[0][2], free.response_token_ids[2][6]]
-    stopping = SamplingParams(temperature=1.0, max_new_tokens=20, seed=7, ignore_eos=True, stop_token_ids=stops)
+    stopping = SamplingParams(temperature=1.0, max_new_tokens=20, seed=7, ignore_eos=True,
+                              stop_token_ids=stops)
     got = looped.generate(prompts, stopping)
     assert_same_generation(got, per_step.generate(prompts, stopping))
     assert len(got.response_token_ids[0]) <= 3 and len(got.response_token_ids[2]) <= 7
