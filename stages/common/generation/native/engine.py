@@ -73,8 +73,7 @@ from alignflow.stages.common.generation.interface import (
     warn_if_cpu_emulates,
 )
 from alignflow.stages.common.generation.native import decode_loop, prepack
-from alignflow.stages.common.generation.native.graphed_loop import GraphedLoop
-from alignflow.stages.common.generation.native.graphed_loop import capture as capture_loop
+from alignflow.stages.common.generation.native.graphed_loop import GraphedLoop, capture_graph
 from alignflow.stages.common.generation.native.model import (
     DecodeMasks,
     KVCache,
@@ -850,7 +849,8 @@ class NativeEngine(Engine):
             return loop
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        capture_loop(loop, run, self._graph_pool)
+        loop.graph = capture_graph(run, self.device, self._graph_pool)
+        loop.replay = loop.graph.replay
         return loop
 
     def _capture(self, bucket: int) -> _GraphedStep:
@@ -885,19 +885,13 @@ class NativeEngine(Engine):
 
             step.replay = eager_replay
             return step
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(dev).wait_stream(side)
+        def record() -> None:
+            step.logits = run()  # the capture's output buffer is what every replay writes
+
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            step.logits = run()
-        step.graph = graph
-        step.replay = graph.replay
+        step.graph = capture_graph(record, dev, self._graph_pool)
+        step.replay = step.graph.replay
         return step
 
     # -- reference path ---------------------------------------------------------------------------

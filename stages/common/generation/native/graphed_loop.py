@@ -159,15 +159,11 @@ class GraphedLoop:
             self.masks[window][:batch].copy_(mask)
 
 
-def capture(
-    loop: GraphedLoop,
-    run: Callable[[], None],
-    pool: Any,
-) -> None:
-    """Capture `run` (loop.body with its arguments bound) as a CUDA graph after two warm-up runs on a side
-    stream (they compile the Triton kernels, which a capture cannot), as engine._capture does for the step.
-    The warm-ups advance the buffers; GraphedLoop.start fills them all again before the first replay."""
-    device = loop.tokens.device
+def capture_graph(run: Callable[[], None], device: torch.device, pool: Any) -> torch.cuda.CUDAGraph:
+    """`run` captured as a CUDA graph in `pool`, after two warm-up runs on a side stream (they compile the
+    Triton kernels and let the allocator settle, which a capture cannot): the engine's step and the in-graph
+    loop.
+    A loop's warm-ups advance its buffers; GraphedLoop.start fills them all again before the first replay."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -177,5 +173,4 @@ def capture(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         run()
-    loop.graph = graph
-    loop.replay = graph.replay
+    return graph
