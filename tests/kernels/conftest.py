@@ -73,3 +73,21 @@ def avx2_kernels():
         why = _cpu_extension.logprob_kernels_unavailable_reason()
         pytest.skip(f"the AVX2 CPU kernels are unavailable here: {why}")
     return kernels
+
+
+@pytest.fixture
+def on_threads():
+    """on_threads(count, fn): fn() with torch on `count` threads, the previous count restored after (the
+    thread-invariance tests: overlap_critic trains on one thread what the in-line run trains on two)."""
+
+    import torch  # here: pytest_configure above must run before triton can be imported
+
+    def run(count: int, fn):
+        before = torch.get_num_threads()
+        torch.set_num_threads(count)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+
+    return run

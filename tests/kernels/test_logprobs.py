@@ -111,18 +111,13 @@ def test_cpp_kernel_matches_torch_reference(shape, temperature, tol):
 
 
 @needs_cpp
-def test_cpp_kernel_gives_the_same_bits_on_one_and_two_threads():
+def test_cpp_kernel_gives_the_same_bits_on_one_and_two_threads(on_threads):
     # overlap_critic trains the actor on one thread and the in-line run on two: each row is one thread's,
     # reduced in one order, so the two runs must agree bit for bit.
     logits, index, g_lp, g_ent = _inputs((37, 2048), torch.float32, seed=8)
-    results = []
-    for threads in (1, 2):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            results.append(_ours(logits, index, 1.0, g_lp, g_ent, impl="cpp"))
-        finally:
-            torch.set_num_threads(before)
+    results = [
+        on_threads(count, lambda: _ours(logits, index, 1.0, g_lp, g_ent, impl="cpp")) for count in (1, 2)
+    ]
     for one, two in zip(*results, strict=True):
         assert torch.equal(one, two)
 

@@ -55,17 +55,10 @@ def test_a_strided_input_is_normalised_as_its_contiguous_copy():
     assert torch.equal(rms_norm(strided, w, 1e-6, "cpp"), rms_norm(strided.contiguous(), w, 1e-6, "cpp"))
 
 
-def test_the_same_bits_on_one_and_two_threads():
+def test_the_same_bits_on_one_and_two_threads(on_threads):
     """Rows split across threads in the forward and dx, columns in dw (each summed over the rows in order)."""
     x, weight, grad = _inputs((1000, 200))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _forward_backward(x, weight, grad, "cpp")
-        torch.set_num_threads(2)
-        two = _forward_backward(x, weight, grad, "cpp")
-    finally:
-        torch.set_num_threads(threads)
+    one, two = (on_threads(count, lambda: _forward_backward(x, weight, grad, "cpp")) for count in (1, 2))
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)
 

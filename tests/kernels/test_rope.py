@@ -35,17 +35,14 @@ def test_the_kernel_gives_the_references_bits(shape):
     assert torch.equal(got_grad, ref_grad)
 
 
-def test_the_same_bits_on_one_and_two_threads():
+def test_the_same_bits_on_one_and_two_threads(on_threads):
     x, cos, sin, grad = _inputs(4, 300, 4, 64)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            out = apply_rope(x, cos, sin, "cpp")
-            results.append((out.detach(), *torch.autograd.grad(out, x, grad)))
-    finally:
-        torch.set_num_threads(threads)
+
+    def forward_backward():
+        out = apply_rope(x, cos, sin, "cpp")
+        return (out.detach(), *torch.autograd.grad(out, x, grad))
+
+    results = [on_threads(count, forward_backward) for count in (1, 2)]
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 

@@ -42,16 +42,9 @@ def test_the_kernel_gives_the_references_output_and_gradients(shape):
             assert torch.equal(a, b), (name, shape)
 
 
-def test_the_same_bits_on_one_and_two_threads():
+def test_the_same_bits_on_one_and_two_threads(on_threads):
     gate, up, grad = _inputs((300, 1000))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _forward_backward(gate, up, grad, "cpp")
-        torch.set_num_threads(2)
-        two = _forward_backward(gate, up, grad, "cpp")
-    finally:
-        torch.set_num_threads(threads)
+    one, two = (on_threads(count, lambda: _forward_backward(gate, up, grad, "cpp")) for count in (1, 2))
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)
 

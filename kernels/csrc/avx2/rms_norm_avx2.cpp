@@ -22,6 +22,7 @@
 
 namespace {
 
+using avx2_rows::check_matrix;
 using avx2_rows::kLanes;
 using avx2_rows::lane_sum;
 
@@ -29,13 +30,6 @@ using avx2_rows::lane_sum;
 constexpr int64_t kGrainRows = 64;
 // Columns per task of dw's sum over rows (whole 8-lane groups).
 constexpr int64_t kGrainColumns = 64;
-
-void check_rows(const torch::Tensor& t, int64_t N, int64_t H, const char* op, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == H && t.scalar_type() == torch::kFloat32 &&
-                  t.is_contiguous() && t.device().is_cpu(),
-              op, " (C++): ", name, " must be a contiguous float32 CPU [", N, ", ", H, "], got sizes ", t.sizes(),
-              " dtype ", t.scalar_type());
-}
 
 void check_weight(const torch::Tensor& w, int64_t H, const char* op) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == H && w.scalar_type() == torch::kFloat32 && w.is_contiguous() &&
@@ -72,7 +66,7 @@ static std::tuple<torch::Tensor, torch::Tensor> rms_norm_forward(torch::Tensor x
   constexpr const char* op = "rms_norm_forward";
   TORCH_CHECK(x.dim() == 2, op, " (C++): x must be [N, H], got sizes ", x.sizes());
   const int64_t N = x.size(0), H = x.size(1);
-  check_rows(x, N, H, op, "x");
+  check_matrix(x, N, H, op, "x");
   check_weight(weight, H, op);
   auto y = torch::empty({N, H}, x.options());
   auto rstd = torch::empty({N}, x.options());
@@ -102,8 +96,8 @@ static std::tuple<torch::Tensor, torch::Tensor> rms_norm_backward(torch::Tensor 
   constexpr const char* op = "rms_norm_backward";
   TORCH_CHECK(x.dim() == 2, op, " (C++): x must be [N, H], got sizes ", x.sizes());
   const int64_t N = x.size(0), H = x.size(1);
-  check_rows(x, N, H, op, "x");
-  check_rows(grad, N, H, op, "grad");
+  check_matrix(x, N, H, op, "x");
+  check_matrix(grad, N, H, op, "grad");
   check_weight(weight, H, op);
   TORCH_CHECK(rstd.dim() == 1 && rstd.size(0) == N && rstd.scalar_type() == torch::kFloat32 && rstd.is_contiguous(),
               op, " (C++): rstd must be the forward's float32 [", N, "], got sizes ", rstd.sizes());

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "../kernels.h"
+#include "rows_avx2.h"
 
 // Each product rounded before the sum, as torch's separate mul and add round it: no fused multiply-add, so the
 // node gives torch's bits.
@@ -21,16 +22,10 @@
 
 namespace {
 
-constexpr int64_t kLanes = 8;
+using avx2_rows::check_matrix;
+using avx2_rows::kLanes;
 // Tokens per parallel task: a token of 4 heads x 64 is ~50 ns of work.
 constexpr int64_t kGrainTokens = 64;
-
-void check_tables(const torch::Tensor& t, int64_t N, int64_t D, const char* op, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == D && t.scalar_type() == torch::kFloat32 &&
-                  t.is_contiguous() && t.device().is_cpu(),
-              op, " (C++): ", name, " must be a contiguous float32 CPU [", N, ", ", D, "], got sizes ", t.sizes(),
-              " dtype ", t.scalar_type());
-}
 
 void check_heads(const torch::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.size(2) % 2 == 0 && t.scalar_type() == torch::kFloat32 && t.is_contiguous() &&
@@ -65,8 +60,8 @@ torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const tor
   const char* op = backward ? "rope_backward" : "rope_forward";
   check_heads(x, op, backward ? "grad" : "x");
   const int64_t N = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  check_tables(cos, N, D, op, "cos");
-  check_tables(sin_signed, N, D, op, "sin_signed");
+  check_matrix(cos, N, D, op, "cos");
+  check_matrix(sin_signed, N, D, op, "sin_signed");
   auto out = torch::empty_like(x);
   const float *xs = x.data_ptr<float>(), *cs = cos.data_ptr<float>(), *ss = sin_signed.data_ptr<float>();
   float* os = out.data_ptr<float>();

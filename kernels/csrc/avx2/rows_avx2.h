@@ -1,6 +1,7 @@
-// Reading a float32 row 8 lanes at a time on AVX2 (no mask registers), shared by the AVX2 kernels over vocabulary rows.
+// AVX2 helpers the kernels share: a float32 row read 8 lanes at a time (no mask registers), an operand check.
 #pragma once
 
+#include <torch/extension.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -16,6 +17,14 @@ __m256 Sleef_expf8_u10(__m256);
 namespace avx2_rows {
 
 constexpr int64_t kLanes = 8;
+
+// A kernel's [N, D] operand: contiguous float32 on the CPU, or an error naming the op, the operand and its shape.
+inline void check_matrix(const torch::Tensor& t, int64_t N, int64_t D, const char* op, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == D && t.scalar_type() == torch::kFloat32 &&
+                  t.is_contiguous() && t.device().is_cpu(),
+              op, " (C++): ", name, " must be a contiguous float32 CPU [", N, ", ", D, "], got sizes ", t.sizes(),
+              " dtype ", t.scalar_type());
+}
 
 // All-ones lanes for the row's columns j .. j + 7 that exist (left = V - j of them, at most 8 counted).
 inline __m256i lanes_in_row(int64_t left) {
