@@ -35,7 +35,7 @@ from alignflow.contract import (
 from alignflow.manifest import InputRef, Manifest, find_published, materialize, publish
 from alignflow.offline import set_offline_defaults
 from alignflow.process_exit import end_process
-from alignflow.stages.common import ranks
+from alignflow.stages.common import forking, ranks
 from alignflow.stages.common.devices import DeviceUnavailableError, compute_device, device_name, device_of
 from alignflow.stages.common.generation.interface import BackendUnavailableError
 from alignflow.stages.common.host_memory import keep_freed_memory
@@ -290,8 +290,10 @@ def run_program(main: Callable[[], int | None]) -> NoReturn:
     collection walks them all again: ~0.25 s of the RL stage's setup on a 2-core EPYC. So they are frozen
     (gc.freeze: no later collection looks at them) once the imports are done; the exit skips the tear-down
     (alignflow/process_exit.py: ~0.9 s of the stage process's ~1.1 s exit). For program entry points only: a
-    process that goes on running (a test calling main) keeps collecting as usual."""
+    process that goes on running (a test calling main) keeps collecting as usual. Nothing has computed yet, so
+    the process is marked as one a torch worker may still be forked from (stages/common/forking.py)."""
     gc.freeze()
+    forking.mark_clean()
     end_process(main())
 
 

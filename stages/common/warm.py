@@ -22,6 +22,7 @@ import sys
 
 from alignflow import console
 from alignflow.contract import STAGE_PROGRAMS, stage_program
+from alignflow.stages.common import forking
 
 # The heavy imports every ML stage makes, in the order they come; after torch and transformers, the costly
 # ones are transformers' weight-loading machinery, MLflow and its SQL store, and the tokenizer classes
@@ -78,6 +79,7 @@ def main() -> int:
     console.quiet()  # before the imports: some libraries read their switches then
     warm_up()
     gc.freeze()  # the imports' objects out of every later collection, as runtime.run_program does
+    forking.mark_clean()  # nothing has computed: a stage may fork torch workers (stages/common/forking.py)
     line = sys.stdin.readline()
     if not line.strip():  # the flow ended without using this process
         return 0

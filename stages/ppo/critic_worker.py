@@ -6,7 +6,7 @@ few hundred operator calls per step) both are mostly Python and operator dispatc
 parallel and two threads do not (docs/rl.md#speed-options, ppo.critic_process). The values pass runs here too,
 beside the trainer's scoring and reference pass.
 
-What it is: `CriticWorker`, a `spawn`ed process that builds the critic exactly as the trainer would
+What it is: `CriticWorker`, a process that builds the critic exactly as the trainer would
 (`load_critic_model` + `initialize_trainer` with the same settings, the same attention implementation and LoRA
 per ppo.lora), and a proxy the PPO stage holds where it held the critic: `values_async` (the no-grad values
 pass), `train_async` (every minibatch's update of an iteration, queued at once, as the critic's thread takes
@@ -15,9 +15,11 @@ stepping, and a False drops its gradients and ends the iteration's updates, so a
 untouched), `save_state` and `load_state` (checkpoints), `save_trained`, `close`. The same updates in the same
 order as on the thread, one torch thread each way: the tests compare weights and metrics bit for bit.
 
-Start-up: the stage starts the process before anything else (interpreter, torch, then transformers' model
-classes: imports the trainer has already paid for itself, then the model load); its first request waits for
-the rest, so the first iteration is longer than with the thread, a cost the run's later iterations repay.
+Start-up: the stage starts the process before anything else. It is forked where that is safe (a stage program
+that has computed nothing yet: stages/common/forking.py), so it starts with this process's imports and only
+loads the model; elsewhere (a test, a library caller) it is spawned and imports torch, transformers and this
+stage's modules again first (~4 s on a 2-core EPYC), and the first request, iteration 1's values, waits for
+that.
 
 Protocol: one duplex pipe; each request gets exactly one reply, in order (`proceed` is one-way). Payloads are
 plain pickle with CPU tensors as numpy arrays (`_Pickler`): the multiprocessing pickler moves every tensor it
@@ -35,6 +37,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import pickle
+import sys
 import time
 import traceback
 from contextlib import suppress
@@ -45,6 +48,7 @@ from typing import Any
 import torch
 
 from alignflow.config import PPOConfig
+from alignflow.stages.common import forking
 from alignflow.stages.common.training.deepspeed_setup import OptimSettings
 from alignflow.stages.common.training.lora import apply_lora, save_trained, unwrap_lora
 from alignflow.stages.common.training.packing import PackedRows
@@ -73,7 +77,7 @@ def load_critic_model(folder: Path | str, cfg: PPOConfig, dtype: str) -> torch.n
 
 @dataclass(frozen=True)
 class CriticSpec:
-    """What the worker needs to build the critic the trainer would (pickled into the spawned process)."""
+    """What the worker needs to build the critic the trainer would (pickled into a spawned process)."""
 
     folder: str          # the reward model's output: the critic's initial weights
     cfg: PPOConfig
@@ -146,6 +150,9 @@ def _serve(conn, spec: CriticSpec) -> None:
     """The worker's loop: build the critic, then answer requests until 'close' or the trainer's end of the
     pipe."""
     torch.set_num_threads(spec.threads)
+    # What LoRA draws at its start, the same whether this process was forked (the trainer's generator state)
+    # or spawned (a fresh one).
+    torch.manual_seed(spec.cfg.seed)
     try:
         critic = build_critic(spec)
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the trainer, named
@@ -252,10 +259,15 @@ class Pending:
 
 
 class CriticWorker:
-    """The critic in a spawned process; see the module docstring. Use with contextlib.closing."""
+    """The critic in its own process (forked or spawned: `start_method`); see the module docstring. Use with
+    contextlib.closing."""
 
     def __init__(self, spec: CriticSpec):
-        context = mp.get_context("spawn")
+        self.start_method = forking.start_method()
+        context = mp.get_context(self.start_method)
+        if self.start_method == "fork":  # what this process has buffered must not be written twice
+            sys.stdout.flush()
+            sys.stderr.flush()
         self._conn, child = context.Pipe(duplex=True)
         self.process = context.Process(
             target=_serve, args=(child, spec), name="alignflow-critic", daemon=True

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import signal
+import subprocess
+import sys
 from contextlib import closing
 from pathlib import Path
 
@@ -109,6 +112,44 @@ def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(
     assert weights.keys() == dict(critic.module.named_parameters()).keys()
     for name, param in critic.module.named_parameters():
         assert torch.equal(param, weights[name]), name
+
+
+FORKED_CRITIC = """
+import pickle, sys
+from contextlib import closing
+import torch
+from alignflow.stages.common import forking
+from alignflow.stages.ppo.critic_worker import CriticWorker
+forking.mark_clean()  # as a stage program does after its imports
+with open(sys.argv[1], "rb") as f:
+    spec, exp, packed = pickle.load(f)
+with closing(CriticWorker(spec)) as worker:
+    assert worker.start_method == "fork", worker.start_method
+    torch.save(worker.values_async(exp, packed).result(), sys.argv[2])
+"""
+
+
+def test_a_critic_forked_from_a_clean_stage_process_computes_what_the_trainers_own_does(
+    critic_folder, checkpoint, rollout, tmp_path
+):
+    """Where a stage program forks the critic's process (stages/common/forking.py: it starts with the stage's
+    imports, not a new interpreter's), its values pass on two threads gives the trainer's critic's bits."""
+    cfg = ppo_with_critic()
+    settings = trainer_settings(micro_batch_size=3)
+    critic = PlainTorchTrainer(load_sequence_classifier(critic_folder), settings)
+    critic.module.set_attn_implementation("eager")
+    packed = packing_for(rollout, cfg, PlainTorchTrainer(load_causal_lm(checkpoint), settings))
+    with torch.no_grad():
+        values_here = token_values(critic.module, rollout, lean=True, packed=packed)
+    spec = CriticSpec(str(critic_folder), cfg, "float32", settings, "eager", FP32, threads=2)
+    with open(tmp_path / "request.pkl", "wb") as f:
+        pickle.dump((spec, rollout, packed), f)
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_CRITIC, str(tmp_path / "request.pkl"), str(tmp_path / "values.pt")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(torch.load(tmp_path / "values.pt"), values_here)
 
 
 def test_a_stale_check_leaves_the_critics_process_untouched(critic_folder, checkpoint, rollout, tmp_path):
