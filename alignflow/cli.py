@@ -28,6 +28,7 @@ from typing import NoReturn  # noqa: E402
 from alignflow import console  # noqa: E402
 from alignflow.config import ConfigError, PipelineConfig, load_config  # noqa: E402
 from alignflow.contract import RUN_STARTED_AT_VAR  # noqa: E402
+from alignflow.import_gc import imports_without_gc  # noqa: E402
 from alignflow.offline import set_offline_defaults  # noqa: E402
 from alignflow.process_exit import end_process  # noqa: E402
 
@@ -135,12 +136,14 @@ def _cmd_run(args) -> int:
     WARM.start(workdir)
     server = PrefectServer()
     server.start()
-    from alignflow import tracking
-    from alignflow.flows.pipeline import alignflow_pipeline
-    from alignflow.flows.report import print_summary
+    with imports_without_gc():  # Prefect's and MLflow's (alignflow/import_gc.py)
+        from alignflow import tracking
+        from alignflow.flows.pipeline import alignflow_pipeline
+        from alignflow.flows.report import print_summary
 
-    if not tracking.resolve_tracking_uri(config.tracking, workdir).startswith(("http:", "https:", "file:")):
-        tracking.preload()  # the parent run's SQL store, while the server starts: this thread would only wait
+        uri = tracking.resolve_tracking_uri(config.tracking, workdir)
+        if not uri.startswith(("http:", "https:", "file:")):
+            tracking.preload()  # the parent run's SQL store while the server starts: this thread would wait
     server.wait()
 
     started = time.perf_counter()

@@ -14,7 +14,6 @@ flow launches with, the flow starts a cold process instead (flows/launch.py).
 
 from __future__ import annotations
 
-import gc
 import importlib
 import json
 import os
@@ -22,6 +21,7 @@ import sys
 
 from alignflow import console
 from alignflow.contract import STAGE_PROGRAMS, stage_program
+from alignflow.import_gc import imports_without_gc
 from alignflow.stages.common import forking
 
 # The heavy imports every ML stage makes, in the order they come; after torch and transformers, the costly
@@ -77,8 +77,8 @@ def run_request(line: str) -> int:
 
 def main() -> int:
     console.quiet()  # before the imports: some libraries read their switches then
-    warm_up()
-    gc.freeze()  # the imports' objects out of every later collection, as runtime.run_program does
+    with imports_without_gc():  # and their objects out of every later collection (alignflow/import_gc.py)
+        warm_up()
     forking.mark_clean()  # nothing has computed: a stage may fork torch workers (stages/common/forking.py)
     line = sys.stdin.readline()
     if not line.strip():  # the flow ended without using this process
