@@ -1,6 +1,10 @@
 """`python -m alignflow.stages <stage> --spec SPEC [--force]`: run a stage by its name (the containers' and
-Kubernetes jobs' entry point), exactly as its program's `python -m` would."""
+Kubernetes jobs' entry point, and the flow's for a stage process it starts cold), exactly as its program's
+`python -m` would, with its imports made faster: the collector is off until the program's run_program (next
+after its imports) freezes what they made and turns it on again (alignflow/import_gc.py, ~18% of the
+imports' time)."""
 
+import gc
 import runpy
 import sys
 
@@ -17,4 +21,5 @@ if __name__ == "__main__":
         sys.exit(2)
     program = stage_program(sys.argv[1])
     sys.argv = [program, *sys.argv[2:]]
+    gc.disable()
     runpy.run_module(program, run_name="__main__", alter_sys=True)

@@ -290,9 +290,11 @@ def run_program(main: Callable[[], int | None]) -> NoReturn:
     collection walks them all again: ~0.25 s of the RL stage's setup on a 2-core EPYC. So they are frozen
     (gc.freeze: no later collection looks at them) once the imports are done; the exit skips the tear-down
     (alignflow/process_exit.py: ~0.9 s of the stage process's ~1.1 s exit). For program entry points only: a
-    process that goes on running (a test calling main) keeps collecting as usual. Nothing has computed yet, so
-    the process is marked as one a torch worker may still be forked from (stages/common/forking.py)."""
+    process that goes on running (a test calling main) keeps collecting as usual. The collector is on from
+    here (`python -m alignflow.stages` imports the program with it off). Nothing has computed yet, so the
+    process is marked as one a torch worker may still be forked from (stages/common/forking.py)."""
     gc.freeze()
+    gc.enable()
     forking.mark_clean()
     end_process(main())
 

@@ -48,20 +48,23 @@ def test_an_output_waits_for_its_queued_metrics_and_is_not_published_without_the
 
 def test_a_stage_program_freezes_the_imports_objects_and_exits_with_mains_code():
     """run_program: the objects alive before main (the imports') are frozen, out of every collection main's
-    allocations trigger; the process exits with main's code after its output is flushed."""
+    allocations trigger, and the collector is on for main even where the imports ran with it off (`python -m
+    alignflow.stages`); the process exits with main's code after its output is flushed."""
     import subprocess
     import sys
 
-    script = (
-        "import gc\n"
-        "from alignflow.stages.common.runtime import run_program\n"
-        "def main():\n"
-        "    print(gc.get_freeze_count() > 1000, end='')\n"
-        "    return 3\n"
-        "run_program(main)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert (out.returncode, out.stdout) == (3, "True"), out.stderr[-2000:]
+    for collector in ("on", "off"):
+        script = (
+            "import gc\n"
+            f"{'gc.disable()' if collector == 'off' else ''}\n"
+            "from alignflow.stages.common.runtime import run_program\n"
+            "def main():\n"
+            "    print(gc.get_freeze_count() > 1000, gc.isenabled(), end='')\n"
+            "    return 3\n"
+            "run_program(main)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert (out.returncode, out.stdout) == (3, "True True"), (collector, out.stderr[-2000:])
 
 
 def test_every_stage_program_runs_through_run_program():
