@@ -1,8 +1,9 @@
 """`python -m alignflow.stages <stage> --spec SPEC [--force]`: run a stage by its name (the containers' and
 Kubernetes jobs' entry point, and the flow's for a stage process it starts cold), exactly as its program's
-`python -m` would, with its imports made faster: the collector is off until the program's run_program (next
-after its imports) freezes what they made and turns it on again (alignflow/import_gc.py, ~18% of the
-imports' time)."""
+`python -m` would, with its imports made faster: the ML stack a stage's setup imports (torch, transformers'
+model and tokenizer classes: stages/common/warm.py) is imported first, and the collector is off until the
+program's run_program (next after its imports) freezes what they made and turns it on again
+(alignflow/import_gc.py: ~18% of the imports' time)."""
 
 import gc
 import runpy
@@ -19,7 +20,11 @@ if __name__ == "__main__":
             file=sys.stderr,
         )
         sys.exit(2)
-    program = stage_program(sys.argv[1])
+    stage, program = sys.argv[1], stage_program(sys.argv[1])
     sys.argv = [program, *sys.argv[2:]]
     gc.disable()
+    if stage != "data":  # the one stage without models; the others' setup would import this lazily
+        from alignflow.stages.common.warm import ML_STACK, import_all
+
+        import_all(ML_STACK)
     runpy.run_module(program, run_name="__main__", alter_sys=True)

@@ -24,26 +24,30 @@ from alignflow.contract import STAGE_PROGRAMS, stage_program
 from alignflow.import_gc import imports_without_gc
 from alignflow.stages.common import forking
 
-# The heavy imports every ML stage makes, in the order they come; after torch and transformers, the costly
-# ones are transformers' weight-loading machinery, MLflow and its SQL store, and the tokenizer classes
-# (`python -X importtime` shows each one's share).
-WARM_IMPORTS = ("torch", "transformers", "safetensors.torch", "alignflow.stages.common.runtime",
-                "alignflow.stages.common.models.loading", "alignflow.stages.common.generation.interface",
-                "transformers.core_model_loading", "transformers.models.auto.modeling_auto",
-                "transformers.models.llama.modeling_llama",
-                "transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers",
-                "alignflow.tracking")
+# The heavy imports every ML stage makes (all but the data stage's), in the order they come; after torch and
+# transformers, the costly ones are transformers' weight-loading machinery and the tokenizer classes
+# (`python -X importtime` shows each one's share). Most come lazily, in a stage's setup (transformers' first
+# use).
+ML_STACK = ("torch", "transformers", "safetensors.torch", "alignflow.stages.common.runtime",
+            "alignflow.stages.common.models.loading", "alignflow.stages.common.generation.interface",
+            "transformers.core_model_loading", "transformers.models.auto.modeling_auto",
+            "transformers.models.llama.modeling_llama",
+            "transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers")
 STAGES = tuple(STAGE_PROGRAMS)
 
 
-def warm_up() -> None:
-    """Import what the stages will (a module another version of a library lacks is skipped:
-    it only costs time)."""
-    for name in (*WARM_IMPORTS, *(stage_program(stage) for stage in STAGES)):
+def import_all(names: tuple[str, ...]) -> None:
+    """Import these modules (one another version of a library lacks is skipped: it only costs time)."""
+    for name in names:
         try:
             importlib.import_module(name)
         except ImportError:
             continue
+
+
+def warm_up() -> None:
+    """Import what the stages will: the ML stack, MLflow with its SQL store, every stage program."""
+    import_all((*ML_STACK, "alignflow.tracking", *(stage_program(stage) for stage in STAGES)))
     from alignflow import tracking
 
     tracking.preload()
