@@ -149,7 +149,7 @@ def test_a_critic_forked_from_a_clean_stage_process_computes_what_the_trainers_o
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    assert torch.equal(torch.load(tmp_path / "values.pt"), values_here)
+    assert torch.equal(torch.load(tmp_path / "values.pt", weights_only=True), values_here)
 
 
 def test_a_stale_check_leaves_the_critics_process_untouched(critic_folder, checkpoint, rollout, tmp_path):
