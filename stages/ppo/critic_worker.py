@@ -146,9 +146,11 @@ def _receive(conn) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _serve(conn, spec: CriticSpec) -> None:
+def _serve(conn, spec: CriticSpec, trainers_end=None) -> None:
     """The worker's loop: build the critic, then answer requests until 'close' or the trainer's end of the
-    pipe."""
+    pipe. A forked worker is given the trainer's end of the pipe, which it inherited, to close."""
+    if trainers_end is not None:
+        trainers_end.close()
     torch.set_num_threads(spec.threads)
     # What LoRA draws at its start, the same whether this process was forked (the trainer's generator state)
     # or spawned (a fresh one).
@@ -269,8 +271,11 @@ class CriticWorker:
             sys.stdout.flush()
             sys.stderr.flush()
         self._conn, child = context.Pipe(duplex=True)
+        # A forked worker inherits this end as well and closes it: held open there, the trainer's death would
+        # never reach the worker as an EOF, and it would wait for a request forever.
+        inherited = self._conn if self.start_method == "fork" else None
         self.process = context.Process(
-            target=_serve, args=(child, spec), name="alignflow-critic", daemon=True
+            target=_serve, args=(child, spec, inherited), name="alignflow-critic", daemon=True
         )
         self.process.start()
         child.close()

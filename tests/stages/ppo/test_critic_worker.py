@@ -9,6 +9,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from contextlib import closing
 from pathlib import Path
 
@@ -115,25 +116,45 @@ def test_critic_in_its_own_process_trains_exactly_like_on_a_thread(
 
 
 FORKED_CRITIC = """
-import pickle, sys
-from contextlib import closing
+import os, pickle, sys
 import torch
 from alignflow.stages.common import forking
 from alignflow.stages.ppo.critic_worker import CriticWorker
 forking.mark_clean()  # as a stage program does after its imports
 with open(sys.argv[1], "rb") as f:
     spec, exp, packed = pickle.load(f)
-with closing(CriticWorker(spec)) as worker:
-    assert worker.start_method == "fork", worker.start_method
-    torch.save(worker.values_async(exp, packed).result(), sys.argv[2])
+worker = CriticWorker(spec)
+assert worker.start_method == "fork", worker.start_method
+torch.save(worker.values_async(exp, packed).result(), sys.argv[2])
+with open(sys.argv[3], "w") as f:
+    f.write(str(worker.pid))
+os._exit(0)  # the trainer dies without closing the worker
 """
+
+
+FORKED_FILES = ("request.pkl", "values.pt", "pid.txt")
+
+
+def exited(pid: int, within_s: float) -> bool:
+    """Whether the process is gone (or a zombie nobody reaped) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_a_critic_forked_from_a_clean_stage_process_computes_what_the_trainers_own_does(
     critic_folder, checkpoint, rollout, tmp_path
 ):
     """Where a stage program forks the critic's process (stages/common/forking.py: it starts with the stage's
-    imports, not a new interpreter's), its values pass on two threads gives the trainer's critic's bits."""
+    imports, not a new interpreter's), its values pass on two threads gives the trainer's critic's bits, and
+    it exits when the trainer dies without closing it (it holds no copy of the trainer's end of the pipe)."""
     cfg = ppo_with_critic()
     settings = trainer_settings(micro_batch_size=3)
     critic = PlainTorchTrainer(load_sequence_classifier(critic_folder), settings)
@@ -144,12 +165,18 @@ def test_a_critic_forked_from_a_clean_stage_process_computes_what_the_trainers_o
     spec = CriticSpec(str(critic_folder), cfg, "float32", settings, "eager", FP32, threads=2)
     with open(tmp_path / "request.pkl", "wb") as f:
         pickle.dump((spec, rollout, packed), f)
-    done = subprocess.run(
-        [sys.executable, "-c", FORKED_CRITIC, str(tmp_path / "request.pkl"), str(tmp_path / "values.pt")],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
+    # Output to a file, not a pipe: a worker that outlived the script would hold a pipe open.
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        code = subprocess.run(
+            [sys.executable, "-c", FORKED_CRITIC, *(str(tmp_path / name) for name in FORKED_FILES)],
+            stdout=stderr, stderr=stderr, timeout=300,
+        ).returncode
+    assert code == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
     assert torch.equal(torch.load(tmp_path / "values.pt", weights_only=True), values_here)
+    pid = int((tmp_path / "pid.txt").read_text())
+    if not exited(pid, within_s=10):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the forked critic (pid {pid}) outlived its trainer")
 
 
 def test_a_stale_check_leaves_the_critics_process_untouched(critic_folder, checkpoint, rollout, tmp_path):
