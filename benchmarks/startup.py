@@ -31,6 +31,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from alignflow.contract import RUN_STARTED_AT_VAR
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rl_ladder import cpu_name  # noqa: E402
@@ -96,7 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     config, workdir = args.config.resolve(), args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    # Each run starts its own clock and, unless --with-server, its own Prefect server.
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", RUN_STARTED_AT_VAR)}
     alignflow_run(config, workdir, env)  # caches every stage (seconds when the workdir has them already)
     rows = measure(config, workdir, env, args.runs, "started by the run")
     if args.with_server:
