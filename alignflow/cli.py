@@ -125,8 +125,15 @@ def _cmd_run(args) -> int:
     data_ok = _check_data(config)
     if not (_check_start(config, args.config, "warning") and data_ok):
         return 2
+    from alignflow.flows.kept_server import KEEP_VAR, keep_seconds
     from alignflow.flows.launch import WARM
     from alignflow.flows.prefect_server import PrefectServer
+
+    try:
+        keep_seconds()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     # Start-up in parallel: a stage process imports torch, Prefect's server starts in its own process, and
     # this thread imports the flow; one after the other their times would add up
@@ -145,6 +152,14 @@ def _cmd_run(args) -> int:
         if not uri.startswith(("http:", "https:", "file:")):
             tracking.preload()  # the parent run's SQL store while the server starts: this thread would wait
     server.wait()
+    if server.error is not None:
+        print(f"warning: Prefect's server: {server.error}; Prefect starts its own", file=sys.stderr)
+    elif server.kept is not None and server.api_url is not None and not server.reused:
+        print(
+            f"Prefect: started a local API server at {server.api_url}, kept for later runs until unused for "
+            f"{keep_seconds():g} s ({KEEP_VAR}=0: one per run; its log: {server.kept.log_path})",
+            file=sys.stderr,
+        )
 
     started = time.perf_counter()
     try:

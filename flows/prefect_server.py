@@ -4,28 +4,33 @@ Why not Prefect's own ephemeral start (SubprocessASGIServer): before it spawns t
 the server's code into this one (the API, its ORM models, docket: ~3.7 s on a 2-core EPYC), under the
 interpreter lock, against the flow's own imports on the main thread, and the process it spawns imports it all
 again. Here a thread spawns the same server (uvicorn on Prefect's app factory, the UI off, Prefect's ephemeral
-flags, this process's environment; `serve`, this module as a program) before it has imported anything of
-Prefect, then reads Prefect's settings (an API configured in a profile stops it again), waits for its health
-check and records its URL; the flow runs with Prefect's settings pointed at it (`api_settings`, as
-prefect_test_harness does). The server's seconds of start-up overlap the CLI's imports
-(docs/performance.md#start-up).
+flags; `serve`, this module as a program) before it has imported anything of Prefect, then reads Prefect's
+settings (an API configured in a profile stops it again), waits for its health check and records its URL; the
+flow runs with Prefect's settings pointed at it (`api_settings`, as prefect_test_harness does). The server's
+seconds of start-up overlap the CLI's imports (docs/performance.md#start-up).
 
-What it is not: a server for anything but this run. It stops when the CLI exits. A failure here is kept, not
-raised: the flow then starts Prefect's own ephemeral server and reports its error.
+The server is kept for the next run (flows/kept_server.py: one per Prefect settings, a lease per run using it,
+it exits ALIGNFLOW_PREFECT_SERVER_KEEP_S seconds after the last run let go of it); a run that finds one
+running uses it and starts nothing. With ALIGNFLOW_PREFECT_SERVER_KEEP_S=0 the server is this run's and
+stops when the CLI exits. A failure here is kept, not raised: the flow then starts Prefect's own ephemeral
+server and reports its error.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
+from pathlib import Path
 
+from alignflow.flows.kept_server import KeptServer, healthy, keep_seconds, server_env
 from alignflow.import_gc import imports_without_gc
 
 # What Prefect's SubprocessASGIServer sets for its server process: no UI, an ephemeral server.
@@ -40,41 +45,67 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(port: int) -> list[str]:
-    """This module as a program: Prefect's API on 127.0.0.1:port (`serve`)."""
-    return [sys.executable, "-m", "alignflow.flows.prefect_server", str(port)]
+def server_command(port: int, kept: KeptServer | None = None, keep_s: float = 0.0) -> list[str]:
+    """This module as a program: Prefect's API on 127.0.0.1:port (`serve`), kept as `kept` when given."""
+    command = [sys.executable, "-m", "alignflow.flows.prefect_server", str(port)]
+    if kept is not None:
+        command += ["--kept-in", str(kept.folder), "--key", kept.key, "--keep-s", str(keep_s)]
+    return command
 
 
-def serve(port: int) -> None:
+def serve(port: int, kept: KeptServer | None = None, keep_s: float = 0.0) -> int:
     """The server's process: Prefect's app (its factory, as SubprocessASGIServer's uvicorn command calls it)
-    made with the collector off (alignflow/import_gc.py), under uvicorn on 127.0.0.1:port; exits 3
-    (PORT_IN_USE) when the port is taken."""
+    made with the collector off (alignflow/import_gc.py), under uvicorn on 127.0.0.1:port. When `kept`, it
+    publishes its state once it listens and stops once unused for keep_s seconds (flows/kept_server.py).
+    Returns 3 (PORT_IN_USE) when the port is taken."""
     with imports_without_gc():
         import uvicorn
         from prefect.server.api.server import create_app
 
         app = create_app()
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", lifespan="on")
-
-
-def healthy(api_url: str) -> bool:
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on")
+    server = uvicorn.Server(config)
+    if kept is not None:
+        threading.Thread(target=_keep, args=(server, kept, port, keep_s), name="kept", daemon=True).start()
+        # uvicorn shuts down on SIGTERM, then raises it again with the handler it found: let that one end the
+        # process by an exception, through the `finally` below, not by the signal's default action.
+        signal.signal(signal.SIGTERM, _exit_by_exception)
     try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
+        server.run()
+    finally:
+        if kept is not None:
+            kept.withdraw()
+    return 0 if server.started else PORT_IN_USE
+
+
+def _exit_by_exception(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _keep(server, kept: KeptServer, port: int, keep_s: float) -> None:
+    """Publish the server's state once it listens; stop it once no run has used it for keep_s seconds."""
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.02)
+    kept.publish(port)
+    kept.wait_until_unused(keep_s, lambda: server.should_exit)
+    server.should_exit = True
 
 
 class PrefectServer:
-    """`start()` spawns the server on a thread where Prefect would start an ephemeral one; `wait()` returns
-    once it answers (or failed: `error`); `api_settings()` points Prefect at it for the flow; it stops at
-    exit."""
+    """`start()` finds the kept server or spawns one on a thread where Prefect would start an ephemeral one;
+    `wait()` returns once it answers (or failed: `error`); `api_settings()` points Prefect at it for the flow.
+    At exit this run lets go of a kept server, or stops its own."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self.process: subprocess.Popen | None = None
         self.api_url: str | None = None
         self.error: str | None = None
+        self.kept: KeptServer | None = None
+        self.reused = False  # a kept server of an earlier run answered
+        self._lease: Path | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="prefect-server-start", daemon=True)
@@ -91,10 +122,16 @@ class PrefectServer:
             # Spawned before Prefect's settings are imported here (~1 s on a 2-core EPYC): with no temporary
             # settings in this process, the server reads the same ones from the same environment, profile and
             # prefect.toml. What they say is checked after.
-            env = {**os.environ, **SERVER_ENV}
+            env = {**server_env(os.environ), **SERVER_ENV}
+            keep_s = keep_seconds()
             started = time.monotonic()
             atexit.register(self.stop)
-            port = self._spawn(env)
+            if keep_s > 0:
+                self.kept = KeptServer.for_environment(env)
+                self._lease = self.kept.hold()
+                self.api_url = self.kept.running_url()
+                self.reused = self.api_url is not None
+            port = None if self.reused else self._spawn(env, keep_s)
             from prefect.settings import (
                 PREFECT_API_URL,
                 PREFECT_SERVER_EPHEMERAL_ENABLED,
@@ -102,11 +139,15 @@ class PrefectServer:
             )
 
             if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-                self.stop()  # a server configured in a profile or prefect.toml, or none allowed
+                self.api_url = None
+                # A server configured in a profile or prefect.toml, or none allowed.
+                self.stop(started_here=True)
+                return
+            if self.reused:
                 return
             deadline = started + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
             while True:
-                assert self.process is not None
+                assert self.process is not None and port is not None
                 api_url = f"http://127.0.0.1:{port}/api"
                 while self.process.poll() is None and time.monotonic() < deadline:
                     if healthy(api_url):
@@ -115,18 +156,31 @@ class PrefectServer:
                     time.sleep(0.05)
                 if self.process.poll() != PORT_IN_USE or time.monotonic() >= deadline:
                     break
-                port = self._spawn(env)
+                port = self._spawn(env, keep_s)
             code = self.process.poll()
-            self.stop()
-            self.error = f"Prefect's server did not answer (exit code {code})"
+            self.stop(started_here=True)
+            where = f"; its log: {self.kept.log_path}" if self.kept is not None else ""
+            self.error = f"Prefect's server did not answer (exit code {code}){where}"
         except Exception as exc:  # noqa: BLE001 - the flow starts Prefect's own server and reports its error
-            self.stop()
+            self.stop(started_here=True)
             self.error = f"{type(exc).__name__}: {exc}"
 
-    def _spawn(self, env: dict[str, str]) -> int:
-        """Start the server on a free port; returns the port."""
+    def _spawn(self, env: dict[str, str], keep_s: float) -> int:
+        """Start the server on a free port; returns the port. A kept one runs in its own session, its output
+        in its log, so that it outlives this process and holds none of its pipes."""
         port = free_port()
-        self.process = subprocess.Popen(server_command(port), env=env)
+        if self.kept is None:
+            self.process = subprocess.Popen(server_command(port), env=env)
+            return port
+        with open(self.kept.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                server_command(port, self.kept, keep_s),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return port
 
     def api_settings(self) -> contextlib.AbstractContextManager:
@@ -145,9 +199,14 @@ class PrefectServer:
         )
         return stack
 
-    def stop(self) -> None:
+    def stop(self, started_here: bool = False) -> None:
+        """At exit: let go of a kept server (it stays for the next run), or stop this run's own. With
+        `started_here`, a kept server this run spawned is stopped as well (it was not wanted)."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.unlink(missing_ok=True)
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        if process is None or process.poll() is not None or (self.kept is not None and not started_here):
             return
         process.terminate()
         try:
@@ -157,5 +216,16 @@ class PrefectServer:
             process.wait()
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m alignflow.flows.prefect_server")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--kept-in", type=Path, help="the kept servers' folder (flows/kept_server.py)")
+    parser.add_argument("--key", help="this server's key there")
+    parser.add_argument("--keep-s", type=float, default=0.0, help="exit once unused this long")
+    args = parser.parse_args(argv)
+    kept = KeptServer(args.kept_in, args.key) if args.kept_in is not None and args.key else None
+    return serve(args.port, kept, args.keep_s)
+
+
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    sys.exit(main())

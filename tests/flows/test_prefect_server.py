@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+
+from alignflow.flows.kept_server import KEEP_VAR
 
 pytestmark = pytest.mark.slow
 
@@ -13,6 +17,7 @@ def test_a_run_without_an_api_gets_its_own_server_and_prefect_is_pointed_at_it(m
     from alignflow.flows.prefect_server import PrefectServer, healthy
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path))  # its own database, not the user's
+    monkeypatch.setenv(KEEP_VAR, "0")  # not kept: this run's own
     # No API configured (the session's harness may have set one); _run on this thread, which sees that.
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         server = PrefectServer()
@@ -29,6 +34,41 @@ def test_a_run_without_an_api_gets_its_own_server_and_prefect_is_pointed_at_it(m
             server.stop()
     assert process is not None and process.poll() is not None  # stopped, not left behind
     assert not healthy(server.api_url)
+
+
+def test_a_kept_server_serves_the_next_run_stays_while_used_and_exits_once_unused(monkeypatch, tmp_path):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from alignflow.flows.kept_server import _alive
+    from alignflow.flows.prefect_server import PrefectServer, healthy
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.setenv(KEEP_VAR, "2")
+    monkeypatch.chdir(tmp_path)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        first = PrefectServer()
+        first._run()
+        try:
+            assert first.error is None and not first.reused and healthy(first.api_url)
+            assert first.kept is not None and first.kept.folder == tmp_path / "alignflow-server"
+            state = first.kept.read_state()
+            assert state is not None and state["api_url"] == first.api_url
+            second = PrefectServer()  # the next run (in this process here, so with the same lease)
+            second._run()
+            assert second.error is None and second.reused and second.process is None
+            assert second.api_url == first.api_url
+            time.sleep(3)  # longer than the keep time, with a lease held
+            assert healthy(first.api_url)
+            first.stop()
+            second.stop()
+            assert _alive(state["pid"])  # let go of, not stopped
+            deadline = time.monotonic() + 30
+            while _alive(state["pid"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _alive(state["pid"]) and not first.kept.state_path.exists()
+            assert not healthy(first.api_url)
+        finally:
+            first.kept.stop()
 
 
 def test_a_configured_api_is_used_as_it_is(monkeypatch):
