@@ -545,10 +545,15 @@ def test_trl_baseline_takes_a_reward_model_for_grpo_rm_only():
 @pytest.mark.slow
 def test_startup_times_the_first_rl_iteration_of_a_cached_run(tmp_path):
     """One measured run of configs/tiny.yaml after the caching run: the RL stage ran again (its parts add up
-    to when its first iteration began, which ended after it began), and a fully cached run after."""
+    to when its first iteration began, which ended after it began), and a fully cached run after; both on the
+    Prefect server the caching run started and kept, which the benchmark stops at its end."""
     rows = json.loads(_run("startup.py", "--runs", "1", "--workdir", str(tmp_path), "--json"))
     measured, cached = rows
     assert (measured["run"], cached["run"]) == ("1", "all cached")
+    assert measured["server"] == cached["server"] == "kept from a run before"
+    # The server published its state file when it started and withdrew it when it stopped.
+    assert (tmp_path / "prefect-home" / "alignflow-server").is_dir()
+    assert not list((tmp_path / "prefect-home" / "alignflow-server").glob("*.json"))
     parts = measured["orchestration_s"] + measured["process_s"] + measured["setup_s"]
     assert parts == pytest.approx(measured["began_s"], abs=1e-6)
     assert 0 < measured["process_s"] and 0 < measured["setup_s"] < measured["began_s"] < measured["ended_s"]
