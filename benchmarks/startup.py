@@ -10,9 +10,10 @@ and runs again. From the RL stage's result line (its log in .alignflow/logs) and
 has: when its first iteration began and ended, in seconds after the command started, and the parts before it
 (orchestration: Prefect, planning, the cached stages' checks; the stage process's start and imports; the
 stage's setup), and the run's wall time. A last row times a fully cached run. The runs use the local Prefect
-server the first run started and kept (flows/kept_server.py, as a person's second run does); `--per-run`
-measures the same with ALIGNFLOW_PREFECT_SERVER_KEEP_S=0, each run starting and stopping its own. Prefect's
-home is <workdir>/prefect-home, and the kept server is stopped at the end. The goal of the speed issue (part
+server and the stage fork server the first run started and kept (flows/kept_server.py, as a person's second
+run does); `--per-run` measures the same with ALIGNFLOW_KEEP_S=0, each run starting and stopping its own
+Prefect server and importing the ML stack in its warm stage process. Prefect's home is
+<workdir>/prefect-home, and the kept servers are stopped at the end. The goal of the speed issue (part
 4): the first iteration begins within 5 s.
 docs/performance.md#start-up has the figures of a 2-core EPYC.
 """
@@ -35,6 +36,7 @@ from rich.table import Table
 
 from alignflow.contract import RUN_STARTED_AT_VAR
 from alignflow.flows.kept_server import KEEP_VAR, stop_kept_servers
+from alignflow.flows.stage_forks import private_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -100,6 +102,14 @@ def measure(config: Path, workdir: Path, env: dict[str, str], runs: int) -> list
     return rows
 
 
+def stop_kept(workdir: Path) -> None:
+    """Stop the Prefect server and the stage fork server the runs in workdir keep (flows/kept_server.py)."""
+    stop_kept_servers(workdir / "prefect-home" / "alignflow-server")
+    folder = private_folder()
+    if folder is not None:
+        stop_kept_servers(folder, workdir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "tiny.yaml")
@@ -113,12 +123,12 @@ def main() -> None:
     # Each run starts its own clock, and finds no Prefect API but the kept server of its own Prefect home.
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", RUN_STARTED_AT_VAR, KEEP_VAR)}
     env["PREFECT_HOME"] = str(workdir / "prefect-home")
-    stop_kept_servers(workdir / "prefect-home")  # one left by an earlier benchmark: the first run starts it
+    stop_kept(workdir)  # those left by an earlier benchmark: the first run starts them again
     try:
         alignflow_run(config, workdir, env)  # caches every stage (seconds when the workdir has them already)
         rows = measure(config, workdir, env, args.runs)
     finally:
-        stop_kept_servers(workdir / "prefect-home")
+        stop_kept(workdir)
     if args.per_run:
         rows += measure(config, workdir, {**env, KEEP_VAR: "0"}, args.runs)
     if args.json:

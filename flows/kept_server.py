@@ -1,19 +1,22 @@
-"""The local Prefect server that `alignflow run`s share: its key, state file, leases, and exit once unused.
+"""The servers `alignflow run`s keep for the runs after them: their key, state file, leases, and exit once
+unused. Two use it: Prefect's local API server (flows/prefect_server.py) and the stage fork server
+(flows/stage_forks.py, stages/common/fork_server.py).
 
-Why: Prefect's API server takes ~3.8 s of CPU to start (its imports, then the database's migrations), which a
-2-core machine spends beside the run's own start (docs/performance.md#start-up). So the server a run starts
-is kept, and the next run on the same Prefect settings uses it. What it is not: a server to point other
-clients at (that is `alignflow ui` or your own `prefect server start`); it listens on 127.0.0.1 without its UI
-and has no other users.
+Why: Prefect's API server takes ~3.8 s of CPU to start (its imports, then the database's migrations), and a
+stage process ~6 s to import torch, transformers and MLflow, which a 2-core machine spends beside the run's
+own start (docs/performance.md#start-up). So a run keeps what it started, and the next run with the same key
+uses it. What they are not: servers to point other clients at (that is `alignflow ui` or your own
+`prefect server start`); they listen on 127.0.0.1 or on a Unix socket only their user reaches.
 
-- Key: the server's environment (PREFECT_* and the interpreter's own variables, `server_env`), the Python
-  executable, Prefect's version, the folder it starts in, and the files Prefect reads settings from there and
-  in PREFECT_HOME (prefect.toml, pyproject.toml, .env, profiles.toml). Another key, another server.
-- State: `<PREFECT_HOME>/alignflow-server/<key>.json` ({pid, port, api_url}), written by the server once it
-  listens, removed when it exits; its log beside it.
+- Key: what the server's behaviour depends on. Prefect's: its environment (PREFECT_* and the interpreter's
+  own variables, `server_env`), the Python executable, Prefect's version, the folder it starts in, and the
+  files Prefect reads settings from there and in PREFECT_HOME (prefect.toml, pyproject.toml, .env,
+  profiles.toml). The fork server's: stage_forks.fork_server_key. Another key, another server.
+- State: `<folder>/<key>.json` ({pid, ...}; Prefect's folder is `<PREFECT_HOME>/alignflow-server`), written by
+  the server once it serves, removed when it exits; its log beside it.
 - Leases: a run holds `<key>.leases/<its pid>` while it uses the server. The server exits once no live
-  process has held a lease for `ALIGNFLOW_PREFECT_SERVER_KEEP_S` seconds (default 600; 0: no kept server, a
-  server per run that stops with it). A run killed without removing its lease stops counting when its
+  process has held a lease (nor, for the fork server, a stage runs) for `ALIGNFLOW_KEEP_S` seconds
+  (default 600; 0: nothing is kept). A run killed without removing its lease stops counting when its
   process is gone.
 - Races: a server about to exit first renames its state file away, then looks at the leases once more
   (it stays, and restores the file, if one appeared); a run takes its lease before it reads the state file.
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-KEEP_VAR = "ALIGNFLOW_PREFECT_SERVER_KEEP_S"
+KEEP_VAR = "ALIGNFLOW_KEEP_S"
 DEFAULT_KEEP_S = 600.0
 # The variables a kept server inherits besides PREFECT_*: what the interpreter and its libraries read. Not the
 # run's credentials (AWS_*, MLflow's): the server lives past the run and has no use for them.
@@ -48,7 +51,7 @@ CHECK_EVERY_S = 1.0
 
 
 def keep_seconds() -> float:
-    """ALIGNFLOW_PREFECT_SERVER_KEEP_S, in seconds (0: a server per run); ValueError naming it when bad."""
+    """ALIGNFLOW_KEEP_S, in seconds (0: nothing kept); ValueError naming it when bad."""
     raw = os.environ.get(KEEP_VAR, "").strip()
     if not raw:
         return DEFAULT_KEEP_S
@@ -58,8 +61,8 @@ def keep_seconds() -> float:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(
-            f"{KEEP_VAR}={raw!r}: expected the seconds (>= 0) an unused local Prefect server is kept for "
-            "later runs; 0 starts one per run and stops it with the run"
+            f"{KEEP_VAR}={raw!r}: expected the seconds (>= 0) a run's unused Prefect server and stage fork "
+            "server are kept for later runs; 0 keeps nothing (a Prefect server per run, stopped with it)"
         )
     return value
 
@@ -98,12 +101,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def stop_kept_servers(home: Path) -> int:
-    """Stop every kept server whose state file is in Prefect home `home` (benchmarks and tests that must not
-    leave one behind); returns how many were running."""
-    folder = Path(home) / "alignflow-server"
-    running = [KeptServer(folder, p.stem) for p in folder.glob("*.json") if p.stem.isalnum()]
-    return sum(server.stop() for server in running)
+def stop_kept_servers(folder: Path, workdir: Path | None = None) -> int:
+    """Stop every kept server whose state file is in `folder` (with `workdir`: those serving that workdir);
+    for benchmarks and tests that must not leave one behind. Returns how many were running."""
+    servers = [KeptServer(Path(folder), p.stem) for p in Path(folder).glob("*.json") if p.stem.isalnum()]
+    if workdir is not None:
+        where = str(Path(workdir).resolve())
+        servers = [s for s in servers if (s.read_state() or {}).get("workdir") == where]
+    return sum(server.stop() for server in servers)
 
 
 def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
@@ -166,14 +171,15 @@ class KeptServer:
     def running_url(self) -> str | None:
         """The API URL of this key's server when one is running and answers, else None."""
         state = self.read_state()
-        if state is None or not _alive(state["pid"]):
+        if state is None or not _alive(state["pid"]) or not isinstance(state.get("api_url"), str):
             return None
         return state["api_url"] if healthy(state["api_url"], timeout_s=1.0) else None
 
     def read_state(self) -> dict | None:
+        """The state file's fields ({pid, ...} as `publish` wrote them), or None when there is none whole."""
         try:
             state = json.loads(self.state_path.read_text())
-            return {"pid": int(state["pid"]), "port": int(state["port"]), "api_url": str(state["api_url"])}
+            return {**state, "pid": int(state["pid"])}
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -201,12 +207,14 @@ class KeptServer:
                     lease.unlink(missing_ok=True)
         return live
 
-    def publish(self, port: int) -> None:
-        """The server listens on `port`: write the state file (whole, then renamed into place)."""
+    def publish(self, **fields) -> None:
+        """The server is ready: write the state file, {pid, **fields} (whole, then renamed into place)."""
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        state = {"pid": os.getpid(), "port": port, "api_url": f"http://127.0.0.1:{port}/api"}
+        state = {"pid": os.getpid(), **fields}
         partial = self.state_path.with_name(f"{self.key}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(state))
+        # Its user's only: it may hold the server's auth string.
+        with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(state, f)
         partial.replace(self.state_path)
 
     def retire(self) -> bool:

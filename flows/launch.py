@@ -11,32 +11,38 @@ import time
 from pathlib import Path
 
 from alignflow.contract import LAUNCHED_AT_VAR, StageResult, StageSpec
-
-# Environment variables read when used, not at import: a warm process that started without the flow's
-# current value (the flow sets MLFLOW_TRACKING_URI after it starts, for example) is given it with the request.
-# Any other difference (OMP_NUM_THREADS, PYTHONPATH, CUDA_VISIBLE_DEVICES, ...) means a cold process.
-RUNTIME_ENV_PREFIXES = ("MLFLOW_", "PREFECT_", "AWS_", "ALIGNFLOW_")
+from alignflow.flows.kept_server import keep_seconds
+from alignflow.flows.stage_forks import RUNTIME_ENV_PREFIXES, ForkedStage, StageForks, private_folder
 
 
 class WarmStages:
-    """At most one spare stage process (`python -m alignflow.stages.common.warm`) that is importing the ML
-    stack.
+    """Stage processes with the ML stack imported before they are launched: forked from the kept fork server
+    (flows/stage_forks.py) where runs keep their servers (ALIGNFLOW_KEEP_S > 0, on Linux), else at most one
+    spare stage process (`python -m alignflow.stages.common.warm`) that is importing the ML stack.
 
-    `start(workdir)` spawns it (a no-op when one is there); `take(workdir, env)` hands it to a launch, with
+    `start(workdir)` finds or starts the fork server, or spawns the spare (a no-op when done already);
+    `fork(...)` runs a stage through the fork server; `take(workdir, env)` hands the spare to a launch, with
     the environment changes to apply, when it was started in the same folder and its environment differs
-    only in variables read at run time (RUNTIME_ENV_PREFIXES); else None, and the launch starts a cold
-    process. `close()` stops a spare one. The point: the RL stage's imports (torch, transformers' loaders,
-    MLflow) run while the CLI imports Prefect and starts Prefect's server (docs/performance.md#start-up).
+    only in variables read at run time (RUNTIME_ENV_PREFIXES). Either returns None otherwise, and the launch
+    starts a cold process. `close()` stops a spare one and lets go of the fork server. The point: the RL
+    stage's imports (torch, transformers' loaders, MLflow) are done before it is launched, or run while the
+    CLI imports Prefect (docs/performance.md#start-up).
     """
 
     def __init__(self) -> None:
         self._spare: tuple[subprocess.Popen, Path, dict[str, str]] | None = None
+        self._forks: StageForks | None = None
         self._lock = threading.Lock()  # stages launch from several threads when they run in parallel
 
     def start(self, workdir: Path) -> None:
-        if os.environ.get("ALIGNFLOW_WARM_STAGES", "1") == "0" or self._spare is not None:
+        if os.environ.get("ALIGNFLOW_WARM_STAGES", "1") == "0" or self._spare is not None or self._forks:
             return
         env = stage_env()
+        keep_s = keep_seconds()
+        folder = private_folder() if keep_s > 0 and sys.platform == "linux" else None
+        if folder is not None:
+            self._forks = StageForks(workdir, env, keep_s, folder)
+            return
         proc = subprocess.Popen(
             [sys.executable, "-m", "alignflow.stages.common.warm"],
             stdin=subprocess.PIPE,
@@ -47,6 +53,10 @@ class WarmStages:
             env=env,
         )
         self._spare = (proc, Path(workdir).resolve(), env)
+
+    def fork(self, workdir: Path, stage: str, argv: list[str], env: dict[str, str]) -> ForkedStage | None:
+        forks = self._forks
+        return forks.fork(workdir, stage, argv, env) if forks is not None else None
 
     def take(
         self, workdir: Path, env: dict[str, str]
@@ -69,8 +79,11 @@ class WarmStages:
     def close(self) -> None:
         with self._lock:
             spare, self._spare = self._spare, None
+            forks, self._forks = self._forks, None
         if spare is not None:
             _dismiss(spare[0])
+        if forks is not None:
+            forks.close()
 
 
 def _dismiss(proc: subprocess.Popen) -> None:
@@ -110,9 +123,12 @@ def launch_local(spec: StageSpec, key: str, workdir: Path, echo: bool = True) ->
     started = time.perf_counter()
     lines: list[str] = []
     env = stage_env()
-    warm = WARM.take(workdir, env)
     launched_at = f"{time.time():.6f}"
-    if warm is not None:
+    forked = WARM.fork(workdir, spec.stage, argv, {**env, LAUNCHED_AT_VAR: launched_at})
+    warm = WARM.take(workdir, env) if forked is None else None
+    if forked is not None:
+        proc = forked
+    elif warm is not None:
         proc, changes = warm
         assert proc.stdin is not None
         proc.stdin.write(

@@ -10,8 +10,8 @@ flow runs with Prefect's settings pointed at it (`api_settings`, as prefect_test
 seconds of start-up overlap the CLI's imports (docs/performance.md#start-up).
 
 The server is kept for the next run (flows/kept_server.py: one per Prefect settings, a lease per run using it,
-it exits ALIGNFLOW_PREFECT_SERVER_KEEP_S seconds after the last run let go of it); a run that finds one
-running uses it and starts nothing. With ALIGNFLOW_PREFECT_SERVER_KEEP_S=0 the server is this run's and
+it exits ALIGNFLOW_KEEP_S seconds after the last run let go of it); a run that finds one
+running uses it and starts nothing. With ALIGNFLOW_KEEP_S=0 the server is this run's and
 stops when the CLI exits. A failure here is kept, not raised: the flow then starts Prefect's own ephemeral
 server and reports its error.
 """
@@ -22,6 +22,7 @@ import argparse
 import atexit
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -35,6 +36,9 @@ from alignflow.import_gc import imports_without_gc
 
 # What Prefect's SubprocessASGIServer sets for its server process: no UI, an ephemeral server.
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# The server's auth string (Prefect's): a run that starts one sets a new random one, so that only runs of this
+# user, which read it from the state file, can use its API (its health check stays open).
+AUTH_VAR = "PREFECT_SERVER_API_AUTH_STRING"
 # uvicorn's exit code when the port is taken (another process bound it first): try another one.
 PORT_IN_USE = 3
 
@@ -88,7 +92,7 @@ def _keep(server, kept: KeptServer, port: int, keep_s: float) -> None:
         if server.should_exit:
             return
         time.sleep(0.02)
-    kept.publish(port)
+    kept.publish(port=port, api_url=f"http://127.0.0.1:{port}/api", auth=os.environ.get(AUTH_VAR))
     kept.wait_until_unused(keep_s, lambda: server.should_exit)
     server.should_exit = True
 
@@ -102,6 +106,7 @@ class PrefectServer:
         self._thread: threading.Thread | None = None
         self.process: subprocess.Popen | None = None
         self.api_url: str | None = None
+        self.auth: str | None = None  # the API's auth string, when this module chose it
         self.error: str | None = None
         self.kept: KeptServer | None = None
         self.reused = False  # a kept server of an earlier run answered
@@ -131,6 +136,8 @@ class PrefectServer:
                 self._lease = self.kept.hold()
                 self.api_url = self.kept.running_url()
                 self.reused = self.api_url is not None
+                if self.reused:
+                    self.auth = (self.kept.read_state() or {}).get("auth")
             port = None if self.reused else self._spawn(env, keep_s)
             from prefect.settings import (
                 PREFECT_API_URL,
@@ -169,6 +176,9 @@ class PrefectServer:
         """Start the server on a free port; returns the port. A kept one runs in its own session, its output
         in its log, so that it outlives this process and holds none of its pipes."""
         port = free_port()
+        if AUTH_VAR not in env:  # else the user's own: they give their client its PREFECT_API_AUTH_STRING
+            self.auth = secrets.token_urlsafe(32)
+            env = {**env, AUTH_VAR: self.auth}
         if self.kept is None:
             self.process = subprocess.Popen(server_command(port), env=env)
             return port
@@ -190,10 +200,13 @@ class PrefectServer:
         if self.api_url is None:
             return contextlib.nullcontext()
         import prefect.context
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
+        updates = {PREFECT_API_URL: self.api_url}
+        if self.auth is not None:
+            updates[PREFECT_API_AUTH_STRING] = self.auth
         stack = contextlib.ExitStack()
-        stack.enter_context(temporary_settings(updates={PREFECT_API_URL: self.api_url}))
+        stack.enter_context(temporary_settings(updates=updates))
         stack.enter_context(
             prefect.context._temporary_global_settings_context(prefect.context.get_settings_context())
         )

@@ -76,6 +76,9 @@ def pytest_configure(config):
     # small_config's model.device: the pipelines and stages these tests run compute there too (a GPU machine's
     # default run stays on the CPU instead of model.device auto picking its GPU).
     os.environ[TEST_DEVICE_VAR] = config.option.device
+    # Runs keep no Prefect server or stage fork server for later runs (flows/kept_server.py): each test's
+    # workdir would leave its own behind. The tests of kept servers turn it on for themselves.
+    os.environ.setdefault("ALIGNFLOW_KEEP_S", "0")
     if config.option.device == "cpu":
         # Triton kernels on CPU tensors run in Triton's interpreter, which triton reads when it is first
         # imported (its own @jit helpers, tl.sum among them, are decorated then): set before any test module

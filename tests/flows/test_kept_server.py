@@ -69,7 +69,7 @@ def test_leases_count_while_their_process_lives(tmp_path):
 
 def test_a_server_retires_unless_a_run_took_a_lease_meanwhile(tmp_path):
     kept = KeptServer(tmp_path, "k")
-    kept.publish(4321)
+    kept.publish(port=4321, api_url="http://127.0.0.1:4321/api")
     assert kept.read_state() == {"pid": os.getpid(), "port": 4321, "api_url": "http://127.0.0.1:4321/api"}
     lease = kept.hold()
     assert kept.retire() is False  # a run holds it: the state file is back
@@ -90,7 +90,7 @@ def test_a_server_whose_state_another_one_overwrote_leaves_it(tmp_path):
 def test_waits_until_unused_for_the_keep_time(tmp_path, monkeypatch):
     monkeypatch.setattr(kept_server, "CHECK_EVERY_S", 0.02)
     kept = KeptServer(tmp_path, "k")
-    kept.publish(4321)
+    kept.publish(port=4321, api_url="http://127.0.0.1:4321/api")
     lease = kept.hold()
     threading.Timer(0.5, lease.unlink).start()
     started = time.monotonic()
@@ -99,7 +99,7 @@ def test_waits_until_unused_for_the_keep_time(tmp_path, monkeypatch):
     assert time.monotonic() - started >= 0.5 + 0.3 - 2 * kept_server.CHECK_EVERY_S
     assert kept.read_state() is None
     stopping = threading.Event()
-    kept.publish(4321)
+    kept.publish(port=4321, api_url="http://127.0.0.1:4321/api")
     kept.hold()
     threading.Timer(0.1, stopping.set).start()
     kept.wait_until_unused(60, stopping.is_set)  # the server stops for another reason: no wait for the keep
@@ -122,7 +122,7 @@ def test_stop_kept_servers_stops_every_one_in_a_prefect_home(tmp_path):
     try:
         (folder / "abc123.json").write_text(f'{{"pid": {stand_in.pid}, "port": 9, "api_url": "u"}}')
         (folder / "def456.json").write_text(f'{{"pid": {_dead_pid()}, "port": 9, "api_url": "u"}}')
-        assert stop_kept_servers(tmp_path) == 1
+        assert stop_kept_servers(folder) == 1
         assert stand_in.wait(timeout=5) == -15
     finally:
         stand_in.kill()

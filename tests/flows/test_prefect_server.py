@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -53,10 +56,20 @@ def test_a_kept_server_serves_the_next_run_stays_while_used_and_exits_once_unuse
             assert first.kept is not None and first.kept.folder == tmp_path / "alignflow-server"
             state = first.kept.read_state()
             assert state is not None and state["api_url"] == first.api_url
+            # Its API answers only who has its auth string, from the state file only this user reads.
+            assert first.auth and state["auth"] == first.auth
+            assert first.kept.state_path.stat().st_mode & 0o777 == 0o600
+            request = urllib.request.Request(f"{first.api_url}/admin/version")
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            assert refused.value.code == 401
+            request.add_header("Authorization", "Basic " + base64.b64encode(first.auth.encode()).decode())
+            with urllib.request.urlopen(request, timeout=10) as answered:
+                assert answered.status == 200
             second = PrefectServer()  # the next run (in this process here, so with the same lease)
             second._run()
             assert second.error is None and second.reused and second.process is None
-            assert second.api_url == first.api_url
+            assert (second.api_url, second.auth) == (first.api_url, first.auth)
             time.sleep(3)  # longer than the keep time, with a lease held
             assert healthy(first.api_url)
             first.stop()
