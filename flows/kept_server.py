@@ -87,7 +87,7 @@ def _digest_of_file(path: Path) -> str | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """A running process (a zombie, exited but not yet reaped by its parent, is not)."""
     try:
         os.kill(pid, 0)
@@ -109,6 +109,16 @@ def stop_kept_servers(folder: Path, workdir: Path | None = None) -> int:
         where = str(Path(workdir).resolve())
         servers = [s for s in servers if (s.read_state() or {}).get("workdir") == where]
     return sum(server.stop() for server in servers)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit, so that a kept server's `finally` withdraws its state file (uvicorn, for
+    one, shuts down on SIGTERM and then raises it again with the handler it found)."""
+
+    def _raise(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
 
 
 def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
@@ -171,7 +181,7 @@ class KeptServer:
     def running_url(self) -> str | None:
         """The API URL of this key's server when one is running and answers, else None."""
         state = self.read_state()
-        if state is None or not _alive(state["pid"]) or not isinstance(state.get("api_url"), str):
+        if state is None or not alive(state["pid"]) or not isinstance(state.get("api_url"), str):
             return None
         return state["api_url"] if healthy(state["api_url"], timeout_s=1.0) else None
 
@@ -186,11 +196,11 @@ class KeptServer:
     def stop(self) -> bool:
         """Stop this key's server now, if one runs; True when one did."""
         state = self.read_state()
-        if state is None or not _alive(state["pid"]):
+        if state is None or not alive(state["pid"]):
             return False
         os.kill(state["pid"], signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while _alive(state["pid"]) and time.monotonic() < deadline:
+        while alive(state["pid"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         return True
 
@@ -201,7 +211,7 @@ class KeptServer:
         live = 0
         with contextlib.suppress(FileNotFoundError):
             for lease in self.leases.iterdir():
-                if lease.name.isdigit() and _alive(int(lease.name)):
+                if lease.name.isdigit() and alive(int(lease.name)):
                     live += 1
                 else:
                     lease.unlink(missing_ok=True)

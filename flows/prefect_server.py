@@ -23,7 +23,6 @@ import atexit
 import contextlib
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from alignflow.flows.kept_server import KeptServer, healthy, keep_seconds, server_env
+from alignflow.flows.kept_server import KeptServer, exit_on_sigterm, healthy, keep_seconds, server_env
 from alignflow.import_gc import imports_without_gc
 
 # What Prefect's SubprocessASGIServer sets for its server process: no UI, an ephemeral server.
@@ -71,19 +70,13 @@ def serve(port: int, kept: KeptServer | None = None, keep_s: float = 0.0) -> int
     server = uvicorn.Server(config)
     if kept is not None:
         threading.Thread(target=_keep, args=(server, kept, port, keep_s), name="kept", daemon=True).start()
-        # uvicorn shuts down on SIGTERM, then raises it again with the handler it found: let that one end the
-        # process by an exception, through the `finally` below, not by the signal's default action.
-        signal.signal(signal.SIGTERM, _exit_by_exception)
+        exit_on_sigterm()  # through the `finally` below
     try:
         server.run()
     finally:
         if kept is not None:
             kept.withdraw()
     return 0 if server.started else PORT_IN_USE
-
-
-def _exit_by_exception(signum, frame) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _keep(server, kept: KeptServer, port: int, keep_s: float) -> None:

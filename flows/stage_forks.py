@@ -23,7 +23,7 @@ from importlib import util
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from alignflow.flows.kept_server import KeptServer, _alive
+from alignflow.flows.kept_server import KeptServer, alive
 
 # Environment variables read when used, not at import: a warm or forked stage process given the launch's
 # values of these behaves as a new one. Any other difference (OMP_NUM_THREADS, PYTHONPATH,
@@ -139,7 +139,7 @@ class StageForks:
         self._lease: Path | None = self.kept.hold()
         self.process: subprocess.Popen | None = None
         state = self.kept.read_state()
-        if state is None or not _alive(state["pid"]):
+        if state is None or not alive(state["pid"]):
             with open(self.kept.log_path, "ab") as log:
                 self.process = subprocess.Popen(
                     [sys.executable, "-m", "alignflow.stages.common.fork_server", "--folder", str(folder),
@@ -190,7 +190,7 @@ class StageForks:
                 except OSError:
                     conn.close()
             starting = self.process is not None and self.process.poll() is None
-            if not starting and (state is None or not _alive(state["pid"])):
+            if not starting and (state is None or not alive(state["pid"])):
                 return None  # none is running, nor starting
             time.sleep(0.02)
         return None

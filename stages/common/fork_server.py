@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from alignflow import console
-from alignflow.flows.kept_server import CHECK_EVERY_S, KeptServer
+from alignflow.flows.kept_server import CHECK_EVERY_S, KeptServer, exit_on_sigterm
 from alignflow.import_gc import imports_without_gc
 from alignflow.stages.common import forking
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     listener.bind(str(socket_path))
     listener.listen(16)
     kept.publish(socket=str(socket_path), workdir=os.getcwd())
-    signal.signal(signal.SIGTERM, _exit_by_exception)
+    exit_on_sigterm()  # through the `finally` below
     try:
         serve(listener, kept, args.keep_s)
     finally:
@@ -204,10 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         listener.close()
         socket_path.unlink(missing_ok=True)
     return 0
-
-
-def _exit_by_exception(signum, frame) -> None:
-    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

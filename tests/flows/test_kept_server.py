@@ -57,7 +57,7 @@ def test_leases_count_while_their_process_lives(tmp_path):
     (kept.leases / str(_dead_pid())).touch()  # a run that was killed
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exited, not yet reaped: not a user
     deadline = time.monotonic() + 30
-    while kept_server._alive(zombie.pid) and time.monotonic() < deadline:
+    while kept_server.alive(zombie.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     (kept.leases / str(zombie.pid)).touch()
     assert kept.live_leases() == 1

@@ -42,7 +42,7 @@ def test_a_run_without_an_api_gets_its_own_server_and_prefect_is_pointed_at_it(m
 def test_a_kept_server_serves_the_next_run_stays_while_used_and_exits_once_unused(monkeypatch, tmp_path):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from alignflow.flows.kept_server import _alive
+    from alignflow.flows.kept_server import alive
     from alignflow.flows.prefect_server import PrefectServer, healthy
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
@@ -74,11 +74,11 @@ def test_a_kept_server_serves_the_next_run_stays_while_used_and_exits_once_unuse
             assert healthy(first.api_url)
             first.stop()
             second.stop()
-            assert _alive(state["pid"])  # let go of, not stopped
+            assert alive(state["pid"])  # let go of, not stopped
             deadline = time.monotonic() + 30
-            while _alive(state["pid"]) and time.monotonic() < deadline:
+            while alive(state["pid"]) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert not _alive(state["pid"]) and not first.kept.state_path.exists()
+            assert not alive(state["pid"]) and not first.kept.state_path.exists()
             assert not healthy(first.api_url)
         finally:
             first.kept.stop()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from alignflow.flows import launch
-from alignflow.flows.kept_server import KEEP_VAR, _alive
+from alignflow.flows.kept_server import KEEP_VAR, alive
 from alignflow.flows.launch import WarmStages, launch_local, stage_env
 from alignflow.flows.stage_forks import StageForks, import_time_env, private_folder
 from tests.flows.test_launch import data_spec
@@ -20,9 +20,9 @@ pytestmark = pytest.mark.skipif(private_folder() is None, reason="no private tem
 
 def _wait_gone(pid: int, timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _alive(pid)
+    return not alive(pid)
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_forked_launches_publish_a_cold_launchs_output_and_the_server_exits_once
         spec = data_spec(tmp_path).model_copy(update={"output_uri": str(store)})
         results.append((launch_local(spec, "data", tmp_path, echo=False), store))
     state = forks.kept.read_state()
-    assert state is not None and state["workdir"] == str(tmp_path.resolve()) and _alive(state["pid"])
+    assert state is not None and state["workdir"] == str(tmp_path.resolve()) and alive(state["pid"])
     assert forks.process is not None and forks.process.pid == state["pid"]  # started by this run, once
     for (result, code), store in results:
         assert code == cold_code == 0 and result.status == cold.status == "ok"
@@ -89,7 +89,7 @@ def test_a_stage_whose_launcher_went_away_is_stopped(tmp_path, forks):
     forked = forks.fork(tmp_path, "data", ["--spec", str(fifo)], stage_env())
     assert forked is not None
     time.sleep(1)
-    assert _alive(forked.pid)
+    assert alive(forked.pid)
     forked.__exit__(None, None, None)  # the launcher's ends close, as when the CLI is killed
     assert _wait_gone(forked.pid, 10)
 
