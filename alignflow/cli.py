@@ -19,9 +19,11 @@ import time
 STARTED_AT = time.time()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import NoReturn  # noqa: E402
 
@@ -116,9 +118,28 @@ def _cmd_plan(args) -> int:
     return 0 if _check_start(config, args.config, "error" if args.here else "note") else 2
 
 
+@contextlib.contextmanager
+def run_clock(started_at: float) -> Iterator[None]:
+    """RUN_STARTED_AT_VAR set to this run's start while it runs, for the stage processes it starts (they
+    report their start-up against it: startup/since_run), and as it was before once it ends: a later run in
+    this process, or a command a run starts, never reads an earlier run's start."""
+    before = os.environ.get(RUN_STARTED_AT_VAR)
+    os.environ[RUN_STARTED_AT_VAR] = f"{started_at:.6f}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RUN_STARTED_AT_VAR, None)
+        else:
+            os.environ[RUN_STARTED_AT_VAR] = before
+
+
 def _cmd_run(args) -> int:
-    # Stages report their start-up against this (startup/since_run; the RL stage prints it).
-    os.environ.setdefault(RUN_STARTED_AT_VAR, f"{STARTED_AT:.6f}")
+    with run_clock(args.started_at):
+        return _run(args)
+
+
+def _run(args) -> int:
     config = _load(args)
     # Before Prefect's server and any stage process start, which take seconds (docs/performance.md#start-up),
     # so a bad input fails at once: the data files, and every stage's start checks.
@@ -316,8 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started_at: float | None = None) -> int:
+    """The command's body; started_at: when the command started (time.time()), default now."""
     args = build_parser().parse_args(argv)
+    args.started_at = time.time() if started_at is None else started_at
     if getattr(args, "verbose", False):
         console.set_verbose()
     set_offline_defaults()
@@ -332,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> NoReturn:
     """The `alignflow` command (pyproject's script): main(), then the exit without the interpreter's
     tear-down (alignflow/process_exit.py)."""
-    end_process(main())
+    end_process(main(started_at=STARTED_AT))
 
 
 if __name__ == "__main__":

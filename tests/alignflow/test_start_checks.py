@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alignflow import cli, start_checks
+from alignflow import start_checks
 from alignflow.config import EngineConfig, EvaluateConfig, PPOConfig, load_config, validate_config
 from alignflow.flows.plan import machine_findings, plan, start_problems
 
@@ -34,14 +34,6 @@ def config_with(tmp_path: Path, **sections) -> Path:
 
 def problems_of(path: Path) -> list[tuple[str, str, str]]:
     return [(p.stage, p.key, p.message) for p in start_problems(load_config(path))]
-
-
-@pytest.fixture
-def main(monkeypatch):
-    """cli.main in this process, without its process-wide switches (library log levels, warning filters)."""
-    monkeypatch.setattr(cli.console, "quiet", lambda: None)
-    monkeypatch.setattr(cli, "set_offline_defaults", lambda: None)
-    return cli.main
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
