@@ -171,6 +171,7 @@ def llama_hidden_states(
     keep: Tensor | None = None,
     prefix_ids: Tensor | None = None,
     pad_rows: bool | None = None,
+    compact: bool | None = None,
 ) -> Tensor:
     """The final-norm hidden states [B, T, H] of a transformers Llama/Qwen2/Mistral backbone (`model.model`).
 
@@ -184,9 +185,12 @@ def llama_hidden_states(
     fwd+bwd where responses are a fraction of the rows: benchmarks/training_forward.py).
     prefix_ids: packed rows whose sequences share a prompt (PackedRows.prefix_ids; attention_biases).
 
-    pad_rows: the linear layers, norms and MLPs run on the B * T positions flattened and zero-padded to
-    bucketed_rows (attention on the real ones); None: where `pads_rows` (CPU autocast). The result is the
-    same.
+    compact: the embedding, linear layers, norms, RoPE and MLPs run on the real tokens only (attention_mask
+    nonzero), and only attention on the [B, T] layout, its inputs scattered into it and its output gathered
+    back (compact_slots); None: where compact_slots finds enough padding to pay. Padding positions then
+    come out as zeros rather than as what their masked computation gave (nothing reads them).
+    pad_rows: the linear layers, norms and MLPs run on their rows zero-padded to bucketed_rows (attention on
+    the real ones); None: where `pads_rows` (CPU autocast). The result is the same.
 
     Callers check `supports(backbone)` first. Arithmetic as transformers': RMSNorm in float32, rotate-half
     RoPE with the same tables, softmax(QK^T * scaling + mask) V, SwiGLU MLP.
@@ -195,16 +199,21 @@ def llama_hidden_states(
     spec, cos_table, sin_table = _spec_and_rope(config, input_ids.device)
     batch, width = input_ids.shape
     positions = batch * width
-    x = backbone.embed_tokens(input_ids).reshape(positions, -1)
+    slots = compact_slots(attention_mask, keep, compact)
+    # The rows the linear layers see: every position, or the real ones (`slots`); token_of maps a position
+    # to its row there (-1: padding).
+    tokens = positions if slots is None else slots.numel()
+    x = backbone.embed_tokens(input_ids.reshape(-1) if slots is None else input_ids.reshape(-1)[slots])
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")
-    padding = bucketed_rows(positions) - positions if pads_rows(pad_rows, x.device) else 0
+    padding = bucketed_rows(tokens) - tokens if pads_rows(pad_rows, x.device) else 0
     if padding:
         x = F.pad(x, (0, 0, 0, padding))  # zero rows: the norms give 0 there, nothing becomes NaN
-    # [B, T, 1, D]: broadcast over heads in the [B, T, heads, D] layout the projections come out in.
-    cos = cos_table[position_ids].to(dtype)[:, :, None]
-    sin = sin_table[position_ids].to(dtype)[:, :, None]
+    # [1, tokens, 1, D]: broadcast over heads in the [1, tokens, heads, D] layout the projections come out in.
+    token_positions = position_ids.reshape(-1) if slots is None else position_ids.reshape(-1)[slots]
+    cos = cos_table[token_positions].to(dtype)[None, :, None]
+    sin = sin_table[token_positions].to(dtype)[None, :, None]
     heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     eps = spec.rms_norm_eps
     # On CPU, SDPA's flash-attention backward is slow at RL lengths (several times fp32 matmuls under bf16
@@ -221,18 +230,27 @@ def llama_hidden_states(
     )
 
     def real(rows: Tensor) -> Tensor:
-        # The first `positions` rows, a view, so the padding rows never reach attention; no slice when there
+        # The first `tokens` rows, a view, so the padding rows never reach attention; no slice when there
         # are none, since a slice's backward writes a zero gradient of the whole block and copies into it.
-        return rows[:positions] if padding else rows
+        return rows[:tokens] if padding else rows
 
+    def heads_of(rows: Tensor, count: int, rope: bool) -> Tensor:
+        """A projection's real rows [tokens, count * D] -> [B, count, T, D] for attention (RoPE'd first)."""
+        rows = real(rows)
+        if rope:
+            rows = apply_rope(rows.view(1, tokens, count, head_dim), cos, sin).view(tokens, -1)
+        if slots is not None:  # index_copy: its backward is a gather (autograd's index_put's is far slower)
+            rows = rows.new_zeros(positions, rows.shape[1]).index_copy(0, slots, rows)
+        return rows.view(batch, width, count, head_dim).transpose(1, 2)
+
+    kept_tokens = None if keep is None else (keep if slots is None else _token_rows(slots, positions)[keep])
     last = len(backbone.layers) - 1
     for index, layer in enumerate(backbone.layers):
         attention = layer.self_attn
         h = rms_norm(x, layer.input_layernorm.weight, eps)
-        q = apply_rope(real(attention.q_proj(h)).view(batch, width, heads, head_dim), cos, sin)
-        k = apply_rope(real(attention.k_proj(h)).view(batch, width, kv_heads, head_dim), cos, sin)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = real(attention.v_proj(h)).view(batch, width, kv_heads, head_dim).transpose(1, 2)
+        q = heads_of(attention.q_proj(h), heads, rope=True)
+        k = heads_of(attention.k_proj(h), kv_heads, rope=True)
+        v = heads_of(attention.v_proj(h), kv_heads, rope=False)
         if explicit_attention:
             o = cpu_attention.attention(q, k, v, biases[spec.sliding_windows[index]], attention.scaling)
         else:
@@ -246,16 +264,52 @@ def llama_hidden_states(
             )
         o = o.transpose(1, 2).reshape(positions, heads * head_dim)
         if keep is not None and index == last:
-            x, o = x[keep], o[keep]
-        elif padding:
-            o = F.pad(o, (0, 0, 0, padding))
+            x, o = x[kept_tokens], o[keep]
+        else:
+            if slots is not None:  # index_select: its backward is an index_add
+                o = o.index_select(0, slots)
+            if padding:
+                o = F.pad(o, (0, 0, 0, padding))
         x = x + attention.o_proj(o)
         h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp
         x = x + mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
     hidden = rms_norm(x, backbone.norm.weight, eps)
     if keep is None:
-        return real(hidden).view(batch, width, -1)
+        hidden = real(hidden)
+        if slots is not None:
+            hidden = hidden.new_zeros(positions, hidden.shape[1]).index_copy(0, slots, hidden)
+        return hidden.view(batch, width, -1)
     if not backbone.layers:  # no layer to select in
-        hidden = hidden[keep]
+        hidden = hidden[kept_tokens]
     return hidden
+
+
+# Compact the rows (llama_hidden_states' `compact`) where at least this share of the positions is padding.
+# The scatters and gathers around attention (four per layer, each way) cost ~2% of a training step of
+# benchmarks/rl_ladder.py's model: at 3.6% padding compaction is 2% slower (benchmarks/training_forward.py),
+# at 13% (the ladder's PPO minibatches) the RL iteration is 8% faster.
+COMPACT_MIN_PADDING = 1 / 16
+
+
+def compact_slots(attention_mask: Tensor, keep: Tensor | None, compact: bool | None) -> Tensor | None:
+    """The flat positions of the real tokens (attention_mask nonzero), in order, where llama_hidden_states
+    runs compacted; None where it runs every position: `compact` False, no padding, under
+    COMPACT_MIN_PADDING of it when `compact` is None, or a kept position that is padding (the padded
+    layout's response columns: every position's output is then needed)."""
+    if compact is False:
+        return None
+    real = attention_mask.reshape(-1) != 0
+    count = int(real.sum())
+    padding = real.numel() - count
+    if padding == 0 or (compact is None and padding < real.numel() * COMPACT_MIN_PADDING):
+        return None
+    if keep is not None and keep.numel() and not bool(real[keep].all()):
+        return None
+    return real.nonzero().squeeze(1)
+
+
+def _token_rows(slots: Tensor, positions: int) -> Tensor:
+    """[positions] long: each position's row among the compacted tokens, -1 for padding."""
+    rows = torch.full((positions,), -1, dtype=torch.long, device=slots.device)
+    return rows.index_copy_(0, slots, torch.arange(slots.numel(), device=slots.device))

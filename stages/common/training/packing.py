@@ -4,7 +4,9 @@ Why: the `[left-padded prompt | right-padded response]` layout pads every row to
 the longest response; on the demo config a minibatch of 16 rows is 28-37% padding (real 493-551 of
 720-784 token slots), and every linear layer computes on it. Packed, the same tokens take
 ceil-ish(real / W) rows of W = the longest real sequence (first-fit decreasing), and the LM head or value
-head sees only the positions that predict a response token.
+head sees only the positions that predict a response token. The padding the rows still hold (a PPO
+minibatch of benchmarks/rl_ladder.py: 625 tokens in 720 slots) reaches attention only: llama_forward's
+`compact` runs the linear layers on the real tokens.
 
 Exactness: each sequence keeps its own positions (0..n-1, as the padded layout's position ids) and sees
 only its own earlier tokens (`segment_ids`: llama_forward's attention masks keys of other sequences), so

@@ -285,8 +285,11 @@ def test_cpu_autocast_pads_every_linear_to_a_bucketed_row_count():
     for hook in hooks:
         hook.remove()
     assert seen and all(rows == llama_forward.bucketed_rows(rows) for rows in seen)
+    # The layers' rows: every position, or the real tokens where the forward compacts them.
+    slots = llama_forward.compact_slots(exp.packed.segment_ids, exp.packed.predicts, None)
+    tokens = exp.packed.input_ids.numel() if slots is None else slots.numel()
     assert {
-        llama_forward.bucketed_rows(exp.packed.input_ids.numel()),
+        llama_forward.bucketed_rows(tokens),
         llama_forward.bucketed_rows(exp.packed.predicts.numel()),
     } <= set(seen)
     assert not llama_forward.pads_rows(None, torch.device("cpu"))  # outside autocast: no padding
@@ -357,3 +360,77 @@ def test_rope_tables_are_never_taken_from_a_dead_config_whose_id_was_reused():
     del gqa
     gc.collect()
     assert key not in llama_forward._TABLES, "a collected config's entry is dropped"
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied_llama3", "qwen2_bias_window"])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_compacted_tokens_give_every_positions_hidden_states_and_gradients(name, layout, device):
+    """`compact`: the linear layers on the real tokens only, attention on the rows. The real positions'
+    hidden states, the kept rows and every gradient are those of the forward over every position (measured
+    equal bit for bit here; the bound allows another summation order), padding comes out as zeros, and the
+    linear layers see only real rows. A token scattered to the wrong slot, or RoPE at another token's
+    position, moves them by >1e-2."""
+    model = causal_lm(name, device=device)
+    exp = rl_batch(seed=6, rows=7, device=device)
+    if layout == "packed":
+        packed = exp.packed
+        ids, mask, positions = packed.input_ids, packed.segment_ids, packed.position_ids
+        keep = packed.predicts
+    else:  # [left-padded prompt | right-padded response], every other real position read
+        ids, mask, positions = exp.input_ids, exp.attention_mask, exp.position_ids
+        keep = mask.reshape(-1).nonzero().squeeze(1)[::2]
+    real = mask.reshape(-1) != 0
+    assert 0 < int(real.sum()) < real.numel()  # there is padding to drop
+
+    def hidden(compact: bool, keep_rows: torch.Tensor | None, pad: bool = False):
+        return llama_forward.llama_hidden_states(
+            model.model, ids, mask, positions, keep=keep_rows, pad_rows=pad, compact=compact
+        )
+
+    seen: list[int] = []
+    hooks = [
+        module.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+        for module in model.model.modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    full_compact = hidden(True, None)
+    for hook in hooks:
+        hook.remove()
+    assert set(seen) == {int(real.sum())}
+    full = hidden(False, None)
+    width = full.shape[-1]
+    assert full_compact.shape == full.shape
+    flat, flat_compact = full.reshape(-1, width), full_compact.reshape(-1, width)
+    assert float((flat_compact[real] - flat[real]).abs().max()) <= HIDDEN_FP32
+    assert not flat_compact[~real].any()
+    weights = loss_weights((int(real.sum()), 1), device)
+    assert_grads_close(
+        grads_of(model, (flat_compact[real] * weights).sum()), grads_of(model, (flat[real] * weights).sum())
+    )
+
+    weights = loss_weights((keep.numel(), 1), device)
+    for pad in (False, True):
+        plain = hidden(False, keep)
+        compacted = hidden(True, llama_forward.bucketed_keep(keep, pad), pad=pad)[: keep.numel()]
+        assert float((compacted - plain).abs().max()) <= HIDDEN_FP32
+        assert_grads_close(
+            grads_of(model, (compacted * weights).sum()), grads_of(model, (plain * weights).sum())
+        )
+
+
+def test_compaction_runs_where_padding_pays_and_every_read_position_is_real():
+    segments = torch.tensor([[1, 1, 2, 2, 2, 0], [3, 3, 3, 3, 0, 0]])
+    real = torch.tensor([0, 1, 2, 3, 4, 6, 7, 8, 9])
+    assert torch.equal(llama_forward.compact_slots(segments, None, None), real)
+    assert torch.equal(llama_forward.compact_slots(segments, torch.tensor([1, 9]), True), real)
+    assert llama_forward.compact_slots(segments, None, False) is None
+    # A read position in padding (the padded layout's response columns): every position runs.
+    assert llama_forward.compact_slots(segments, torch.tensor([1, 5]), None) is None
+    full = torch.ones(2, 6, dtype=torch.long)
+    assert llama_forward.compact_slots(full, None, True) is None  # nothing to drop
+    # One padding slot in 64 is under COMPACT_MIN_PADDING: only an explicit compact=True compacts.
+    mostly_real = torch.ones(1, 64, dtype=torch.long)
+    mostly_real[0, -1] = 0
+    assert 1 / 64 < llama_forward.COMPACT_MIN_PADDING
+    assert llama_forward.compact_slots(mostly_real, None, None) is None
+    assert llama_forward.compact_slots(mostly_real, None, True).numel() == 63
