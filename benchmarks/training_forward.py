@@ -72,7 +72,7 @@ def measure(name: str, rounds: int) -> list[dict[str, Any]]:
     def logprobs(variant: str) -> torch.Tensor:
         rows = packed if variant in ("slots", "packed") else None
         # slots: never compacted; packed: compacted whatever its padding (the stage's forward compacts where
-        # it has llama_forward.COMPACT_MIN_PADDING of it, this batch's 3.6% is under that)
+        # it has llama_forward.COMPACT_MIN_PADDING of it)
         threshold = float("inf") if variant == "slots" else 0.0
         with mock.patch.object(llama_forward, "COMPACT_MIN_PADDING", threshold):
             return policy_logprobs(model, exp, 1.0, lean=variant != "plain", packed=rows)[0]

@@ -286,10 +286,11 @@ def llama_hidden_states(
 
 
 # Compact the rows (llama_hidden_states' `compact`) where at least this share of the positions is padding.
-# The scatters and gathers around attention (four per layer, each way) cost ~2% of a training step of
-# benchmarks/rl_ladder.py's model: at 3.6% padding compaction is 2% slower (benchmarks/training_forward.py),
-# at 13% (the ladder's PPO minibatches) the RL iteration is 8% faster.
-COMPACT_MIN_PADDING = 1 / 16
+# The scatters and gathers around attention (four per layer, each way) cost about as much as 3-4% fewer rows
+# save in a lone training step of benchmarks/rl_ladder.py's model (benchmarks/training_forward.py: 3.6%
+# padding, 2% slower); in the ladder's PPO iteration, whose actor and critic share the cores, its minibatches
+# of 4% and 13% padding both gain, and a threshold of 1/32 beat 1/16 and 0 there.
+COMPACT_MIN_PADDING = 1 / 32
 
 
 def compact_slots(attention_mask: Tensor, keep: Tensor | None, compact: bool | None) -> Tensor | None:
