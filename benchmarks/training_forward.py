@@ -7,11 +7,10 @@ One step = the actor's forward (the RL layout: left-padded prompts, right-padded
 the response columns), selective log-softmax, backward, global-norm clip and foreach AdamW, as the RL
 stage's fast step runs it; also the no-grad forward of the reference / value passes. The variants run
 on the same model and batch, interleaved round by round: plain (transformers), lean (llama_forward on
-the padded rows), slots (llama_forward on the rows packed end to end, stages/common/training/packing.py,
-every slot through the linear layers) and packed (the same rows, the linear layers on the real tokens only:
-llama_forward's `compact`, forced here); the table has the median milliseconds (wall and process CPU time:
-CPU time is what to compare on a shared machine) and the plain/lean, lean/packed and slots/packed CPU
-ratios. Also checks the forwards agree (max |diff| of the log-probs).
+the padded rows) and packed (llama_forward on the rows packed end to end, stages/common/training/packing.py);
+the table has the median milliseconds (wall and process CPU time: CPU time is what to compare on a shared
+machine) and the plain/lean and lean/packed CPU ratios. Also checks the forwards agree (max |diff| of the
+log-probs).
 """
 
 from __future__ import annotations
@@ -24,16 +23,14 @@ import statistics
 import sys
 import time
 from typing import Any
-from unittest import mock
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from alignflow.stages.common.training import llama_forward
 from alignflow.stages.ppo.experience import Experience, policy_logprobs
 
-VARIANTS = ("plain", "lean", "slots", "packed")
+VARIANTS = ("plain", "lean", "packed")
 MODELS: dict[str, dict[str, Any]] = {
     # configs/tiny.yaml's model; 16 rows is one of its minibatches.
     "demo": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -68,18 +65,17 @@ def measure(name: str, rounds: int) -> list[dict[str, Any]]:
     optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), foreach=True)
     exp = rl_batch(model.config.vocab_size)
     packed = exp.packed
+    with torch.no_grad():
+        plain_logp = policy_logprobs(model, exp, 1.0, lean=False)[0]
+        agree = max(
+            float((policy_logprobs(model, exp, 1.0, lean=True, packed=p)[0] - plain_logp).abs().max())
+            for p in (None, packed)
+        )
 
     def logprobs(variant: str) -> torch.Tensor:
-        rows = packed if variant in ("slots", "packed") else None
-        # slots: never compacted; packed: compacted whatever its padding (the stage's forward compacts where
-        # it has llama_forward.COMPACT_MIN_PADDING of it)
-        threshold = float("inf") if variant == "slots" else 0.0
-        with mock.patch.object(llama_forward, "COMPACT_MIN_PADDING", threshold):
-            return policy_logprobs(model, exp, 1.0, lean=variant != "plain", packed=rows)[0]
-
-    with torch.no_grad():
-        plain_logp = logprobs("plain")
-        agree = max(float((logprobs(variant) - plain_logp).abs().max()) for variant in VARIANTS[1:])
+        return policy_logprobs(
+            model, exp, 1.0, lean=variant != "plain", packed=packed if variant == "packed" else None
+        )[0]
 
     def step(variant: str) -> None:
         logp = logprobs(variant)
@@ -122,7 +118,6 @@ def measure(name: str, rounds: int) -> list[dict[str, Any]]:
             row[f"{variant}_cpu_ms"] = statistics.median(times[what, variant]["cpu"]) * 1e3
         row["cpu_ratio"] = row["plain_cpu_ms"] / row["lean_cpu_ms"]
         row["packed_cpu_ratio"] = row["lean_cpu_ms"] / row["packed_cpu_ms"]
-        row["compact_cpu_ratio"] = row["slots_cpu_ms"] / row["packed_cpu_ms"]
         rows.append(row)
     return rows
 
@@ -158,19 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     for column in (
         "model",
         "what",
-        "tokens",
         "slots padded/packed",
         "plain ms",
         "lean ms",
-        "slots ms",
         "packed ms",
         "plain CPU ms",
         "lean CPU ms",
-        "slots CPU ms",
         "packed CPU ms",
         "plain/lean (CPU)",
         "lean/packed (CPU)",
-        "slots/packed (CPU)",
         "max |diff|",
     ):
         table.add_column(column, justify="right")
@@ -178,16 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(
             r["model"],
             r["what"],
-            str(r["tokens"]),
             f"{r['padded_slots']}/{r['packed_slots']}",
             *(f"{r[f'{v}_ms']:.2f}" for v in VARIANTS),
             *(f"{r[f'{v}_cpu_ms']:.2f}" for v in VARIANTS),
             f"{r['cpu_ratio']:.2f}x",
             f"{r['packed_cpu_ratio']:.2f}x",
-            f"{r['compact_cpu_ratio']:.2f}x",
             f"{r['max_abs_diff']:.1e}",
         )
-    Console(file=sys.stdout, width=200).print(table)
+    Console(file=sys.stdout, width=160).print(table)
     return 0
 
 

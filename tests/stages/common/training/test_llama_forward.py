@@ -366,8 +366,8 @@ def test_rope_tables_are_never_taken_from_a_dead_config_whose_id_was_reused():
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_compacted_tokens_give_every_positions_hidden_states_and_gradients(name, layout, device):
     """`compact`: the linear layers on the real tokens only, attention on the rows. The real positions'
-    hidden states, the kept rows and every gradient are those of the forward over every position (measured
-    equal bit for bit here; the bound allows another summation order), padding comes out as zeros, and the
+    hidden states, the kept rows and every gradient are those of the forward over every position (within the
+    bound of another summation order), padding comes out as zeros, and the
     linear layers see only real rows. A token scattered to the wrong slot, or RoPE at another token's
     position, moves them by >1e-2."""
     model = causal_lm(name, device=device)
