@@ -34,7 +34,7 @@ from training_forward import MODELS, machine_info, rl_batch  # noqa: E402
 from alignflow.stages.common.training import llama_forward, packing  # noqa: E402
 from alignflow.stages.ppo.experience import policy_logprobs  # noqa: E402
 
-# COMPACT_MIN_PADDING for each way: never, and whatever the padding.
+# compact_min_padding for each way: never, and whatever the padding.
 WAYS = {"every slot": float("inf"), "real tokens": 0.0}
 
 
@@ -52,7 +52,7 @@ def measure(name: str, widths: list[int], rounds: int) -> list[dict[str, Any]]:
         )
 
     def logprobs(packed: packing.PackedRows, threshold: float) -> torch.Tensor:
-        with mock.patch.object(llama_forward, "COMPACT_MIN_PADDING", threshold):
+        with mock.patch.object(llama_forward, "compact_min_padding", lambda hidden_size: threshold):
             return policy_logprobs(model, exp, 1.0, lean=True, packed=packed)[0]
 
     def step(packed: packing.PackedRows, threshold: float) -> None:

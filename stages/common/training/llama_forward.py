@@ -187,8 +187,8 @@ def llama_hidden_states(
 
     compact: the embedding, linear layers, norms, RoPE and MLPs run on the real tokens only (attention_mask
     nonzero), and only attention on the [B, T] layout, its inputs scattered into it and its output gathered
-    back (compact_slots); None: where compact_slots finds enough padding to pay. Padding positions then
-    come out as zeros rather than as what their masked computation gave (nothing reads them).
+    back (compact_slots); None: where there is enough padding to pay (compact_min_padding). Padding
+    positions then come out as zeros rather than as what their masked computation gave (nothing reads them).
     pad_rows: the linear layers, norms and MLPs run on their rows zero-padded to bucketed_rows (attention on
     the real ones); None: where `pads_rows` (CPU autocast). The result is the same.
 
@@ -199,7 +199,7 @@ def llama_hidden_states(
     spec, cos_table, sin_table = _spec_and_rope(config, input_ids.device)
     batch, width = input_ids.shape
     positions = batch * width
-    slots = compact_slots(attention_mask, keep, compact)
+    slots = compact_slots(attention_mask, keep, compact, spec.hidden_size)
     # The rows the linear layers see: every position, or the real ones (`slots`); token_of maps a position
     # to its row there (-1: padding).
     tokens = positions if slots is None else slots.numel()
@@ -285,25 +285,33 @@ def llama_hidden_states(
     return hidden
 
 
-# Compact the rows (llama_hidden_states' `compact`) where at least this share of the positions is padding.
-# The scatters and gathers around attention (four per layer, each way) cost about as much as 3-4% fewer rows
-# save in a lone training step of benchmarks/rl_ladder.py's model (benchmarks/training_forward.py: 3.6%
-# padding, 2% slower); in the ladder's PPO iteration, whose actor and critic share the cores, its minibatches
-# of 4% and 13% padding both gain, and a threshold of 1/32 beat 1/16 and 0 there.
-COMPACT_MIN_PADDING = 1 / 32
+# Compaction (llama_hidden_states' `compact`) pays where the padding is at least this share of the slots times
+# 1 / hidden_size: its scatters and gathers around attention grow with the hidden size, what it saves in the
+# linear layers with its square. Measured (benchmarks/compaction.py, a training step on a 2-core EPYC): the
+# 256-wide RL benchmark model 0.98x at 3.6% padding, 1.11x at 15.6%, 1.21x at 25% (even at ~6%); the 64-wide
+# demo model 0.97x at 15.6%, 1.09x at 25% (even at ~20%).
+COMPACT_PADDING_WIDTH = 16
 
 
-def compact_slots(attention_mask: Tensor, keep: Tensor | None, compact: bool | None) -> Tensor | None:
+def compact_min_padding(hidden_size: int) -> float:
+    """The share of padding from which llama_hidden_states compacts a `hidden_size`-wide model's rows (1/16 at
+    256, 1/4 at 64, 1/48 at 768)."""
+    return min(1.0, COMPACT_PADDING_WIDTH / hidden_size)
+
+
+def compact_slots(
+    attention_mask: Tensor, keep: Tensor | None, compact: bool | None, hidden_size: int
+) -> Tensor | None:
     """The flat positions of the real tokens (attention_mask nonzero), in order, where llama_hidden_states
-    runs compacted; None where it runs every position: `compact` False, no padding, under
-    COMPACT_MIN_PADDING of it when `compact` is None, or a kept position that is padding (the padded
+    runs compacted; None where it runs every position: `compact` False, no padding, less of it than
+    compact_min_padding(hidden_size) when `compact` is None, or a kept position that is padding (the padded
     layout's response columns: every position's output is then needed)."""
     if compact is False:
         return None
     real = attention_mask.reshape(-1) != 0
     count = int(real.sum())
     padding = real.numel() - count
-    if padding == 0 or (compact is None and padding < real.numel() * COMPACT_MIN_PADDING):
+    if padding == 0 or (compact is None and padding < real.numel() * compact_min_padding(hidden_size)):
         return None
     if keep is not None and keep.numel() and not bool(real[keep].all()):
         return None

@@ -286,7 +286,9 @@ def test_cpu_autocast_pads_every_linear_to_a_bucketed_row_count():
         hook.remove()
     assert seen and all(rows == llama_forward.bucketed_rows(rows) for rows in seen)
     # The layers' rows: every position, or the real tokens where the forward compacts them.
-    slots = llama_forward.compact_slots(exp.packed.segment_ids, exp.packed.predicts, None)
+    slots = llama_forward.compact_slots(
+        exp.packed.segment_ids, exp.packed.predicts, None, model.config.hidden_size
+    )
     tokens = exp.packed.input_ids.numel() if slots is None else slots.numel()
     assert {
         llama_forward.bucketed_rows(tokens),
@@ -419,18 +421,17 @@ def test_compacted_tokens_give_every_positions_hidden_states_and_gradients(name,
 
 
 def test_compaction_runs_where_padding_pays_and_every_read_position_is_real():
-    segments = torch.tensor([[1, 1, 2, 2, 2, 0], [3, 3, 3, 3, 0, 0]])
+    segments = torch.tensor([[1, 1, 2, 2, 2, 0], [3, 3, 3, 3, 0, 0]])  # 3 of 12 slots padding: 25%
     real = torch.tensor([0, 1, 2, 3, 4, 6, 7, 8, 9])
-    assert torch.equal(llama_forward.compact_slots(segments, None, None), real)
-    assert torch.equal(llama_forward.compact_slots(segments, torch.tensor([1, 9]), True), real)
-    assert llama_forward.compact_slots(segments, None, False) is None
+    assert torch.equal(llama_forward.compact_slots(segments, None, None, 256), real)
+    assert torch.equal(llama_forward.compact_slots(segments, torch.tensor([1, 9]), True, 256), real)
+    assert llama_forward.compact_slots(segments, None, False, 256) is None
     # A read position in padding (the padded layout's response columns): every position runs.
-    assert llama_forward.compact_slots(segments, torch.tensor([1, 5]), None) is None
+    assert llama_forward.compact_slots(segments, torch.tensor([1, 5]), None, 256) is None
     full = torch.ones(2, 6, dtype=torch.long)
-    assert llama_forward.compact_slots(full, None, True) is None  # nothing to drop
-    # One padding slot in 64 is under COMPACT_MIN_PADDING: only an explicit compact=True compacts.
-    mostly_real = torch.ones(1, 64, dtype=torch.long)
-    mostly_real[0, -1] = 0
-    assert 1 / 64 < llama_forward.COMPACT_MIN_PADDING
-    assert llama_forward.compact_slots(mostly_real, None, None) is None
-    assert llama_forward.compact_slots(mostly_real, None, True).numel() == 63
+    assert llama_forward.compact_slots(full, None, True, 256) is None  # nothing to drop
+    # How much padding pays falls with the model's width: 25% pays at 256 wide, not at 32.
+    assert llama_forward.compact_min_padding(32) > 0.25 > llama_forward.compact_min_padding(256)
+    assert llama_forward.compact_slots(segments, None, None, 32) is None
+    assert llama_forward.compact_slots(segments, None, True, 32) is not None  # asked for: compacted
+    assert llama_forward.compact_min_padding(768) < llama_forward.compact_min_padding(256) < 0.1
