@@ -7,7 +7,8 @@ llama_forward's `compact` runs the embedding, linear layers, norms, RoPE and MLP
 rows and only attention on the rows (stages/common/training/llama_forward.py). What that saves grows with the
 padding the rows hold, and the scatters around attention cost a little whatever it is. This times one training
 step (forward, selective log-softmax, backward, AdamW) of training_forward.py's batch (16 rows, the demo's
-rollout lengths) in the packer's own layout and in rows of each of `--widths` (more padding), both ways,
+rollout lengths) in the packer's layouts (its cost model counting every slot, and counting tokens where the
+forward compacts, as the RL stage packs) and in rows of each of `--widths` (more padding), both ways,
 interleaved round by round; the table has the median process CPU ms and their ratio, and checks that both ways
 give the same log-probs.
 """
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training_forward import MODELS, machine_info, rl_batch  # noqa: E402
 
 from alignflow.stages.common.training import llama_forward, packing  # noqa: E402
+from alignflow.stages.common.training.packing import attention_width  # noqa: E402
 from alignflow.stages.ppo.experience import policy_logprobs  # noqa: E402
 
 # compact_min_padding for each way: never, and whatever the padding.
@@ -45,7 +47,13 @@ def measure(name: str, widths: list[int], rounds: int) -> list[dict[str, Any]]:
     model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=256, **MODELS[name]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     exp = rl_batch(model.config.vocab_size)
-    layouts = {"packer's": exp.packed}
+    hidden = model.config.hidden_size
+    layouts = {
+        "packer's, slots": exp.packing(width_of_attention=attention_width(hidden)),
+        "packer's, tokens": exp.packing(
+            width_of_attention=attention_width(hidden), compact_from=llama_forward.compact_min_padding(hidden)
+        ),
+    }
     for width in widths:
         layouts[f"width {width}"] = packing.pack(
             exp.input_ids, exp.attention_mask, exp.response_mask, exp.prompt_width, capacity=width

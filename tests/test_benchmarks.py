@@ -406,12 +406,12 @@ def test_compaction_times_both_ways_on_every_layout_and_they_agree():
         _run("compaction.py", "--rounds", "1", "--models", "demo", "--widths", "48", "--json")
     )
     rows = {r["layout"]: r for r in result["rows"]}
-    assert set(rows) == {"packer's", "width 48"}
+    assert set(rows) == {"packer's, slots", "packer's, tokens", "width 48"}
     assert all(r["every_slot_cpu_ms"] > 0 and r["real_tokens_cpu_ms"] > 0 for r in rows.values())
     assert all(r["max_abs_diff"] < 1e-4 for r in rows.values())
     # The same tokens either way; narrower rows hold more padding.
-    assert rows["packer's"]["tokens"] == rows["width 48"]["tokens"]
-    assert rows["width 48"]["padding"] > rows["packer's"]["padding"] >= 0
+    assert rows["packer's, slots"]["tokens"] == rows["width 48"]["tokens"]
+    assert rows["width 48"]["padding"] > rows["packer's, slots"]["padding"] >= 0
 
 
 def test_packing_layouts_times_every_layout_and_they_agree_with_the_padded_forward():

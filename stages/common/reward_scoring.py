@@ -178,6 +178,7 @@ def _packed_scores(
             *_prompt_response_rows(sequences, prompt_lengths),
             share_prompts=True,
             width_of_attention=attention_width(model.config.hidden_size),
+            compact_from=llama_forward.compact_min_padding(model.config.hidden_size),
         )
         at = packed.slots_of(read, torch.tensor(prompt_lengths, dtype=torch.long))
         prefix_ids = None if packed.prefix_ids is None else packed.prefix_ids.to(device)

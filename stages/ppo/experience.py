@@ -92,7 +92,7 @@ class Experience:
         return Experience(**values)
 
     @cached_property
-    def _packings(self) -> dict[tuple[bool, int], PackedRows]:
+    def _packings(self) -> dict[tuple[bool, int, float | None], PackedRows]:
         return {}
 
     @property
@@ -100,13 +100,18 @@ class Experience:
         """`packing()` with its defaults."""
         return self.packing()
 
-    def packing(self, share_prompts: bool = True, width_of_attention: int = ATTENTION_WIDTH) -> PackedRows:
+    def packing(
+        self,
+        share_prompts: bool = True,
+        width_of_attention: int = ATTENTION_WIDTH,
+        compact_from: float | None = None,
+    ) -> PackedRows:
         """These rows packed end to end (stages/common/training/packing.py: rows with the same prompt sharing
-        one copy of it unless share_prompts is off; width_of_attention: the cost model's), for policy_logprobs
-        and token_values; computed once per Experience and arguments (the reference, old-log-prob and value
-        passes share it). The sequences it is computed from are never reassigned after construction; select
-        and trimmed make new Experiences."""
-        key = (share_prompts, width_of_attention)
+        one copy of it unless share_prompts is off; width_of_attention, compact_from: the cost model's), for
+        policy_logprobs and token_values; computed once per Experience and arguments (the reference,
+        old-log-prob and value passes share it). The sequences it is computed from are never reassigned after
+        construction; select and trimmed make new Experiences."""
+        key = (share_prompts, width_of_attention, compact_from)
         if key not in self._packings:
             self._packings[key] = pack(
                 self.input_ids,
@@ -115,6 +120,7 @@ class Experience:
                 self.prompt_width,
                 share_prompts=share_prompts,
                 width_of_attention=width_of_attention,
+                compact_from=compact_from,
             )
         return self._packings[key]
 
@@ -320,12 +326,15 @@ def token_values(critic, exp: Experience, lean: bool = False, packed: PackedRows
 
 def packing_for(exp: Experience, cfg: PPOConfig, actor) -> PackedRows | None:
     """exp's rows packed for the forwards (ppo.pack_sequences, part of the fast step; rows with one prompt
-    sharing it unless ppo.share_prompts is off; the row width costed for the actor's hidden size), else None:
-    padded."""
+    sharing it unless ppo.share_prompts is off; the row width costed for the actor's hidden size, as its
+    forward runs it: llama_forward compacts rows with enough padding), else None: padded."""
     if not (cfg.fast_train_step and cfg.pack_sequences):
         return None
+    width = actor_width(actor)
     return exp.packing(
-        share_prompts=cfg.share_prompts, width_of_attention=attention_width(actor_width(actor))
+        share_prompts=cfg.share_prompts,
+        width_of_attention=attention_width(width),
+        compact_from=llama_forward.compact_min_padding(width),
     )
 
 

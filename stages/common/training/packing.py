@@ -118,9 +118,27 @@ def attention_width(hidden_size: int) -> int:
     return max(ATTENTION_WIDTH, hidden_size * hidden_size // 64)
 
 
-def _cost(lengths: list[int], capacity: int, width_of_attention: int = ATTENTION_WIDTH) -> float:
+def _cost(
+    lengths: list[int],
+    capacity: int,
+    width_of_attention: int = ATTENTION_WIDTH,
+    compact_from: float | None = None,
+) -> float:
     """The cost model above for these lengths in rows of `capacity`."""
-    return _bins(sorted(lengths, reverse=True), capacity) * capacity * (1 + capacity / width_of_attention)
+    rows = _bins(sorted(lengths, reverse=True), capacity)
+    return _rows_cost(sum(lengths), rows, capacity, width_of_attention, compact_from)
+
+
+def _rows_cost(
+    tokens: int, rows: int, capacity: int, width_of_attention: int, compact_from: float | None
+) -> float:
+    """The cost model for `tokens` in `rows` of `capacity`: the linear layers' rows, every slot or, where the
+    forward compacts the rows (`compact_from`: the share of padding from which it does,
+    llama_forward.compact_min_padding; None: never), the tokens alone; plus attention's rows * capacity^2 /
+    width_of_attention."""
+    slots = rows * capacity
+    compacted = compact_from is not None and slots - tokens >= slots * compact_from
+    return (tokens if compacted else slots) + slots * capacity / width_of_attention
 
 
 # Row widths are multiples of this. torch's CPU flash attention (SDPA, fp32) is much faster on a key length
@@ -138,8 +156,10 @@ def candidate_widths(longest: int) -> range:
     return range(first, max(first, 2 * longest) + 1, step)
 
 
-def choose_capacity(lengths: list[int], width_of_attention: int = ATTENTION_WIDTH) -> int:
-    """The row width among candidate_widths that minimises the cost model above.
+def choose_capacity(
+    lengths: list[int], width_of_attention: int = ATTENTION_WIDTH, compact_from: float | None = None
+) -> int:
+    """The row width among candidate_widths that minimises the cost model above (compact_from: _rows_cost's).
 
     Called for every minibatch, so it sorts once, counts bins without placing items, and skips a width whose
     fewest possible rows (ceil(tokens / width)) already cost no less than the best so far, which spares
@@ -148,9 +168,11 @@ def choose_capacity(lengths: list[int], width_of_attention: int = ATTENTION_WIDT
     total = sum(longest_first)
     best: tuple[float, int] | None = None
     for width in candidate_widths(longest_first[0]):
-        if best is not None and -(-total // width) * width * (1 + width / width_of_attention) >= best[0]:
+        fewest = -(-total // width)
+        linear = total if compact_from is not None else fewest * width
+        if best is not None and linear + fewest * width * width / width_of_attention >= best[0]:
             continue  # even rows filled to the brim would not be cheaper
-        cost = _bins(longest_first, width) * width * (1 + width / width_of_attention)
+        cost = _rows_cost(total, _bins(longest_first, width), width, width_of_attention, compact_from)
         if best is None or cost < best[0]:
             best = (cost, width)
     assert best is not None
@@ -219,6 +241,7 @@ def pack(
     capacity: int | None = None,
     share_prompts: bool = True,
     width_of_attention: int = ATTENTION_WIDTH,
+    compact_from: float | None = None,
 ) -> PackedRows:
     """Pack the `[left-padded prompt | right-padded response]` rows (experience.assemble's layout).
 
@@ -231,6 +254,9 @@ def pack(
     to at most SHARING_LIMITS x the longest sequence, or to the whole group, whichever (and whatever width)
     the cost model prefers; on a tie, the smaller units.
     width_of_attention: the cost model's (attention_width of the model that runs the rows).
+    compact_from: the share of padding from which that model's forward runs its linear layers on the real
+    tokens only (llama_forward.compact_min_padding), where the cost model then counts tokens, not slots;
+    None: never.
     """
     device = input_ids.device
     input_ids, attention_mask, response_mask = input_ids.cpu(), attention_mask.cpu(), response_mask.cpu()
@@ -260,9 +286,10 @@ def pack(
             # the same units as the smaller limit (a group within it): costed already, and it wins ties
             continue
         lengths = [plens[unit[0]] + sum(rlens[row] for row in unit) for unit in units]
-        width_of_rows = capacity or choose_capacity(lengths, width_of_attention)
+        width_of_rows = capacity or choose_capacity(lengths, width_of_attention, compact_from)
         # fixed width: fewest tokens
-        cost = _cost(lengths, width_of_rows, width_of_attention) if capacity is None else sum(lengths)
+        cost = (_cost(lengths, width_of_rows, width_of_attention, compact_from) if capacity is None
+                else sum(lengths))
         candidates.append((cost, preference, units, lengths, width_of_rows))  # ties: the smaller units
     _, _, units, lengths, capacity = min(candidates, key=lambda c: c[:2])
     capacity, rows, start, _, _ = _layout(torch.tensor(lengths, dtype=torch.long), capacity)

@@ -83,10 +83,13 @@ def test_choose_capacity_widens_rows_only_while_it_pays():
     assert rows * width < len(lengths) * max(lengths)
 
 
-def test_choose_capacity_picks_the_width_a_full_search_picks():
+@pytest.mark.parametrize("compact_from", [None, 1 / 16])
+def test_choose_capacity_picks_the_width_a_full_search_picks(compact_from):
     """choose_capacity counts bins without placing items and skips widths whose fewest possible rows cannot
     win: on random minibatches it returns the width that costing every width with first_fit_decreasing does:
-    the multiples of 16 from the longest sequence to twice it, in steps of an eighth of it (whole blocks)."""
+    the multiples of 16 from the longest sequence to twice it, in steps of an eighth of it (whole blocks).
+    compact_from: rows with that share of padding or more cost their tokens in the linear layers, not their
+    slots (the forward compacts them)."""
     generator = torch.Generator().manual_seed(0)
     for trial in range(300):
         count = int(torch.randint(1, 40, (1,), generator=generator))
@@ -96,11 +99,24 @@ def test_choose_capacity_picks_the_width_a_full_search_picks():
         best = None
         first = (longest + 15) // 16 * 16
         for width in range(first, max(first, 2 * longest) + 1, max(16, longest // 8 // 16 * 16)):
-            rows = 1 + max(b for b, _ in first_fit_decreasing(lengths, width))
-            cost = rows * width * (1 + width / attention)
+            slots = (1 + max(b for b, _ in first_fit_decreasing(lengths, width))) * width
+            compacted = compact_from is not None and slots - sum(lengths) >= slots * compact_from
+            cost = (sum(lengths) if compacted else slots) + slots * width / attention
             if best is None or cost < best[0]:
                 best = (cost, width)
-        assert choose_capacity(lengths, attention) == best[1], (lengths, attention)
+        assert choose_capacity(lengths, attention, compact_from) == best[1], (lengths, attention)
+
+
+def test_rows_the_forward_compacts_cost_their_tokens_so_narrower_rows_win():
+    """The demo's lengths costed for the 256-wide model (attention width 1,024): counting every slot, wider
+    rows of several sequences win; where the forward compacts the padding away, narrower rows do (less
+    attention), as benchmarks/compaction.py measures."""
+    lengths = [26, 40, 30, 32, 34, 38, 30, 15, 26, 34, 36, 18, 32, 44, 38, 39]
+    every_slot = choose_capacity(lengths, 1024)
+    compacted = choose_capacity(lengths, 1024, compact_from=1 / 16)
+    assert compacted < every_slot
+    rows = 1 + max(b for b, _ in first_fit_decreasing(lengths, compacted))
+    assert 1 - sum(lengths) / (rows * compacted) >= 1 / 16  # the layout it picked is one the forward compacts
 
 
 def test_rows_are_a_whole_number_of_attention_blocks_wide_unless_the_width_is_given():
