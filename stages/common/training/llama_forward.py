@@ -7,7 +7,8 @@ call), per-layer attention dispatch, repeat_kv copies for GQA, output records. T
 same arithmetic in fewer calls: cos/sin gathered from a cached table, one additive mask shared by
 every layer, one-node RMSNorm, RoPE and SwiGLU (kernels/rms_norm.py, rope.py, swiglu.py), SDPA with native GQA
 (timed by benchmarks/training_forward.py: docs/performance.md#the-training-step). Under CPU autocast
-(bf16 on CPUs with bf16 arithmetic) row counts bucketed for oneDNN pay (pads_rows); on CPU, in fp32 or
+(bf16 on CPUs with bf16 arithmetic) row counts bucketed for oneDNN pay (pads_rows); rows with enough padding
+run every layer but attention on their real tokens only (compact); on CPU, in fp32 or
 under autocast, attention runs as fp32 matmuls for rows up to EAGER_ATTENTION_MAX_LEN (cpu_attention: SDPA's
 backward is slow there).
 
@@ -200,8 +201,7 @@ def llama_hidden_states(
     batch, width = input_ids.shape
     positions = batch * width
     slots = compact_slots(attention_mask, keep, compact, spec.hidden_size)
-    # The rows the linear layers see: every position, or the real ones (`slots`); token_of maps a position
-    # to its row there (-1: padding).
+    # The rows the linear layers see: every position, or the real ones (`slots`, in position order).
     tokens = positions if slots is None else slots.numel()
     x = backbone.embed_tokens(input_ids.reshape(-1) if slots is None else input_ids.reshape(-1)[slots])
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
