@@ -36,6 +36,7 @@ from alignflow.stages.common.generation.interface import UnsupportedArchitecture
 from alignflow.stages.common.generation.native.model import rms_norm, signed_sin
 from alignflow.stages.common.generation.native.spec import LlamaFamilySpec, rope_tables, spec_from_hf_config
 from alignflow.stages.common.training import cpu_attention
+from alignflow.stages.common.training.packing import compacts
 from alignflow.stages.common.training.precision import EAGER_ATTENTION_MAX_LEN
 
 # id(config) -> (a weak reference to that config, spec, cos, sin). PretrainedConfig defines __eq__ and so is
@@ -309,13 +310,13 @@ def compact_slots(
     if compact is False:
         return None
     real = attention_mask.reshape(-1) != 0
-    count = int(real.sum())
-    padding = real.numel() - count
-    if padding == 0 or (compact is None and padding < real.numel() * compact_min_padding(hidden_size)):
+    slots = real.nonzero().squeeze(1)  # also the count: one host sync where a count and then slots took two
+    threshold = 0.0 if compact else compact_min_padding(hidden_size)
+    if not compacts(slots.numel(), real.numel(), threshold):
         return None
     if keep is not None and keep.numel() and not bool(real[keep].all()):
         return None
-    return real.nonzero().squeeze(1)
+    return slots
 
 
 def _token_rows(slots: Tensor, positions: int) -> Tensor:

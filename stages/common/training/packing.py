@@ -137,8 +137,14 @@ def _rows_cost(
     llama_forward.compact_min_padding; None: never), the tokens alone; plus attention's rows * capacity^2 /
     width_of_attention."""
     slots = rows * capacity
-    compacted = compact_from is not None and slots - tokens >= slots * compact_from
-    return (tokens if compacted else slots) + slots * capacity / width_of_attention
+    linear = tokens if compacts(tokens, slots, compact_from) else slots
+    return linear + slots * capacity / width_of_attention
+
+
+def compacts(tokens: int, slots: int, compact_from: float | None) -> bool:
+    """Whether a forward that compacts from `compact_from` padding (None: never) runs `tokens` real tokens in
+    `slots` slots on the tokens alone: the one rule of the cost model and llama_forward.compact_slots."""
+    return compact_from is not None and slots > tokens and slots - tokens >= slots * compact_from
 
 
 # Row widths are multiples of this. torch's CPU flash attention (SDPA, fp32) is much faster on a key length
