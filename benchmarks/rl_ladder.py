@@ -93,8 +93,10 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def bottleneck(iterations: list[dict[str, float]]) -> str:
-    """The profiler's first finding for the summed phases of these iterations."""
+def bottleneck(iterations: list[dict[str, float]], facts: dict[str, Any]) -> str:
+    """The profiler's first finding for the summed phases of these iterations, its advice narrowed by the
+    run's `facts` (alignflow_run.json's run_facts: what the run trained and generated with)."""
+    from alignflow.stages.common.bottleneck_advice import RunFacts
     from alignflow.stages.common.profiler import ProfileSnapshot, bottleneck_rules
 
     phases: dict[str, float] = {}
@@ -103,7 +105,7 @@ def bottleneck(iterations: list[dict[str, float]]) -> str:
             if key.startswith("timing/") and key not in ("timing/iteration", "timing/generate_engine"):
                 phases[key.removeprefix("timing/")] = phases.get(key.removeprefix("timing/"), 0.0) + value
     wall = sum(m["timing/iteration"] for m in iterations)
-    found = bottleneck_rules(ProfileSnapshot(phase_totals=phases, wall_s=wall))
+    found = bottleneck_rules(ProfileSnapshot(phase_totals=phases, wall_s=wall, facts=RunFacts(**facts)))
     return found[0] if found else ""
 
 
@@ -127,6 +129,7 @@ def run_level(up: rl_setup.Upstream, shape: str, level: str, iterations: int, th
     if done.returncode != 0:
         raise RuntimeError(f"{shape}/{level} failed:\n{done.stderr[-3000:]}")
     metrics = rl_setup.read_metrics(spec)[1:]  # iteration 1 is warm-up (first compiled calls, allocator)
+    facts = json.loads((rl_setup.run_output(spec) / "alignflow_run.json").read_text())["run_facts"]
     # Each run publishes the trained policy (and critic): 0.9 GB a run at 114.8M, which filled the disk
     shutil.rmtree(rl_setup.run_output(spec), ignore_errors=True)
     seconds = statistics.median(m["timing/iteration"] for m in metrics)
@@ -138,7 +141,7 @@ def run_level(up: rl_setup.Upstream, shape: str, level: str, iterations: int, th
         "iteration_s": seconds,
         "completions_per_s": completions / seconds,
         "stage_wall_s": total,
-        "bottleneck": bottleneck(metrics),
+        "bottleneck": bottleneck(metrics, facts),
         "phases_s": {
             k.removeprefix("timing/"): statistics.median(m.get(k, 0.0) for m in metrics) for k in phases
         },

@@ -38,6 +38,7 @@ import torch
 from alignflow import start_checks
 from alignflow.config import POLICY_STAGES, EngineConfig, EvaluateConfig, ModelConfig
 from alignflow.contract import StageResult, StageSpec
+from alignflow.stages.common.bottleneck_advice import RunFacts
 from alignflow.stages.common.generation.interface import Generation, SamplingParams, build_engine
 from alignflow.stages.common.generation.worker_python import call_in, resolve
 from alignflow.stages.common.models.loading import load_causal_lm, load_tokenizer
@@ -540,6 +541,9 @@ def run(spec: StageSpec) -> StageResult:
         evaluator = load_evaluator(data_dir)
         gold_available = evaluator is not None
         n = len(records)
+        profiler.facts = RunFacts(engine_backend=engine_cfg.backend, generate_device=device.type,
+                                  cuda_graphs=engine_cfg.cuda_graphs,
+                                  generate_calls=math.ceil(n / engine_cfg.max_batch_size))
 
         with profiler.phase("generate"):
             # Same per-prompt seeds for both policies: common random numbers make the comparison less noisy.

@@ -2,7 +2,8 @@
 
 What it is: an object a stage's loop drives (`with prof.phase("generation"): ...`, `prof.count(...)`)
 that turns into namespaced metrics (`timing/`, `perf/`) and a Markdown report whose last section
-names the bottleneck in plain words. What it is not: a sampling profiler of Python frames (use
+names the bottleneck in plain words (what to try about it: bottleneck_advice, narrowed to the `facts` the
+stage records). What it is not: a sampling profiler of Python frames (use
 py-spy) or of kernels (use torch.profiler / Nsight); it says *which phase* to look into, not which op.
 
 GIL contention is measured from the outside: a daemon thread sleeps `sample_interval_s` again and
@@ -30,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-import re
 import resource
 import sys
 import threading
@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from alignflow.stages.common.bottleneck_advice import RunFacts, advice_for
 
 # Lateness histogram: 20 log-spaced bins per decade from 1 us to 100 s. The p99 it reports is the
 # upper edge of a bin, at most 12% (10**(1/20)) above the exact value, in a fixed 1.3 KB however long
@@ -72,44 +74,6 @@ DEVICE_MEMORY_SHARE = 0.90
 # waits on the host most of the time.
 DEVICE_UTIL_LOW = 40.0
 DEVICE_UTIL_MIN_READINGS = 10
-
-# Phase-name keywords -> what to try. A keyword matches the start of a word of the name ("write_rollouts"
-# has the words "write" and "rollouts"); the first matching entry wins, so "refit" comes before "ref",
-# "logprob" before "log", and I/O before generation ("write_rollouts" is I/O, not generation).
-PHASE_ADVICE: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("refit", "sync", "weights", "broadcast"),
-     "refit should copy weights in place: check the engine is not rebuilt each iteration, and on several "
-     "GPUs broadcast in large buckets"),
-    (("logprob", "ref", "value", "old"),
-     "run these no-grad forward passes in larger batches and in bf16, or share one pass for reference and "
-     "old-policy log-probs"),
-    (("io", "write", "save", "checkpoint", "upload", "download", "publish", "log", "data"),
-     "I/O: write rollouts and checkpoints less often or from a background thread, and keep the object "
-     "store close to the compute"),
-    (("generat", "rollout", "sampl"),
-     "try the native engine or larger rollout batches (engine.max_batch_size), and CUDA graphs on GPU"),
-    (("train", "update", "actor", "critic", "backward", "optim", "step"),
-     "try larger minibatches (fewer optimizer steps), a lower ZeRO stage (less gather/scatter traffic) "
-     "or bf16"),
-    (("scor", "reward"),
-     "score in larger batches, or use fewer or smaller reward models"),
-    (("kl",),
-     "the KL estimate is two full forward passes: evaluate it on fewer prompts or in larger batches"),
-    (("load", "build", "init", "setup"),
-     "start-up cost: it is paid once, so it only matters for short runs; cache built engines and "
-     "downloaded checkpoints"),
-)
-GENERIC_ADVICE = "profile inside it (torch.profiler) to see which op dominates"
-
-
-def advice_for(phase: str) -> str:
-    """What to try when `phase` dominates, chosen by keywords in its name (GENERIC_ADVICE otherwise)."""
-    words = [w for w in re.split(r"[^a-z0-9]+", phase.lower()) if w]
-    for keywords, advice in PHASE_ADVICE:
-        if any(w.startswith(k) for w in words for k in keywords):
-            return advice
-    return GENERIC_ADVICE
-
 
 # ---------------------------------------------------------------------------------------------------
 # Measurements
@@ -269,6 +233,7 @@ class ProfileSnapshot:
     device_util: float | None = None
     device_util_readings: int = 0
     iteration_word: str = "each iteration"
+    facts: RunFacts = field(default_factory=RunFacts)  # what the run runs with: narrows the advice
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -280,7 +245,7 @@ def bottleneck_rules(s: ProfileSnapshot) -> list[str]:
         name, seconds = max(s.phase_totals.items(), key=lambda kv: kv[1])
         share = seconds / s.wall_s
         if share >= DOMINANT_PHASE_SHARE:
-            found.append(f"{name} is {share:.0%} of {s.iteration_word}: {advice_for(name)}")
+            found.append(f"{name} is {share:.0%} of {s.iteration_word}: {advice_for(name, s.facts)}")
         else:
             found.append(
                 f"no single phase dominates: the largest, {name}, is {share:.0%} of the wall time, so "
@@ -348,6 +313,7 @@ class Profiler:
             raise ValueError(f"sample_interval_s must be > 0, got {sample_interval_s}")
         self.stage = stage
         self.iteration_word = iteration_word  # how findings name the timed span ("the evaluation")
+        self.facts = RunFacts()  # the stage fills in what it runs with (bottleneck_advice)
         self.sample_interval_s = float(sample_interval_s)
         self._totals: dict[str, float] = {}
         self._calls: dict[str, int] = {}
@@ -492,6 +458,7 @@ class Profiler:
             peak_rss_mb=peak_rss_mb(),
             machine_memory_mb=machine_memory_mb(),
             iteration_word=self.iteration_word,
+            facts=self.facts,
         )
         if self._lateness.count:
             mean = self._lateness.total / self._lateness.count

@@ -13,6 +13,7 @@ written before held the RNGs in a pickle, `rng.pt`; it is never opened (see load
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -27,6 +28,7 @@ import torch
 from alignflow.config import PPOConfig
 from alignflow.contract import StageSpec
 from alignflow.manifest import find_published, materialize, publish
+from alignflow.stages.common.bottleneck_advice import RunFacts
 from alignflow.stages.common.ranks import from_main, is_main, world_size
 from alignflow.stages.common.runtime import StageContext, StageInputError, dump_json
 from alignflow.stages.common.training.lora import save_trained
@@ -264,9 +266,9 @@ def publish_last_good(
     )
 
 
-def write_final(out: Path, state: RLState, actor, critic, tokenizer, cfg: PPOConfig) -> None:
+def write_final(out: Path, state: RLState, actor, critic, tokenizer, cfg: PPOConfig, facts: RunFacts) -> None:
     """The finished run's outputs in `out`: policy/ (HF format, with the tokenizer), critic/ (PPO),
-    metrics.jsonl and alignflow_run.json."""
+    metrics.jsonl and alignflow_run.json (with `facts`, what the run ran with: trainer, precision, engine)."""
     policy_dir, critic_dir = out / "policy", out / "critic"
     if is_main():  # the only rank that writes: the others may run on nodes without this folder
         policy_dir.mkdir(parents=True, exist_ok=True)
@@ -288,6 +290,7 @@ def write_final(out: Path, state: RLState, actor, critic, tokenizer, cfg: PPOCon
             "iterations": state.iteration,
             "kl_coef_final": state.kl_controller.value,
             "final": state.history[-1],
+            "run_facts": dataclasses.asdict(facts),
         },
         out / "alignflow_run.json",
     )

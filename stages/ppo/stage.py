@@ -94,7 +94,7 @@ from alignflow.stages.ppo.scoring import (
     needs_reference,
     shape_scores,
 )
-from alignflow.stages.ppo.trainer_settings import optim_settings, training_attention_for
+from alignflow.stages.ppo.trainer_settings import optim_settings, run_facts, training_attention_for
 from alignflow.stages.ppo.training_loop import StaleOldLogprobs, train_on
 from alignflow.storage import open_store
 
@@ -406,7 +406,7 @@ def _publish(ctx: StageContext, cfg: PPOConfig, state: RLState, models: Models, 
     """The final policy (and critic), metrics.jsonl and the stage's manifest; the StageResult."""
     profiler = ctx.profiler
     with profiler.phase("publish"):
-        write_final(out, state, models.actor, models.critic, tokenizer, cfg)
+        write_final(out, state, models.actor, models.critic, tokenizer, cfg, profiler.facts)
         summary = profiler.summary()
         if not is_main():
             return ctx.rank_result({"iterations": float(state.iteration)})
@@ -498,8 +498,10 @@ def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, eng
             raise StageInputError(str(exc)) from None
         actor = initialize_trainer(actor_model, optim_settings(cfg, model_cfg, cfg.actor_lr), backend)
         attention = training_attention_for(cfg, engine_cfg)
-        precision = resolve_precision(cfg.autocast, model_cfg.dtype, next(actor.module.parameters()).device,
+        train_device = next(actor.module.parameters()).device
+        precision = resolve_precision(cfg.autocast, model_cfg.dtype, train_device,
                                       getattr(actor.module.config, "hidden_size", None))
+        profiler.facts = run_facts(cfg, model_cfg, engine_cfg, backend, precision, train_device, device)
         critic: Any = remote_critic  # in its own process (started_critic), or here
         if cfg.algorithm == "ppo" and critic is None:
             critic_dir = ctx.input(sorted(k for k in spec.inputs if k.startswith("reward_"))[0])

@@ -8,13 +8,12 @@ import time
 
 import pytest
 
+from alignflow.stages.common.bottleneck_advice import RunFacts
 from alignflow.stages.common.profiler import (
     _BINS_PER_DECADE,
-    GENERIC_ADVICE,
     Profiler,
     ProfileSnapshot,
     _LatenessStats,
-    advice_for,
     bottleneck_rules,
 )
 
@@ -87,8 +86,8 @@ def test_throughput_counters_divide_by_the_wall_time():
 def test_the_rule_names_the_dominant_phase_with_its_share():
     rules = bottleneck_rules(ProfileSnapshot({"generation": 7.8, "training": 2.0, "refit": 0.2}, wall_s=10.0))
     assert rules[0] == (
-        "generation is 78% of each iteration: try the native engine or larger rollout batches "
-        "(engine.max_batch_size), and CUDA graphs on GPU"
+        "generation is 78% of each iteration: try the native engine, larger rollout batches "
+        "(engine.max_batch_size) or CUDA graphs on GPU"
     )
     assert len(rules) == 1  # nothing else crosses a threshold
 
@@ -108,15 +107,12 @@ def test_the_rule_on_a_real_profile_quotes_the_measured_share():
     assert "ZeRO stage" in first
 
 
-def test_advice_is_chosen_by_keyword_in_order():
-    assert advice_for("refit").startswith("refit should copy weights in place")  # not the "ref" rule
-    assert advice_for("ref_logprobs").startswith("run these no-grad forward passes")
-    assert advice_for("write_rollouts").startswith("I/O:")  # I/O is checked before generation
-    assert advice_for("rollout").startswith("try the native engine")
-    assert advice_for("Generate").startswith("try the native engine")
-    assert advice_for("critic_update").startswith("try larger minibatches")
-    assert advice_for("score").startswith("score in larger batches")
-    assert advice_for("mystery") == GENERIC_ADVICE
+def test_the_rule_narrows_its_advice_to_the_runs_facts():
+    facts = RunFacts(train_device="cpu", train_dtype="float32", bf16_arithmetic=False, zero_stage=0,
+                     minibatches=1)
+    rules = bottleneck_rules(ProfileSnapshot({"train": 6.6, "generate": 2.7}, wall_s=10.0, facts=facts))
+    assert rules[0].startswith("train is 66% of each iteration: the usual knobs are in place")
+    assert "bf16" not in rules[0].replace("without bf16 arithmetic", "")
 
 
 def test_spread_out_time_and_untimed_time_are_reported():

@@ -342,6 +342,11 @@ def test_grpo_on_a_reward_function_alone_runs_without_reward_models_or_reference
     )
     assert frame["ref_logprobs"].isna().all() and frame["values"].isna().all()
     assert not any(key.startswith("kl/") for key in result.metrics)
+    # What the run ran with, for its bottleneck advice (one rank, ZeRO 0: never "a lower ZeRO stage")
+    facts = json.loads((local(result.output_uri) / "alignflow_run.json").read_text())["run_facts"]
+    assert facts["minibatches"] == 1 and facts["generate_calls"] == 1  # 16 rollouts, minibatches of 16
+    assert facts["zero_stage"] == 0
+    assert "a lower ZeRO stage" not in result.message
 
 
 def test_async_rollouts_are_one_step_off_policy_and_trained_with_behaviour_weights(upstream):
