@@ -74,7 +74,7 @@ def _generation(facts: RunFacts) -> str:
     if options:
         return "try " + _either(options)
     return (f"the {facts.engine_backend} engine already takes every rollout in one call: profile the engine "
-            "(benchmarks/engine_bench.py, torch.profiler or py-spy) to see where a decode step goes")
+            "(benchmarks/engine_throughput.py, torch.profiler or py-spy) to see where a decode step goes")
 
 
 def _fixed(text: str) -> Callable[[RunFacts], str]:
