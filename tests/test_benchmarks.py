@@ -504,7 +504,12 @@ def test_rl_ladder_takes_the_median_of_per_round_ratios_and_names_the_bounding_p
     iterations = [
         {"timing/iteration": 1.0, "timing/generate_engine": 0.9, "timing/generate": 0.2, "timing/train": 0.7}
     ] * 3
-    assert ladder.bottleneck(iterations).startswith("train is 70% of each iteration")
+    unknown = ladder.bottleneck(iterations, {})
+    assert unknown.startswith("train is 70% of each iteration: try larger minibatches")
+    # narrowed by the run's facts (its alignflow_run.json's run_facts): nothing left to try but a profile
+    facts = {"train_device": "cpu", "train_dtype": "float32", "bf16_arithmetic": False, "zero_stage": 0,
+             "minibatches": 1}
+    assert ladder.bottleneck(iterations, facts).startswith("train is 70% of each iteration: the usual knobs")
 
 
 def test_rl_ladder_refuses_unknown_shapes_and_levels_before_running_anything():
