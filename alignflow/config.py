@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -302,6 +302,11 @@ class RewardConfig(Section):
 EngineBackend = Literal["native", "hf", "vllm", "tensorrt-llm"]
 
 
+# The fused ops of the GPU decode step (kernels/decode_step.py: FUSED_OPS), in the order the step runs them.
+GpuFusedOp = Literal["rope_cache_write", "live_attention", "add_rms_norm", "silu_mul"]
+GPU_FUSED_OPS: tuple[str, ...] = get_args(GpuFusedOp)
+
+
 class EngineConfig(Section):
     """The generation engine, built once and refit with new weights every RL iteration."""
 
@@ -323,6 +328,12 @@ class EngineConfig(Section):
         "the keys, the residual add with the next RMSNorm, SiLU x up: kernels/decode_step.py), ~15 fewer "
         "kernels per layer and no read of the unwritten cache; torch: the eager ops. Same arithmetic to "
         "float rounding; triton is tested against torch, its speed not yet measured on a GPU.",
+    )
+    gpu_fused_ops: list[GpuFusedOp] = Field(
+        default_factory=lambda: list(GPU_FUSED_OPS),
+        description="With gpu_decode_kernels: triton, the fused ops that run as Triton kernels; the others "
+        "run as their torch references inside the same step. Default: all four. Fewer to set one kernel "
+        "aside (a Triton fault on some GPU) or to measure what each buys (benchmarks/decode_fusions.py).",
     )
     cuda_graph_loop: bool = Field(
         False,
@@ -439,6 +450,14 @@ class EngineConfig(Section):
                 "engine.cpu_linear_weights=bfloat16 rounds the blocked copies that engine.cpu_prepack keeps "
                 "for the kernels of engine.cpu_kernels; set both true, or cpu_linear_weights: float32"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fused_ops_once_each(self) -> EngineConfig:
+        repeated = sorted({op for op in self.gpu_fused_ops if self.gpu_fused_ops.count(op) > 1})
+        if repeated:
+            raise ValueError(f"engine.gpu_fused_ops names {', '.join(repeated)} more than once; list each "
+                             f"fused op at most once (of {', '.join(GPU_FUSED_OPS)})")
         return self
 
     @model_validator(mode="after")

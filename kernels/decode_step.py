@@ -26,6 +26,9 @@ import torch.nn.functional as F
 
 from alignflow.kernels._triton_dispatch import resolve_impl
 
+# The ops in the order a decode step runs them (engine.gpu_fused_ops names a subset: alignflow/config.py).
+FUSED_OPS = ("rope_cache_write", "live_attention", "add_rms_norm", "silu_mul")
+
 # Keys per block of live_attention: small enough that a 64-slot cache still splits in several blocks, large
 # enough that a block's loads are 4 KB of bf16 keys at head_dim 64.
 BLOCK_N = 32

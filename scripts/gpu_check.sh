@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-check`: the first thing to run on a GPU machine. From a bare machine with torch (2.4 or later) and no
-# network, it runs within 8 minutes on one H100/H200, each step within its own time budget:
+# network, it runs within 9 minutes on one H100/H200, each step within its own time budget:
 #   setup     the wheels `make gpu-wheels` carried (.whl/), installed into a private folder where the machine lacks
 #             them (never torch); alignflow importable from this checkout (scripts/gpu_check_setup.py)
 #   tests     pytest --device cuda over the device tests (the Makefile's DEVICE_TESTS)
@@ -12,6 +12,8 @@
 #             (scripts/gpu_check_pipeline.py): the stage table, the held-out gold gain, each stage's devices
 #   rl        a GRPO iteration of alignflow beside TRL's GRPOTrainer on the same GPU and model, and their ratio
 #             (scripts/gpu_check_rl.py; "not run" without trl)
+#   fusions   benchmarks/decode_fusions.py, the Llama-3.2-1B shape, bf16, batch 1/64: the CUDA-graph decode step
+#             with one more fused Triton op per row, what each bought in ms per step and % of the HBM roofline
 # Every step writes its log and one JSON line of figures (figures.jsonl) under the output folder ($OUT if set, else
 # ./gpu-check-out); the end is one summary table. Exits 1 if a step failed or ran past its budget.
 #
@@ -30,7 +32,7 @@ DEVICE=cuda
 OUT_DIR=${OUT:-$PWD/gpu-check-out}
 WORK=""
 TESTS=""
-STEPS=setup,tests,engine,pipeline,rl
+STEPS=setup,tests,engine,pipeline,rl,fusions
 CONFIG=$REPO/configs/gpu-small.yaml
 WHEELS=$REPO/.whl
 WHEELS_LIMIT_MIB=60
@@ -92,24 +94,25 @@ WORK=$(cd "$WORK" && pwd)
 FIGURES=$OUT_DIR/figures.jsonl
 : > "$FIGURES"
 
-# Budgets in seconds. cuda: 30 + 120 + 110 + 150 + 70 = 480 s = 8 min on one H100/H200, the start-up of every
-# process, Triton's compiles, the 1B checkpoint and DeepSpeed's first fused-Adam build included (estimates until a
-# GPU run times them).
+# Budgets in seconds. cuda: 30 + 120 + 110 + 150 + 70 + 60 = 540 s = 9 min on one H100/H200, the start-up of
+# every process, Triton's compiles, the 1B checkpoint and DeepSpeed's first fused-Adam build included (estimates
+# until a GPU run times them); fusions last, as the figures it adds matter least.
 # A step past its budget gets SIGINT (pytest still writes its report), then SIGKILL 15 s later. cpu: the tiny sizes
 # on a shared 2-core box, with room for a loaded one.
 # The engine rows: the engine's default path, the CUDA graph's variants (fused step, in-graph loop, both), the eager
 # torch step on CPU (no C++ loop), and hf. `native eager` (no graphs) was measured on the first GPU run: 7-10x hf.
 ENGINES="native,native fused,native loop,native fused loop,native step,hf"
 if [ "$DEVICE" = cuda ]; then
-    declare -A BUDGET=([setup]=30 [tests]=120 [engine]=110 [pipeline]=150 [rl]=70)
+    declare -A BUDGET=([setup]=30 [tests]=120 [engine]=110 [pipeline]=150 [rl]=70 [fusions]=60)
     # shellcheck disable=SC2054  # the commas are the benchmark's list syntax
     ENGINE_ARGS=(--models llama-100m,llama-1b --dtypes bfloat16 --batch-sizes 1,8,64 --new-tokens 64 --repeats 2
                  --threads 4)
     SIZES=()
     RL_ARGS=(--iterations 8)
+    FUSIONS_ARGS=(--model llama-1b --dtype bfloat16 --batch-sizes 1,64 --new-tokens 64 --repeats 2)
     unset TRITON_INTERPRET  # the kernels run compiled (tests/kernels/conftest.py refuses the interpreter on cuda)
 else
-    declare -A BUDGET=([setup]=60 [tests]=120 [engine]=120 [pipeline]=300 [rl]=200)
+    declare -A BUDGET=([setup]=60 [tests]=120 [engine]=120 [pipeline]=300 [rl]=200 [fusions]=120)
     # shellcheck disable=SC2054  # the commas are the benchmark's list syntax
     ENGINE_ARGS=(--models tiny --dtypes float32 --batch-sizes 1,8 --new-tokens 8 --repeats 1 --threads 1)
     # configs/gpu-small.yaml shrunk to tests/conftest.py's small_config sizes, a couple of iterations of each loop.
@@ -124,6 +127,8 @@ else
         SIZES+=(--set "$kv")
     done
     RL_ARGS=(--iterations 2 --policy sft)  # the pipeline step's SFT and engine: one stage process, not two
+    # The static step uncaptured, the kernels in Triton's interpreter: the step's mechanics, not its speed.
+    FUSIONS_ARGS=(--model tiny --dtype float32 --batch-sizes 1,2 --new-tokens 2 --repeats 1)
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 export PYTHONUNBUFFERED=1
@@ -186,7 +191,7 @@ if [ -z "${ALIGNFLOW_CODE_VERSION:-}" ] && [ "$setup_ok" = 1 ]; then
         && export ALIGNFLOW_CODE_VERSION
 fi
 
-for step in tests engine pipeline rl; do
+for step in tests engine pipeline rl fusions; do
     wanted "$step" || continue
     if [ "$setup_ok" = 0 ]; then
         echo '{"status": "not run", "summary": "setup failed", "figures": {}}' > "$WORK/$step-skipped.json"
@@ -221,6 +226,12 @@ for step in tests engine pipeline rl; do
         rl)
             run_step rl "$WORK/rl.json" - -- "$PYTHON" "$REPO/scripts/gpu_check_rl.py" --config "$CONFIG" \
                 --device "$DEVICE" --workdir "$WORK/runs" --result "$WORK/rl.json" "${RL_ARGS[@]}" "${SIZES[@]}"
+            ;;
+        fusions)
+            interpret=()
+            [ "$DEVICE" = cuda ] || interpret=(env TRITON_INTERPRET=1)
+            run_step fusions "$WORK/fusions.json" "$WORK/fusions.json" -- "${interpret[@]}" "$PYTHON" \
+                "$REPO/benchmarks/decode_fusions.py" --device "$DEVICE" "${FUSIONS_ARGS[@]}" --json
             ;;
     esac
 done

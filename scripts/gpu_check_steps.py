@@ -5,7 +5,7 @@
     python scripts/gpu_check_steps.py summary --figures FILE
 
 `record` turns what a step left behind into its line in FILE (JSON lines): the step's own JSON object (setup,
-pipeline, rl), pytest's JUnit XML (tests) or the engine benchmark's --json output (engine); a step that timed
+pipeline, rl), pytest's JUnit XML (tests) or a benchmark's --json output (engine, fusions); a step that timed
 out (exit 124 or 137) or left nothing is recorded as such, with its log's name. `summary` prints one table,
 the last line of each step, and exits 1 when a step failed or timed out ("not run" is reported, not failed).
 """
@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-STEPS = ("setup", "tests", "engine", "pipeline", "rl")
+STEPS = ("setup", "tests", "engine", "pipeline", "rl", "fusions")
 FAILED = ("fail", "timeout")
 
 
@@ -102,12 +102,43 @@ def engine_line(result: Path, rc: int) -> dict[str, Any]:
     }
 
 
+def fusions_line(result: Path, rc: int) -> dict[str, Any]:
+    """benchmarks/decode_fusions.py's rows: per batch, ms per step and % of the roofline of each cumulative
+    row, and what each fused op bought."""
+    try:
+        data = json.loads(result.read_text())
+    except (OSError, ValueError):
+        summary = f"the benchmark printed no result (exit code {rc})"
+        return {"status": "fail", "summary": summary, "figures": {}}
+    rows = data["rows"]
+    lines = []
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        cells = [r for r in rows if r["batch"] == batch]
+        lines.append(
+            f"{data['model']} b{batch}: "
+            + " | ".join(
+                f"{r['row']} {r['ms_per_token_step']:.3f} ms {r['roofline_pct']:.1f}%"
+                + ("" if r["bought_ms"] is None else f" ({r['bought_ms']:+.3f})")
+                for r in cells
+            )
+        )
+    keys = ("batch", "row", "ms_per_token_step", "roofline_pct", "bought_ms")
+    return {
+        "status": "pass" if rc == 0 and rows else "fail",
+        "summary": "\n".join(lines),
+        "figures": {"model": data["model"], "device": data["device"], "gpu": data.get("gpu"),
+                    "bandwidth_gbs": data["bandwidth_gbs"], "rows": [{k: r[k] for k in keys} for r in rows]},
+    }
+
+
 def record(args: argparse.Namespace) -> int:
     result = Path(args.result) if args.result else Path("/nonexistent")
     if args.step == "tests":
         line = tests_line(result, args.rc)
     elif args.step == "engine":
         line = engine_line(result, args.rc)
+    elif args.step == "fusions":
+        line = fusions_line(result, args.rc)
     elif result.is_file() and result.read_text().strip():
         line = json.loads(result.read_text())
     else:

@@ -576,3 +576,32 @@ def test_startup_times_the_first_rl_iteration_of_a_cached_run(tmp_path):
     assert parts == pytest.approx(measured["began_s"], abs=1e-6)
     assert 0 < measured["process_s"] and 0 < measured["setup_s"] < measured["began_s"] < measured["ended_s"]
     assert measured["ended_s"] < measured["wall_s"] and cached["wall_s"] > 0
+
+
+def test_decode_fusions_rows_add_one_fused_op_each():
+    """Each row of benchmarks/decode_fusions.py is the row before it plus one change, so its `bought` column
+    is what that change saved."""
+    from alignflow.config import EngineConfig
+    from alignflow.kernels.decode_step import FUSED_OPS
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import decode_fusions
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    configs = decode_fusions.row_configs(EngineConfig(max_batch_size=4))
+    assert list(configs) == list(decode_fusions.ROWS)
+    assert configs["eager ops"].gpu_decode_kernels == "torch"
+    fused = [c.gpu_fused_ops for c in configs.values()][1:-1]
+    assert fused == [list(FUSED_OPS[:n]) for n in range(len(FUSED_OPS) + 1)]
+    middle = list(configs.values())[1:-1]
+    assert all(c.gpu_decode_kernels == "triton" and not c.cuda_graph_loop for c in middle)
+    last = configs["+ sampler in graph"]
+    assert last.cuda_graph_loop and last.gpu_fused_ops == list(FUSED_OPS) and last.max_batch_size == 4
+
+
+def test_decode_fusions_on_cpu_asks_for_the_triton_interpreter():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks/decode_fusions.py"), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert done.returncode == 2 and "set TRITON_INTERPRET=1" in done.stderr

@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_check_setup  # noqa: E402  (a script beside gpu_check.sh, not a package)
 
-STEPS = ["setup", "tests", "engine", "pipeline", "rl"]
+STEPS = ["setup", "tests", "engine", "pipeline", "rl", "fusions"]
 # One quick test file: the step's mechanics (pytest under --device, its JUnit counts), not the suite again.
 TESTS = "tests/stages/dpo/test_dpo_losses.py"
 
@@ -81,6 +81,12 @@ def test_cpu_mode_runs_every_step_and_prints_the_summary(tmp_path):
     assert all(isinstance(pipeline["gold_gain"][run]["gold_delta"], float) for run in ("ppo", "grpo"))
     if pipeline["devices_recorded"]:  # StageResult.devices: where each role computed
         assert set(pipeline["stages"]["ppo"]["devices"].values()) == {"cpu"}
+
+    fusions = lines["fusions"]
+    assert fusions["status"] == "pass", fusions["summary"]
+    cells = {(r["row"], r["batch"]): r for r in fusions["figures"]["rows"]}
+    assert {("eager ops", 1), ("+ silu_mul", 2), ("+ sampler in graph", 2)} <= set(cells)
+    assert cells["eager ops", 1]["bought_ms"] is None and cells["+ silu_mul", 2]["ms_per_token_step"] > 0
 
     rl = lines["rl"]
     assert rl["figures"]["alignflow"]["completions_per_s"] > 0

@@ -180,6 +180,7 @@ class NativeEngine(Engine):
             and cpu_decode_attention.supports(device, dtype, self.spec.head_dim),
             tp=self.tp,
             decode_kernels=engine_config.gpu_decode_kernels,
+            fused_ops=engine_config.gpu_fused_ops,
         )
         # The whole decode loop in one C++ call where it applies (decode_loop.py); None: the torch step below.
         self._decode_loop_reason = decode_loop.unsupported_reason(
@@ -253,8 +254,7 @@ class NativeEngine(Engine):
         if self._use_graphs:
             step = "CUDA graph per batch bucket"
             if config.gpu_decode_kernels == "triton":
-                step += (", fused Triton ops (RoPE + cache write, attention over the live length, "
-                         "add + RMSNorm, SiLU x up: kernels/decode_step.py)")
+                step += fused_ops_path(config.gpu_fused_ops)
         else:
             step = "torch.compile" if self._compile else "eager"
         layout = self._prepacked.layout if self._prepacked is not None else None
@@ -1170,6 +1170,24 @@ class NoiseWindows:
             self.start = step
             self.window = gumbel_noise_steps(self.k1, self.k2[:, step : step + self.width], self.vocab_size)
         return self.window[:, step - self.start]
+
+
+# What each fused op of the GPU decode step replaces, as execution_paths names it.
+_FUSED_OP_WORDS = {
+    "rope_cache_write": "RoPE + cache write",
+    "live_attention": "attention over the live length",
+    "add_rms_norm": "add + RMSNorm",
+    "silu_mul": "SiLU x up",
+}
+
+
+def fused_ops_path(fused_ops: list[str]) -> str:
+    """The decode-step path's suffix under engine.gpu_decode_kernels: triton, naming the ops that run as
+    Triton kernels and those that run as their torch references (engine.gpu_fused_ops)."""
+    fused = [_FUSED_OP_WORDS[op] for op in _FUSED_OP_WORDS if op in fused_ops]
+    kept = [_FUSED_OP_WORDS[op] for op in _FUSED_OP_WORDS if op not in fused_ops]
+    text = f", fused Triton ops ({', '.join(fused) or 'none'}: kernels/decode_step.py)"
+    return text + (f", torch references for {', '.join(kept)}" if kept else "")
 
 
 def _json_roundtrip(value: Any) -> Any:

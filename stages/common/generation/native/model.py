@@ -17,7 +17,7 @@ left-padded to a common width S, so cache slot s of every row is "the s-th colum
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -179,12 +179,20 @@ class LlamaFamilyModel:
         cpu_attention: bool = False,
         tp: TensorParallel | None = None,
         decode_kernels: str = "torch",
+        fused_ops: Iterable[str] = decode_step.FUSED_OPS,
     ):
         self.spec = spec
         self.tp = tp
         # The static (CUDA-graph) decode step's ops: "torch" (the eager ops below) or "triton", the fused
         # kernels of kernels/decode_step.py (engine.gpu_decode_kernels).
         self.decode_kernels = decode_kernels
+        # Under "triton", each fused op's impl: "triton" for those in `fused_ops` (engine.gpu_fused_ops), else
+        # its torch reference in the same step (one kernel set aside, or what each buys: decode_fusions.py).
+        fused = set(fused_ops)
+        if fused - set(decode_step.FUSED_OPS):
+            raise ValueError(f"fused_ops: {sorted(fused - set(decode_step.FUSED_OPS))} are not fused ops "
+                             f"(of {', '.join(decode_step.FUSED_OPS)})")
+        self.fused_impl = {op: "triton" if op in fused else "torch" for op in decode_step.FUSED_OPS}
         # x @ w.T without bias: F.linear, or prepack.linear (packed weight copies on CPU).
         self.linear = linear
         # Decode attention through alignflow::decode_attention (kernels/decode_attention.py: fp32, AVX-512).
@@ -344,7 +352,7 @@ class LlamaFamilyModel:
         spec, w, tp = self.spec, self.weights, self.tp
         B = tokens.shape[0]
         heads, kv_heads, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        eps, linear = spec.rms_norm_eps, self.linear
+        eps, linear, impl = spec.rms_norm_eps, self.linear, self.fused_impl
         qkv_b, o_b = w.get("qkv_b"), w.get("o_b")
         cos, sin = self.cos[positions[:, 0]], self.sin[positions[:, 0]]  # [B, D]
         x = self._embed(tokens[:, 0])  # [B, H]
@@ -355,25 +363,25 @@ class LlamaFamilyModel:
                 qkv = qkv + qkv_b[layer]
             k_cache, v_cache = cache.k[layer][:B], cache.v[layer][:B]
             q = decode_step.rope_cache_write(
-                qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, impl="triton"
+                qkv, cos, sin, k_cache, v_cache, slot, heads, kv_heads, impl=impl["rope_cache_write"]
             )
             mask = masks[spec.sliding_windows[layer]].view(B, -1)
             attn = decode_step.live_attention(
                 q.view(B, kv_heads, heads // kv_heads, D), k_cache, v_cache, mask, slot, self.scale,
-                impl="triton",
+                impl=impl["live_attention"],
             )
             out = linear(attn.view(B, heads * D), w["o_w"][layer])
             if tp is not None:
                 out = tp.all_reduce(out)
             if o_b is not None:
                 out = out + o_b[layer]
-            x, h = decode_step.add_rms_norm(x, out, w["ln_mlp"][layer], eps, impl="triton")
+            x, h = decode_step.add_rms_norm(x, out, w["ln_mlp"][layer], eps, impl=impl["add_rms_norm"])
             gate_up = linear(h, w["gate_up_w"][layer])
-            down = linear(decode_step.silu_mul(gate_up, impl="triton"), w["down_w"][layer])
+            down = linear(decode_step.silu_mul(gate_up, impl=impl["silu_mul"]), w["down_w"][layer])
             if tp is not None:
                 down = tp.all_reduce(down)
             following = w["ln_attn"][layer + 1] if layer + 1 < spec.num_layers else w["norm"]
-            x, h = decode_step.add_rms_norm(x, down, following, eps, impl="triton")
+            x, h = decode_step.add_rms_norm(x, down, following, eps, impl=impl["add_rms_norm"])
         logits = linear(h, w["lm_head"])
         if tp is not None:
             logits = tp.gather_logits(logits)
