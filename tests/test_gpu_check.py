@@ -200,3 +200,30 @@ def test_summary_fails_on_a_timed_out_or_failed_step(tmp_path):
         timeout=60,
     )
     assert done.returncode == 1 and "FAILED: tests, pipeline" in done.stdout
+
+
+def test_fusions_line_fails_a_row_that_left_its_graph_or_its_kernels(tmp_path):
+    """A capture that failed makes the engine decode eagerly: that row measured something its label is not."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_check_steps
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    graph = "CUDA graph per batch bucket"
+    fused = ", fused Triton ops (RoPE + cache write: kernels/decode_step.py)"
+
+    def line(tmp_path, paths: dict[str, str]):
+        rows = [{"batch": 1, "row": label, "ms_per_token_step": 1.0, "roofline_pct": 50.0, "bought_ms": None,
+                 "decode_step": path} for label, path in paths.items()]
+        result = tmp_path / "fusions.json"
+        result.write_text(json.dumps({"model": "llama-1b", "device": "cuda", "bandwidth_gbs": 4300.0,
+                                      "rows": rows}))
+        return gpu_check_steps.fusions_line(result, 0)
+
+    good = line(tmp_path, {"eager ops": graph, "+ rope_cache_write": graph + fused})
+    assert good["status"] == "pass" and good["summary"].startswith("llama-1b b1: eager ops 1.000 ms 50.0%")
+    fell_back = line(tmp_path, {"eager ops": graph, "+ rope_cache_write": "eager"})
+    assert fell_back["status"] == "fail"
+    assert fell_back["summary"].startswith("rows not on the step they name: + rope_cache_write b1")
+    unfused = line(tmp_path, {"eager ops": graph, "+ rope_cache_write": graph})
+    assert unfused["status"] == "fail"
