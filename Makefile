@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/tiny.yaml
 PYTEST_ARGS ?=
 
-.PHONY: demo test heavy-test ci-heavy-test fault-test lint clean-demo
+.PHONY: demo test heavy-test ci-heavy-test triton-compat-test fault-test lint clean-demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,10 @@ heavy-test: $(VENV)/.installed-dev
 
 ci-heavy-test: $(VENV)/.installed-dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=5 -m heavy $(CI_HEAVY_TESTS) $(PYTEST_ARGS)
+
+# The Triton kernels' tests under the GPU image's Triton (3.6), in its interpreter (scripts/triton_compat_tests.sh).
+triton-compat-test: $(VENV)/.installed-dev
+	MAIN_VENV=$(VENV) scripts/triton_compat_tests.sh $(PYTEST_ARGS)
 
 # The whole fault-injection suite (tests/faults/, docs/faults.md): S3 faults through a proxy,
 # stages killed at seeded random points, a full disk. Needs root for the tmpfs of the disk-full test.
