@@ -109,6 +109,7 @@ if [ "$DEVICE" = cuda ]; then
                  --threads 4)
     SIZES=()
     RL_ARGS=(--iterations 8)
+    # shellcheck disable=SC2054  # the commas are the benchmark's list syntax
     FUSIONS_ARGS=(--model llama-1b --dtype bfloat16 --batch-sizes 1,64 --new-tokens 64 --repeats 2)
     unset TRITON_INTERPRET  # the kernels run compiled (tests/kernels/conftest.py refuses the interpreter on cuda)
 else
@@ -128,6 +129,7 @@ else
     done
     RL_ARGS=(--iterations 2 --policy sft)  # the pipeline step's SFT and engine: one stage process, not two
     # The static step uncaptured, the kernels in Triton's interpreter: the step's mechanics, not its speed.
+    # shellcheck disable=SC2054  # the commas are the benchmark's list syntax
     FUSIONS_ARGS=(--model tiny --dtype float32 --batch-sizes 1,2 --new-tokens 2 --repeats 1)
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
