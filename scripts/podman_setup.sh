@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Podman on these machines, shared by scripts/container_test.sh and scripts/container_e2e.sh (sourced; needs the
 # caller's log and die functions): the tools from apt, the containers.conf that makes podman work as root here,
 # and the debootstrap'ed Debian bookworm base image (no image registry is reachable).

