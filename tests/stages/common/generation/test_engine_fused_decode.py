@@ -11,6 +11,7 @@ from alignflow.config import GPU_FUSED_OPS, EngineConfig
 from alignflow.kernels import decode_step
 from alignflow.stages.common.generation import SamplingParams
 from alignflow.stages.common.generation.native import NativeEngine
+from alignflow.stages.common.generation.native import engine as native_engine
 from alignflow.stages.common.generation.native.engine import fused_ops_path
 from alignflow.stages.common.generation.native.weights import checkpoint_tensors
 
@@ -83,6 +84,7 @@ def test_the_fused_step_calls_each_op_with_its_configured_impl(tiny_checkpoints,
 
 
 def test_execution_paths_name_the_fused_and_the_reference_ops():
+    assert tuple(native_engine._FUSED_OP_WORDS) == decode_step.FUSED_OPS  # a word for every op, in its order
     assert fused_ops_path(list(decode_step.FUSED_OPS)) == (
         ", fused Triton ops (RoPE + cache write, attention over the live length, add + RMSNorm, SiLU x up: "
         "kernels/decode_step.py)"
