@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,6 @@ def measure(args: argparse.Namespace, root: Path, log) -> list[dict[str, Any]]:
         engines[label] = engine
 
     def run(label: str, batch: int, new_tokens: int) -> float:
-        import time
-
         started = time.perf_counter()
         params = sampling.model_copy(update={"max_new_tokens": new_tokens})
         gen = engines[label].generate(prompts[:batch], params)

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 TRITON_SPEC="triton==3.6.0"
 NUMPY_SPEC="numpy==2.2.6"
 PYTHON="${MAIN_VENV:-.venv}/bin/python"
-SITE="${ALIGNFLOW_TRITON_COMPAT_SITE:-${XDG_CACHE_HOME:-$HOME/.cache}/alignflow/triton-3.6.0-numpy-2.2.6}"
+SITE="${ALIGNFLOW_TRITON_COMPAT_SITE:-${XDG_CACHE_HOME:-$HOME/.cache}/alignflow/${TRITON_SPEC/==/-}-${NUMPY_SPEC/==/-}}"
 TESTS=(tests/kernels tests/stages/common/generation/test_engine_fused_decode.py
        tests/stages/common/generation/test_graphed_loop.py)
 
