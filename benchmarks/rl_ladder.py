@@ -135,6 +135,11 @@ def run_level(up: rl_setup.Upstream, shape: str, level: str, iterations: int, th
     seconds = statistics.median(m["timing/iteration"] for m in metrics)
     completions = SHAPES[shape]["prompts_per_iteration"] * SHAPES[shape]["group_size"]
     phases = sorted({k for m in metrics for k in m if k.startswith("timing/") and k != "timing/iteration"})
+    # The stage's model FLOPs of each phase (stages/ppo/iteration_flops.py): the same every iteration but for
+    # the responses' lengths.
+    counted = sorted({k for m in metrics for k in m if k.startswith("flops/")})
+    phase_gflops = {k.removeprefix("flops/"): statistics.median(m.get(k, 0.0) for m in metrics) / 1e9
+                    for k in counted}
     return {
         "shape": shape,
         "level": level,
@@ -145,7 +150,29 @@ def run_level(up: rl_setup.Upstream, shape: str, level: str, iterations: int, th
         "phases_s": {
             k.removeprefix("timing/"): statistics.median(m.get(k, 0.0) for m in metrics) for k in phases
         },
+        "phase_gflops": phase_gflops,
+        "model_gflops": sum(phase_gflops.values()),
     }
+
+
+def gemm_peak_gflops(threads: int, repeats: int = 5) -> float:
+    """The most fp32 GFLOP/s this machine's matmuls reach on `threads` cores: torch.mm's best over square
+    sizes with the threads as one team, or `threads` times one thread's best (processes on a core each, as
+    PPO's actor and critic run), whichever is higher. An upper bound on any phase's rate, so the floor it
+    gives (model FLOPs / peak) is a lower bound on an iteration's time."""
+    import torch
+    from cpu_roofline import gemm_gflops  # a sibling script
+
+    sizes = (512, 1024, 2048)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = gemm_gflops("float32", repeats, sizes)
+        torch.set_num_threads(threads)
+        team = gemm_gflops("float32", repeats, sizes)
+    finally:
+        torch.set_num_threads(before)
+    return max(team, threads * single)
 
 
 def run_trl(
@@ -185,6 +212,38 @@ def run_trl(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def against_the_peak(runs: list[dict[str, Any]], rounds: list[dict[str, Any]],
+                     trl: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """A level's runs against each round's GEMM peak: its model GFLOP an iteration, the share of the peak the
+    iteration and its train and generate phases reached, the floor (model FLOPs at the peak: the least
+    time an iteration could take on this machine) and TRL's time over that floor, the most `x TRL` could
+    be. Medians over rounds; {} when the stage counted no FLOPs."""
+    if not all(run.get("model_gflops") for run in runs):
+        return {}
+    peaks = [r["gemm_peak_gflops"] for r in rounds]
+
+    def share(run: dict[str, Any], peak: float, phase: str, timing: str) -> float | None:
+        seconds, gflops = run["phases_s"].get(timing, 0.0), run["phase_gflops"].get(phase)
+        return gflops / seconds / peak if gflops and seconds else None
+
+    def median_of(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    floors = [run["model_gflops"] / peak for run, peak in zip(runs, peaks, strict=True)]
+    paired = list(zip(runs, peaks, strict=True))
+    return {
+        "model_gflops": statistics.median(run["model_gflops"] for run in runs),
+        "gemm_peak_gflops": statistics.median(peaks),
+        "peak_share": statistics.median(f / run["iteration_s"] for f, run in zip(floors, runs, strict=True)),
+        "train_peak_share": median_of([share(run, p, "train", "train") for run, p in paired]),
+        "generate_peak_share": median_of([share(run, p, "generate", "generate_engine") for run, p in paired]),
+        "floor_s": statistics.median(floors),
+        "vs_trl_at_floor": median_of([t["median_s"] / f if t else None
+                                      for t, f in zip(trl, floors, strict=True)]),
+    }
+
+
 def summarise(rounds: list[dict[str, Any]], shapes: list[str], levels: list[str]) -> list[dict[str, Any]]:
     """One row per (shape, level): medians over rounds, speed-up over the baseline, ratio to TRL per round."""
     rows = []
@@ -211,6 +270,7 @@ def summarise(rounds: list[dict[str, Any]], shapes: list[str], levels: list[str]
                     "vs_trl_rounds": ratios,
                     "bottleneck": runs[-1]["bottleneck"],
                     "phases_s": runs[-1]["phases_s"],
+                    **against_the_peak(runs, rounds, trl),
                 }
             )
         # (TRL run, the same round's baseline) for the rounds whose TRL run was not skipped
@@ -279,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                   "ppo": args.trl_ppo_python or args.trl_python}
     rounds = []
     for index in range(args.rounds):
-        record: dict[str, Any] = {"levels": {}, "trl": {}}
+        # Each round measures the peak again: the shared host's drifts move it with the runs beside it.
+        record: dict[str, Any] = {"levels": {}, "trl": {}, "gemm_peak_gflops": gemm_peak_gflops(args.threads)}
+        print(f"round {index + 1}: fp32 GEMM peak {record['gemm_peak_gflops']:.1f} GFLOP/s", file=sys.stderr,
+              flush=True)
         for shape in shapes:
             if not args.no_trl:
                 trl = record["trl"][shape] = run_trl(
@@ -331,8 +394,35 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['vs_trl']:.2f}" if r["vs_trl"] else "-",
             r["bottleneck"][:90],
         )
-    Console(file=sys.stdout, width=220).print(table)
+    console = Console(file=sys.stdout, width=220)
+    console.print(table)
+    counted = [r for r in rows if r.get("floor_s")]
+    if counted:
+        console.print(peak_table(counted, args.model))
     return 0
+
+
+def peak_table(rows: list[dict[str, Any]], model: str):
+    """The levels against this machine's fp32 GEMM peak (against_the_peak)."""
+    from rich.table import Table
+
+    peak = rows[0]["gemm_peak_gflops"]
+    table = Table(title=f"{model} against the fp32 GEMM peak ({peak:.0f} GFLOP/s, median of rounds): "
+                  "model FLOPs an iteration, the share of the peak reached, and the floor they set")
+    for column in ("shape", "level", "model GFLOP/it", "% of peak", "train % of peak", "generate % of peak",
+                   "floor s/it", "x TRL at the floor", "x TRL"):
+        table.add_column(column, justify="left" if column in ("shape", "level") else "right")
+
+    def percent(value: float | None) -> str:
+        return f"{100 * value:.0f}%" if value is not None else "-"
+
+    for r in rows:
+        table.add_row(r["shape"], r["level"], f"{r['model_gflops']:.1f}", percent(r["peak_share"]),
+                      percent(r["train_peak_share"]), percent(r["generate_peak_share"]),
+                      f"{r['floor_s']:.3f}",
+                      f"{r['vs_trl_at_floor']:.2f}" if r["vs_trl_at_floor"] else "-",
+                      f"{r['vs_trl']:.2f}" if r["vs_trl"] else "-")
+    return table
 
 
 if __name__ == "__main__":

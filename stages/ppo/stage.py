@@ -82,6 +82,13 @@ from alignflow.stages.ppo.experience_passes import (
     old_logprob_source,
     recompute_old_logprobs,
 )
+from alignflow.stages.ppo.iteration_flops import (
+    IterationModels,
+    IterationShape,
+    iteration_metrics,
+    spec_of,
+    train_peak_tflops,
+)
 from alignflow.stages.ppo.nan_guard import NonFiniteError, check_finite
 from alignflow.stages.ppo.reward_functions import dataset_columns, load_reward_function
 from alignflow.stages.ppo.rollout_client import RanksRollouts, Rollout, RolloutClient, RolloutRequest
@@ -112,6 +119,9 @@ class Models:
     # False where the engine samples from bf16-rounded weights (engine.cpu_linear_weights): its log-probs
     # are then not the actor's, and ppo.old_logprobs=auto does not take them
     engine_exact: bool = True
+    # The architectures the model-FLOPs metrics count (iteration_flops), and one training device's peak
+    counted: IterationModels | None = None
+    train_peak_tflops: float | None = None
 
 
 @dataclass
@@ -290,6 +300,11 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
     with profiler.phase("advantages"):
         kl_and_advantages(exp, cfg, kl_coef, with_reference and not kl_later, iteration,
                           values_known=not values_first)
+    # What the passes ran, for the FLOP counts: score (reward models), reference, old_logprobs, values.
+    ran = {"generate", "train", *(["score"] if models.reward_models else []),
+           *(["reference"] if with_reference else []), *(["old_logprobs"] if source == "recompute" else []),
+           *(["values"] if models.critic is not None and not values_first else [])}
+    source_before = source
     with profiler.phase("train"):
         loss_metrics, source = _update_models(iteration, cfg, state, exp, models, kl_coef, source,
                                               values_first, kl_later)
@@ -339,6 +354,11 @@ def _iteration(iteration: int, cfg: PPOConfig, state: RLState, rollout: Rollout,
         **profiler.iteration_metrics(),
         "timing/iteration": time.perf_counter() - started,
     }
+    if models.counted is not None:
+        metrics |= iteration_metrics(
+            models.counted, IterationShape.of(rows, rollout.request.prompt_ids, list(generation.lengths)),
+            cfg.ppo_epochs, ran, metrics, metrics["timing/iteration"], models.train_peak_tflops, world_size(),
+            trained_twice=source != source_before)
     if with_reference:
         metrics["kl/mean"] = float(seq_kl.mean())
     if source == "recompute" and "rollout/logprob_engine_vs_actor_max" not in metrics:
@@ -547,8 +567,26 @@ def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, eng
                                      "perf/critic_process": float(isinstance(critic, CriticWorker)),
                                      "perf/trainable_share": trainable / total})
     models = Models(actor, critic, reference, reward_models, reward_fns, precision,
-                    engine_exact=engine_cfg.cpu_linear_weights == "float32")
+                    engine_exact=engine_cfg.cpu_linear_weights == "float32",
+                    counted=_counted_models(ctx, actor, critic, reward_models),
+                    train_peak_tflops=train_peak_tflops(
+                        train_device, precision.autocast_dtype or next(actor.module.parameters()).dtype))
     return models, trainable, total
+
+
+def _counted_models(ctx: StageContext, actor, critic, reward_models: list[Any]) -> IterationModels:
+    """The architectures of the iteration's models for its FLOP counts; the critic's process holds its model,
+    so its shape is read from its initial weights' config there."""
+    if isinstance(critic, CriticWorker):
+        from transformers import AutoConfig
+
+        critic_config = AutoConfig.from_pretrained(
+            ctx.input(sorted(k for k in ctx.spec.inputs if k.startswith("reward_"))[0]))
+    else:
+        critic_config = unwrap_lora(critic.module).config if critic is not None else None
+    return IterationModels(spec_of(unwrap_lora(actor.module).config),
+                           spec_of(critic_config) if critic_config is not None else None,
+                           [spec_of(rm.model.config) for rm in reward_models], has_critic=critic is not None)
 
 
 def open_rollouts(ctx: StageContext, cfg: PPOConfig, engine_cfg: EngineConfig, device: torch.device

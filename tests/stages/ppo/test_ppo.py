@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from alignflow.contract import StageResult, StageSpec, TrackingSpec, stage_program
 from alignflow.manifest import find_published, output_uri, read_manifest
 from alignflow.stages.common.rollouts import ROLLOUT_SCHEMA, read_rollouts
+from alignflow.stages.ppo.iteration_flops import IterationShape, pass_flops, spec_of
 from alignflow.tracking import ATTEMPT_KEY_TAG, SUPERSEDED_BY_TAG, attempt_key
 from tests.conftest import REPO, small_config
 
@@ -347,6 +348,19 @@ def test_grpo_on_a_reward_function_alone_runs_without_reward_models_or_reference
     assert facts["minibatches"] == 1 and facts["generate_calls"] == 1  # 16 rollouts, minibatches of 16
     assert facts["zero_stage"] == 0
     assert "a lower ZeRO stage" not in result.message
+    # Model FLOPs of what ran (no reward model, no reference): a training step an epoch over the file's rows.
+    from transformers import AutoConfig
+
+    from alignflow.config import PPOConfig
+
+    last = json.loads((local(result.output_uri) / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {key for key in last if key.startswith("flops/")} == {"flops/generate", "flops/train"}
+    shape = IterationShape.of(list(frame["prompt_id"]), [list(ids) for ids in frame["prompt_token_ids"]],
+                              list(frame["length"]))
+    actor = spec_of(AutoConfig.from_pretrained(local(spec.inputs["sft"])))
+    epochs = PPOConfig(**spec.config["ppo"]).ppo_epochs
+    assert last["flops/train"] == epochs * 3 * pass_flops(actor, shape)
+    assert last["perf/tflops/train"] == pytest.approx(last["flops/train"] / last["timing/train"] / 1e12)
 
 
 def test_async_rollouts_are_one_step_off_policy_and_trained_with_behaviour_weights(upstream):
