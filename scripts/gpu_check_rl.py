@@ -76,6 +76,12 @@ def ours(config_path: Path, overrides: list[str], iterations: int, policy: str) 
             )
             for k in phases
         },
+        # The stage's model TFLOP/s per phase and, on a GPU it knows the peak of, the train phase's MFU.
+        "perf": {
+            k.removeprefix("perf/"): round(statistics.median(m[k] for m in metrics[1:] or metrics), 4)
+            for k in sorted({k for m in metrics for k in m if k.startswith(("perf/tflops/", "perf/mfu/"))})
+            if all(k in m for m in metrics[1:] or metrics)
+        },
     }
     model_dir = Path(rows[policy]["output_uri"].removeprefix("file://"))
     prompts = Path(rows["data"]["output_uri"].removeprefix("file://")) / "prompts.jsonl"
@@ -181,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"alignflow {ours_cps:.1f} vs TRL {theirs['trl_version']} {theirs['completions_per_s']:.1f} "
                 f"completions/s: {figures['ratio']:.2f}x"
             )
+        mfu = figures["alignflow"]["perf"].get("mfu/train")
+        if mfu is not None:  # a GPU whose peak the stage knows (stages/common/model_flops.py)
+            summary += f"; train at {100 * mfu:.1f}% MFU"
         on_cpu = [role for role, where in figures["alignflow"]["devices"].items() if where == "cpu"]
         if args.device == "cuda" and on_cpu:
             status, summary = "fail", f"{summary}; computed on cpu under --device cuda: {', '.join(on_cpu)}"

@@ -512,6 +512,36 @@ def test_rl_ladder_takes_the_median_of_per_round_ratios_and_names_the_bounding_p
     assert ladder.bottleneck(iterations, facts).startswith("train is 70% of each iteration: the usual knobs")
 
 
+def test_rl_ladder_sets_each_round_against_its_own_gemm_peak():
+    """The floor is the iteration's model FLOPs at the round's peak; x TRL at the floor is TRL's time over it,
+    round by round (medians); a phase's share of the peak is its FLOPs over its time (generation over the
+    engine's own time). Runs without FLOP counts give no such columns."""
+    ladder = rl_ladder()
+
+    def run(iteration_s: float, train_s: float) -> dict:
+        return {"iteration_s": iteration_s, "completions_per_s": 16 / iteration_s, "bottleneck": "",
+                "phases_s": {"train": train_s, "generate": 0.01, "generate_engine": 0.2},
+                "phase_gflops": {"train": 12.0, "generate": 4.0}, "model_gflops": 16.0}
+
+    rounds = [
+        {"levels": {("grpo", "fast_step"): run(0.4, 0.2)}, "gemm_peak_gflops": 100.0,
+         "trl": {"grpo": {"median_s": 1.2, "completions_per_s": 16 / 1.2}}},
+        {"levels": {("grpo", "fast_step"): run(0.2, 0.1)}, "gemm_peak_gflops": 200.0,
+         "trl": {"grpo": {"median_s": 0.8, "completions_per_s": 16 / 0.8}}},
+    ]
+    row = ladder.summarise(rounds, ["grpo"], ["fast_step"])[0]
+    assert row["floor_s"] == pytest.approx((0.16 + 0.08) / 2)
+    assert row["vs_trl_at_floor"] == pytest.approx((1.2 / 0.16 + 0.8 / 0.08) / 2)
+    assert row["peak_share"] == pytest.approx(0.4)  # 0.16 / 0.4 and 0.08 / 0.2
+    assert row["train_peak_share"] == pytest.approx(0.6)  # 12 GFLOP in 0.2 s of 100, in 0.1 s of 200
+    assert row["generate_peak_share"] == pytest.approx((0.2 + 0.1) / 2)  # over the engine's 0.2 s
+    table = ladder.peak_table([row], "llama-4.7m")
+    assert [c.header for c in table.columns][-2:] == ["x TRL at the floor", "x TRL"]
+    for rnd in rounds:
+        del rnd["levels"][("grpo", "fast_step")]["model_gflops"]
+    assert "floor_s" not in ladder.summarise(rounds, ["grpo"], ["fast_step"])[0]
+
+
 def test_rl_ladder_refuses_unknown_shapes_and_levels_before_running_anything():
     for args, message in (
         (["--shapes", "dpo"], "unknown shape 'dpo'; shapes: grpo, ppo, grpo_rm"),

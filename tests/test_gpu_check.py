@@ -90,6 +90,10 @@ def test_cpu_mode_runs_every_step_and_prints_the_summary(tmp_path):
 
     rl = lines["rl"]
     assert rl["figures"]["alignflow"]["completions_per_s"] > 0
+    # The stage's model TFLOP/s; no MFU on a CPU (no data-sheet peak), nor in the summary.
+    perf = rl["figures"]["alignflow"]["perf"]
+    assert perf["tflops/train"] > 0 and perf["tflops/generate"] > 0 and "mfu/train" not in perf
+    assert "MFU" not in rl["summary"]
     if importlib.util.find_spec("trl") is None:
         assert rl["status"] == "not run" and "not run: trl not installed" in rl["summary"]
         assert "not run: rl" in done.stdout
