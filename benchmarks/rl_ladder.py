@@ -28,6 +28,8 @@ A round runs every level of every shape, each as the PPO stage's own process, an
 the same model and shape (benchmarks/trl_baseline.py) in between, so drifts of a shared machine hit
 both. Iteration time is the median of iterations 2..N of a run; the ratio to TRL is taken per round
 and its median reported. The bottleneck column is the profiler's sentence for the iterations' phases.
+A second table sets each level against the round's fp32 GEMM peak (gemm_peak_gflops): the stage's model
+FLOPs an iteration (flops/*), the share of the peak reached, the floor they set and TRL's time over it.
 """
 
 from __future__ import annotations
