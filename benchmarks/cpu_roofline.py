@@ -81,35 +81,38 @@ def gemm_gflops(dtype: str, repeats: int, sizes: tuple[int, ...] = (1024, 2048, 
     return best
 
 
-def _shape(model: dict[str, Any]) -> tuple[int, int, int]:
-    """(linear weights of one layer, of the lm_head, KV width) of a MODELS entry."""
-    hidden, inter = model["hidden_size"], model["intermediate_size"]
-    kv_dim = model["num_key_value_heads"] * (hidden // model["num_attention_heads"])
-    per_layer = hidden * (hidden + 2 * kv_dim) + hidden * hidden + 3 * hidden * inter  # qkv, o, gate/up, down
-    return per_layer, model["vocab_size"] * hidden, kv_dim
+def _spec(model: dict[str, Any]):
+    """The architecture numbers of a MODELS entry (the RL stage's FLOP counts read the same)."""
+    from transformers import LlamaConfig
+
+    from alignflow.stages.common.generation.native.spec import spec_from_hf_config
+
+    return spec_from_hf_config(LlamaConfig(**model), 1)
 
 
 def step_cost(model: dict[str, Any], batch: int, kv_len: float, dtype: str) -> tuple[float, float]:
     """(bytes read, flops) of one decode step: every linear weight and the lm_head once,
     the KV cache up to kv_len."""
-    per_layer, head, kv_dim = _shape(model)
-    layers, hidden = model["num_hidden_layers"], model["hidden_size"]
-    linear_params = layers * per_layer + head
-    kv_bytes = 2 * layers * batch * kv_len * kv_dim * DTYPE_BYTES[dtype]
-    flops = batch * (2 * linear_params + 4 * layers * kv_len * hidden)  # GEMMs, then q.k and p.v
+    from alignflow.stages.common.model_flops import forward_flops, linear_weights
+
+    spec = _spec(model)
+    linear_params = linear_weights(spec) + spec.vocab_size * spec.hidden_size
+    kv_bytes = 2 * spec.num_layers * batch * kv_len * spec.kv_size * DTYPE_BYTES[dtype]
+    flops = forward_flops(spec, batch, spec.num_layers * batch * kv_len, batch)  # each row: kv_len keys
     return linear_params * DTYPE_BYTES[dtype] + kv_bytes, flops
 
 
 def prefill_cost(model: dict[str, Any], prompt_lens: list[int], dtype: str) -> tuple[float, float]:
     """(bytes read, flops) of the prefill: every weight once; each prompt token through every layer,
     causal attention over its own prompt, and the lm_head for each row's last token only."""
-    per_layer, head, kv_dim = _shape(model)
-    layers, hidden = model["num_hidden_layers"], model["hidden_size"]
+    from alignflow.stages.common.model_flops import linear_weights, spans_flops
+
+    spec = _spec(model)
     tokens = sum(prompt_lens)
-    causal_pairs = sum(n * (n + 1) // 2 for n in prompt_lens)  # (query, key) pairs over all rows
-    kv_written = 2 * layers * tokens * kv_dim * DTYPE_BYTES[dtype]
-    flops = 2 * layers * per_layer * tokens + 2 * head * len(prompt_lens) + 4 * layers * hidden * causal_pairs
-    return (layers * per_layer + head) * DTYPE_BYTES[dtype] + kv_written, flops
+    kv_written = 2 * spec.num_layers * tokens * spec.kv_size * DTYPE_BYTES[dtype]
+    flops = spans_flops(spec, [(0, n) for n in prompt_lens], head_rows=len(prompt_lens))
+    weights = linear_weights(spec) + spec.vocab_size * spec.hidden_size
+    return weights * DTYPE_BYTES[dtype] + kv_written, flops
 
 
 def generate_floor_s(
