@@ -33,16 +33,17 @@ demo: $(VENV)/.installed-runtime
 
 # Unbuffered, so a CI log that is cut off still shows the last test that ran; the slowest tests are listed last.
 # The long part of the fault-injection suite (marker `faults`) is left out: `make fault-test` runs it. So are the
-# 9 longest runs (marker `heavy`, 21 min together on the 2-core CI box, where the whole suite took 49.6 min):
-# `make heavy-test` runs them, and CI runs the three of them that nothing shorter covers (CI_HEAVY_TESTS): the
-# compiled decode step through a refit, the pipeline on S3 and an MLflow server with the registry gate, and a run
-# started from the Prefect UI and inspected in the MLflow UI in a browser.
+# 12 longest runs (marker `heavy`): `make heavy-test` runs them, and CI runs the three of them that nothing
+# shorter covers (CI_HEAVY_TESTS): the compiled decode step through a refit, the pipeline deployed on an
+# authenticated Prefect server, S3 and an MLflow server with no credential in any record it leaves (which covers
+# the S3 + MLflow-server + registry run's path), and a run started from the Prefect UI and inspected in the MLflow
+# UI in a browser.
 test: $(VENV)/.installed-dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=15 -m "not faults and not heavy" $(PYTEST_ARGS)
 
 CI_HEAVY_TESTS = \
 	tests/stages/common/generation/test_engine_lifecycle.py::test_compiled_decode_step_matches_eager_and_survives_refit \
-	tests/flows/test_production.py::test_pipeline_on_s3_and_mlflow_server_with_registry_gate \
+	tests/attacks/test_secret_canary.py::test_no_credential_is_written_in_any_record_of_a_pipeline_run \
 	tests/ui/test_browser.py::test_run_from_prefect_ui_then_inspect_in_mlflow_ui
 
 # The tests that run on the device `pytest --device cpu|cuda|auto` names (default cpu; README "Development"): the

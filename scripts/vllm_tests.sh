@@ -41,6 +41,10 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   fi
 fi
 "$VENV/bin/pip" install -q pytest pytest-timeout
+# VLLM_PREPARE_ONLY=1: the venv only (.ci/run makes it beside the main suite, whose cores it barely needs).
+if [ "${VLLM_PREPARE_ONLY:-}" = "1" ]; then
+  exit 0
+fi
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -m pytest tests/stages/common/generation/test_vllm_backend.py -q -p no:cacheprovider "$@"
 # The pipeline's shape: the trainer in the main venv (make's .venv), the engine build and a rollout worker under this

@@ -83,6 +83,11 @@ def _leaks(records: dict[str, bytes], allowed: dict[str, set[str]]) -> list[str]
     ]
 
 
+# The heavy tier (5-10 min on 2 cores), in CI's subset: the production path the registry-gate run covers
+# (S3, an authenticated MLflow server proxying artifacts, the gate's candidate alias) and more (a deployment
+# run by an authenticated Prefect server's worker). The timeout leaves room for the run's own 900 s wait.
+@pytest.mark.heavy
+@pytest.mark.timeout(1200)
 def test_no_credential_is_written_in_any_record_of_a_pipeline_run(s3_server, tmp_path):
     import boto3
     from mlflow.tracking import MlflowClient
@@ -204,6 +209,21 @@ def test_no_credential_is_written_in_any_record_of_a_pipeline_run(s3_server, tmp
         for o in page.get("Contents", [])
     }
     assert any(k.startswith("s3://canary/mlflow/") for k in objects), "MLflow's artifacts went to S3"
+    # Checkpoints live once, in the run's storage: MLflow holds no weights file nor an object of their size.
+    checkpoints = {
+        key: len(body)
+        for key, body in objects.items()
+        if key.startswith("s3://canary/runs/") and key.endswith((".safetensors", ".pt", ".bin"))
+    }
+    policies = [k for k in checkpoints if k.startswith("s3://canary/runs/ppo/")]
+    assert any(k.endswith("/policy/model.safetensors") for k in policies)
+    copies = [
+        key
+        for key, body in objects.items()
+        if key.startswith("s3://canary/mlflow/")
+        and (key.endswith((".safetensors", ".pt", ".bin")) or len(body) in set(checkpoints.values()))
+    ]
+    assert copies == [], "no checkpoint stored twice"
     api_records = {
         "prefect API: the flow run's logs": json.dumps(logs).encode(),
         "prefect API: the flow run": json.dumps(flow_run).encode(),
