@@ -181,6 +181,9 @@ def _wait_run(api: str, run_id: str, timeout_s: float, auth: str = PREFECT_AUTH_
     return run
 
 
+# Heavy: CI's heavy subset triggers a deployment over REST (the secret canary) and with overrides from the
+# Prefect UI's form (the browser run); this one adds the parameter schema's descriptions and enums.
+@pytest.mark.heavy
 def test_deploy_then_trigger_over_rest_with_overrides(prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
