@@ -375,6 +375,7 @@ def test_training_ranks_reports_every_variant_with_agreeing_losses(tmp_path):
     assert result["cores"] == os.cpu_count()
 
 
+@pytest.mark.heavy  # tests/stages/common/test_two_nodes.py runs the two-node shapes
 def test_rl_nodes_reports_one_node_and_two_namespaced_nodes(tmp_path):
     """The demo config at a tenth of its data, 2 iterations, two rows (trainer ranks on one node; a replica
     on the other node, or on this one with the reason where namespaces cannot be made): the same refit (the

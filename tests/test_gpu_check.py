@@ -12,6 +12,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -22,6 +24,9 @@ STEPS = ["setup", "tests", "engine", "pipeline", "rl", "fusions"]
 TESTS = "tests/stages/dpo/test_dpo_losses.py"
 
 
+# Heavy (2 min): each step's script has its own test (tests/test_benchmarks.py, the pipeline's); this one
+# checks the glue. Before a session with a GPU: make heavy-test PYTEST_ARGS=tests/test_gpu_check.py
+@pytest.mark.heavy
 def test_cpu_mode_runs_every_step_and_prints_the_summary(tmp_path):
     out, work, wheels = tmp_path / "out", tmp_path / "work", tmp_path / "wheels"
     # none: what a `make gpu-wheels` left in .whl/ (for the GPU machine's Python) stays out of it
