@@ -33,11 +33,11 @@ demo: $(VENV)/.installed-runtime
 
 # Unbuffered, so a CI log that is cut off still shows the last test that ran; the slowest tests are listed last.
 # The long part of the fault-injection suite (marker `faults`) is left out: `make fault-test` runs it. So are the
-# 15 long runs (marker `heavy`, 1-10 min each): `make heavy-test` runs them, and CI runs the three of them that nothing
-# shorter covers (CI_HEAVY_TESTS): the compiled decode step through a refit, the pipeline deployed on an
-# authenticated Prefect server, S3 and an MLflow server with no credential in any record it leaves (which covers
-# the S3 + MLflow-server + registry run's path), and a run started from the Prefect UI and inspected in the MLflow
-# UI in a browser.
+# 15 long runs (marker `heavy`, 1-10 min each): `make heavy-test` runs them, and CI runs the three of them
+# that nothing shorter covers (CI_HEAVY_TESTS): the compiled decode step through a refit, the pipeline deployed
+# on an authenticated Prefect server, S3 and an MLflow server with no credential in any record it leaves (which
+# covers the S3 + MLflow-server + registry run's path), and a run started from the Prefect UI and inspected in
+# the MLflow UI in a browser.
 test: $(VENV)/.installed-dev
 	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest --durations=15 -m "not faults and not heavy" $(PYTEST_ARGS)
 
