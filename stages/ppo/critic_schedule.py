@@ -50,6 +50,12 @@ def overlaps_passes(actor, critic, cfg: PPOConfig) -> bool:
     return cfg.overlap_passes == "on" or actor_width(actor) < OVERLAP_PASSES_BELOW_WIDTH
 
 
+def critic_folder(ctx: StageContext):
+    """The critic's initial weights: the first reward model's output (None: the stage has no reward model)."""
+    reward_inputs = sorted(k for k in ctx.spec.inputs if k.startswith("reward_"))
+    return ctx.input(reward_inputs[0]) if reward_inputs else None
+
+
 def critic_in_process(actor_width: int, cfg: PPOConfig, backend: str, device: torch.device) -> bool:
     """Whether the critic runs in its own process (ppo.critic_process): where overlaps_critic would give it a
     thread (decided before any model loads, so the process starts first: one rank, > 1 thread, the plain torch
@@ -136,15 +142,15 @@ def started_critic(
         backend = resolve_train_backend(cfg.train_backend, cfg.zero_stage)
     except ValueError:
         backend = "deepspeed"  # the stage reports the bad setting when it builds the trainers
-    reward_inputs = sorted(k for k in ctx.spec.inputs if k.startswith("reward_"))
+    initial = critic_folder(ctx)
     width = int(json.loads((ctx.input("sft") / "config.json").read_text()).get("hidden_size", 0) or 0)
-    if not (reward_inputs and width and critic_in_process(width, cfg, backend, device)):
+    if not (initial and width and critic_in_process(width, cfg, backend, device)):
         yield None
         return
     precision = resolve_precision(cfg.autocast, model_cfg.dtype, device, width)  # as the actor's (on the CPU)
     worker = CriticWorker(
         CriticSpec(
-            str(ctx.input(reward_inputs[0])),
+            str(initial),
             cfg,
             model_cfg.dtype,
             optim_settings(cfg, model_cfg, cfg.critic_lr),

@@ -74,7 +74,12 @@ from alignflow.stages.ppo.checkpoints import (
     working_dir,
     write_final,
 )
-from alignflow.stages.ppo.critic_schedule import overlaps_critic, started_critic, values_from_first_forward
+from alignflow.stages.ppo.critic_schedule import (
+    critic_folder,
+    overlaps_critic,
+    started_critic,
+    values_from_first_forward,
+)
 from alignflow.stages.ppo.critic_worker import CriticWorker, load_critic_model
 from alignflow.stages.ppo.experience import Experience, assemble
 from alignflow.stages.ppo.experience_passes import (
@@ -524,7 +529,7 @@ def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, eng
         profiler.facts = run_facts(cfg, model_cfg, engine_cfg, backend, precision, train_device, device)
         critic: Any = remote_critic  # in its own process (started_critic), or here
         if cfg.algorithm == "ppo" and critic is None:
-            critic_dir = _critic_folder(ctx)
+            critic_dir = critic_folder(ctx)
             critic = initialize_trainer(load_critic_model(critic_dir, cfg, model_cfg.dtype).to(device),
                                         optim_settings(cfg, model_cfg, cfg.critic_lr), backend)
         local_critic = critic is not None and not isinstance(critic, CriticWorker)
@@ -574,18 +579,13 @@ def _build_models(ctx: StageContext, cfg: PPOConfig, model_cfg: ModelConfig, eng
     return models, trainable, total
 
 
-def _critic_folder(ctx: StageContext):
-    """The critic's initial weights: the first reward model's output."""
-    return ctx.input(sorted(k for k in ctx.spec.inputs if k.startswith("reward_"))[0])
-
-
 def _counted_models(ctx: StageContext, actor, critic, reward_models: list[Any]) -> IterationModels:
     """The architectures of the iteration's models for its FLOP counts; the critic's process holds its model,
     so its shape is read from its initial weights' config there."""
     if isinstance(critic, CriticWorker):
         from transformers import AutoConfig
 
-        critic_config = AutoConfig.from_pretrained(_critic_folder(ctx))
+        critic_config = AutoConfig.from_pretrained(critic_folder(ctx))
     else:
         critic_config = unwrap_lora(critic.module).config if critic is not None else None
     return IterationModels(spec_of(unwrap_lora(actor.module).config),
